@@ -1,0 +1,115 @@
+"""``dramatiq-pg-broker`` and ``python -m dramatiq_pg_broker``: operate the database side.
+
+Commands:
+  migrate            apply pending migrations (safe to run twice, or from two hosts at once)
+  status             list applied and pending migrations
+  embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from .config import Settings
+from .errors import PgBrokerError
+
+#: Each entry adds its subcommands to the parser; kept as a list so that each group of
+#: commands lives with the module it operates.
+COMMAND_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def command_group(fn: Callable[[argparse._SubParsersAction], None]):
+    COMMAND_GROUPS.append(fn)
+    return fn
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings.load(url=args.url, schema=args.schema)
+
+
+def database_url(args: argparse.Namespace) -> str:
+    from .db import resolve_url
+
+    return resolve_url(settings_from(args))
+
+
+@command_group
+def _migration_commands(sub: argparse._SubParsersAction) -> None:
+    def run_migrate(args: argparse.Namespace) -> int:
+        from .migrate import migrate
+
+        settings = settings_from(args)
+        applied = migrate(database_url(args), settings.schema)
+        if applied:
+            for migration in applied:
+                print(f"applied {migration.filename}")
+        else:
+            print(f"schema {settings.schema!r} is up to date")
+        return 0
+
+    def run_status(args: argparse.Namespace) -> int:
+        from .migrate import status
+
+        settings = settings_from(args)
+        states = status(database_url(args), settings.schema)
+        print(f"schema {settings.schema!r}")
+        for state in states:
+            when = state.applied_at.isoformat(timespec="seconds") if state.applied_at else ""
+            print(f"  {state.version:04d}_{state.name:<30} {state.state:<8} {when}")
+        pending = sum(1 for s in states if s.state == "pending")
+        changed = sum(1 for s in states if s.state == "changed")
+        print(f"{len(states) - pending} applied, {pending} pending, {changed} changed")
+        return 1 if changed else 0
+
+    sub.add_parser("migrate", help="apply pending migrations").set_defaults(func=run_migrate)
+    sub.add_parser("status", help="list applied and pending migrations").set_defaults(
+        func=run_status
+    )
+
+
+@command_group
+def _embedded_commands(sub: argparse._SubParsersAction) -> None:
+    def run_embedded(args: argparse.Namespace) -> int:
+        from . import embedded
+
+        if args.action == "url":
+            print(embedded.embedded_url())
+        else:
+            print("stopped" if embedded.stop() else "not running")
+        return 0
+
+    parser = sub.add_parser("embedded", help="the local PostgreSQL used without DRAMATIQ_PG_URL")
+    parser.add_argument("action", choices=["url", "stop"])
+    parser.set_defaults(func=run_embedded)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Importing the account commands registers them (they live with the account store).
+    from . import accounts_cli  # noqa: F401
+
+    parser = argparse.ArgumentParser(
+        prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."
+    )
+    parser.add_argument("--url", help="database URL (default: DRAMATIQ_PG_URL, else embedded)")
+    parser.add_argument("--schema", help="schema name (default: DRAMATIQ_PG_SCHEMA or dramatiq)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for group in COMMAND_GROUPS:
+        group(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PgBrokerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

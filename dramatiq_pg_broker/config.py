@@ -1,0 +1,169 @@
+"""Settings: keyword arguments first, then ``DRAMATIQ_PG_*`` environment variables, then
+the defaults documented here.
+
+Every setting has one environment variable, named ``DRAMATIQ_PG_`` plus the upper-case
+field name (``lease_seconds`` is ``DRAMATIQ_PG_LEASE_SECONDS``). Booleans accept
+``1/0``, ``true/false``, ``yes/no`` and ``on/off``; lists are comma-separated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigurationError
+
+#: The environment variable prefix.
+ENV_PREFIX = "DRAMATIQ_PG_"
+
+_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every knob of the broker, the workers and the admin API.
+
+    Attributes:
+      url(str): libpq connection URL. None means "start the embedded PostgreSQL" where the
+        caller allows it (the demo and the tests); a deployment always names its server.
+      schema(str): schema holding the tables. Defaults to ``dramatiq``.
+      lease_seconds(float): how long a claim is valid without renewal.
+      heartbeat_seconds(float): how often outstanding leases are renewed; None means a
+        third of the lease.
+      poll_interval(float): the longest an idle consumer waits before looking again, even
+        without a notification.
+      listen(bool): wake idle consumers with LISTEN/NOTIFY. Turn it off behind PgBouncer in
+        transaction mode; polling then does all the work.
+      events(bool): write job events (the audit trail). On by default.
+      reaper_interval(float): seconds between two runs of the expired-lease reaper in each
+        worker process.
+      reaper_batch(int): the most rows one reaper run touches.
+      backoff_base_ms(int): the first retry delay; doubles at every attempt.
+      backoff_max_ms(int): the longest retry delay.
+      max_attempts(int): attempts of a job whose actor sets no ``max_retries``
+        (``max_retries + 1``).
+      pool_min_size(int), pool_max_size(int): the per-process connection pool bounds.
+      enqueue_retries(int): how often a send is retried after a connection error.
+      log_level(str): level for the ``dramatiq_pg_broker`` loggers, or None to leave them.
+      cors_origins(tuple[str, ...]): origins the admin API allows cross-site requests from.
+      cookie_secure(bool): mark the admin session cookie Secure (HTTPS only).
+      session_hours(float): admin sessions expire after this many hours.
+    """
+
+    url: str | None = None
+    schema: str = "dramatiq"
+    lease_seconds: float = 30.0
+    heartbeat_seconds: float | None = None
+    poll_interval: float = 1.0
+    listen: bool = True
+    events: bool = True
+    reaper_interval: float = 10.0
+    reaper_batch: int = 500
+    backoff_base_ms: int = 15_000
+    backoff_max_ms: int = 7 * 86_400_000
+    max_attempts: int = 21
+    pool_min_size: int = 1
+    pool_max_size: int = 10
+    enqueue_retries: int = 3
+    log_level: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    cookie_secure: bool = False
+    session_hours: float = 12.0
+
+    def __post_init__(self) -> None:
+        if not _SCHEMA_RE.match(self.schema):
+            raise ConfigurationError(
+                f"schema {self.schema!r} is not a valid name: use lower-case letters, digits "
+                "and underscores, starting with a letter or underscore"
+            )
+        positive = ("lease_seconds", "poll_interval", "reaper_interval", "session_hours")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"{name} must be greater than 0")
+        if self.heartbeat_seconds is not None and not (
+            0 < self.heartbeat_seconds < self.lease_seconds
+        ):
+            raise ConfigurationError("heartbeat_seconds must be between 0 and lease_seconds")
+        minimum_one = ("reaper_batch", "max_attempts", "pool_min_size", "pool_max_size")
+        for name in minimum_one:
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name} must be at least 1")
+        if self.pool_max_size < self.pool_min_size:
+            raise ConfigurationError("pool_max_size must not be smaller than pool_min_size")
+        if self.backoff_base_ms < 0 or self.backoff_max_ms < self.backoff_base_ms:
+            raise ConfigurationError("backoff needs 0 <= backoff_base_ms <= backoff_max_ms")
+        if self.enqueue_retries < 0:
+            raise ConfigurationError("enqueue_retries must not be negative")
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between two lease renewals: a third of the lease unless configured."""
+        return self.heartbeat_seconds or self.lease_seconds / 3
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from keyword arguments, then the environment, then defaults.
+
+        Parameters:
+          environ(Mapping): the environment to read; ``os.environ`` by default.
+          **overrides: field values; None means "not given".
+
+        Raises:
+          ConfigurationError: an unknown keyword or a value that does not parse.
+        """
+        environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise ConfigurationError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = {}
+        for name, field in fields.items():
+            if overrides.get(name) is not None:
+                values[name] = overrides[name]
+                continue
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _parse(name, field.type, raw)
+        return cls(**values)
+
+    def public(self) -> dict[str, Any]:
+        """The settings without secrets (the URL's password is masked)."""
+        data = dataclasses.asdict(self)
+        data["url"] = mask_url(self.url)
+        data["heartbeat_seconds"] = self.heartbeat_interval
+        data["cors_origins"] = list(self.cors_origins)
+        return data
+
+
+def mask_url(url: str | None) -> str | None:
+    """Return ``url`` with its password replaced by ``***``."""
+    if not url:
+        return url
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def _parse(name: str, type_: Any, raw: str) -> Any:
+    env = ENV_PREFIX + name.upper()
+    text = str(type_)
+    try:
+        if "bool" in text:
+            lowered = raw.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError(raw)
+        if "tuple" in text:
+            return tuple(part.strip() for part in raw.split(",") if part.strip())
+        if "float" in text:
+            return float(raw)
+        if "int" in text:
+            return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{env}={raw!r} is not a valid value for {name}") from None
+    return raw.strip() or None

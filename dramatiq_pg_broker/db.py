@@ -1,0 +1,166 @@
+"""Connections: the per-process pool, named SQL, and the one place driver errors are
+translated into Dramatiq's connection errors."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator
+from importlib import resources
+
+import psycopg
+from dramatiq.errors import ConnectionClosed, ConnectionFailed
+from psycopg import sql
+from psycopg_pool import ConnectionPool
+
+from .config import Settings
+from .errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+_BLOCK_RE = re.compile(r"^-- (\w+) --\s*$", re.MULTILINE)
+
+
+@functools.cache
+def load_queries(filename: str = "queries.sql") -> dict[str, str]:
+    """Parse a file of named statements into ``{name: text}``.
+
+    A block starts with a line ``-- name --``; the comment lines right after it describe
+    the statement, the rest up to the next block is the statement.
+    """
+    text = resources.files(__package__).joinpath("sql", filename).read_text("utf-8")
+    parts = _BLOCK_RE.split(text)
+    queries: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2]):
+        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+        queries[name] = "\n".join(lines).strip()
+    return queries
+
+
+class Queries:
+    """The named statements with the schema filled in, as plain strings.
+
+    The schema goes through ``psycopg.sql.Identifier``; values are always bind parameters.
+    Plain strings let psycopg prepare each statement once per connection.
+    """
+
+    def __init__(self, schema: str, filename: str = "queries.sql") -> None:
+        self.schema = schema
+        schema_id = sql.Identifier(schema)
+        self._text = {
+            name: sql.SQL(text).format(schema=schema_id).as_string(None)
+            for name, text in load_queries(filename).items()
+        }
+
+    def __getitem__(self, name: str) -> str:
+        return self._text[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._text
+
+
+def resolve_url(settings: Settings, *, allow_embedded: bool = True) -> str:
+    """Return the database URL, starting the embedded PostgreSQL when none is configured.
+
+    Raises:
+      ConfigurationError: no URL is configured and the embedded server is not allowed.
+    """
+    if settings.url:
+        return settings.url
+    if not allow_embedded:
+        raise ConfigurationError(
+            "no database configured: set DRAMATIQ_PG_URL (or pass url=) to a PostgreSQL URL"
+        )
+    from .embedded import embedded_url
+
+    return embedded_url()
+
+
+def connect(url: str, **kwargs) -> psycopg.Connection:
+    """Open one autocommit connection, translating failures."""
+    with translate_errors():
+        return psycopg.connect(url, autocommit=True, **kwargs)
+
+
+@contextlib.contextmanager
+def translate_errors() -> Iterator[None]:
+    """Turn psycopg's connection failures into Dramatiq's connection errors.
+
+    Dramatiq's worker knows how to survive ``ConnectionError``s (it restarts the consumer
+    and retries acks), so they are the only errors a lost server may surface as. The
+    original error is kept as ``__cause__``.
+    """
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        # The server went away mid-statement, or could not be reached at all.
+        raise ConnectionClosed(e) from e
+    except psycopg.InterfaceError as e:
+        # The connection object was already closed (e.g. a broken pooled connection).
+        raise ConnectionClosed(e) from e
+    except psycopg.errors.AdminShutdown as e:  # pragma: no cover - a subclass of the above
+        raise ConnectionClosed(e) from e
+    except OSError as e:
+        raise ConnectionFailed(e) from e
+
+
+class ProcessPool:
+    """A connection pool that opens on first use, once per process.
+
+    The ``dramatiq`` CLI forks its worker processes after importing the broker module, so a
+    pool opened in the parent must never be used in a child: the pool remembers its
+    process id and a child opens its own.
+    """
+
+    def __init__(self, settings: Settings, *, pool: ConnectionPool | None = None) -> None:
+        self.settings = settings
+        self._given = pool
+        self._pool: ConnectionPool | None = pool
+        self._pid = os.getpid() if pool is not None else None
+        self._lock = threading.Lock()
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            self._url = resolve_url(self.settings)
+        return self._url
+
+    def get(self) -> ConnectionPool:
+        pool = self._pool
+        if pool is not None and self._pid == os.getpid():
+            return pool
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                if self._given is not None and self._pid is not None:
+                    logger.warning("A pool passed to the broker is used after a fork.")
+                self._pool = ConnectionPool(
+                    self.url,
+                    min_size=self.settings.pool_min_size,
+                    max_size=self.settings.pool_max_size,
+                    kwargs={"autocommit": True},
+                    name=f"dramatiq-pg-broker-{os.getpid()}",
+                    open=False,
+                    timeout=30.0,
+                )
+                with translate_errors():
+                    self._pool.open(wait=False)
+                self._pid = os.getpid()
+            return self._pool
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """Borrow an autocommit connection; connection errors become Dramatiq's."""
+        with translate_errors():
+            with self.get().connection() as conn:
+                yield conn
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None and self._pid == os.getpid() and self._given is None:
+                self._pool.close()
+            self._pool = None if self._given is None else self._given

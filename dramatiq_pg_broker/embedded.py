@@ -1,0 +1,66 @@
+"""A local PostgreSQL for the demo and the tests when no database URL is configured.
+
+With ``DRAMATIQ_PG_URL`` unset, :func:`embedded_url` starts (or reuses) a PostgreSQL server
+from the ``pgserver`` package in a per-user data directory and returns its URL. The server
+is left running for the next process to reuse; ``dramatiq-pg-broker embedded stop`` stops
+it. A deployment always names its own server: nothing here runs when a URL is set.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from .errors import ConfigurationError
+
+_lock = threading.Lock()
+_url: str | None = None
+
+
+def data_dir() -> Path:
+    """The embedded server's data directory (``DRAMATIQ_PG_EMBEDDED_DIR`` overrides it)."""
+    configured = os.environ.get("DRAMATIQ_PG_EMBEDDED_DIR")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
+    return Path(base) / "dramatiq-pg-broker" / "pgdata"
+
+
+def embedded_url() -> str:
+    """Start or reuse the embedded server and return a URL to its ``postgres`` database.
+
+    Raises:
+      ConfigurationError: ``pgserver`` is not installed.
+    """
+    global _url
+    with _lock:
+        if _url is None:
+            try:
+                import pgserver
+            except ImportError:
+                raise ConfigurationError(
+                    "no database configured: set DRAMATIQ_PG_URL, or install the embedded "
+                    "extra (pip install 'dramatiq-pg-broker[embedded]') for a local server"
+                ) from None
+            path = data_dir()
+            path.mkdir(parents=True, exist_ok=True)
+            # cleanup_mode=None: keep the server running after this process exits so that
+            # workers, the API and the demo share it.
+            server = pgserver.get_server(path, cleanup_mode=None)
+            _url = server.get_uri()
+        return _url
+
+
+def stop() -> bool:
+    """Stop the embedded server if it runs. Returns whether one was running."""
+    global _url
+    path = data_dir()
+    if not (path / "postmaster.pid").exists():
+        return False
+    import pgserver
+
+    with _lock:
+        pgserver.get_server(path, cleanup_mode="stop").cleanup()
+        _url = None
+    return True

@@ -1,0 +1,32 @@
+"""The package's errors: one base class, each subclass's docstring is its meaning."""
+
+from __future__ import annotations
+
+
+class PgBrokerError(Exception):
+    """Base class of every error raised by dramatiq_pg_broker."""
+
+
+class ConfigurationError(PgBrokerError):
+    """A setting is missing or has a value that cannot be used."""
+
+
+class MigrationError(PgBrokerError):
+    """The database schema cannot be brought up to date."""
+
+
+class MigrationChecksumError(MigrationError):
+    """An applied migration file was edited after it was released."""
+
+
+class JobNotFound(PgBrokerError):
+    """No job has this id."""
+
+
+class InvalidTransition(PgBrokerError):
+    """The job is not in a status that allows this change."""
+
+    def __init__(self, job_id: object, status: str, done: str, allowed: str) -> None:
+        self.job_id = job_id
+        self.status = status
+        super().__init__(f"job {job_id} is {status}: only {allowed} jobs can be {done}")

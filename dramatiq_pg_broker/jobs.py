@@ -1,0 +1,402 @@
+"""The job state machine: one method per transition, all SQL behind it.
+
+The broker, the consumer, the heartbeat, the reaper and the admin API all change jobs only
+through :class:`JobStore`. Transitions out of ``running`` take :class:`Attempt` references
+(job id, lease owner, attempt number) and return the ids they changed: an id missing from
+the result means the caller no longer owns that attempt (its lease expired and another
+worker claimed the job), never an exception.
+
+::
+
+    queued  -> running      claim
+    running -> succeeded    complete
+    running -> queued       reschedule (retry), reap (lease expired), release (shutdown)
+    running -> failed       fail, or reap with attempts exhausted
+    failed  -> queued       retry_failed (operator)
+    queued  -> cancelled    cancel (operator)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .db import ProcessPool, Queries, translate_errors
+from .errors import InvalidTransition, JobNotFound
+
+
+class Attempt(NamedTuple):
+    """One claimed attempt of a job: what every guarded transition must match."""
+
+    id: str
+    owner: str
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimedJob:
+    """A job row just claimed, with what the consumer needs to rebuild the message."""
+
+    id: str
+    priority: int
+    attempts: int
+    max_attempts: int
+    message: dict[str, Any] | None
+    message_bytes: bytes | None
+
+
+@dataclasses.dataclass(frozen=True)
+class NewJob:
+    """What :meth:`JobStore.enqueue` stores: one encoded message and its scheduling."""
+
+    id: str
+    queue_name: str
+    actor_name: str
+    message: dict[str, Any] | None = None
+    message_bytes: bytes | None = None
+    priority: int = 0
+    delay_ms: int = 0
+    max_attempts: int = 21
+    idempotency_key: str | None = None
+
+
+class EnqueueResult(NamedTuple):
+    """The stored job: ``created`` is False when an existing job (same message id or
+    idempotency key) was returned instead."""
+
+    id: str
+    created: bool
+    status: str
+    message: dict[str, Any] | None
+    message_bytes: bytes | None
+
+
+class ReapResult(NamedTuple):
+    requeued: list[str]
+    failed: list[str]
+
+
+def channel_name(schema: str, queue_name: str) -> str:
+    """The LISTEN/NOTIFY channel of a queue: ``schema.queue``, hashed when longer than
+    PostgreSQL's 63-byte identifier limit."""
+    name = f"{schema}.{queue_name}"
+    if len(name.encode()) <= 63:
+        return name
+    digest = hashlib.sha1(queue_name.encode()).hexdigest()
+    return f"{schema}.{digest}"[:63]
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+class JobStore:
+    """The job-store API over one schema.
+
+    Parameters:
+      pool(ProcessPool): where connections come from.
+      schema(str): the schema of the job tables.
+      events(bool): write job events (the audit trail). Operator actions always write
+        theirs.
+
+    Every method accepts ``conn=`` to run on a connection the caller holds (for example
+    inside the application's own transaction) instead of the pool, and ``now=`` to inject a
+    clock in tests.
+    """
+
+    def __init__(self, pool: ProcessPool, schema: str, *, events: bool = True) -> None:
+        self.pool = pool
+        self.schema = schema
+        self.events = events
+        self.queries = Queries(schema)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @contextmanager
+    def _conn(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
+        if conn is not None:
+            with translate_errors():
+                yield conn
+        else:
+            with self.pool.connection() as pooled:
+                yield pooled
+
+    def _fetch(self, name: str, params: dict[str, Any], conn=None) -> list[tuple]:
+        params.setdefault("now", None)
+        params.setdefault("events", self.events)
+        with self._conn(conn) as c:
+            return c.execute(self.queries[name], params).fetchall()
+
+    @staticmethod
+    def _attempt_params(attempts: Sequence[Attempt]) -> dict[str, Any]:
+        return {
+            "ids": [a.id for a in attempts],
+            "owners": [a.owner for a in attempts],
+            "attempts": [a.attempt for a in attempts],
+        }
+
+    def channel(self, queue_name: str) -> str:
+        return channel_name(self.schema, queue_name)
+
+    # -- transitions -------------------------------------------------------------------
+
+    def enqueue(
+        self, job: NewJob, *, conn: psycopg.Connection | None = None, now: dt.datetime | None = None
+    ) -> EnqueueResult:
+        """Store a message as a queued job (with its ``created`` event) and wake consumers.
+
+        If a job with the same id or idempotency key exists, nothing is written and that job
+        is returned with ``created=False``.
+        """
+        params = {
+            "id": job.id,
+            "queue_name": job.queue_name,
+            "actor_name": job.actor_name,
+            "message": Jsonb(job.message) if job.message is not None else None,
+            "message_bytes": job.message_bytes,
+            "priority": job.priority,
+            "delay_ms": max(0, int(job.delay_ms)),
+            "max_attempts": job.max_attempts,
+            "idempotency_key": job.idempotency_key,
+            "channel": self.channel(job.queue_name),
+            "now": now,
+        }
+        with self._conn(conn) as c:
+            row = c.execute(
+                self.queries["insert_job"], {**params, "events": self.events}
+            ).fetchone()
+            if row is not None:
+                return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+            existing = c.execute(self.queries["find_existing"], params).fetchone()
+        if existing is None:  # pragma: no cover - deleted between the two statements
+            raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
+        job_id, status, message, message_bytes = existing
+        return EnqueueResult(str(job_id), False, status, message, message_bytes)
+
+    def claim(
+        self,
+        queue_name: str,
+        limit: int,
+        owner: str,
+        lease_seconds: float,
+        *,
+        conn: psycopg.Connection | None = None,
+        now: dt.datetime | None = None,
+    ) -> list[ClaimedJob]:
+        """queued -> running for up to ``limit`` runnable jobs of a queue, in claim order
+        (priority, available_at, created_at, id). Each gets ``attempts + 1``, the owner and
+        a lease, and a ``claimed`` event."""
+        rows = self._fetch(
+            "claim_jobs",
+            {
+                "queue_name": queue_name,
+                "limit": limit,
+                "owner": owner,
+                "lease_ms": _ms(lease_seconds),
+                "now": now,
+            },
+            conn,
+        )
+        jobs = [ClaimedJob(str(r[0]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        # UPDATE ... RETURNING does not keep the selection order; restore it.
+        jobs.sort(key=lambda j: j.priority)
+        return jobs
+
+    def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:
+        """When the earliest waiting job of a queue becomes runnable, or None."""
+        return self._fetch("next_available_at", {"queue_name": queue_name}, conn)[0][0]
+
+    def complete(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
+        """running -> succeeded. Returns the ids changed (the attempts still owned)."""
+        if not attempts:
+            return set()
+        rows = self._fetch("complete_jobs", {**self._attempt_params(attempts), "now": now}, conn)
+        return {str(r[0]) for r in rows}
+
+    def fail(
+        self, attempts: Sequence[Attempt], errors: Sequence[str | None], *, conn=None, now=None
+    ) -> set[str]:
+        """running -> failed (dead letter), keeping each attempt's error."""
+        if not attempts:
+            return set()
+        params = {**self._attempt_params(attempts), "errors": list(errors), "now": now}
+        return {str(r[0]) for r in self._fetch("fail_jobs", params, conn)}
+
+    def reschedule(
+        self,
+        attempt: Attempt,
+        queue_name: str,
+        delay_ms: int,
+        error: str | None,
+        *,
+        message: dict[str, Any] | None = None,
+        message_bytes: bytes | None = None,
+        conn=None,
+        now=None,
+    ) -> bool:
+        """running -> queued, runnable after ``delay_ms`` (a retry). The attempt stays
+        charged. Passing ``message`` or ``message_bytes`` replaces the stored message."""
+        replace = message is not None or message_bytes is not None
+        rows = self._fetch(
+            "reschedule_job",
+            {
+                "id": attempt.id,
+                "owner": attempt.owner,
+                "attempt": attempt.attempt,
+                "delay_ms": max(0, int(delay_ms)),
+                "error": error,
+                "replace_message": replace,
+                "message": Jsonb(message) if message is not None else None,
+                "message_bytes": message_bytes,
+                "channel": self.channel(queue_name),
+                "now": now,
+            },
+            conn,
+        )
+        return bool(rows)
+
+    def release(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
+        """running -> queued at once for claimed messages that never started; the attempt
+        is given back. Used at worker shutdown."""
+        if not attempts:
+            return set()
+        rows = self._fetch("release_jobs", {**self._attempt_params(attempts), "now": now}, conn)
+        return {str(r[0]) for r in rows}
+
+    def renew(
+        self,
+        attempts: Sequence[Attempt],
+        lease_seconds: float,
+        *,
+        record: bool = False,
+        conn=None,
+        now=None,
+    ) -> set[str]:
+        """Extend the leases of attempts still owned. ``record`` writes ``lease_renewed``
+        events (explicit renewals; the heartbeat renews silently)."""
+        if not attempts:
+            return set()
+        params = {
+            **self._attempt_params(attempts),
+            "lease_ms": _ms(lease_seconds),
+            "record": record,
+            "now": now,
+        }
+        return {str(r[0]) for r in self._fetch("renew_leases", params, conn)}
+
+    def progress(
+        self, attempt: Attempt, data: Any, lease_seconds: float, *, conn=None, now=None
+    ) -> bool:
+        """Record a ``progress`` event for a running attempt and renew its lease. Returns
+        False if the attempt is no longer owned."""
+        params = {
+            "id": attempt.id,
+            "owner": attempt.owner,
+            "attempt": attempt.attempt,
+            "data": Jsonb(data),
+            "lease_ms": _ms(lease_seconds),
+            "now": now,
+        }
+        return bool(self._fetch("record_progress", params, conn))
+
+    def reap(
+        self,
+        *,
+        batch: int,
+        backoff_base_ms: int,
+        backoff_max_ms: int,
+        conn=None,
+        now=None,
+    ) -> ReapResult:
+        """Requeue (with backoff) or fail (attempts exhausted) running jobs whose lease
+        expired, at most ``batch`` of them."""
+        rows = self._fetch(
+            "reap_expired",
+            {
+                "batch": batch,
+                "backoff_base_ms": backoff_base_ms,
+                "backoff_max_ms": backoff_max_ms,
+                "now": now,
+            },
+            conn,
+        )
+        requeued = [str(r[0]) for r in rows if r[1] == "queued"]
+        failed = [str(r[0]) for r in rows if r[1] == "failed"]
+        if requeued:
+            queues = {r[2] for r in rows if r[1] == "queued"}
+            with self._conn(conn) as c:
+                for queue_name in queues:
+                    c.execute(self.queries["notify_queue"], {"channel": self.channel(queue_name)})
+        return ReapResult(requeued, failed)
+
+    def retry_failed(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+        """failed -> queued by an operator; attempts start again from zero.
+
+        Raises:
+          JobNotFound: no job has this id.
+          InvalidTransition: the job is not failed.
+        """
+        rows = self._fetch("retry_failed", {"id": job_id, "by": by, "now": now}, conn)
+        if not rows:
+            self._raise_for(job_id, "failed", "retried", conn)
+        with self._conn(conn) as c:
+            c.execute(self.queries["notify_queue"], {"channel": self.channel(rows[0][1])})
+        return self.get(job_id, conn=conn)
+
+    def cancel(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+        """queued -> cancelled by an operator.
+
+        Raises:
+          JobNotFound: no job has this id.
+          InvalidTransition: the job is not queued.
+        """
+        if not self._fetch("cancel_job", {"id": job_id, "by": by, "now": now}, conn):
+            self._raise_for(job_id, "queued", "cancelled", conn)
+        return self.get(job_id, conn=conn)
+
+    def _raise_for(self, job_id: str, allowed: str, done: str, conn) -> None:
+        job = self.get(job_id, conn=conn)
+        raise InvalidTransition(job_id, job["status"], done, allowed)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get(self, job_id: str, *, conn=None) -> dict[str, Any]:
+        """One job as a dict of its columns.
+
+        Raises:
+          JobNotFound: no job has this id.
+        """
+        with self._conn(conn) as c:
+            cur = c.execute(self.queries["get_job"], {"id": job_id})
+            row = cur.fetchone()
+            if row is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            return dict(zip([d.name for d in cur.description], row))
+
+    def events_of(self, job_id: str, *, conn=None) -> list[dict[str, Any]]:
+        """A job's events, oldest first."""
+        with self._conn(conn) as c:
+            cur = c.execute(self.queries["get_job_events"], {"id": job_id})
+            names = [d.name for d in cur.description]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def count_unfinished(self, queue_name: str, *, conn=None) -> int:
+        """Jobs of a queue still waiting (delayed included) or running."""
+        return self._fetch("count_unfinished", {"queue_name": queue_name}, conn)[0][0]
+
+    def count_failed_since(self, queue_name: str, since: dt.datetime, *, conn=None) -> int:
+        return self._fetch("count_failed_since", {"queue_name": queue_name, "since": since}, conn)[
+            0
+        ][0]
+
+    def flush(self, queue_name: str, *, conn=None) -> int:
+        """Delete the waiting and running jobs of a queue; returns how many."""
+        with self._conn(conn) as c:
+            return c.execute(self.queries["flush_queue"], {"queue_name": queue_name}).rowcount

@@ -1,0 +1,245 @@
+"""Schema migrations: numbered SQL files applied in order, recorded with their checksums.
+
+Files live in the top-level ``migrations/`` folder (``DRAMATIQ_PG_MIGRATIONS_DIR``
+overrides it) and are named ``NNNN_description.sql``. Each file runs in its own
+transaction with ``search_path`` set to the broker's schema, and is recorded in
+``<schema>.schema_migrations`` with the SHA-256 of its bytes.
+
+- Running :func:`migrate` twice is a no-op.
+- Two migrators started at once are serialised by an advisory lock held only while
+  migrating (on its own connection, never in the job path), so each file is applied once.
+- A released file whose checksum changed is refused, naming the file: a change to the
+  schema is a new file, never an edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from .errors import MigrationChecksumError, MigrationError
+
+logger = logging.getLogger(__name__)
+
+_FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+# Namespace of the advisory lock that serialises migrators: the first half of the key is
+# fixed, the second is the schema's hash, so two schemas migrate independently.
+_LOCK_NAMESPACE = 0x64717067  # "dqpg"
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    """One migration file."""
+
+    version: int
+    name: str
+    path: Path
+    checksum: str
+
+    @property
+    def filename(self) -> str:
+        return self.path.name
+
+    def read(self) -> str:
+        return self.path.read_text("utf-8")
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrationState:
+    """A migration as the database sees it: applied (with when) or pending."""
+
+    version: int
+    name: str
+    applied_at: dt.datetime | None
+    checksum_ok: bool = True
+
+    @property
+    def state(self) -> str:
+        if self.applied_at is None:
+            return "pending"
+        return "applied" if self.checksum_ok else "changed"
+
+
+def migrations_dir() -> Path:
+    """The folder of migration files."""
+    configured = os.environ.get("DRAMATIQ_PG_MIGRATIONS_DIR")
+    if configured:
+        return Path(configured)
+    return Path(__file__).resolve().parent.parent / "migrations"
+
+
+def discover(directory: Path | None = None) -> list[Migration]:
+    """List the migration files in version order.
+
+    Raises:
+      MigrationError: the folder is missing, a file name does not follow
+        ``NNNN_description.sql``, or two files share a version.
+    """
+    directory = directory or migrations_dir()
+    if not directory.is_dir():
+        raise MigrationError(f"migrations folder {directory} does not exist")
+    found: dict[int, Migration] = {}
+    for path in sorted(directory.iterdir()):
+        if path.suffix != ".sql":
+            continue
+        match = _FILE_RE.match(path.name)
+        if not match:
+            raise MigrationError(
+                f"migration file {path.name} is misnamed: use NNNN_description.sql"
+            )
+        version = int(match.group(1))
+        if version in found:
+            raise MigrationError(
+                f"migration files {found[version].filename} and {path.name} share version {version}"
+            )
+        data = path.read_bytes()
+        found[version] = Migration(
+            version=version,
+            name=match.group(2),
+            path=path,
+            checksum=hashlib.sha256(data).hexdigest(),
+        )
+    return [found[v] for v in sorted(found)]
+
+
+def _lock_key(schema: str) -> int:
+    digest = hashlib.sha256(schema.encode()).digest()
+    return int.from_bytes(digest[:4], "big", signed=True)
+
+
+def _ensure_table(conn: psycopg.Connection, schema: str) -> None:
+    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    conn.execute(
+        sql.SQL(
+            """
+            CREATE TABLE IF NOT EXISTS {}.schema_migrations (
+                version     integer     PRIMARY KEY,
+                name        text        NOT NULL,
+                checksum    text        NOT NULL,
+                applied_at  timestamptz NOT NULL DEFAULT now()
+            )
+            """
+        ).format(sql.Identifier(schema))
+    )
+
+
+def _applied(conn: psycopg.Connection, schema: str) -> dict[int, tuple[str, str, dt.datetime]]:
+    exists = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL",
+        (sql.Identifier(schema).as_string(conn) + ".schema_migrations",),
+    ).fetchone()[0]
+    if not exists:
+        return {}
+    rows = conn.execute(
+        sql.SQL("SELECT version, name, checksum, applied_at FROM {}.schema_migrations").format(
+            sql.Identifier(schema)
+        )
+    ).fetchall()
+    return {version: (name, checksum, at) for version, name, checksum, at in rows}
+
+
+def _check_checksums(
+    migrations: list[Migration], applied: dict[int, tuple[str, str, dt.datetime]]
+) -> None:
+    for migration in migrations:
+        record = applied.get(migration.version)
+        if record is not None and record[1] != migration.checksum:
+            raise MigrationChecksumError(
+                f"migration {migration.filename} was changed after it was applied "
+                f"(checksum {migration.checksum[:12]}, applied {record[1][:12]}): released "
+                "migrations must not be edited; restore the file and put the change in a new "
+                "numbered migration"
+            )
+
+
+def migrate(
+    url: str,
+    schema: str = "dramatiq",
+    *,
+    directory: Path | None = None,
+    target: int | None = None,
+) -> list[Migration]:
+    """Apply every pending migration, in order, and return the ones applied.
+
+    Parameters:
+      url(str): the database URL.
+      schema(str): the schema to create and migrate.
+      directory(Path): the migration files; the top-level ``migrations/`` by default.
+      target(int): stop after this version (tests use it to check upgrades).
+
+    Raises:
+      MigrationChecksumError: an applied file was edited.
+      MigrationError: a file failed to apply (its transaction is rolled back).
+    """
+    migrations = discover(directory)
+    if target is not None:
+        migrations = [m for m in migrations if m.version <= target]
+    done: list[Migration] = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        # Held on this connection only, for the length of the migration; the job path
+        # takes no advisory locks.
+        conn.execute("SELECT pg_advisory_lock(%s, %s)", (_LOCK_NAMESPACE, _lock_key(schema)))
+        try:
+            _ensure_table(conn, schema)
+            applied = _applied(conn, schema)
+            _check_checksums(migrations, applied)
+            for migration in migrations:
+                if migration.version in applied:
+                    continue
+                logger.info("Applying migration %s to schema %s.", migration.filename, schema)
+                try:
+                    with conn.transaction():
+                        conn.execute(
+                            sql.SQL("SET LOCAL search_path TO {}, public").format(
+                                sql.Identifier(schema)
+                            )
+                        )
+                        conn.execute(migration.read())
+                        conn.execute(
+                            sql.SQL(
+                                "INSERT INTO {}.schema_migrations (version, name, checksum) "
+                                "VALUES (%s, %s, %s)"
+                            ).format(sql.Identifier(schema)),
+                            (migration.version, migration.name, migration.checksum),
+                        )
+                except psycopg.Error as e:
+                    raise MigrationError(
+                        f"migration {migration.filename} failed and was rolled back: {e}"
+                    ) from e
+                done.append(migration)
+        finally:
+            if not conn.closed:
+                conn.execute(
+                    "SELECT pg_advisory_unlock(%s, %s)", (_LOCK_NAMESPACE, _lock_key(schema))
+                )
+    return done
+
+
+def status(
+    url: str, schema: str = "dramatiq", *, directory: Path | None = None
+) -> list[MigrationState]:
+    """Report every known migration as applied, pending or changed (checksum differs)."""
+    migrations = discover(directory)
+    with psycopg.connect(url, autocommit=True) as conn:
+        applied = _applied(conn, schema)
+    states = []
+    for migration in migrations:
+        record = applied.get(migration.version)
+        states.append(
+            MigrationState(
+                version=migration.version,
+                name=migration.name,
+                applied_at=record[2] if record else None,
+                checksum_ok=record is None or record[1] == migration.checksum,
+            )
+        )
+    return states

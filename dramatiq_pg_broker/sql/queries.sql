@@ -1,0 +1,308 @@
+-- Named statements of the job state machine. Each block is "-- name --", comment lines that
+-- describe it, then the statement. {schema} is filled in once (as an identifier); every value
+-- is a bind parameter. %(now)s is an optional injected clock: NULL means the server's now().
+--
+-- Every transition writes its event in the same statement (a data-modifying CTE), so a job
+-- row and its timeline can never disagree, and it costs no extra round trip.
+-- %(events)s turns the event rows off.
+--
+-- Every transition out of "running" is guarded by ownership: id, status, locked_by and
+-- attempts must all match the attempt the caller claimed. A stale worker's update matches
+-- no row; the caller sees that as a result, not an error.
+
+-- insert_job --
+-- Store one message as a queued job with its `created` event, and wake the queue's
+-- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
+-- An existing id or idempotency key inserts nothing and returns no row.
+WITH inserted AS (
+    INSERT INTO {schema}.jobs AS j (
+        id, queue_name, actor_name, message, message_bytes, priority, available_at,
+        max_attempts, idempotency_key, created_at, updated_at
+    )
+    VALUES (
+        %(id)s, %(queue_name)s, %(actor_name)s, %(message)s, %(message_bytes)s, %(priority)s,
+        coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
+        %(max_attempts)s, %(idempotency_key)s,
+        coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
+    )
+    ON CONFLICT DO NOTHING
+    RETURNING j.id, j.created_at
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
+    SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
+)
+SELECT id, pg_notify(%(channel)s, '') FROM inserted
+
+-- find_existing --
+-- The job that made an insert a no-op: the same message id, or the same idempotency key.
+SELECT id, status, message, message_bytes
+FROM {schema}.jobs
+WHERE id = %(id)s OR idempotency_key = %(idempotency_key)s
+ORDER BY (id = %(id)s) DESC
+LIMIT 1
+
+-- claim_jobs --
+-- Claim up to %(limit)s runnable jobs of a queue for one worker, in claim order.
+-- SKIP LOCKED lets many consumers claim at once without waiting on each other's rows: a row
+-- another transaction is claiming is simply not ours. Selection and update are one
+-- statement (no check-then-act), committed at once; no transaction stays open while the
+-- actor runs. The order (priority, available_at, created_at, id) is exactly the partial
+-- index jobs_claim_order_idx, so the scan stops after %(limit)s rows.
+WITH picked AS (
+    SELECT id
+    FROM {schema}.jobs
+    WHERE queue_name = %(queue_name)s
+      AND status = 'queued'
+      AND available_at <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY priority, available_at, created_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'running',
+        attempts = j.attempts + 1,
+        locked_by = %(owner)s,
+        locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond',
+        started_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM picked
+    WHERE j.id = picked.id
+    RETURNING j.id, j.priority, j.attempts, j.max_attempts, j.message, j.message_bytes
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
+    SELECT id, 'claimed', attempts, %(owner)s FROM claimed WHERE %(events)s
+)
+SELECT id, priority, attempts, max_attempts, message, message_bytes FROM claimed
+
+-- next_available_at --
+-- When the earliest queued job of a queue becomes runnable (an idle consumer sleeps until
+-- then at most).
+SELECT min(available_at)
+FROM {schema}.jobs
+WHERE queue_name = %(queue_name)s AND status = 'queued'
+
+-- complete_jobs --
+-- running -> succeeded for many attempts at once (acks are written in batches).
+WITH done AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'succeeded',
+        locked_by = NULL,
+        locked_until = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]) AS o (id, owner, attempt)
+    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    RETURNING j.id, j.attempts, o.owner
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
+    SELECT id, 'succeeded', attempts, owner FROM done WHERE %(events)s
+)
+SELECT id FROM done
+
+-- fail_jobs --
+-- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
+WITH done AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'failed',
+        locked_by = NULL,
+        locked_until = NULL,
+        last_error = o.error,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(errors)s::text[])
+        AS o (id, owner, attempt, error)
+    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    RETURNING j.id, j.attempts, o.owner, o.error
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'failed', attempts, owner, jsonb_build_object('error', error)
+    FROM done WHERE %(events)s
+)
+SELECT id FROM done
+
+-- reschedule_job --
+-- running -> queued to run again after %(delay_ms)s (a retry with backoff). The attempt is
+-- charged. %(message)s / %(message_bytes)s replace the stored message when given (Dramatiq's
+-- own Retries middleware re-enqueues the message with updated options). max_attempts grows
+-- if a caller with its own retry policy asks for more attempts than the row allowed.
+WITH moved AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'queued',
+        locked_by = NULL,
+        locked_until = NULL,
+        available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
+        last_error = coalesce(%(error)s, j.last_error),
+        message = CASE WHEN %(replace_message)s THEN %(message)s ELSE j.message END,
+        message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE j.message_bytes END,
+        max_attempts = greatest(j.max_attempts, j.attempts + 1),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+    RETURNING j.id, j.attempts, j.available_at, j.queue_name
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'retry_scheduled', attempts, %(owner)s,
+           jsonb_build_object('error', %(error)s::text, 'delay_ms', %(delay_ms)s::bigint,
+                              'available_at', available_at)
+    FROM moved WHERE %(events)s
+)
+SELECT id, pg_notify(%(channel)s, '') FROM moved
+
+-- release_jobs --
+-- running -> queued for claimed messages that never started (worker shutdown): they go back
+-- at once, and the attempt they were charged is given back.
+WITH released AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'queued',
+        attempts = j.attempts - 1,
+        locked_by = NULL,
+        locked_until = NULL,
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]) AS o (id, owner, attempt)
+    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    RETURNING j.id, j.attempts, o.owner, j.queue_name
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
+    SELECT id, 'released', attempts, owner FROM released WHERE %(events)s
+)
+SELECT id, queue_name FROM released
+
+-- renew_leases --
+-- Extend the leases of attempts a worker still owns; returns the ones it still owns.
+-- %(record)s writes a lease_renewed event (explicit renewals by an actor; the background
+-- heartbeat renews silently so that the timeline is not flooded).
+WITH renewed AS (
+    UPDATE {schema}.jobs AS j
+    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
+    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]) AS o (id, owner, attempt)
+    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    RETURNING j.id, j.attempts, j.locked_until, o.owner
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'lease_renewed', attempts, owner, jsonb_build_object('locked_until', locked_until)
+    FROM renewed WHERE %(events)s AND %(record)s
+)
+SELECT id FROM renewed
+
+-- record_progress --
+-- A running attempt reports progress: the lease is renewed and a `progress` event keeps the
+-- data. Returns nothing if the caller no longer owns the attempt.
+WITH owned AS (
+    UPDATE {schema}.jobs AS j
+    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond',
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+    RETURNING j.id, j.attempts
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'progress', attempts, %(owner)s, %(data)s FROM owned WHERE %(events)s
+)
+SELECT id FROM owned
+
+-- reap_expired --
+-- Requeue (with backoff) or fail (attempts exhausted) running jobs whose lease expired: their
+-- worker died or hung. Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at
+-- once, each taking different rows, and an idle run costs one index probe.
+WITH expired AS (
+    SELECT id, locked_by
+    FROM {schema}.jobs
+    WHERE status = 'running' AND locked_until < coalesce(%(now)s::timestamptz, now())
+    ORDER BY locked_until
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE {schema}.jobs AS j
+    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
+        available_at = CASE
+            WHEN j.attempts >= j.max_attempts THEN j.available_at
+            ELSE coalesce(%(now)s::timestamptz, now()) + least(
+                %(backoff_base_ms)s::float8 * power(2, least(j.attempts - 1, 40)),
+                %(backoff_max_ms)s::float8) * interval '1 millisecond'
+        END,
+        finished_at = CASE
+            WHEN j.attempts >= j.max_attempts THEN coalesce(%(now)s::timestamptz, now())
+        END,
+        last_error = 'lease expired: ' || expired.locked_by || ' stopped renewing attempt '
+                     || j.attempts,
+        locked_by = NULL,
+        locked_until = NULL,
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM expired
+    WHERE j.id = expired.id
+    RETURNING j.id, j.status, j.attempts, j.available_at, j.last_error, j.queue_name,
+              expired.locked_by AS previous_owner
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, CASE status WHEN 'failed' THEN 'failed' ELSE 'timeout_requeued' END,
+           attempts, previous_owner,
+           jsonb_build_object('error', last_error, 'available_at', available_at)
+    FROM moved WHERE %(events)s
+)
+SELECT id, status, queue_name FROM moved
+
+-- retry_failed --
+-- failed -> queued by an operator: attempts start again from zero, runnable at once.
+WITH moved AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'queued',
+        attempts = 0,
+        available_at = coalesce(%(now)s::timestamptz, now()),
+        finished_at = NULL,
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    WHERE j.id = %(id)s AND j.status = 'failed'
+    RETURNING j.id, j.queue_name
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
+    SELECT id, 'manual_retry', 0, %(by)s FROM moved
+)
+SELECT id, queue_name FROM moved
+
+-- cancel_job --
+-- queued -> cancelled by an operator. A running job cannot be cancelled (its worker owns it).
+WITH moved AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'cancelled',
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    WHERE j.id = %(id)s AND j.status = 'queued'
+    RETURNING j.id, j.attempts
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
+    SELECT id, 'cancelled', attempts, %(by)s FROM moved
+)
+SELECT id FROM moved
+
+-- get_job --
+-- One job row.
+SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+       attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+       created_at, updated_at, started_at, finished_at
+FROM {schema}.jobs
+WHERE id = %(id)s
+
+-- get_job_events --
+-- A job's timeline, oldest first.
+SELECT id, job_id, type, attempt, actor, data, created_at
+FROM {schema}.job_events
+WHERE job_id = %(id)s
+ORDER BY id
+
+-- count_unfinished --
+-- Jobs of a queue that are still waiting (including delayed) or running.
+SELECT count(*)
+FROM {schema}.jobs
+WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')
+
+-- count_failed_since --
+-- Jobs of a queue that failed at or after a moment (join's fail-fast check).
+SELECT count(*)
+FROM {schema}.jobs
+WHERE queue_name = %(queue_name)s AND status = 'failed' AND finished_at >= %(since)s
+
+-- notify_queue --
+-- Wake the consumers of a queue (after an operator made a job runnable).
+SELECT pg_notify(%(channel)s, '')
+
+-- flush_queue --
+-- Drop the waiting and running jobs of a queue (Dramatiq's flush); finished history stays.
+DELETE FROM {schema}.jobs
+WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')

@@ -1,0 +1,57 @@
+"""Shared fixtures: a real PostgreSQL, and a fresh migrated schema per test module.
+
+The server is ``DRAMATIQ_PG_TEST_URL`` when set, else the embedded one (pgserver).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psycopg
+import pytest
+from psycopg import sql
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    url = os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL")
+    if url:
+        return url
+    from dramatiq_pg_broker.embedded import embedded_url
+
+    return embedded_url()
+
+
+def new_schema_name(prefix: str = "t") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def drop_schema(url: str, schema: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(scope="module")
+def schema(pg_url):
+    """A schema migrated to the latest version, dropped after the module."""
+    from dramatiq_pg_broker.migrate import migrate
+
+    name = new_schema_name()
+    migrate(pg_url, name)
+    yield name
+    drop_schema(pg_url, name)
+
+
+@pytest.fixture
+def empty_schema(pg_url):
+    """A schema name with nothing in it yet, dropped after the test."""
+    name = new_schema_name("m")
+    yield name
+    drop_schema(pg_url, name)
+
+
+@pytest.fixture
+def conn(pg_url):
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        yield c

@@ -13,6 +13,8 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+import psycopg
+
 from .config import Settings
 from .errors import PgBrokerError
 
@@ -108,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except PgBrokerError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except psycopg.OperationalError as e:
+        print(f"error: cannot connect to the database: {e}".strip(), file=sys.stderr)
         return 2
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq.broker import Consumer, MessageProxy
-from dramatiq.errors import ConnectionError as BrokerConnectionError
+from dramatiq.errors import BrokerConnectionError
 
 from .db import connect, translate_errors
 from .jobs import Attempt, ClaimedJob

@@ -16,7 +16,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from dramatiq.errors import ConnectionError as BrokerConnectionError
+from dramatiq.errors import BrokerConnectionError
 
 from .jobs import Attempt
 

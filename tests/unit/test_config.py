@@ -1,0 +1,79 @@
+"""Settings: keyword arguments, then DRAMATIQ_PG_* variables, then defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from dramatiq_pg_broker.config import Settings, mask_url
+from dramatiq_pg_broker.db import resolve_url
+from dramatiq_pg_broker.errors import ConfigurationError
+
+
+def test_defaults():
+    settings = Settings.load(environ={})
+    assert settings.url is None
+    assert settings.schema == "dramatiq"
+    assert settings.lease_seconds == 30.0
+    assert settings.heartbeat_interval == 10.0
+    assert settings.listen is True
+    assert settings.events is True
+
+
+def test_environment_overrides_defaults_and_keywords_override_environment():
+    environ = {
+        "DRAMATIQ_PG_URL": "postgresql://env/db",
+        "DRAMATIQ_PG_SCHEMA": "from_env",
+        "DRAMATIQ_PG_LEASE_SECONDS": "12.5",
+        "DRAMATIQ_PG_LISTEN": "off",
+        "DRAMATIQ_PG_REAPER_BATCH": "50",
+        "DRAMATIQ_PG_CORS_ORIGINS": "https://a.example, https://b.example",
+    }
+    settings = Settings.load(environ=environ, schema="from_kwargs")
+    assert settings.url == "postgresql://env/db"
+    assert settings.schema == "from_kwargs"
+    assert settings.lease_seconds == 12.5
+    assert settings.listen is False
+    assert settings.reaper_batch == 50
+    assert settings.cors_origins == ("https://a.example", "https://b.example")
+
+
+@pytest.mark.parametrize(
+    ("environ", "fragment"),
+    [
+        ({"DRAMATIQ_PG_LEASE_SECONDS": "soon"}, "DRAMATIQ_PG_LEASE_SECONDS='soon'"),
+        ({"DRAMATIQ_PG_LISTEN": "maybe"}, "DRAMATIQ_PG_LISTEN"),
+        ({"DRAMATIQ_PG_SCHEMA": "Bad-Name"}, "not a valid name"),
+        ({"DRAMATIQ_PG_LEASE_SECONDS": "0"}, "lease_seconds must be greater than 0"),
+        ({"DRAMATIQ_PG_MAX_ATTEMPTS": "0"}, "max_attempts must be at least 1"),
+        ({"DRAMATIQ_PG_HEARTBEAT_SECONDS": "60"}, "heartbeat_seconds"),
+    ],
+)
+def test_bad_values_are_refused_with_a_sentence(environ, fragment):
+    with pytest.raises(ConfigurationError, match=fragment.replace("(", r"\(")):
+        Settings.load(environ=environ)
+
+
+def test_unknown_keywords_are_refused():
+    with pytest.raises(ConfigurationError, match="unknown setting"):
+        Settings.load(environ={}, leese_seconds=3)
+
+
+def test_public_settings_hide_the_password():
+    settings = Settings.load(environ={}, url="postgresql://app:s3cret@db:5432/app")
+    assert settings.public()["url"] == "postgresql://app:***@db:5432/app"
+    assert mask_url(None) is None
+
+
+def test_a_configured_url_never_starts_the_embedded_server(monkeypatch):
+    import dramatiq_pg_broker.embedded as embedded
+
+    def explode():
+        raise AssertionError("the embedded server must not start when a URL is set")
+
+    monkeypatch.setattr(embedded, "embedded_url", explode)
+    assert resolve_url(Settings.load(environ={}, url="postgresql://x/y")) == "postgresql://x/y"
+
+
+def test_without_a_url_deployments_can_refuse_the_embedded_server():
+    with pytest.raises(ConfigurationError, match="DRAMATIQ_PG_URL"):
+        resolve_url(Settings.load(environ={}), allow_embedded=False)

@@ -10,6 +10,7 @@ from .errors import (
     MigrationChecksumError,
     MigrationError,
     PgBrokerError,
+    SchemaMissing,
 )
 from .jobs import Attempt, JobStore
 from .retries import Retries
@@ -27,6 +28,7 @@ __all__ = [
     "PgBrokerError",
     "PostgresBroker",
     "Retries",
+    "SchemaMissing",
     "Settings",
     "current_job",
 ]

@@ -19,8 +19,7 @@ from typing import Any
 import dramatiq
 from dramatiq.common import current_millis
 from dramatiq.encoder import JSONEncoder
-from dramatiq.errors import BrokerConnectionError
-from dramatiq.errors import QueueJoinTimeout
+from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout
 from dramatiq.middleware import Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool

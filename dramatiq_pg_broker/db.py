@@ -18,7 +18,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from .config import Settings
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SchemaMissing
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,11 @@ def translate_errors() -> Iterator[None]:
     """
     try:
         yield
+    except psycopg.errors.UndefinedTable as e:
+        raise SchemaMissing(
+            f"{e.diag.message_primary}: the broker's tables are missing; run "
+            "`dramatiq-pg-broker migrate` with the same DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA"
+        ) from e
     except psycopg.OperationalError as e:
         # The server went away mid-statement, or could not be reached at all.
         raise ConnectionClosed(e) from e

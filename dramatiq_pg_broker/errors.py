@@ -19,6 +19,11 @@ class MigrationChecksumError(MigrationError):
     """An applied migration file was edited after it was released."""
 
 
+class SchemaMissing(PgBrokerError):
+    """The broker's tables do not exist in this database and schema: run
+    ``dramatiq-pg-broker migrate`` (with the same DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA)."""
+
+
 class JobNotFound(PgBrokerError):
     """No job has this id."""
 

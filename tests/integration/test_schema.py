@@ -138,3 +138,17 @@ def test_the_queue_table_has_aggressive_autovacuum(conn, schema):
         (f'"{schema}".jobs',),
     ).fetchone()[0]
     assert "autovacuum_vacuum_scale_factor=0.01" in options
+
+
+def test_sending_before_migrating_says_to_migrate(pg_url):
+    import dramatiq
+
+    from dramatiq_pg_broker import PostgresBroker, SchemaMissing
+
+    broker = PostgresBroker(url=pg_url, schema="never_migrated_schema")
+    actor = dramatiq.actor(lambda: None, actor_name="nothing", broker=broker)
+    try:
+        with pytest.raises(SchemaMissing, match="dramatiq-pg-broker migrate"):
+            actor.send()
+    finally:
+        broker.close()

@@ -138,7 +138,7 @@ class PostgresConsumer(Consumer):
             message.options["retries"] = job.attempts - 1
         with self._lock:
             self._outstanding += 1
-        self.broker.leases.track(attempt, message.actor_name)
+        self.broker.leases.track(attempt)
         return PgMessageProxy(message, attempt, self)
 
     def _refresh_next_due(self) -> None:

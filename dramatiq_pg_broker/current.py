@@ -78,6 +78,9 @@ class JobContext(Middleware):
     def before_process_message(self, broker, message) -> None:
         if isinstance(message, PgMessageProxy):
             _local.job = CurrentJob(broker, message)
+            actor = broker.actors.get(message.actor_name)
+            if actor is not None and actor.options.get("heartbeat") is False:
+                broker.leases.started_without_heartbeat(message.attempt)
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         _local.job = None

@@ -4,7 +4,7 @@ requeues attempts whose worker stopped renewing.
 One :class:`LeaseKeeper` thread runs in each worker process (it starts with the first
 consumer). Every ``heartbeat_interval`` (a third of the lease by default) it renews, in one
 statement, the leases of every outstanding message of the process, prefetched and running,
-except those of actors declared with ``heartbeat=False``. Every ``reaper_interval`` it runs
+except those of running actors declared with ``heartbeat=False``. Every ``reaper_interval`` it runs
 the reaper: a bounded, ``SKIP LOCKED`` statement, so every process can run it at once and
 an idle run costs one index probe.
 """
@@ -41,15 +41,23 @@ class LeaseKeeper:
 
     # -- tracking ------------------------------------------------------------------------
 
-    def track(self, attempt: Attempt, actor_name: str) -> None:
-        """Start renewing an attempt (unless its actor says ``heartbeat=False``)."""
-        renew = True
-        actor = self.broker.actors.get(actor_name)
-        if actor is not None and actor.options.get("heartbeat") is False:
-            renew = False
+    def track(self, attempt: Attempt) -> None:
+        """Start renewing an attempt (a claimed message, prefetched or running)."""
         with self._lock:
-            self._attempts[attempt.id] = (attempt, renew)
+            self._attempts[attempt.id] = (attempt, True)
         self.start()
+
+    def started_without_heartbeat(self, attempt: Attempt) -> None:
+        """An actor declared with ``heartbeat=False`` starts: give it one full lease from
+        now and stop renewing it, so the lease expires ``lease_seconds`` after the start
+        unless the actor renews it itself. (While the message waited in the worker's queue
+        it was renewed like any other, so waiting never costs it its lease.)"""
+        with self._lock:
+            current = self._attempts.get(attempt.id)
+            if current is None or current[0] != attempt:
+                return
+            self._attempts[attempt.id] = (attempt, False)
+        self.store.renew([attempt], self.settings.lease_seconds)
 
     def untrack(self, attempt: Attempt) -> None:
         with self._lock:

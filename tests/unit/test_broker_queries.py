@@ -1,0 +1,97 @@
+"""The named SQL: every statement name the code looks up exists in sql/queries.sql."""
+
+from __future__ import annotations
+
+import ast
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+import dramatiq_pg_broker
+from dramatiq_pg_broker.db import Queries, load_queries
+from dramatiq_pg_broker.jobs import channel_name
+from dramatiq_pg_broker.retries import backoff_ms
+
+REPO = Path(dramatiq_pg_broker.__file__).resolve().parent.parent
+#: Packages whose code may look up named statements of the broker's queries.sql.
+PACKAGES = ["dramatiq_pg_broker", "admin_api"]
+
+
+def _python_files():
+    for package in PACKAGES:
+        root = REPO / package
+        if root.is_dir():
+            yield from sorted(root.rglob("*.py"))
+
+
+def _names_used(path: Path) -> set[tuple[str, int]]:
+    """String constants used as ``<...>.queries["name"]``, ``queries["name"]`` or as the
+    first argument of ``<...>._fetch("name", ...)``."""
+    tree = ast.parse(path.read_text("utf-8"), filename=str(path))
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            target = node.value
+            named = (isinstance(target, ast.Attribute) and target.attr == "queries") or (
+                isinstance(target, ast.Name) and target.id == "queries"
+            )
+            if named and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                found.add((node.slice.value, node.lineno))
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "_fetch":
+                first = node.args[0]
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    found.add((first.value, node.lineno))
+    return found
+
+
+def test_every_query_name_used_in_code_exists():
+    defined = set(load_queries())
+    used: dict[str, list[str]] = {}
+    for path in _python_files():
+        for name, line in _names_used(path):
+            used.setdefault(name, []).append(f"{path.relative_to(REPO)}:{line}")
+    # The scan must actually see the state machine's lookups, or it proves nothing.
+    assert {"claim_jobs", "complete_jobs", "reap_expired", "insert_job"} <= set(used), (
+        f"the scan found too few query lookups to be trusted: {sorted(used)}"
+    )
+    missing = {name: where for name, where in used.items() if name not in defined}
+    assert not missing, f"query names used in code but absent from sql/queries.sql: {missing}"
+
+
+def test_query_names_are_unique_and_every_block_has_a_description_and_a_statement():
+    text = resources.files("dramatiq_pg_broker").joinpath("sql", "queries.sql").read_text("utf-8")
+    headers = re.findall(r"^-- (\w+) --\s*$", text, flags=re.MULTILINE)
+    duplicates = sorted({h for h in headers if headers.count(h) > 1})
+    assert not duplicates, f"a later block silently replaces an earlier one: {duplicates}"
+    blocks = re.split(r"^-- \w+ --\s*$", text, flags=re.MULTILINE)[1:]
+    for name, body in zip(headers, blocks):
+        lines = body.strip().splitlines()
+        assert lines and lines[0].startswith("-- "), f"{name}: no one-line description"
+        assert load_queries()[name], f"{name}: no statement"
+
+
+def test_schema_is_filled_in_as_an_identifier():
+    queries = Queries("weird_schema")
+    assert '"weird_schema".jobs' in queries["claim_jobs"]
+    assert "{schema}" not in " ".join(queries[name] for name in load_queries())
+
+
+@pytest.mark.parametrize(
+    ("attempt", "expected"),
+    [(1, 100), (2, 200), (3, 400), (4, 800), (5, 1000), (30, 1000), (10_000, 1000)],
+)
+def test_backoff_doubles_per_attempt_up_to_the_maximum(attempt, expected):
+    assert backoff_ms(attempt, 100, 1000) == expected
+
+
+def test_channel_names_fit_postgres_identifier_limit():
+    short = channel_name("dramatiq", "default")
+    assert short == "dramatiq.default"
+    long_a = channel_name("dramatiq", "q" * 80)
+    long_b = channel_name("dramatiq", "q" * 79 + "r")
+    assert len(long_a.encode()) <= 63 and len(long_b.encode()) <= 63
+    assert long_a != long_b, "two long queue names share one channel"

@@ -8,11 +8,15 @@ it. A deployment always names its own server: nothing here runs when a URL is se
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
 
 from .errors import ConfigurationError
+
+# pgserver narrates every command at INFO; only its warnings matter to a user.
+logging.getLogger("pgserver").setLevel(logging.WARNING)
 
 _lock = threading.Lock()
 _url: str | None = None

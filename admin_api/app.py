@@ -1,0 +1,131 @@
+"""The application factory: ``create_app(settings)`` builds the Falcon app and everything
+it talks to. Building it does no I/O; connections open on the first request, per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import falcon
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from dramatiq_pg_broker.accounts import AccountStore
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool, resolve_url
+from dramatiq_pg_broker.jobs import JobStore
+
+from . import media
+from .auth import Authentication
+from .errors import add_error_handlers
+from .queries import JobQueries
+from .resources.docs import DocsPage, OpenApiDocument
+from .resources.events import EventFeed
+from .resources.health import Health
+from .resources.jobs import JobCancel, JobDetail, JobEvents, JobList, JobRetry, JobStats
+from .resources.sessions import Login, Logout, Me
+from .resources.settings import Config
+from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait for the database when opening a connection (the health check should say
+#: "unreachable" quickly rather than hang).
+CONNECT_TIMEOUT = 5
+
+
+def create_engine(url: str, settings: Settings) -> Engine:
+    """A SQLAlchemy engine for the read queries, over psycopg 3.
+
+    Connections come from ``psycopg.connect(url)`` so that any libpq connection string
+    works (a URL or ``key=value`` pairs), exactly as for the broker.
+    """
+    return sa.create_engine(
+        "postgresql+psycopg://",
+        creator=lambda: psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT),
+        pool_size=settings.pool_max_size,
+        max_overflow=0,
+        pool_pre_ping=True,
+        pool_timeout=30,
+    )
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    store: JobStore | None = None,
+    accounts: AccountStore | None = None,
+    engine: Engine | None = None,
+) -> falcon.App:
+    """Build the admin API.
+
+    Parameters:
+      settings(Settings): database URL, schema, CORS origins, cookie and session settings.
+        Default: :meth:`Settings.load` (``DRAMATIQ_PG_*`` variables).
+      store(JobStore): the job state machine to change jobs with. Default: one on a new
+        per-process pool.
+      accounts(AccountStore): users, sessions and tokens. Default: one on the store's pool.
+      engine(Engine): the SQLAlchemy engine for reads. Default: one on the same URL.
+
+    Returns:
+      falcon.App: the WSGI application.
+    """
+    settings = settings or Settings.load()
+    url: str | None = None
+
+    def database_url() -> str:
+        nonlocal url
+        if url is None:
+            url = resolve_url(settings)
+        return url
+
+    if store is None:
+        store = JobStore(ProcessPool(settings), settings.schema, events=settings.events)
+    if accounts is None:
+        accounts = AccountStore(store.pool, settings.schema)
+    if engine is None:
+        engine = create_engine(settings.url or database_url(), settings)
+    queries = JobQueries(engine, settings.schema)
+
+    middleware: list[Any] = []
+    if settings.cors_origins:
+        origins = list(settings.cors_origins)
+        middleware.append(falcon.CORSMiddleware(allow_origins=origins, allow_credentials=origins))
+    middleware.append(Authentication(accounts, settings))
+    app = falcon.App(middleware=middleware)
+    media.install(app)
+    add_error_handlers(app)
+    # "/api/jobs/" and "/api/jobs" are the same resource.
+    app.req_options.strip_url_path_trailing_slash = True
+
+    for path, resource in routes(settings, store, accounts, queries):
+        app.add_route(path, resource)
+    return app
+
+
+def routes(
+    settings: Settings, store: JobStore, accounts: AccountStore, queries: JobQueries
+) -> list[tuple[str, object]]:
+    """Every route of the API and its resource (the OpenAPI document lists the same)."""
+    return [
+        ("/api/health", Health(queries)),
+        ("/api/config", Config(settings)),
+        ("/api/jobs", JobList(queries, store, accounts, settings)),
+        ("/api/jobs/stats", JobStats(queries)),
+        ("/api/jobs/{job_id}", JobDetail(queries)),
+        ("/api/jobs/{job_id}/events", JobEvents(queries)),
+        ("/api/jobs/{job_id}/retry", JobRetry(queries, store)),
+        ("/api/jobs/{job_id}/cancel", JobCancel(queries, store)),
+        ("/api/job-events", EventFeed(queries)),
+        ("/api/auth/login", Login(accounts, settings)),
+        ("/api/auth/logout", Logout(accounts, settings)),
+        ("/api/auth/me", Me()),
+        ("/api/users", UserList(accounts)),
+        ("/api/users/{user_id}", UserDetail(accounts)),
+        ("/api/users/{user_id}/tokens", UserTokens(accounts)),
+        ("/api/tokens/{token_id}", TokenDetail(accounts)),
+        ("/api/openapi.json", OpenApiDocument()),
+        ("/api/docs", DocsPage()),
+    ]

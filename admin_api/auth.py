@@ -1,0 +1,185 @@
+"""Who is calling, and may they?
+
+Credentials, checked in this order:
+
+1. ``Authorization: Bearer <token>``: an API token made with ``dramatiq-pg-broker token
+   create`` or ``POST /api/users/{id}/tokens``. For scripts.
+2. The session cookie set by ``POST /api/auth/login`` (HttpOnly, SameSite=Lax, Secure
+   when ``DRAMATIQ_PG_COOKIE_SECURE`` is on). For browsers.
+
+Every resource states which roles may call each of its methods in ``permissions``; a
+resource with ``public = True`` needs no credentials (health, login, logout, the docs
+page). No credentials (or bad ones) is a 401; a role that may not is a 403.
+
+Cross-site requests: a browser sends the session cookie with any request to the API,
+including one a hostile page triggers. So a state-changing request (POST, PATCH, PUT,
+DELETE) that is not authenticated by a bearer token must
+
+- carry the header ``X-Requested-With`` (any value). A cross-site page can only send a
+  custom header through CORS, whose preflight the API answers only for the origins in
+  ``DRAMATIQ_PG_CORS_ORIGINS``; a plain HTML form cannot send one at all;
+- and, when the browser says where it comes from (``Origin``), come from the API's own
+  origin or one of those origins.
+
+Bearer requests need neither: a browser never adds a bearer token on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+import falcon
+
+from dramatiq_pg_broker.accounts import AccountStore, User
+from dramatiq_pg_broker.config import Settings
+
+from .errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+#: The session cookie's name.
+SESSION_COOKIE = "dpb_session"
+#: The header a cookie-authenticated state change must carry.
+CSRF_HEADER = "X-Requested-With"
+
+#: Who may read jobs, events and settings (members only their own jobs).
+READERS = frozenset({"viewer", "operator", "admin", "member"})
+#: Who may see everything (stats, every job).
+OBSERVERS = frozenset({"viewer", "operator", "admin"})
+#: Who may create jobs.
+CREATORS = frozenset({"operator", "admin", "member"})
+#: Who may retry and cancel jobs.
+OPERATORS = frozenset({"operator", "admin"})
+#: Who may manage users and tokens.
+ADMINS = frozenset({"admin"})
+
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="dramatiq-pg-broker"'}
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, headers=_CHALLENGE)
+
+
+def owner_scope(user: User) -> int | None:
+    """The owner id a user's job reads are limited to: their own for members, else None."""
+    return user.id if user.role == "member" else None
+
+
+class Authentication:
+    """Falcon middleware: identifies the caller, enforces ``permissions`` and the
+    cross-site rules above. Sets ``req.context.user`` (a :class:`User` or None) and
+    ``req.context.via`` (``"token"``, ``"session"`` or None).
+
+    Parameters:
+      accounts(AccountStore): users, sessions and tokens.
+      settings(Settings): for the allowed origins.
+    """
+
+    def __init__(self, accounts: AccountStore, settings: Settings) -> None:
+        self.accounts = accounts
+        self.allowed_origins = frozenset(o.rstrip("/") for o in settings.cors_origins)
+
+    def process_resource(self, req: falcon.Request, resp, resource, params) -> None:
+        req.context.user = None
+        req.context.via = None
+        if resource is None or req.method == "OPTIONS":
+            return  # an unknown route (404), or a CORS preflight
+        bearer = self._bearer(req)
+        if bearer is None:
+            self._check_cross_site(req)
+        if getattr(resource, "public", False):
+            if bearer is None and req.cookies.get(SESSION_COOKIE):
+                req.context.via = "session"
+            return
+        user = self._identify(req, bearer)
+        req.context.user = user
+        responder = getattr(resource, f"on_{req.method.lower()}", None)
+        if responder is None:
+            return  # Falcon answers 405
+        allowed: Iterable[str] = resource.permissions.get(req.method, ())
+        if user.role not in allowed:
+            raise ApiError(
+                403,
+                f"Your role ({user.role}) may not {req.method} {req.path}; it needs one of "
+                f"{', '.join(sorted(allowed)) or 'no role'}.",
+            )
+
+    @staticmethod
+    def _bearer(req: falcon.Request) -> str | None:
+        header = req.get_header("Authorization")
+        if header is None:
+            return None
+        scheme, _, token = header.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise unauthorized(
+                "The Authorization header must be 'Bearer <token>' with an API token."
+            )
+        return token.strip()
+
+    def _identify(self, req: falcon.Request, bearer: str | None) -> User:
+        if bearer is not None:
+            user = self.accounts.token_user(bearer)
+            if user is None:
+                raise unauthorized(
+                    "The API token is not valid: it is unknown, revoked, or its user is "
+                    "deactivated."
+                )
+            req.context.via = "token"
+            return user
+        session_id = req.cookies.get(SESSION_COOKIE)
+        if session_id:
+            user = self.accounts.session_user(session_id)
+            if user is None:
+                raise unauthorized("Your session has expired or ended: log in again.")
+            req.context.via = "session"
+            return user
+        raise unauthorized(
+            "Credentials are required: log in with POST /api/auth/login or send "
+            "'Authorization: Bearer <token>'."
+        )
+
+    def _check_cross_site(self, req: falcon.Request) -> None:
+        if req.method in _SAFE_METHODS:
+            return
+        origin = req.get_header("Origin")
+        if origin is not None and not self._origin_allowed(req, origin):
+            raise ApiError(
+                403,
+                f"Requests from origin {origin!r} are not allowed: add it to "
+                "DRAMATIQ_PG_CORS_ORIGINS to call the API from that site.",
+            )
+        if not req.get_header(CSRF_HEADER):
+            raise ApiError(
+                403,
+                f"A {req.method} without a bearer token must send the header {CSRF_HEADER} "
+                "(any value), which protects browser sessions from cross-site requests.",
+            )
+
+    def _origin_allowed(self, req: falcon.Request, origin: str) -> bool:
+        origin = origin.rstrip("/")
+        if origin in self.allowed_origins:
+            return True
+        try:
+            netloc = urlsplit(origin).netloc
+        except ValueError:
+            return False
+        return bool(netloc) and netloc.lower() in {req.netloc.lower(), req.host.lower()}
+
+
+def set_session_cookie(resp: falcon.Response, session_id: str, settings: Settings) -> None:
+    resp.set_cookie(
+        SESSION_COOKIE,
+        session_id,
+        max_age=int(settings.session_hours * 3600),
+        path="/api",
+        secure=settings.cookie_secure,
+        http_only=True,
+        same_site="Lax",
+    )
+
+
+def clear_session_cookie(resp: falcon.Response, settings: Settings) -> None:
+    resp.unset_cookie(SESSION_COOKIE, path="/api", same_site="Lax")

@@ -1,0 +1,578 @@
+"""The OpenAPI 3.1 document of the API, served at ``/api/openapi.json``.
+
+Request bodies are generated from the same field lists the resources validate with, and
+the query parameters from the same bounds, so the document says what the API accepts. A
+test checks that every route and method is documented and that real responses have the
+documented fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dramatiq_pg_broker import __version__
+from dramatiq_pg_broker.accounts import ROLES
+from dramatiq_pg_broker.events import ALL as EVENT_TYPES
+from dramatiq_pg_broker.events import STATUSES
+
+from .queries import JOB_COLUMNS
+from .resources import events as events_resource
+from .resources import jobs as jobs_resource
+from .resources.sessions import LOGIN_FIELDS
+from .resources.users import TOKEN_FIELDS, USER_FIELDS, USER_UPDATE_FIELDS
+from .validation import object_schema
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(_ref("Error"), description)
+
+
+def _body(fields) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": object_schema(fields)}}}
+
+
+def _param(name: str, where: str, schema: dict, description: str, required: bool = False):
+    return {
+        "name": name,
+        "in": where,
+        "required": required or where == "path",
+        "schema": schema,
+        "description": description,
+    }
+
+
+_JOB_ID = _param("job_id", "path", {"type": "string", "format": "uuid"}, "The job's id.")
+_USER_ID = _param("user_id", "path", {"type": "integer", "minimum": 0}, "The user's id.")
+_TOKEN_ID = _param("token_id", "path", {"type": "integer", "minimum": 0}, "The token's id.")
+
+_NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
+_TIME = {"type": "string", "format": "date-time"}
+
+_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "properties": {
+            "error": {"type": "string", "description": "A stable code, e.g. bad_request."},
+            "message": {"type": "string", "description": "What was wrong, as a sentence."},
+        },
+        "required": ["error", "message"],
+    },
+    "Job": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "format": "uuid"},
+            "queue_name": {"type": "string"},
+            "actor_name": {"type": "string"},
+            "status": {"type": "string", "enum": list(STATUSES)},
+            "priority": {"type": "integer"},
+            "available_at": _TIME,
+            "attempts": {"type": "integer"},
+            "max_attempts": {"type": "integer"},
+            "idempotency_key": {"type": ["string", "null"]},
+            "locked_by": {"type": ["string", "null"]},
+            "locked_until": _NULLABLE_TIME,
+            "last_error": {"type": ["string", "null"]},
+            "result": {},
+            "created_at": _TIME,
+            "updated_at": _TIME,
+            "started_at": _NULLABLE_TIME,
+            "finished_at": _NULLABLE_TIME,
+            "message": {
+                "type": ["object", "null"],
+                "description": "The Dramatiq message (args, kwargs, options ...); null when "
+                "it is stored in a binary encoding.",
+            },
+            "message_encoding": {"type": "string", "enum": ["json", "binary"]},
+            "owner": {
+                "type": ["string", "null"],
+                "description": "Email of the user who created the job through the API.",
+            },
+        },
+    },
+    "JobPage": {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer"},
+            "next": {"type": ["string", "null"], "format": "uri"},
+            "previous": {"type": ["string", "null"], "format": "uri"},
+            "results": {"type": "array", "items": _ref("Job")},
+        },
+    },
+    "Event": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "job_id": {"type": "string", "format": "uuid"},
+            "type": {"type": "string", "enum": list(EVENT_TYPES)},
+            "attempt": {"type": "integer"},
+            "actor": {"type": ["string", "null"], "description": "Worker or operator."},
+            "data": {},
+            "created_at": _TIME,
+        },
+    },
+    "JobTimeline": {
+        "type": "object",
+        "properties": {
+            "job_id": {"type": "string", "format": "uuid"},
+            "results": {"type": "array", "items": _ref("Event")},
+        },
+    },
+    "EventPage": {
+        "type": "object",
+        "properties": {
+            "next": {"type": ["string", "null"], "format": "uri"},
+            "previous": {"type": ["string", "null"], "format": "uri"},
+            "results": {"type": "array", "items": _ref("Event")},
+        },
+    },
+    "Stats": {
+        "type": "object",
+        "properties": {
+            "total": {"type": "integer"},
+            "estimated": {
+                "type": "boolean",
+                "description": "total and succeeded are estimates (a big table).",
+            },
+            "by_status": {
+                "type": "object",
+                "properties": {s: {"type": "integer"} for s in STATUSES},
+            },
+            "by_queue": {
+                "type": "object",
+                "description": "Unfinished jobs per queue.",
+                "additionalProperties": {
+                    "type": "object",
+                    "properties": {"queued": {"type": "integer"}, "running": {"type": "integer"}},
+                },
+            },
+            "expired_leases": {
+                "type": "integer",
+                "description": "Running jobs whose lease expired (the reaper will requeue them).",
+            },
+            "retries_pending": {
+                "type": "integer",
+                "description": "Queued jobs waiting for a retry after a failed attempt.",
+            },
+            "oldest_queued": {
+                "type": ["object", "null"],
+                "properties": {
+                    "id": {"type": "string", "format": "uuid"},
+                    "queue_name": {"type": "string"},
+                    "actor_name": {"type": "string"},
+                    "created_at": _TIME,
+                    "age_seconds": {"type": "number"},
+                },
+            },
+        },
+    },
+    "Health": {
+        "type": "object",
+        "properties": {
+            "status": {"type": "string", "enum": ["ok", "unavailable"]},
+            "database": {"type": "string", "enum": ["ok", "unreachable"]},
+            "schema": {"type": "string", "enum": ["ok", "missing"]},
+            "detail": {"type": "string"},
+        },
+    },
+    "Settings": {"type": "object", "description": "Settings without secrets (see README)."},
+    "User": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "email": {"type": "string"},
+            "role": {"type": "string", "enum": list(ROLES)},
+            "active": {"type": "boolean"},
+            "created_at": _TIME,
+        },
+    },
+    "Token": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string"},
+            "user_id": {"type": "integer"},
+            "created_at": _TIME,
+            "last_used_at": _NULLABLE_TIME,
+            "revoked": {"type": "boolean"},
+            "token": {"type": "string", "description": "Only when created; shown once."},
+        },
+    },
+}
+
+_401 = _error("No credentials, or invalid ones.")
+_403 = _error("The caller's role may not do this (or a cross-site request was refused).")
+_400 = _error("Bad input; the message says what was wrong.")
+_404 = _error("No such job (or, for a member, not one of theirs).")
+_503 = _error("The database is unavailable.")
+
+
+def _protected(op: dict[str, Any], roles: str) -> dict[str, Any]:
+    op["description"] = (op.get("description", "") + f"\n\nRoles: {roles}.").strip()
+    op["responses"].setdefault("400", _400)
+    op["responses"]["401"] = _401
+    op["responses"]["403"] = _403
+    op["responses"]["503"] = _503
+    return op
+
+
+def _paths() -> dict[str, Any]:
+    statuses = {"type": "string", "enum": list(STATUSES)}
+    return {
+        "/api/health": {
+            "get": {
+                "summary": "Is the database reachable? No credentials needed.",
+                "security": [],
+                "responses": {
+                    "200": _json(_ref("Health"), "The database answers and is migrated."),
+                    "503": _json(_ref("Health"), "It does not; detail says why."),
+                },
+            }
+        },
+        "/api/config": {
+            "get": _protected(
+                {
+                    "summary": "The effective settings, without secrets.",
+                    "responses": {"200": _json(_ref("Settings"), "The settings.")},
+                },
+                "any",
+            )
+        },
+        "/api/jobs": {
+            "get": _protected(
+                {
+                    "summary": "List jobs, newest first, with filters and limit-offset pages.",
+                    "description": "Members see only the jobs they created.",
+                    "parameters": [
+                        _param(
+                            "limit",
+                            "query",
+                            {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": jobs_resource.MAX_LIMIT,
+                                "default": jobs_resource.DEFAULT_LIMIT,
+                            },
+                            "Page size.",
+                        ),
+                        _param(
+                            "offset",
+                            "query",
+                            {"type": "integer", "minimum": 0, "maximum": jobs_resource.MAX_OFFSET},
+                            "Jobs to skip.",
+                        ),
+                        _param("status", "query", statuses, "Exact status."),
+                        _param("queue", "query", {"type": "string"}, "Exact queue name."),
+                        _param("actor", "query", {"type": "string"}, "Case-insensitive substring."),
+                        _param("created_after", "query", _TIME, "Created at or after (ISO 8601)."),
+                        _param("created_before", "query", _TIME, "Created before (ISO 8601)."),
+                    ],
+                    "responses": {"200": _json(_ref("JobPage"), "One page of jobs.")},
+                },
+                "any",
+            ),
+            "post": _protected(
+                {
+                    "summary": "Enqueue a message for an actor by name.",
+                    "description": "The API needs no actor code: it stores the message a "
+                    "worker of the queue will run.",
+                    "requestBody": _body(jobs_resource.JOB_FIELDS),
+                    "responses": {
+                        "201": _json(_ref("Job"), "The new job."),
+                        "200": _json(_ref("Job"), "The job that already had this idempotency key."),
+                        "409": _error("A member reused a key of a job they did not create."),
+                        "415": _error("The body is not JSON."),
+                    },
+                },
+                "operator, admin, member",
+            ),
+        },
+        "/api/jobs/stats": {
+            "get": _protected(
+                {
+                    "summary": "Counts by status and queue, expired leases, pending retries, "
+                    "the oldest queued job.",
+                    "responses": {"200": _json(_ref("Stats"), "The stats.")},
+                },
+                "viewer, operator, admin",
+            )
+        },
+        "/api/jobs/{job_id}": {
+            "get": _protected(
+                {
+                    "summary": "One job.",
+                    "parameters": [_JOB_ID],
+                    "responses": {"200": _json(_ref("Job"), "The job."), "404": _404},
+                },
+                "any (members: their jobs)",
+            )
+        },
+        "/api/jobs/{job_id}/events": {
+            "get": _protected(
+                {
+                    "summary": "A job's timeline, oldest first.",
+                    "parameters": [_JOB_ID],
+                    "responses": {"200": _json(_ref("JobTimeline"), "The events."), "404": _404},
+                },
+                "any (members: their jobs)",
+            )
+        },
+        "/api/jobs/{job_id}/retry": {
+            "post": _protected(
+                {
+                    "summary": "Move a failed job back to the queue; attempts start from zero.",
+                    "parameters": [_JOB_ID],
+                    "responses": {
+                        "200": _json(_ref("Job"), "The job, queued again."),
+                        "404": _404,
+                        "409": _error("The job is not failed."),
+                    },
+                },
+                "operator, admin",
+            )
+        },
+        "/api/jobs/{job_id}/cancel": {
+            "post": _protected(
+                {
+                    "summary": "Cancel a queued job.",
+                    "parameters": [_JOB_ID],
+                    "responses": {
+                        "200": _json(_ref("Job"), "The job, cancelled."),
+                        "404": _404,
+                        "409": _error("The job is not queued."),
+                    },
+                },
+                "operator, admin",
+            )
+        },
+        "/api/job-events": {
+            "get": _protected(
+                {
+                    "summary": "Every job's events, newest first, with cursor pages.",
+                    "description": "Follow next/previous; a cursor is opaque.",
+                    "parameters": [
+                        _param(
+                            "limit",
+                            "query",
+                            {
+                                "type": "integer",
+                                "minimum": 1,
+                                "maximum": events_resource.MAX_LIMIT,
+                                "default": events_resource.DEFAULT_LIMIT,
+                            },
+                            "Page size.",
+                        ),
+                        _param("cursor", "query", {"type": "string"}, "From a next/previous link."),
+                        _param(
+                            "type",
+                            "query",
+                            {"type": "string", "enum": list(EVENT_TYPES)},
+                            "Exact event type.",
+                        ),
+                        _param("job_id", "query", {"type": "string", "format": "uuid"}, "One job."),
+                    ],
+                    "responses": {"200": _json(_ref("EventPage"), "One page of events.")},
+                },
+                "any (members: events of their jobs)",
+            )
+        },
+        "/api/auth/login": {
+            "post": {
+                "summary": "Log in: sets the session cookie dpb_session.",
+                "description": "Send the header X-Requested-With (any value).",
+                "security": [],
+                "requestBody": _body(LOGIN_FIELDS),
+                "responses": {
+                    "200": _json(
+                        {"type": "object", "properties": {"user": _ref("User")}}, "Logged in."
+                    ),
+                    "400": _400,
+                    "401": _error("Wrong email or password, or a deactivated account."),
+                    "403": _error("X-Requested-With missing, or an origin not allowed."),
+                },
+            }
+        },
+        "/api/auth/logout": {
+            "post": {
+                "summary": "Log out: ends the session on the server and clears the cookie.",
+                "description": "Send the header X-Requested-With (any value).",
+                "security": [],
+                "responses": {
+                    "204": {"description": "Logged out (also when no session was open)."},
+                    "403": _error("X-Requested-With missing, or an origin not allowed."),
+                },
+            }
+        },
+        "/api/auth/me": {
+            "get": _protected(
+                {
+                    "summary": "The caller's account.",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "user": _ref("User"),
+                                    "via": {"type": "string", "enum": ["session", "token"]},
+                                },
+                            },
+                            "The account.",
+                        )
+                    },
+                },
+                "any",
+            )
+        },
+        "/api/users": {
+            "get": _protected(
+                {
+                    "summary": "Every user.",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "count": {"type": "integer"},
+                                    "results": {"type": "array", "items": _ref("User")},
+                                },
+                            },
+                            "The users.",
+                        )
+                    },
+                },
+                "admin",
+            ),
+            "post": _protected(
+                {
+                    "summary": "Create a user.",
+                    "requestBody": _body(USER_FIELDS),
+                    "responses": {
+                        "201": _json(_ref("User"), "The new user."),
+                        "409": _error("The email is taken."),
+                    },
+                },
+                "admin",
+            ),
+        },
+        "/api/users/{user_id}": {
+            "get": _protected(
+                {
+                    "summary": "One user.",
+                    "parameters": [_USER_ID],
+                    "responses": {
+                        "200": _json(_ref("User"), "The user."),
+                        "404": _error("No such user."),
+                    },
+                },
+                "admin",
+            ),
+            "patch": _protected(
+                {
+                    "summary": "Change a user's role, active flag or password.",
+                    "parameters": [_USER_ID],
+                    "requestBody": _body(USER_UPDATE_FIELDS),
+                    "responses": {
+                        "200": _json(_ref("User"), "The user."),
+                        "404": _error("No such user."),
+                        "409": _error("It would leave no active admin."),
+                    },
+                },
+                "admin",
+            ),
+        },
+        "/api/users/{user_id}/tokens": {
+            "get": _protected(
+                {
+                    "summary": "A user's API tokens (never their values).",
+                    "parameters": [_USER_ID],
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "count": {"type": "integer"},
+                                    "results": {"type": "array", "items": _ref("Token")},
+                                },
+                            },
+                            "The tokens.",
+                        ),
+                        "404": _error("No such user."),
+                    },
+                },
+                "admin",
+            ),
+            "post": _protected(
+                {
+                    "summary": "Create an API token; its value is in this response only.",
+                    "parameters": [_USER_ID],
+                    "requestBody": _body(TOKEN_FIELDS),
+                    "responses": {
+                        "201": _json(_ref("Token"), "The token, with its value."),
+                        "404": _error("No such user."),
+                    },
+                },
+                "admin",
+            ),
+        },
+        "/api/tokens/{token_id}": {
+            "delete": _protected(
+                {
+                    "summary": "Revoke an API token.",
+                    "parameters": [_TOKEN_ID],
+                    "responses": {
+                        "204": {"description": "Revoked."},
+                        "404": _error("No such token."),
+                    },
+                },
+                "admin",
+            )
+        },
+        "/api/openapi.json": {
+            "get": _protected(
+                {
+                    "summary": "This document.",
+                    "responses": {"200": {"description": "The OpenAPI document."}},
+                },
+                "any",
+            )
+        },
+        "/api/docs": {
+            "get": {
+                "summary": "A page that shows this document (it loads it after you log in).",
+                "security": [],
+                "responses": {"200": {"description": "HTML."}},
+            }
+        },
+    }
+
+
+def build() -> dict[str, Any]:
+    """The OpenAPI document."""
+    assert set(_SCHEMAS["Job"]["properties"]) >= set(JOB_COLUMNS)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "dramatiq-pg-broker admin API",
+            "version": __version__,
+            "description": "See and steer the jobs of a dramatiq-pg-broker queue. Errors are "
+            '{"error": code, "message": sentence}. State-changing requests authenticated by '
+            "the session cookie must send the header X-Requested-With.",
+        },
+        "servers": [{"url": "/"}],
+        "security": [{"bearerToken": []}, {"sessionCookie": []}],
+        "paths": _paths(),
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {
+                "bearerToken": {"type": "http", "scheme": "bearer"},
+                "sessionCookie": {"type": "apiKey", "in": "cookie", "name": "dpb_session"},
+            },
+        },
+    }

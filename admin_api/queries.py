@@ -1,0 +1,361 @@
+"""The admin API's reads, composed with SQLAlchemy Core: job lists with filters, one job,
+timelines, the event feed, and the stats.
+
+Writes never happen here: every change of a job goes through
+:class:`dramatiq_pg_broker.jobs.JobStore`.
+
+Members see only the jobs they created: every read takes ``owner_id`` and, when it is set,
+joins ``job_owners`` so that other jobs do not exist for them (a 404, not a 403, so that
+ids of other people's jobs leak nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from dramatiq_pg_broker.errors import JobNotFound
+from dramatiq_pg_broker.events import STATUSES
+
+from .tables import Timestamp, job_events, job_owners, jobs, users
+
+#: Up to this size the ``jobs`` heap is counted exactly by the stats (a sequential scan of
+#: 32 MiB takes a few tens of milliseconds); above it, succeeded jobs are estimated.
+EXACT_STATS_MAX_BYTES = 32 * 1024 * 1024
+
+#: The job columns the API shows, in order.
+JOB_COLUMNS = (
+    "id",
+    "queue_name",
+    "actor_name",
+    "status",
+    "priority",
+    "available_at",
+    "attempts",
+    "max_attempts",
+    "idempotency_key",
+    "locked_by",
+    "locked_until",
+    "last_error",
+    "result",
+    "created_at",
+    "updated_at",
+    "started_at",
+    "finished_at",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFilters:
+    """Filters of the job list; None means "any"."""
+
+    status: str | None = None
+    queue: str | None = None
+    actor: str | None = None
+    created_after: dt.datetime | None = None
+    created_before: dt.datetime | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """A position in the event feed: events with ids below (``older``) or above (newer)
+    ``event_id``."""
+
+    older: bool
+    event_id: int
+
+
+def _job_select() -> sa.Select:
+    owner = users.c.email.label("owner")
+    return sa.select(
+        *(jobs.c[name] for name in JOB_COLUMNS),
+        jobs.c.message,
+        (jobs.c.message_bytes.is_not(None)).label("opaque"),
+        owner,
+    ).select_from(
+        jobs.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id).outerjoin(
+            users, users.c.id == job_owners.c.user_id
+        )
+    )
+
+
+def job_dict(row: sa.Row) -> dict[str, Any]:
+    """A job row as the API shows it. A message stored as bytes (a non-JSON encoder such
+    as pickle) is opaque: ``message`` is null and ``message_encoding`` says why."""
+    data = {name: row._mapping[name] for name in JOB_COLUMNS}
+    data["id"] = str(data["id"])
+    opaque = row._mapping["opaque"]
+    data["message"] = None if opaque else row._mapping["message"]
+    data["message_encoding"] = "binary" if opaque else "json"
+    data["owner"] = row._mapping["owner"]
+    return data
+
+
+def event_dict(row: sa.Row) -> dict[str, Any]:
+    data = dict(row._mapping)
+    data["job_id"] = str(data["job_id"])
+    return data
+
+
+class JobQueries:
+    """Read queries over one schema.
+
+    Parameters:
+      engine(Engine): a SQLAlchemy engine on the database.
+      schema(str): the schema of the tables (applied with ``schema_translate_map``).
+    """
+
+    def __init__(self, engine: Engine, schema: str) -> None:
+        self.schema = schema
+        self.engine = engine.execution_options(schema_translate_map={None: schema})
+
+    def ping(self) -> None:
+        """Check that the database answers and the schema is migrated.
+
+        Raises:
+          sqlalchemy.exc.OperationalError: the database cannot be reached.
+          LookupError: the schema has no jobs table.
+        """
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                sa.select(sa.func.to_regclass(sa.literal(f'"{self.schema}".jobs')))
+            ).scalar()
+        if found is None:
+            raise LookupError(f"schema {self.schema!r} has no jobs table")
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    def list_jobs(
+        self, filters: JobFilters, *, limit: int, offset: int, owner_id: int | None = None
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """One page of jobs, newest first (``created_at``, then ``id``, descending: the
+        ``jobs_created_at_idx`` order), and how many match in all.
+
+        Returns:
+          tuple: the number of matching jobs and the page.
+        """
+        conditions = self._conditions(filters)
+        if owner_id is not None:
+            owned = sa.select(job_owners.c.job_id).where(job_owners.c.user_id == owner_id)
+            conditions.append(jobs.c.id.in_(owned))
+        count_query = sa.select(sa.func.count()).select_from(jobs).where(*conditions)
+        page_query = (
+            _job_select()
+            .where(*conditions)
+            .order_by(jobs.c.created_at.desc(), jobs.c.id.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+        with self.engine.connect() as conn:
+            count = conn.execute(count_query).scalar_one()
+            rows = conn.execute(page_query).all() if offset < count else []
+        return count, [job_dict(row) for row in rows]
+
+    @staticmethod
+    def _conditions(filters: JobFilters) -> list[Any]:
+        conditions: list[Any] = []
+        if filters.status is not None:
+            conditions.append(jobs.c.status == filters.status)
+        if filters.queue is not None:
+            conditions.append(jobs.c.queue_name == filters.queue)
+        if filters.actor is not None:
+            # ILIKE '%...%' with the client's % and _ escaped: a substring, not a pattern.
+            conditions.append(jobs.c.actor_name.icontains(filters.actor, autoescape=True))
+        if filters.created_after is not None:
+            conditions.append(jobs.c.created_at >= filters.created_after)
+        if filters.created_before is not None:
+            conditions.append(jobs.c.created_at < filters.created_before)
+        return conditions
+
+    def get_job(self, job_id: str, *, owner_id: int | None = None) -> dict[str, Any]:
+        """One job.
+
+        Raises:
+          JobNotFound: no job has this id (or, for a member, they did not create it).
+        """
+        query = _job_select().where(jobs.c.id == job_id)
+        if owner_id is not None:
+            query = query.where(job_owners.c.user_id == owner_id)
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        if row is None:
+            raise JobNotFound(f"No job has the id {job_id}")
+        return job_dict(row)
+
+    def job_events(self, job_id: str, *, owner_id: int | None = None) -> list[dict[str, Any]]:
+        """A job's timeline, oldest first.
+
+        Raises:
+          JobNotFound: no job has this id (or, for a member, they did not create it).
+        """
+        visible = sa.select(jobs.c.id).where(jobs.c.id == job_id)
+        if owner_id is not None:
+            visible = visible.join(job_owners, job_owners.c.job_id == jobs.c.id).where(
+                job_owners.c.user_id == owner_id
+            )
+        query = sa.select(job_events).where(job_events.c.job_id == job_id).order_by(job_events.c.id)
+        with self.engine.connect() as conn:
+            if conn.execute(visible).first() is None:
+                raise JobNotFound(f"No job has the id {job_id}")
+            rows = conn.execute(query).all()
+        return [event_dict(row) for row in rows]
+
+    # -- the event feed ------------------------------------------------------------------
+
+    def event_feed(
+        self,
+        *,
+        limit: int,
+        cursor: Cursor | None = None,
+        event_type: str | None = None,
+        job_id: str | None = None,
+        owner_id: int | None = None,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """One page of events, newest first, from a cursor position.
+
+        Keyset pagination on the event id (the primary key): a page costs the same however
+        deep the reader goes, and events appended meanwhile never shift a page.
+
+        Returns:
+          tuple: the page (newest first) and whether more events lie beyond it in the
+          direction of travel.
+        """
+        query = sa.select(job_events)
+        if event_type is not None:
+            query = query.where(job_events.c.type == event_type)
+        if job_id is not None:
+            query = query.where(job_events.c.job_id == job_id)
+        if owner_id is not None:
+            query = query.join(job_owners, job_owners.c.job_id == job_events.c.job_id).where(
+                job_owners.c.user_id == owner_id
+            )
+        newer = cursor is not None and not cursor.older
+        if cursor is None:
+            query = query.order_by(job_events.c.id.desc())
+        elif cursor.older:
+            query = query.where(job_events.c.id < cursor.event_id).order_by(job_events.c.id.desc())
+        else:
+            query = query.where(job_events.c.id > cursor.event_id).order_by(job_events.c.id)
+        with self.engine.connect() as conn:
+            rows = conn.execute(query.limit(limit + 1)).all()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        if newer:
+            rows.reverse()
+        return [event_dict(row) for row in rows], more
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def stats(self, *, now: dt.datetime | None = None) -> dict[str, Any]:
+        """Counts for a dashboard, cheap on a table with millions of finished rows.
+
+        How it stays fast: every number comes from a partial index, or from the planner's
+        statistics, never from a scan of the finished rows of a big table.
+
+        - ``queued`` and ``running`` (and ``by_queue``, ``expired_leases``,
+          ``retries_pending``, ``oldest_queued``) are exact, read from the partial indexes
+          on queued rows (``jobs_claim_order_idx``) and on running rows
+          (``jobs_lease_expiry_idx``); they hold only unfinished jobs.
+        - ``failed`` and ``cancelled`` are exact, from the partial index ``jobs_dead_idx``.
+        - ``total`` is exact while the table is small (under
+          :data:`EXACT_STATS_MAX_BYTES`). Above that it is PostgreSQL's own row estimate
+          (``pg_class.reltuples`` per page, times the table's current pages: what the
+          planner uses), and ``succeeded`` is the total minus the exact counts;
+          ``estimated`` is then true. The table's autovacuum settings (analyze after 2 %
+          of rows changed) keep the estimate close.
+
+        ``by_queue`` counts unfinished jobs only (queued and running per queue): counting
+        the history per queue would mean reading every finished row.
+        """
+        now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
+        queued = jobs.c.status == "queued"
+        running = jobs.c.status == "running"
+        unfinished = sa.union_all(
+            sa.select(jobs.c.queue_name, jobs.c.status, sa.func.count().label("n"))
+            .where(queued)
+            .group_by(jobs.c.queue_name, jobs.c.status),
+            sa.select(jobs.c.queue_name, jobs.c.status, sa.func.count().label("n"))
+            .where(running)
+            .group_by(jobs.c.queue_name, jobs.c.status),
+        )
+        dead = (
+            sa.select(jobs.c.status, sa.func.count())
+            .where(jobs.c.status.in_(("failed", "cancelled")))
+            .group_by(jobs.c.status)
+        )
+        expired = (
+            sa.select(sa.func.count())
+            .select_from(jobs)
+            .where(running, jobs.c.locked_until < now_value)
+        )
+        retries = sa.select(sa.func.count()).select_from(jobs).where(queued, jobs.c.attempts > 0)
+        # MATERIALIZED keeps the planner on the queued-rows index: left alone, it may walk
+        # jobs_created_at_idx from the oldest row hoping to meet a queued one soon, and read
+        # every finished row on the way.
+        waiting = (
+            sa.select(jobs.c.id, jobs.c.queue_name, jobs.c.actor_name, jobs.c.created_at)
+            .where(queued)
+            .cte("waiting")
+            .prefix_with("MATERIALIZED")
+        )
+        oldest = (
+            sa.select(
+                waiting,
+                sa.func.extract("epoch", now_value - waiting.c.created_at).label("age"),
+            )
+            .order_by(waiting.c.created_at, waiting.c.id)
+            .limit(1)
+        )
+        size = sa.text(
+            "SELECT c.reltuples, c.relpages, pg_relation_size(c.oid), "
+            "current_setting('block_size')::int "
+            "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relname = 'jobs'"
+        )
+        with self.engine.connect() as conn:
+            by_status = dict.fromkeys(STATUSES, 0)
+            by_queue: dict[str, dict[str, int]] = {}
+            for queue_name, status, n in conn.execute(unfinished):
+                by_status[status] += n
+                by_queue.setdefault(queue_name, {"queued": 0, "running": 0})[status] = n
+            for status, n in conn.execute(dead):
+                by_status[status] = n
+            reltuples, relpages, size_bytes, block = conn.execute(
+                size, {"schema": self.schema}
+            ).one()
+            # reltuples is -1 until the first ANALYZE: count exactly until then.
+            estimated = size_bytes > EXACT_STATS_MAX_BYTES and relpages > 0 and reltuples >= 0
+            if estimated:
+                estimate = round(reltuples / relpages * (size_bytes / block))
+                others = sum(n for status, n in by_status.items() if status != "succeeded")
+                by_status["succeeded"] = max(0, estimate - others)
+            else:
+                by_status["succeeded"] = conn.execute(
+                    sa.select(sa.func.count()).select_from(jobs).where(jobs.c.status == "succeeded")
+                ).scalar_one()
+            total = sum(by_status.values())
+            expired_count = conn.execute(expired).scalar_one()
+            retries_count = conn.execute(retries).scalar_one()
+            oldest_row = conn.execute(oldest).first()
+        oldest_queued = None
+        if oldest_row is not None:
+            oldest_queued = {
+                "id": str(oldest_row.id),
+                "queue_name": oldest_row.queue_name,
+                "actor_name": oldest_row.actor_name,
+                "created_at": oldest_row.created_at,
+                "age_seconds": round(max(0.0, float(oldest_row.age)), 3),
+            }
+        return {
+            "total": total,
+            "estimated": bool(estimated),
+            "by_status": by_status,
+            "by_queue": dict(sorted(by_queue.items())),
+            "expired_leases": expired_count,
+            "retries_pending": retries_count,
+            "oldest_queued": oldest_queued,
+        }

@@ -1,0 +1,59 @@
+"""``GET /api/job-events``: every job's events, newest first, a cursor page at a time.
+
+A cursor rather than an offset because events are appended while people page: with an
+offset each new event would shift the pages and show a row twice; a cursor is a position
+(an event id), so pages stay put.
+"""
+
+from __future__ import annotations
+
+import falcon
+
+from dramatiq_pg_broker.events import ALL as EVENT_TYPES
+
+from ..auth import READERS, owner_scope
+from ..pagination import decode_cursor, encode_cursor, page_link
+from ..queries import Cursor, JobQueries
+from ..validation import Query
+
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 200
+
+FEED_PARAMS = ("limit", "cursor", "type", "job_id")
+
+
+class EventFeed:
+    permissions = {"GET": READERS}
+
+    def __init__(self, queries: JobQueries) -> None:
+        self.queries = queries
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        query = Query(req, FEED_PARAMS)
+        limit = query.integer("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        raw_cursor = query.text("cursor")
+        cursor = decode_cursor(raw_cursor) if raw_cursor else None
+        results, more = self.queries.event_feed(
+            limit=limit,
+            cursor=cursor,
+            event_type=query.choice("type", EVENT_TYPES),
+            job_id=query.uuid("job_id"),
+            owner_id=owner_scope(req.context.user),
+        )
+
+        def link(older: bool, event_id: int) -> str:
+            return page_link(req, cursor=encode_cursor(Cursor(older, event_id)))
+
+        following = preceding = None
+        if cursor is None or cursor.older:
+            if more:
+                following = link(True, results[-1]["id"])
+            if cursor is not None:
+                # Back towards the newest: everything above this page's first event (or,
+                # on an empty page, everything from the cursor up).
+                preceding = link(False, results[0]["id"] if results else cursor.event_id - 1)
+        else:
+            if more:
+                preceding = link(False, results[0]["id"])
+            following = link(True, results[-1]["id"] if results else cursor.event_id + 1)
+        resp.media = {"next": following, "previous": preceding, "results": results}

@@ -1,0 +1,239 @@
+"""Jobs: list, create, detail, timeline, stats, retry and cancel."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+import dramatiq
+import falcon
+
+from dramatiq_pg_broker.accounts import AccountStore
+from dramatiq_pg_broker.broker import UNLIMITED_ATTEMPTS
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.errors import JobNotFound
+from dramatiq_pg_broker.events import STATUSES
+from dramatiq_pg_broker.jobs import JobStore, NewJob
+
+from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
+from ..errors import ApiError, bad_request
+from ..pagination import offset_links
+from ..queries import JobFilters, JobQueries
+from ..validation import Field, Query, parse_uuid, read_object
+
+#: Page size of the job list when ``limit`` is not given, and its largest value.
+DEFAULT_LIMIT = 25
+MAX_LIMIT = 100
+#: The deepest ``offset`` accepted (beyond it, narrow the filters instead).
+MAX_OFFSET = 10_000_000
+#: The furthest in the future a job may be scheduled: ten years, in milliseconds.
+MAX_DELAY_MS = 10 * 365 * 86_400_000
+#: Dramatiq's own rule for queue names.
+QUEUE_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+#: The body of ``POST /api/jobs``.
+JOB_FIELDS = {
+    "actor_name": Field(
+        "string", "The actor's name, as declared with @dramatiq.actor.", required=True,
+        max_length=255,
+    ),
+    "queue_name": Field(
+        "string", "The actor's queue (letters, digits, '.', '_', '-').", max_length=255,
+        default="default",
+    ),
+    "args": Field("array", "Positional arguments of the actor.", default=[]),
+    "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
+    "priority": Field(
+        "integer", "Lower runs first (Dramatiq's meaning).", minimum=INT32_MIN,
+        maximum=INT32_MAX, default=0,
+    ),
+    "delay": Field(
+        "integer", "Milliseconds to wait before the job may run. Not with available_at.",
+        minimum=0, maximum=MAX_DELAY_MS, nullable=True,
+    ),
+    "available_at": Field(
+        "datetime", "Earliest time the job may run (ISO 8601; UTC without an offset). "
+        "Not with delay.", nullable=True,
+    ),
+    "max_retries": Field(
+        "integer", "Retries after the first attempt; max_attempts is max_retries + 1. "
+        "Default: the broker's max_attempts - 1.", minimum=0, maximum=UNLIMITED_ATTEMPTS - 1,
+        nullable=True,
+    ),
+    "idempotency_key": Field(
+        "string", "A second request with the same key returns the first job (200) "
+        "instead of creating one.", max_length=255, nullable=True,
+    ),
+}  # fmt: skip
+
+LIST_PARAMS = ("limit", "offset", "status", "queue", "actor", "created_after", "created_before")
+
+
+def job_id_param(raw: str) -> str:
+    return parse_uuid(raw, "job id")
+
+
+class JobList:
+    """``GET /api/jobs`` (filters, limit-offset pages) and ``POST /api/jobs``."""
+
+    permissions = {"GET": READERS, "POST": CREATORS}
+
+    def __init__(
+        self, queries: JobQueries, store: JobStore, accounts: AccountStore, settings: Settings
+    ) -> None:
+        self.queries = queries
+        self.store = store
+        self.accounts = accounts
+        self.settings = settings
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        query = Query(req, LIST_PARAMS)
+        limit = query.integer("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
+        offset = query.integer("offset", 0, 0, MAX_OFFSET)
+        filters = JobFilters(
+            status=query.choice("status", STATUSES),
+            queue=query.text("queue") or None,
+            actor=query.text("actor") or None,
+            created_after=query.datetime("created_after"),
+            created_before=query.datetime("created_before"),
+        )
+        count, results = self.queries.list_jobs(
+            filters, limit=limit, offset=offset, owner_id=owner_scope(req.context.user)
+        )
+        following, preceding = offset_links(req, count=count, limit=limit, offset=offset)
+        resp.media = {"count": count, "next": following, "previous": preceding, "results": results}
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        values = read_object(req, JOB_FIELDS)
+        user = req.context.user
+        queue_name = values.get("queue_name", "default")
+        if not QUEUE_NAME_RE.match(queue_name):
+            raise bad_request(
+                "queue_name must start with a letter or '_' and hold only letters, digits, "
+                "'.', '_' and '-'"
+            )
+        if "delay" in values and "available_at" in values:
+            raise bad_request("give delay or available_at, not both")
+        delay_ms = values.get("delay", 0)
+        if "available_at" in values:
+            wait = values["available_at"] - dt.datetime.now(dt.timezone.utc)
+            delay_ms = max(0, int(wait.total_seconds() * 1000))
+            if delay_ms > MAX_DELAY_MS:
+                raise bad_request("available_at must be at most ten years from now")
+        max_retries = values.get("max_retries", self.settings.max_attempts - 1)
+        key = values.get("idempotency_key")
+        options: dict = {"max_retries": max_retries}
+        if key is not None:
+            options["idempotency_key"] = key
+        # The API holds no actor code: the message is built as actor.send() would build it,
+        # and stored as PostgresBroker.encode_message stores it for the JSON encoder.
+        message = dramatiq.Message(
+            queue_name=queue_name,
+            actor_name=values["actor_name"],
+            args=tuple(values.get("args", ())),
+            kwargs=values.get("kwargs", {}),
+            options=options,
+        )
+        job = NewJob(
+            id=message.message_id,
+            queue_name=queue_name,
+            actor_name=message.actor_name,
+            message=message.asdict(),
+            priority=values.get("priority", 0),
+            delay_ms=delay_ms,
+            max_attempts=min(max_retries + 1, UNLIMITED_ATTEMPTS),
+            idempotency_key=key,
+        )
+        # The job and its owner are written together or not at all.
+        with self.store.pool.connection() as conn, conn.transaction():
+            result = self.store.enqueue(job, conn=conn)
+            if result.created:
+                self.accounts.record_owner(result.id, user.id, conn=conn)
+        try:
+            body = self.queries.get_job(result.id, owner_id=owner_scope(user))
+        except JobNotFound:
+            # A member reused a key of a job they cannot see: say so without showing it.
+            raise ApiError(
+                409, "idempotency_key is already used by a job you did not create; use another key"
+            ) from None
+        resp.status = falcon.HTTP_201 if result.created else falcon.HTTP_200
+        resp.location = f"{req.prefix}/api/jobs/{result.id}"
+        resp.media = body
+
+
+class JobDetail:
+    """``GET /api/jobs/{id}``."""
+
+    permissions = {"GET": READERS}
+
+    def __init__(self, queries: JobQueries) -> None:
+        self.queries = queries
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
+        Query(req, ())
+        job_id = job_id_param(job_id)
+        resp.media = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
+
+
+class JobEvents:
+    """``GET /api/jobs/{id}/events``: the job's timeline, oldest first."""
+
+    permissions = {"GET": READERS}
+
+    def __init__(self, queries: JobQueries) -> None:
+        self.queries = queries
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
+        Query(req, ())
+        job_id = job_id_param(job_id)
+        events = self.queries.job_events(job_id, owner_id=owner_scope(req.context.user))
+        resp.media = {"job_id": job_id, "results": events}
+
+
+class JobStats:
+    """``GET /api/jobs/stats``; see :meth:`admin_api.queries.JobQueries.stats` for how it
+    stays fast."""
+
+    permissions = {"GET": OBSERVERS}
+
+    def __init__(self, queries: JobQueries) -> None:
+        self.queries = queries
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        Query(req, ())
+        resp.media = self.queries.stats()
+
+
+class JobRetry:
+    """``POST /api/jobs/{id}/retry``: failed to queued, attempts from zero (409 for any
+    other status)."""
+
+    permissions = {"POST": OPERATORS}
+
+    def __init__(self, queries: JobQueries, store: JobStore) -> None:
+        self.queries = queries
+        self.store = store
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
+        Query(req, ())
+        job_id = job_id_param(job_id)
+        self.store.retry_failed(job_id, by=req.context.user.email)
+        resp.media = self.queries.get_job(job_id)
+
+
+class JobCancel:
+    """``POST /api/jobs/{id}/cancel``: queued to cancelled (409 for any other status)."""
+
+    permissions = {"POST": OPERATORS}
+
+    def __init__(self, queries: JobQueries, store: JobStore) -> None:
+        self.queries = queries
+        self.store = store
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
+        Query(req, ())
+        job_id = job_id_param(job_id)
+        self.store.cancel(job_id, by=req.context.user.email)
+        resp.media = self.queries.get_job(job_id)

@@ -1,0 +1,66 @@
+"""Logging in and out with a session cookie, and who am I."""
+
+from __future__ import annotations
+
+import falcon
+
+from dramatiq_pg_broker.accounts import AccountStore
+from dramatiq_pg_broker.config import Settings
+
+from ..auth import READERS, SESSION_COOKIE, clear_session_cookie, set_session_cookie
+from ..errors import ApiError
+from ..validation import Field, read_object
+
+LOGIN_FIELDS = {
+    "email": Field("string", "The account's email address.", required=True, max_length=254),
+    "password": Field("string", "The account's password.", required=True, trim=False),
+}
+
+
+class Login:
+    """``POST /api/auth/login``: check email and password, start a session, set its cookie
+    (HttpOnly, SameSite=Lax, Secure when DRAMATIQ_PG_COOKIE_SECURE is on)."""
+
+    public = True
+
+    def __init__(self, accounts: AccountStore, settings: Settings) -> None:
+        self.accounts = accounts
+        self.settings = settings
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        values = read_object(req, LOGIN_FIELDS)
+        user = self.accounts.authenticate(values["email"], values["password"])
+        if user is None:
+            raise ApiError(
+                401, "The email or the password is wrong, or the account is deactivated."
+            )
+        session_id = self.accounts.create_session(user.id, self.settings.session_hours)
+        set_session_cookie(resp, session_id, self.settings)
+        resp.media = {"user": user.as_dict(), "expires_in": int(self.settings.session_hours * 3600)}
+
+
+class Logout:
+    """``POST /api/auth/logout``: end the session on the server and clear the cookie. Always
+    204, so that logging out twice is harmless."""
+
+    public = True
+
+    def __init__(self, accounts: AccountStore, settings: Settings) -> None:
+        self.accounts = accounts
+        self.settings = settings
+
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        session_id = req.cookies.get(SESSION_COOKIE)
+        if session_id:
+            self.accounts.delete_session(session_id)
+        clear_session_cookie(resp, self.settings)
+        resp.status = falcon.HTTP_204
+
+
+class Me:
+    """``GET /api/auth/me``: the caller's account and how they authenticated."""
+
+    permissions = {"GET": READERS}
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.media = {"user": req.context.user.as_dict(), "via": req.context.via}

@@ -1,0 +1,104 @@
+"""SQLAlchemy Core definitions of the tables, mirroring ``migrations/`` exactly.
+
+The migrations are the source of truth; these definitions only let the admin API compose
+its read queries (lists, filters, stats) with SQLAlchemy. A test compares them with a
+freshly migrated schema, column by column. They carry no schema name: the engine's
+``schema_translate_map`` points them at the configured schema.
+
+No table is ever created from here.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Table,
+    Text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+
+metadata = MetaData()
+
+#: A timestamp with time zone, as every timestamp of the schema is.
+Timestamp = TIMESTAMP(timezone=True)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", UUID(as_uuid=False), primary_key=True),
+    Column("queue_name", Text, nullable=False),
+    Column("actor_name", Text, nullable=False),
+    Column("message", JSONB),
+    Column("message_bytes", LargeBinary),
+    Column("status", Text, nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("available_at", Timestamp, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("max_attempts", Integer, nullable=False),
+    Column("idempotency_key", Text),
+    Column("locked_by", Text),
+    Column("locked_until", Timestamp),
+    Column("last_error", Text),
+    Column("result", JSONB),
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
+    Column("started_at", Timestamp),
+    Column("finished_at", Timestamp),
+)
+
+job_events = Table(
+    "job_events",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("job_id", UUID(as_uuid=False), ForeignKey("jobs.id"), nullable=False),
+    Column("type", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("actor", Text),
+    Column("data", JSONB),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+users = Table(
+    "users",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("email", Text, nullable=False),
+    Column("password_hash", Text, nullable=False),
+    Column("role", Text, nullable=False),
+    Column("active", Boolean, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+sessions = Table(
+    "sessions",
+    metadata,
+    Column("id_hash", Text, primary_key=True),
+    Column("user_id", BigInteger, ForeignKey("users.id"), nullable=False),
+    Column("expires_at", Timestamp, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("token_hash", Text, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("user_id", BigInteger, ForeignKey("users.id"), nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    Column("last_used_at", Timestamp),
+    Column("revoked", Boolean, nullable=False),
+)
+
+job_owners = Table(
+    "job_owners",
+    metadata,
+    Column("job_id", UUID(as_uuid=False), ForeignKey("jobs.id"), primary_key=True),
+    Column("user_id", BigInteger, ForeignKey("users.id"), nullable=False),
+)

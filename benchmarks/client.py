@@ -1,0 +1,66 @@
+"""Client-side steps, each run in its own process so that brokers never share one:
+``python -m benchmarks.client {enqueue,send,delayed,latency,flush} ...``.
+
+The broker is the one ``benchmarks.actors`` builds from ``BENCH_BROKER``. Each step prints
+one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _send_many(actor, count: int, **options) -> float:
+    started = time.perf_counter()
+    if options:
+        for i in range(count):
+            actor.send_with_options(args=(i,), **options)
+    else:
+        for i in range(count):
+            actor.send(i)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.client")
+    parser.add_argument("step", choices=["enqueue", "send", "delayed", "latency", "flush"])
+    parser.add_argument("--count", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--gap", type=float, default=0.01, help="seconds between two sends")
+    args = parser.parse_args(argv)
+
+    from . import actors
+
+    broker = actors.broker
+    out: dict = {"broker": actors.KIND, "step": args.step, "count": args.count}
+    try:
+        if args.step == "flush":
+            # Dramatiq's own flush purges the queue and its delay queue.
+            broker.flush_all()
+        elif args.step == "enqueue":
+            # Warm up connections, prepared statements and scripts first; not timed.
+            _send_many(actors.noop, args.warmup)
+            seconds = _send_many(actors.noop, args.count)
+            out.update(seconds=seconds, rate=args.count / seconds)
+        elif args.step == "send":
+            seconds = _send_many(actors.noop, args.count)
+            out.update(seconds=seconds, rate=args.count / seconds)
+        elif args.step == "delayed":
+            seconds = _send_many(actors.noop, args.count, delay=3_600_000)
+            out.update(seconds=seconds)
+        elif args.step == "latency":
+            for _ in range(args.count):
+                actors.stamp.send(time.time())
+                time.sleep(args.gap)
+    finally:
+        broker.close()
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""Running the workloads: worker and client processes, flushing, measuring.
+
+Every worker is a real ``python -m dramatiq benchmarks.actors --processes 1 --threads 8``
+process group started by the harness and always stopped by it (SIGTERM, then SIGKILL of the
+group after a grace period), whatever happens in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import pgdata
+from .actors import QUEUE, RABBITMQ_URL, REDIS_NAMESPACE, REDIS_URL
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER_THREADS = 8
+
+
+class BenchError(RuntimeError):
+    """A workload could not be measured (a timeout, a process that died)."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A broker configuration taking part in the run."""
+
+    name: str
+    label: str
+    kind: str  # postgres | redis | rabbitmq
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def events(self) -> bool:
+        return self.env.get("DRAMATIQ_PG_EVENTS", "1") != "0"
+
+
+VARIANTS = {
+    "postgres": Variant(
+        "postgres", "postgres (this broker)", "postgres", {"DRAMATIQ_PG_EVENTS": "1"}
+    ),
+    "postgres-noevents": Variant(
+        "postgres-noevents", "postgres, events off", "postgres", {"DRAMATIQ_PG_EVENTS": "0"}
+    ),
+    "redis": Variant("redis", "redis (dramatiq)", "redis"),
+    "rabbitmq": Variant("rabbitmq", "rabbitmq (dramatiq)", "rabbitmq"),
+}
+
+
+def reachable(kind: str) -> bool:
+    """Whether the local Redis or RabbitMQ answers (PostgreSQL is always required)."""
+    try:
+        if kind == "redis":
+            import redis
+
+            return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping())
+        if kind == "rabbitmq":
+            import pika
+
+            params = pika.URLParameters(RABBITMQ_URL)
+            params.socket_timeout = 2
+            params.blocked_connection_timeout = 2
+            pika.BlockingConnection(params).close()
+            return True
+    except Exception:
+        return False
+    return True
+
+
+class Harness:
+    def __init__(self, url: str, schema: str, out_dir: Path, verbose: bool = False) -> None:
+        self.url = url
+        self.schema = schema
+        self.out_dir = out_dir
+        self.verbose = verbose
+        self.log_dir = out_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- environment ---------------------------------------------------------------------
+
+    def env(self, variant: Variant, schema: str | None = None, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(variant.env)
+        env.update(
+            BENCH_BROKER=variant.kind,
+            DRAMATIQ_PG_URL=self.url,
+            DRAMATIQ_PG_SCHEMA=schema or self.schema,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        )
+        env.update(extra)
+        return env
+
+    def log(self, text: str) -> None:
+        if self.verbose:
+            print(f"    {text}", flush=True)
+
+    # -- flushing ------------------------------------------------------------------------
+
+    def flush(self, variant: Variant, schema: str | None = None) -> None:
+        """Empty the broker's benchmark queue (and delay queue) completely."""
+        if variant.kind == "postgres":
+            pgdata.empty(self.url, schema or self.schema)
+        elif variant.kind == "redis":
+            import redis
+
+            client = redis.Redis.from_url(REDIS_URL)
+            keys = list(client.scan_iter(match=f"{REDIS_NAMESPACE}:*", count=1000))
+            for start in range(0, len(keys), 1000):
+                client.delete(*keys[start : start + 1000])
+            client.close()
+        elif variant.kind == "rabbitmq":
+            import pika
+
+            conn = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+            try:
+                channel = conn.channel()
+                for name in (QUEUE, f"{QUEUE}.DQ", f"{QUEUE}.XQ"):
+                    channel.queue_delete(name)
+            finally:
+                conn.close()
+
+    # -- client steps --------------------------------------------------------------------
+
+    def client(
+        self, variant: Variant, step: str, timeout: float, state: str | None = None, **options
+    ) -> dict:
+        """Run one ``benchmarks.client`` step in its own process; returns its JSON."""
+        args = [sys.executable, "-m", "benchmarks.client", step]
+        for key, value in options.items():
+            args += [f"--{key}", str(value)]
+        env = self.env(variant, **({"BENCH_STATE_DIR": state} if state else {}))
+        try:
+            done = subprocess.run(
+                args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as e:
+            raise BenchError(f"client step {step} timed out after {timeout:.0f}s") from e
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-3:]
+            raise BenchError(f"client step {step} failed: {' | '.join(tail)}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    # -- workers -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def worker(
+        self, variant: Variant, tag: str, *, schema: str | None = None, expect: int = 0
+    ) -> Iterator[tuple[subprocess.Popen, str]]:
+        """A running worker process group and its state directory; stopped on exit."""
+        state = tempfile.mkdtemp(prefix="bench-state-")
+        env = self.env(variant, schema, BENCH_STATE_DIR=state, BENCH_EXPECT=str(expect))
+        log_path = self.log_dir / f"worker-{variant.name}-{tag}.log"
+        args = [
+            sys.executable, "-m", "dramatiq", "benchmarks.actors",
+            "--processes", "1", "--threads", str(WORKER_THREADS),
+        ]  # fmt: skip
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            yield proc, state
+        finally:
+            self._stop(proc)
+            shutil.rmtree(state, ignore_errors=True)
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group holds the worker's children too; make sure none survives.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    @staticmethod
+    def wait_ready(proc: subprocess.Popen, state: str, timeout: float = 60) -> int:
+        """Wait for the worker process to boot; returns its pid."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = glob.glob(os.path.join(state, "ready-*.json"))
+            if found:
+                with open(found[0]) as f:
+                    return int(json.load(f)["pid"])
+            if proc.poll() is not None:
+                raise BenchError(f"worker exited with code {proc.returncode} before booting")
+            time.sleep(0.05)
+        raise BenchError(f"worker did not boot within {timeout:.0f}s")
+
+    @staticmethod
+    def wait_file(proc: subprocess.Popen, path: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as f:
+                    return json.load(f)
+            if proc.poll() is not None:
+                raise BenchError(f"worker exited with code {proc.returncode}")
+            time.sleep(0.02)
+        raise BenchError(f"no result within {timeout:.0f}s")
+
+    # -- workloads -----------------------------------------------------------------------
+
+    def enqueue(self, variant: Variant, count: int) -> dict:
+        self.flush(variant)
+        try:
+            result = self.client(variant, "enqueue", timeout=count / 100 + 60, count=count,
+                                 warmup=200)  # fmt: skip
+        finally:
+            self.flush(variant)
+        return {"rate": result["rate"]}
+
+    def raw_insert(self, count: int) -> dict:
+        return {"rate": pgdata.raw_insert_rate(self.url, self.schema, count)}
+
+    def fill(self, variant: Variant, count: int, *, delay_s: float = -1.0) -> None:
+        """Put ``count`` messages on the queue (delayed by ``delay_s`` when positive)."""
+        if variant.kind == "postgres":
+            pgdata.load(self.url, self.schema, count, delay_s=delay_s, events=variant.events)
+        elif delay_s > 0:
+            self.client(variant, "delayed", timeout=count / 100 + 60, count=count)
+        else:
+            self.client(variant, "send", timeout=count / 100 + 60, count=count)
+
+    def drain(self, variant: Variant, count: int, *, schema: str | None = None,
+              prepared: bool = False, tag: str = "drain") -> dict:  # fmt: skip
+        """Time one worker processing ``count`` queued messages. ``prepared``: the queue
+        was filled by the caller (the backlog workload)."""
+        if not prepared:
+            self.flush(variant)
+            self.fill(variant, count)
+        try:
+            with self.worker(variant, tag, schema=schema, expect=count) as (proc, state):
+                self.wait_ready(proc, state)
+                result = self.wait_file(proc, os.path.join(state, "drain.json"),
+                                        timeout=count / 100 + 60)  # fmt: skip
+        finally:
+            if not prepared:
+                self.flush(variant)
+        seconds = result["done"] - result["first_start"]
+        return {"rate": count / seconds, "seconds": seconds}
+
+    def latency(self, variant: Variant, count: int, gap: float) -> dict:
+        self.flush(variant)
+        try:
+            with self.worker(variant, "latency") as (proc, state):
+                self.wait_ready(proc, state)
+                time.sleep(1.0)  # let every consumer settle into its idle wait
+                self.client(variant, "latency", timeout=count * gap + 60, state=state, count=count,
+                            gap=gap)  # fmt: skip
+                path = os.path.join(state, "latency.txt")
+                deadline = time.monotonic() + 30
+                samples: list[float] = []
+                while time.monotonic() < deadline:
+                    if os.path.exists(path):
+                        with open(path) as f:
+                            samples = [float(line) for line in f if line.strip()]
+                        if len(samples) >= count:
+                            break
+                    time.sleep(0.05)
+                if len(samples) < count:
+                    raise BenchError(f"only {len(samples)} of {count} latency samples arrived")
+        finally:
+            self.flush(variant)
+        samples.sort()
+        return {"p50_ms": percentile(samples, 50) * 1000, "p99_ms": percentile(samples, 99) * 1000}
+
+    def memory(self, variant: Variant, delayed: int, settle: float) -> dict:
+        """Worker RSS after ``settle`` seconds: idle, then with ``delayed`` delayed messages."""
+        import psutil
+
+        out = {}
+        for label, count in (("idle_mb", 0), ("delayed_mb", delayed)):
+            self.flush(variant)
+            try:
+                if count:
+                    self.fill(variant, count, delay_s=3600)
+                with self.worker(variant, f"memory-{label}") as (proc, state):
+                    pid = self.wait_ready(proc, state)
+                    time.sleep(settle)
+                    if proc.poll() is not None:
+                        raise BenchError("worker died while settling")
+                    out[label] = psutil.Process(pid).memory_info().rss / 2**20
+            finally:
+                self.flush(variant)
+        out["growth"] = out["delayed_mb"] / out["idle_mb"] - 1
+        return out
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, min(len(sorted_values), math.ceil(pct / 100 * len(sorted_values))))
+    return sorted_values[rank - 1]

@@ -1,0 +1,170 @@
+"""Database chores of the benchmark: fresh schemas, bulk-loaded rows, the raw insert limit.
+
+Rows are bulk-loaded with ``INSERT ... SELECT generate_series`` in the exact shape
+``PostgresBroker.enqueue`` stores (a Dramatiq message as jsonb, a ``created`` event when
+events are on), so a worker cannot tell them from sent messages.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import psycopg
+from psycopg import sql
+
+from dramatiq_pg_broker.migrate import migrate
+
+from .actors import QUEUE
+
+
+def reset_schema(url: str, schema: str) -> None:
+    """Drop the schema and migrate it again from nothing."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    migrate(url, schema)
+
+
+def drop_schema(url: str, schema: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def _q(text: str, schema: str) -> sql.Composed:
+    return sql.SQL(text).format(schema=sql.Identifier(schema))
+
+
+def empty(url: str, schema: str) -> None:
+    """Remove every job and event (the empty-table state)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(_q("TRUNCATE {schema}.job_events, {schema}.jobs CASCADE", schema))
+        conn.execute(_q("ANALYZE {schema}.jobs", schema))
+        conn.execute(_q("ANALYZE {schema}.job_events", schema))
+
+
+_INSERT_JOBS = """
+INSERT INTO {schema}.jobs AS j (
+    id, queue_name, actor_name, message, status, priority, available_at, attempts,
+    max_attempts, created_at, updated_at, started_at, finished_at)
+SELECT n.id, %(queue)s::text, 'noop',
+       jsonb_build_object(
+           'queue_name', %(queue)s::text, 'actor_name', 'noop', 'args', jsonb_build_array(n.g),
+           'kwargs', '{{}}'::jsonb, 'options', '{{}}'::jsonb, 'message_id', n.id::text,
+           'message_timestamp', (extract(epoch FROM now()) * 1000)::bigint),
+       %(status)s::text, 0,
+       now() + %(delay_s)s::float8 * interval '1 second',
+       CASE WHEN %(status)s::text = 'succeeded' THEN 1 ELSE 0 END,
+       1,
+       now() - interval '1 hour' + n.g * interval '1 microsecond',
+       now(),
+       CASE WHEN %(status)s::text = 'succeeded' THEN now() END,
+       CASE WHEN %(status)s::text = 'succeeded' THEN now() END
+FROM (SELECT gen_random_uuid() AS id, g FROM generate_series(1, %(count)s::int) AS g) AS n
+"""
+
+_EVENTS_FROM_NEW = """
+INSERT INTO {schema}.job_events (job_id, type, attempt, actor, created_at)
+SELECT new.id, t.type, t.attempt, t.actor, new.created_at
+FROM new
+CROSS JOIN LATERAL (VALUES ('created', 0, NULL), ('claimed', 1, 'bench:0:0:0'),
+                           ('succeeded', 1, 'bench:0:0:0')) AS t (type, attempt, actor)
+WHERE t.type = 'created' OR new.status = 'succeeded'
+"""
+# The jobs and their events in one statement.
+_INSERT_EVENTS = (
+    "WITH new AS (" + _INSERT_JOBS + " RETURNING j.id, j.status, j.created_at)" + _EVENTS_FROM_NEW
+)
+
+
+def load(
+    url: str,
+    schema: str,
+    count: int,
+    *,
+    status: str = "queued",
+    delay_s: float = -1.0,
+    events: bool = True,
+    queue: str = QUEUE,
+) -> float:
+    """Insert ``count`` jobs of the benchmark's ``noop`` actor; returns seconds taken.
+
+    ``status`` is ``queued`` (runnable after ``delay_s``; negative means already due) or
+    ``succeeded`` (finished history, with its created/claimed/succeeded events).
+    """
+    started = time.perf_counter()
+    params = {"queue": queue, "status": status, "delay_s": delay_s, "count": count}
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(_q(_INSERT_EVENTS if events else _INSERT_JOBS, schema), params)
+    with psycopg.connect(url, autocommit=True) as conn:
+        # What autovacuum would do soon after such a load: statistics and visibility map.
+        conn.execute(_q("VACUUM ANALYZE {schema}.jobs", schema))
+        conn.execute(_q("VACUUM ANALYZE {schema}.job_events", schema))
+    return time.perf_counter() - started
+
+
+def delete_unfinished(url: str, schema: str, queue: str = QUEUE) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            _q(
+                "DELETE FROM {schema}.jobs WHERE queue_name = %s AND status IN "
+                "('queued', 'running')",
+                schema,
+            ),
+            (queue,),
+        )
+
+
+def count_unfinished(url: str, schema: str, queue: str = QUEUE) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(
+            _q(
+                "SELECT count(*) FROM {schema}.jobs WHERE queue_name = %s "
+                "AND status IN ('queued', 'running')",
+                schema,
+            ),
+            (queue,),
+        ).fetchone()[0]
+
+
+def raw_insert_rate(url: str, schema: str, count: int, warmup: int = 200) -> float:
+    """The durable limit: one INSERT and COMMIT per row on one connection, into a table
+    shaped like the jobs table (same columns, constraints and indexes)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(_q("DROP TABLE IF EXISTS {schema}.raw_jobs", schema))
+        conn.execute(
+            _q(
+                "CREATE TABLE {schema}.raw_jobs (LIKE {schema}.jobs INCLUDING DEFAULTS "
+                "INCLUDING CONSTRAINTS INCLUDING INDEXES)",
+                schema,
+            )
+        )
+        stmt = _q(
+            "INSERT INTO {schema}.raw_jobs (id, queue_name, actor_name, message, priority, "
+            "available_at, max_attempts, created_at, updated_at) "
+            "VALUES (%s, %s, 'noop', %s::jsonb, 0, now(), 1, now(), now())",
+            schema,
+        ).as_string(conn)
+        message = (
+            '{"queue_name": "%s", "actor_name": "noop", "args": [%d], "kwargs": {}, '
+            '"options": {}, "message_id": "%s", "message_timestamp": %d}'
+        )
+
+        def one(i: int) -> None:
+            job_id = str(uuid.uuid4())
+            now_ms = int(time.time() * 1000)
+            # autocommit: each execute is its own transaction, committed before it returns.
+            conn.execute(stmt, (job_id, QUEUE, message % (QUEUE, i, job_id, now_ms)))
+
+        for i in range(warmup):
+            one(i)
+        started = time.perf_counter()
+        for i in range(count):
+            one(i)
+        seconds = time.perf_counter() - started
+        conn.execute(_q("DROP TABLE {schema}.raw_jobs", schema))
+    return count / seconds
+
+
+def server_version(url: str) -> str:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SHOW server_version").fetchone()[0]

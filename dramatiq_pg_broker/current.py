@@ -18,7 +18,7 @@ worker took the job): the actor may then stop, since its outcome will be discard
 
 from __future__ import annotations
 
-import threading
+import contextvars
 from typing import TYPE_CHECKING, Any
 
 from dramatiq.middleware import Middleware
@@ -28,7 +28,11 @@ from .consumer import PgMessageProxy
 if TYPE_CHECKING:
     from .broker import PostgresBroker
 
-_local = threading.local()
+#: A context variable, not a thread-local: async actors run on Dramatiq's event loop thread,
+#: and the coroutine inherits the worker thread's context (as Dramatiq's CurrentMessage does).
+_current: contextvars.ContextVar[CurrentJob | None] = contextvars.ContextVar(
+    "dramatiq_pg_broker_current_job", default=None
+)
 
 
 class CurrentJob:
@@ -64,7 +68,7 @@ class CurrentJob:
 def current_job() -> CurrentJob | None:
     """The job of the message this thread is processing, or None outside an actor (or for
     a message that did not come from a PostgresBroker)."""
-    return getattr(_local, "job", None)
+    return _current.get()
 
 
 class JobContext(Middleware):
@@ -77,12 +81,12 @@ class JobContext(Middleware):
 
     def before_process_message(self, broker, message) -> None:
         if isinstance(message, PgMessageProxy):
-            _local.job = CurrentJob(broker, message)
+            _current.set(CurrentJob(broker, message))
             actor = broker.actors.get(message.actor_name)
             if actor is not None and actor.options.get("heartbeat") is False:
                 broker.leases.started_without_heartbeat(message.attempt)
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
-        _local.job = None
+        _current.set(None)
 
     after_skip_message = after_process_message

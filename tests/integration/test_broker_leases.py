@@ -1,0 +1,191 @@
+"""Leases: the reaper requeues or fails expired attempts, and a stale worker changes nothing.
+
+Time is injected with ``now=`` (a clock far ahead of the server's), never slept.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+
+from dramatiq_pg_broker import Attempt, JobStore, Settings
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.jobs import NewJob
+
+BASE_MS = 1000
+MAX_MS = 10_000
+LEASE = 30
+
+
+@pytest.fixture(scope="module")
+def store(pg_url, schema):
+    store = JobStore(ProcessPool(Settings(url=pg_url, schema=schema)), schema)
+    yield store
+    store.pool.close()
+
+
+@pytest.fixture
+def clock():
+    """A start time an hour ahead, so that every injected instant is after the server's
+    now() at insert time."""
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0) + dt.timedelta(hours=1)
+
+
+def at(clock, seconds):
+    return clock + dt.timedelta(seconds=seconds)
+
+
+def new_job(store, *, max_attempts=3):
+    queue = f"q_{uuid.uuid4().hex[:8]}"
+    job_id = str(uuid.uuid4())
+    store.enqueue(
+        NewJob(
+            id=job_id,
+            queue_name=queue,
+            actor_name="a",
+            message={"x": 1},
+            max_attempts=max_attempts,
+        )
+    )
+    return job_id, queue
+
+
+def claim(store, queue, owner, now):
+    jobs = store.claim(queue, 1, owner, LEASE, now=now)
+    assert len(jobs) == 1, f"{owner} could not claim at {now}"
+    return Attempt(jobs[0].id, owner, jobs[0].attempts)
+
+
+def reap(store, now):
+    return store.reap(batch=100, backoff_base_ms=BASE_MS, backoff_max_ms=MAX_MS, now=now)
+
+
+def test_reaper_leaves_live_leases_alone(store, clock):
+    job_id, queue = new_job(store)
+    claim(store, queue, "A", clock)
+    result = reap(store, at(clock, LEASE - 1))
+    assert job_id not in result.requeued + result.failed
+    assert store.get(job_id)["status"] == "running"
+
+
+def test_reaper_requeues_an_expired_lease_with_backoff(store, clock):
+    job_id, queue = new_job(store, max_attempts=3)
+    claim(store, queue, "A", clock)
+    reap_at = at(clock, LEASE + 1)
+    result = reap(store, reap_at)
+    assert job_id in result.requeued
+    row = store.get(job_id)
+    assert row["status"] == "queued"
+    assert row["attempts"] == 1, "an expired lease is a charged attempt"
+    assert row["locked_by"] is None and row["locked_until"] is None
+    assert row["available_at"] == reap_at + dt.timedelta(milliseconds=BASE_MS)
+    assert "lease expired" in row["last_error"] and "A" in row["last_error"]
+    event = store.events_of(job_id)[-1]
+    assert event["type"] == "timeout_requeued"
+    assert (event["attempt"], event["actor"]) == (1, "A")
+
+    # Not claimable during the backoff; the second expiry doubles it.
+    assert store.claim(queue, 1, "B", LEASE, now=at(reap_at, 0.5)) == []
+    second = claim(store, queue, "B", at(reap_at, 1))
+    assert second.attempt == 2
+    reap_again = at(reap_at, 1 + LEASE + 1)
+    reap(store, reap_again)
+    assert store.get(job_id)["available_at"] == reap_again + dt.timedelta(milliseconds=2 * BASE_MS)
+
+
+def test_reaper_fails_the_job_when_attempts_are_exhausted(store, clock):
+    job_id, queue = new_job(store, max_attempts=2)
+    claim(store, queue, "A", clock)
+    reap(store, at(clock, LEASE + 1))
+    claim(store, queue, "B", at(clock, LEASE + 10))
+    finish = at(clock, 2 * LEASE + 20)
+    result = reap(store, finish)
+    assert job_id in result.failed
+    row = store.get(job_id)
+    assert (row["status"], row["attempts"]) == ("failed", 2)
+    assert row["finished_at"] == finish
+    assert row["locked_by"] is None
+    types = [e["type"] for e in store.events_of(job_id)]
+    assert types == ["created", "claimed", "timeout_requeued", "claimed", "failed"]
+    assert store.claim(queue, 1, "C", LEASE, now=at(finish, 3600)) == [], "a failed job ran"
+
+
+def test_reaper_backoff_doubles_and_is_capped(store, clock):
+    job_id, queue = new_job(store, max_attempts=10)
+    now = clock
+    delays = []
+    for _ in range(6):
+        claim(store, queue, "A", now)
+        now = at(now, LEASE + 1)
+        reap(store, now)
+        available_at = store.get(job_id)["available_at"]
+        delays.append(int((available_at - now) / dt.timedelta(milliseconds=1)))
+        now = available_at
+    assert delays == [1000, 2000, 4000, 8000, 10_000, 10_000]
+    assert store.get(job_id)["attempts"] == 6
+
+
+def snapshot(store, job_id):
+    row = store.get(job_id)
+    return row, [e["id"] for e in store.events_of(job_id)]
+
+
+def test_stale_worker_changes_nothing_after_another_worker_claimed_the_next_attempt(store, clock):
+    job_id, queue = new_job(store, max_attempts=3)
+    stale = claim(store, queue, "worker-A", clock)
+    reap(store, at(clock, LEASE + 1))
+    current = claim(store, queue, "worker-B", at(clock, LEASE + 5))
+    assert current.attempt == 2
+
+    before = snapshot(store, job_id)
+    late = at(clock, LEASE + 6)
+    assert store.complete([stale], now=late) == set(), "stale ack was applied"
+    assert store.fail([stale], ["boom"], now=late) == set(), "stale nack was applied"
+    assert store.renew([stale], LEASE, record=True, now=late) == set(), "stale renewal applied"
+    assert store.progress(stale, {"step": 1}, LEASE, now=late) is False, "stale progress applied"
+    assert store.reschedule(stale, queue, 0, "err", now=late) is False
+    assert store.release([stale], now=late) == set()
+    # Same owner, wrong attempt; right attempt, wrong owner: both are stale too.
+    assert store.complete([Attempt(job_id, "worker-A", 2)], now=late) == set()
+    assert store.complete([Attempt(job_id, "worker-B", 1)], now=late) == set()
+    assert snapshot(store, job_id) == before, "a stale worker changed the row or its events"
+
+    # The current owner still can.
+    assert store.progress(current, {"step": 1}, LEASE, now=late) is True
+    assert store.complete([current], now=at(late, 1)) == {job_id}
+    row = store.get(job_id)
+    assert (row["status"], row["attempts"]) == ("succeeded", 2)
+    succeeded = [e for e in store.events_of(job_id) if e["type"] == "succeeded"]
+    assert [(e["attempt"], e["actor"]) for e in succeeded] == [(2, "worker-B")]
+
+
+def test_stale_worker_cannot_touch_a_job_the_reaper_requeued(store, clock):
+    job_id, queue = new_job(store, max_attempts=3)
+    stale = claim(store, queue, "worker-A", clock)
+    reap(store, at(clock, LEASE + 1))
+    before = snapshot(store, job_id)
+    late = at(clock, LEASE + 2)
+    assert store.complete([stale], now=late) == set()
+    assert store.renew([stale], LEASE, now=late) == set()
+    assert snapshot(store, job_id) == before
+    assert before[0]["status"] == "queued"
+
+
+def test_renewal_and_progress_keep_a_lease_alive(store, clock):
+    job_id, queue = new_job(store)
+    attempt = claim(store, queue, "A", clock)
+    assert store.renew([attempt], LEASE, record=True, now=at(clock, LEASE - 1)) == {job_id}
+    assert store.progress(attempt, {"done": 5}, LEASE, now=at(clock, 2 * LEASE - 2)) is True
+    # Without those the lease would have expired at clock + LEASE.
+    result = reap(store, at(clock, 3 * LEASE - 3))
+    assert job_id not in result.requeued + result.failed
+    row = store.get(job_id)
+    assert row["locked_until"] == at(clock, 3 * LEASE - 2)
+    events = store.events_of(job_id)
+    assert [e["type"] for e in events][-2:] == ["lease_renewed", "progress"]
+    assert events[-1]["data"] == {"done": 5}
+    # The heartbeat's renewals are silent.
+    store.renew([attempt], LEASE, now=at(clock, 3 * LEASE - 2))
+    assert len(store.events_of(job_id)) == len(events)

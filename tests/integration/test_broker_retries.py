@@ -1,0 +1,230 @@
+"""Retries reschedule the same row: backoff values, exhaustion, Retry(delay=...), throws,
+and Dramatiq's stock Retries middleware kept by the user."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+import uuid
+
+import dramatiq
+import pytest
+from dramatiq.middleware import Retries as StockRetries
+
+from dramatiq_pg_broker import PostgresBroker, current_job
+from dramatiq_pg_broker import Retries as PgRetries
+
+
+class Harness:
+    """A broker on the module's schema, a unique queue, and in-process workers."""
+
+    def __init__(self, pg_url, schema):
+        self.pg_url = pg_url
+        self.schema = schema
+        self.queue = f"q_{uuid.uuid4().hex[:8]}"
+        self.brokers = []
+        self.workers = []
+        self.runs = []
+        self._lock = threading.Lock()
+        self._global_broker = dramatiq.broker.global_broker
+
+    def broker(self, **options):
+        """A new broker, also made Dramatiq's global one (group and pipeline use that)."""
+        options.setdefault("poll_interval", 0.1)
+        broker = PostgresBroker(url=self.pg_url, schema=self.schema, **options)
+        self.brokers.append(broker)
+        dramatiq.set_broker(broker)
+        return broker
+
+    def record(self, *item):
+        with self._lock:
+            self.runs.append(item)
+
+    def start(self, broker, threads=2):
+        worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
+        worker.start()
+        self.workers.append(worker)
+        return worker
+
+    def close(self):
+        for worker in self.workers:
+            worker.stop(timeout=10_000)
+        for broker in self.brokers:
+            broker.close()
+        dramatiq.broker.global_broker = self._global_broker
+
+    def rows(self, broker, conn):
+        return conn.execute(
+            f'SELECT id::text, status, attempts FROM "{self.schema}".jobs WHERE queue_name = %s',
+            (self.queue,),
+        ).fetchall()
+
+
+@pytest.fixture
+def h(pg_url, schema):
+    harness = Harness(pg_url, schema)
+    yield harness
+    harness.close()
+
+
+def of_type(events, kind):
+    return [e for e in events if e["type"] == kind]
+
+
+def test_failures_are_rescheduled_with_doubling_backoff_then_fail(h):
+    broker = h.broker()
+
+    @dramatiq.actor(
+        broker=broker, queue_name=h.queue, max_retries=4, min_backoff=60, max_backoff=150
+    )
+    def always_fails():
+        h.record(current_job().attempt, time.monotonic())
+        raise ValueError("nope")
+
+    message = always_fails.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["attempts"], row["max_attempts"]) == ("failed", 5, 5)
+    assert row["last_error"] == "ValueError: nope"
+    events = broker.store.events_of(message.message_id)
+    retries = of_type(events, "retry_scheduled")
+    assert [e["data"]["delay_ms"] for e in retries] == [60, 120, 150, 150]
+    assert [e["attempt"] for e in retries] == [1, 2, 3, 4]
+    assert all(e["data"]["error"] == "ValueError: nope" for e in retries)
+    failed = of_type(events, "failed")
+    assert [(e["attempt"], e["data"]["error"]) for e in failed] == [(5, "ValueError: nope")]
+    assert [e["attempt"] for e in of_type(events, "claimed")] == [1, 2, 3, 4, 5]
+    assert [attempt for attempt, _ in h.runs] == [1, 2, 3, 4, 5]
+    # Each attempt waited at least its backoff after the previous one.
+    gaps = [b - a for (_, a), (_, b) in zip(h.runs, h.runs[1:])]
+    for gap, delay in zip(gaps, [60, 120, 150, 150]):
+        assert gap >= delay / 1000 - 0.01, f"an attempt ran {gap:.3f}s after the last, < {delay}ms"
+
+
+def test_a_retry_that_succeeds_keeps_one_row(h, conn):
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=5, min_backoff=10)
+    def flaky():
+        attempt = current_job().attempt
+        h.record(attempt)
+        if attempt < 3:
+            raise RuntimeError(f"attempt {attempt}")
+
+    message = flaky.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+    assert h.rows(broker, conn) == [(message.message_id, "succeeded", 3)]
+    assert h.runs == [(1,), (2,), (3,)]
+    assert broker.store.get(message.message_id)["last_error"] == "RuntimeError: attempt 2"
+
+
+def test_retry_exception_delay_is_honoured(h):
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=3, min_backoff=10)
+    def later():
+        h.record(current_job().attempt, time.monotonic())
+        if current_job().attempt == 1:
+            raise dramatiq.Retry(delay=700)
+
+    message = later.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["attempts"]) == ("succeeded", 2)
+    retry = of_type(broker.store.events_of(message.message_id), "retry_scheduled")
+    assert [e["data"]["delay_ms"] for e in retry] == [700]
+    available_at = dt.datetime.fromisoformat(retry[0]["data"]["available_at"])
+    assert available_at - retry[0]["created_at"] >= dt.timedelta(milliseconds=690)
+    (_, first), (_, second) = h.runs
+    assert second - first >= 0.69, "the retry ran before the delay Retry asked for"
+
+
+def test_throws_is_not_retried(h):
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=5, throws=(KeyError,))
+    def expected_failure():
+        h.record(current_job().attempt)
+        raise KeyError("missing")
+
+    message = expected_failure.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["attempts"]) == ("failed", 1)
+    events = broker.store.events_of(message.message_id)
+    assert not of_type(events, "retry_scheduled")
+    assert len(of_type(events, "failed")) == 1
+    assert h.runs == [(1,)]
+
+
+def test_retry_when_decides(h):
+    broker = h.broker()
+
+    def only_connection_errors(retries, exc):
+        return isinstance(exc, ConnectionError) and retries < 2
+
+    @dramatiq.actor(
+        broker=broker, queue_name=h.queue, retry_when=only_connection_errors, min_backoff=10
+    )
+    def guarded(kind):
+        h.record(kind, current_job().attempt)
+        raise (ConnectionError if kind == "net" else ValueError)(kind)
+
+    net = guarded.send("net")
+    bad = guarded.send("bad")
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+    assert broker.store.get(net.message_id)["attempts"] == 3
+    assert broker.store.get(bad.message_id)["attempts"] == 1
+    assert {broker.store.get(m.message_id)["status"] for m in (net, bad)} == {"failed"}
+
+
+def stock_middleware(retries):
+    """Dramatiq's default middleware, with its own Retries kept (as a user might)."""
+    return [retries if m is StockRetries else m() for m in dramatiq.middleware.default_middleware]
+
+
+def test_stock_retries_middleware_loses_and_duplicates_nothing(h, conn):
+    retries = StockRetries(max_retries=3, min_backoff=10, max_backoff=40)
+    broker = h.broker(middleware=stock_middleware(retries))
+    assert retries in broker.middleware
+    assert not any(isinstance(m, PgRetries) for m in broker.middleware)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def flaky(n):
+        attempt = current_job().attempt
+        h.record(n, attempt)
+        if attempt < 3:
+            raise RuntimeError(f"{n} attempt {attempt}")
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=1)
+    def hopeless():
+        h.record("hopeless", current_job().attempt)
+        raise RuntimeError("never")
+
+    messages = [flaky.send(n) for n in range(5)]
+    lost_cause = hopeless.send()
+    h.start(broker, threads=3)
+    broker.join(h.queue, timeout=30_000)
+
+    rows = {r[0]: r[1:] for r in h.rows(broker, conn)}
+    assert len(rows) == 6, f"the stock Retries middleware added rows: {rows}"
+    for m in messages:
+        assert rows[m.message_id] == ("succeeded", 3)
+        events = broker.store.events_of(m.message_id)
+        assert len(of_type(events, "retry_scheduled")) == 2
+        assert len(of_type(events, "succeeded")) == 1
+    assert rows[lost_cause.message_id] == ("failed", 2)
+    assert sorted(h.runs, key=str) == sorted(
+        [(n, a) for n in range(5) for a in (1, 2, 3)] + [("hopeless", 1), ("hopeless", 2)],
+        key=str,
+    ), "some attempt ran twice or never"
+    # The stock middleware's bookkeeping travels with the rescheduled row.
+    stored = broker.store.get(messages[0].message_id)["message"]
+    assert stored["options"]["retries"] == 2

@@ -160,9 +160,24 @@ class ProcessPool:
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
         """Borrow an autocommit connection; connection errors become Dramatiq's."""
-        with translate_errors():
-            with self.get().connection() as conn:
-                yield conn
+        pool = self.get()
+        try:
+            with translate_errors():
+                with pool.connection() as conn:
+                    yield conn
+        except (ConnectionClosed, ConnectionFailed):
+            # A server that dropped one connection (restart, failover, terminated backends)
+            # has usually dropped every idle one too, and the pool would hand them out one
+            # by one, each failing a caller's bounded retry. Check them all now instead.
+            self._discard_broken(pool)
+            raise
+
+    @staticmethod
+    def _discard_broken(pool: ConnectionPool) -> None:
+        try:
+            pool.check()
+        except Exception as e:  # the original error is what the caller must see
+            logger.debug("Checking the pooled connections failed: %s", e)
 
     def close(self) -> None:
         with self._lock:

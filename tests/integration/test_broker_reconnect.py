@@ -1,0 +1,129 @@
+"""A dropped database connection is survived: every backend of the worker is terminated
+(pg_terminate_backend) while it works, twice; the consumer reconnects, sends retry, and no
+job is lost or run twice."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import dramatiq
+import pytest
+
+from dramatiq_pg_broker import PostgresBroker
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def with_application_name(url: str, name: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}application_name={name}"
+
+
+@pytest.mark.timeout(120)
+def test_terminated_backends_are_survived(pg_url, schema, conn):
+    app = f"pgb_drop_{uuid.uuid4().hex[:8]}"
+    queue = f"q_{uuid.uuid4().hex[:8]}"
+    broker = PostgresBroker(
+        url=with_application_name(pg_url, app), schema=schema, poll_interval=0.2
+    )
+    runs: list[str] = []
+    lock = threading.Lock()
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def work(n):
+        time.sleep(0.05)
+        with lock:
+            runs.append(n)
+
+    def terminate() -> int:
+        killed = conn.execute(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (app,),
+        ).fetchone()[0]
+        return killed
+
+    def backends(query_prefix="") -> int:
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND query LIKE %s",
+            (app, query_prefix + "%"),
+        ).fetchone()[0]
+
+    def count(status) -> int:
+        return conn.execute(
+            f'SELECT count(*) FROM "{schema}".jobs WHERE queue_name = %s AND status = %s',
+            (queue, status),
+        ).fetchone()[0]
+
+    first = [work.send(n) for n in range(60)]
+    worker = dramatiq.Worker(broker, worker_threads=2, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(lambda: len(runs) >= 10, 30, "the worker to get going")
+        wait_for(lambda: backends("LISTEN") >= 1, 10, "the consumer to LISTEN")
+        assert terminate() >= 2, "the worker's backends (pool and LISTEN) were not found"
+
+        # Sending right after the drop: the pool hands out dead connections first.
+        second = [work.send(n) for n in range(60, 80)]
+
+        wait_for(lambda: len(runs) >= 40, 30, "work to resume after the first drop")
+        assert terminate() >= 1
+        wait_for(lambda: count("succeeded") == 80, 60, "all 80 jobs to succeed")
+        # The consumer came back to LISTEN (not only polling).
+        wait_for(lambda: backends("LISTEN") >= 1, 10, "the consumer to LISTEN again")
+    finally:
+        worker.stop(timeout=10_000)
+        broker.close()
+
+    assert count("succeeded") == 80 and count("failed") == 0, "a job was lost or failed"
+    assert sorted(runs) == list(range(80)), (
+        f"each job must run exactly once: ran {len(runs)} times for 80 jobs, "
+        f"missing {sorted(set(range(80)) - set(runs))}"
+    )
+    assert len({m.message_id for m in first + second}) == 80
+
+
+def test_send_after_the_server_dropped_every_pooled_connection(pg_url, schema, conn):
+    """A pool full of dead connections (a database restart, a failover) must not exhaust
+    the send's bounded retries: one failure is enough to learn they are all dead."""
+    app = f"pgb_pool_{uuid.uuid4().hex[:8]}"
+    queue = f"q_{uuid.uuid4().hex[:8]}"
+    broker = PostgresBroker(url=with_application_name(pg_url, app), schema=schema, pool_min_size=6)
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task(n):
+        pass
+
+    def pids() -> list[int]:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app,)
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    try:
+        task.send(0)
+        pool = broker.pool.get()
+        wait_for(
+            lambda: pool.get_stats()["pool_available"] >= 6 and len(pids()) >= 6,
+            10,
+            "the pool to hold 6 idle connections",
+        )
+        dead = pids()
+        conn.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (dead,))
+        wait_for(lambda: not set(dead) & set(pids()), 10, "the pooled backends to go away")
+        assert pool.get_stats()["pool_available"] >= 4, "the test needs dead idle connections"
+        sent = [task.send(n) for n in range(1, 4)]
+    finally:
+        broker.close()
+    ids = {m.message_id for m in sent}
+    stored = conn.execute(
+        f'SELECT id::text FROM "{schema}".jobs WHERE queue_name = %s', (queue,)
+    ).fetchall()
+    assert ids <= {r[0] for r in stored}

@@ -31,9 +31,20 @@ from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
 
 logger = logging.getLogger(__name__)
 
-#: Seconds to wait for the database when opening a connection (the health check should say
-#: "unreachable" quickly rather than hang).
-CONNECT_TIMEOUT = 5
+#: Seconds a request waits for a database connection before it is answered with a 503.
+#: Well under gunicorn's worker timeout, so that a database outage gets a JSON error rather
+#: than a killed worker.
+DATABASE_WAIT_SECONDS = 5
+
+
+class ApiPool(ProcessPool):
+    """The broker's per-process pool, waiting at most :data:`DATABASE_WAIT_SECONDS` for a
+    connection (the broker's workers wait longer: they have no client waiting)."""
+
+    def get(self):
+        pool = super().get()
+        pool.timeout = DATABASE_WAIT_SECONDS
+        return pool
 
 
 def create_engine(url: str, settings: Settings) -> Engine:
@@ -44,11 +55,11 @@ def create_engine(url: str, settings: Settings) -> Engine:
     """
     return sa.create_engine(
         "postgresql+psycopg://",
-        creator=lambda: psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT),
+        creator=lambda: psycopg.connect(url, connect_timeout=DATABASE_WAIT_SECONDS),
         pool_size=settings.pool_max_size,
         max_overflow=0,
         pool_pre_ping=True,
-        pool_timeout=30,
+        pool_timeout=DATABASE_WAIT_SECONDS,
     )
 
 
@@ -82,7 +93,7 @@ def create_app(
         return url
 
     if store is None:
-        store = JobStore(ProcessPool(settings), settings.schema, events=settings.events)
+        store = JobStore(ApiPool(settings), settings.schema, events=settings.events)
     if accounts is None:
         accounts = AccountStore(store.pool, settings.schema)
     if engine is None:

@@ -87,15 +87,17 @@ class Authentication:
         req.context.via = None
         if resource is None or req.method == "OPTIONS":
             return  # an unknown route (404), or a CORS preflight
-        bearer = self._bearer(req)
-        if bearer is None:
-            self._check_cross_site(req)
         if getattr(resource, "public", False):
-            if bearer is None and req.cookies.get(SESSION_COOKIE):
-                req.context.via = "session"
+            # Login and logout are browser requests too; a cross-site page cannot send an
+            # Authorization header without a CORS preflight.
+            if req.get_header("Authorization") is None:
+                self._check_cross_site(req)
             return
+        bearer = self._bearer(req)
         user = self._identify(req, bearer)
         req.context.user = user
+        if req.context.via == "session":
+            self._check_cross_site(req)
         responder = getattr(resource, f"on_{req.method.lower()}", None)
         if responder is None:
             return  # Falcon answers 405

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 
+import dramatiq.errors
 import falcon
 import psycopg
 import psycopg_pool
 import sqlalchemy.exc
-from dramatiq.errors import ConnectionError as BrokerConnectionError
 
 from dramatiq_pg_broker.accounts import (
     EmailTaken,
@@ -29,6 +29,11 @@ from dramatiq_pg_broker.accounts import (
 from dramatiq_pg_broker.errors import InvalidTransition, JobNotFound, SchemaMissing
 
 logger = logging.getLogger(__name__)
+
+# Dramatiq 2.2 renamed ConnectionError (the old name still works, with a warning).
+BrokerConnectionError = (
+    getattr(dramatiq.errors, "BrokerConnectionError", None) or dramatiq.errors.ConnectionError
+)
 
 #: The ``error`` code of each status the API sends.
 CODES = {

@@ -1,0 +1,132 @@
+"""Helpers for the admin API tests: an app on a test schema with one user (and token) per
+role, and shortcuts to put jobs into each state through the real state machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import uuid
+from typing import Any
+
+from falcon import testing
+
+from admin_api import create_app
+from admin_api.app import create_engine
+from dramatiq_pg_broker.accounts import ROLES, AccountStore
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
+
+PASSWORD = "correct horse battery"
+CSRF = {"X-Requested-With": "tests"}
+
+_queues = itertools.count(1)
+
+
+class AdminEnv:
+    """The admin API on ``schema``, a client, and one active user per role.
+
+    Parameters:
+      url(str), schema(str): the test database and schema (already migrated).
+      **settings: other :class:`Settings` fields (cookie_secure, cors_origins ...).
+    """
+
+    def __init__(self, url: str, schema: str, **settings: Any) -> None:
+        self.settings = Settings(url=url, schema=schema, **settings)
+        self.pool = ProcessPool(self.settings)
+        self.store = JobStore(self.pool, schema)
+        self.accounts = AccountStore(self.pool, schema, bcrypt_rounds=4)
+        self.engine = create_engine(url, self.settings)
+        self.app = create_app(
+            self.settings, store=self.store, accounts=self.accounts, engine=self.engine
+        )
+        self.client = testing.TestClient(self.app)
+        self.users = {}
+        self.tokens = {}
+        tag = uuid.uuid4().hex[:6]
+        for role in ROLES:
+            user = self.accounts.find_user(f"{role}@example.com")
+            if user is None:
+                user = self.accounts.create_user(f"{role}@example.com", PASSWORD, role)
+            self.users[role] = user
+            self.tokens[role] = self.accounts.create_token(user.id, f"tests {tag}").secret
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.pool.close()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def auth(self, role: str | None) -> dict[str, str]:
+        return {} if role is None else {"Authorization": f"Bearer {self.tokens[role]}"}
+
+    def request(self, method: str, path: str, role: str | None = "admin", **kwargs):
+        headers = {**self.auth(role), **kwargs.pop("headers", {})}
+        return self.client.simulate_request(method, path, headers=headers, **kwargs)
+
+    def get(self, path: str, role: str | None = "admin", **kwargs):
+        return self.request("GET", path, role, **kwargs)
+
+    def post(self, path: str, role: str | None = "admin", **kwargs):
+        return self.request("POST", path, role, **kwargs)
+
+    def login(self, email: str, password: str = PASSWORD) -> str:
+        """Log in and return the session cookie's value."""
+        result = self.client.simulate_post(
+            "/api/auth/login", json={"email": email, "password": password}, headers=CSRF
+        )
+        assert result.status_code == 200, result.text
+        return result.cookies["dpb_session"].value
+
+    def create_job(self, role: str = "operator", **body: Any) -> dict[str, Any]:
+        body.setdefault("actor_name", "tests.noop")
+        result = self.post("/api/jobs", role, json=body)
+        assert result.status_code in (200, 201), result.text
+        return result.json
+
+    # -- jobs in each state, through the state machine -------------------------------------
+
+    def enqueue(self, actor: str = "tests.noop", queue: str | None = None, **fields: Any) -> str:
+        queue = queue or f"q{next(_queues)}"
+        job_id = str(uuid.uuid4())
+        message = {
+            "queue_name": queue,
+            "actor_name": actor,
+            "args": [],
+            "kwargs": {},
+            "options": {},
+            "message_id": job_id,
+            "message_timestamp": 0,
+        }
+        job = NewJob(id=job_id, queue_name=queue, actor_name=actor, message=message, **fields)
+        assert self.store.enqueue(job).created
+        return job_id
+
+    def claim(self, job_id: str, lease_seconds: float = 60) -> Attempt:
+        queue = self.store.get(job_id)["queue_name"]
+        claimed = self.store.claim(queue, 1, "tests-worker", lease_seconds)
+        assert [c.id for c in claimed] == [job_id], "use one queue per job to claim it"
+        return Attempt(job_id, "tests-worker", claimed[0].attempts)
+
+    def running(self, **kwargs: Any) -> str:
+        job_id = self.enqueue(**kwargs)
+        self.claim(job_id)
+        return job_id
+
+    def failed(self, **kwargs: Any) -> str:
+        job_id = self.enqueue(**kwargs)
+        assert self.store.fail([self.claim(job_id)], ["boom"]) == {job_id}
+        return job_id
+
+    def succeeded(self, **kwargs: Any) -> str:
+        job_id = self.enqueue(**kwargs)
+        assert self.store.complete([self.claim(job_id)]) == {job_id}
+        return job_id
+
+
+@dataclasses.dataclass
+class Endpoint:
+    method: str
+    path: str
+    roles: frozenset[str]
+    body: Any = None

@@ -18,7 +18,7 @@ from dramatiq_pg_broker.jobs import JobStore, NewJob
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import offset_links
-from ..queries import JobFilters, JobQueries
+from ..queries import JOB_COLUMNS, JobFilters, JobQueries
 from ..validation import Field, Query, parse_uuid, read_object
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
@@ -58,8 +58,9 @@ JOB_FIELDS = {
         "Not with delay.", nullable=True,
     ),
     "max_retries": Field(
-        "integer", "Retries after the first attempt; max_attempts is max_retries + 1. "
-        "Default: the broker's max_attempts - 1.", minimum=0, maximum=UNLIMITED_ATTEMPTS - 1,
+        "integer", "Retries after the first attempt (max_attempts = max_retries + 1). "
+        "Default: the actor's own max_retries; the row's max_attempts is then "
+        "DRAMATIQ_PG_MAX_ATTEMPTS.", minimum=0, maximum=UNLIMITED_ATTEMPTS - 1,
         nullable=True,
     ),
     "idempotency_key": Field(
@@ -73,6 +74,23 @@ LIST_PARAMS = ("limit", "offset", "status", "queue", "actor", "created_after", "
 
 def job_id_param(raw: str) -> str:
     return parse_uuid(raw, "job id")
+
+
+def transition(
+    queries: JobQueries, store: JobStore, name: str, job_id: str, req: falcon.Request
+) -> dict:
+    """Run an operator transition and return the job as the transition left it.
+
+    The transition and its read-back share one transaction: a worker woken by the
+    transition's NOTIFY (delivered at commit) cannot claim the job before the response
+    is read, so the response shows what the operator did, not what happened next.
+    """
+    change = getattr(store, name)  # retry_failed or cancel
+    with store.pool.connection() as conn, conn.transaction():
+        row = change(job_id, by=req.context.user.email, conn=conn)
+    job = queries.get_job(job_id)
+    job.update({name: row[name] for name in JOB_COLUMNS if name != "id"})
+    return job
 
 
 class JobList:
@@ -122,11 +140,19 @@ class JobList:
             delay_ms = max(0, int(wait.total_seconds() * 1000))
             if delay_ms > MAX_DELAY_MS:
                 raise bad_request("available_at must be at most ten years from now")
-        max_retries = values.get("max_retries", self.settings.max_attempts - 1)
         key = values.get("idempotency_key")
-        options: dict = {"max_retries": max_retries}
+        options: dict = {}
         if key is not None:
             options["idempotency_key"] = key
+        if "max_retries" in values:
+            # Only when asked: the worker reads the message's max_retries before the
+            # actor's, so a default here would override the actor's own setting.
+            options["max_retries"] = values["max_retries"]
+            max_attempts = min(values["max_retries"] + 1, UNLIMITED_ATTEMPTS)
+        else:
+            # The API does not know the actor's max_retries; the row's limit (used when
+            # leases expire) is the configured default, as for an actor without one.
+            max_attempts = self.settings.max_attempts
         # The API holds no actor code: the message is built as actor.send() would build it,
         # and stored as PostgresBroker.encode_message stores it for the JSON encoder.
         message = dramatiq.Message(
@@ -143,7 +169,7 @@ class JobList:
             message=message.asdict(),
             priority=values.get("priority", 0),
             delay_ms=delay_ms,
-            max_attempts=min(max_retries + 1, UNLIMITED_ATTEMPTS),
+            max_attempts=max_attempts,
             idempotency_key=key,
         )
         # The job and its owner are written together or not at all.
@@ -219,8 +245,7 @@ class JobRetry:
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
-        self.store.retry_failed(job_id, by=req.context.user.email)
-        resp.media = self.queries.get_job(job_id)
+        resp.media = transition(self.queries, self.store, "retry_failed", job_id, req)
 
 
 class JobCancel:
@@ -235,5 +260,4 @@ class JobCancel:
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
-        self.store.cancel(job_id, by=req.context.user.email)
-        resp.media = self.queries.get_job(job_id)
+        resp.media = transition(self.queries, self.store, "cancel", job_id, req)

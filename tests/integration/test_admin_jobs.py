@@ -191,6 +191,8 @@ def test_create_defaults(env):
     assert job["priority"] == 0
     assert job["max_attempts"] == env.settings.max_attempts
     assert job["message"]["args"] == [] and job["message"]["kwargs"] == {}
+    # The worker then applies the actor's own max_retries.
+    assert job["message"]["options"] == {}
     assert job["idempotency_key"] is None
 
 

@@ -1,0 +1,138 @@
+"""kill -9 of a real ``dramatiq`` worker process in the middle of a job.
+
+Another worker finishes the job once its lease expires; no job is lost, and none runs twice
+except what was in flight in the killed process (started there, outcome not yet written).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+
+import pytest
+
+from dramatiq_pg_broker import PostgresBroker
+
+from .worker_actors import QUEUE, create_executions_table, declare
+from .workers import wait_for, worker_starter
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+QUICK_JOBS = 20
+
+
+@pytest.fixture
+def start_worker(pg_url, schema, tmp_path):
+    yield from worker_starter(pg_url, schema, tmp_path)
+
+
+def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(
+    pg_url, schema, conn, start_worker
+):
+    create_executions_table(conn, schema)
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    actors = declare(broker)
+    hung = actors["hang_first"].send(120)
+    quick = [actors["quick"].send(0.2) for _ in range(QUICK_JOBS)]
+    ids = [hung.message_id] + [m.message_id for m in quick]
+
+    def executions():
+        return conn.execute(
+            f'SELECT job_id::text, attempt, pid, phase FROM "{schema}".executions ORDER BY id'
+        ).fetchall()
+
+    def statuses():
+        rows = conn.execute(
+            f'SELECT id::text, status, locked_by FROM "{schema}".jobs WHERE queue_name = %s',
+            (QUEUE,),
+        ).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    first = start_worker()
+    started = wait_for(
+        lambda: [e for e in executions() if e[0] == hung.message_id and e[3] == "start"],
+        60,
+        "the hanging job to start",
+        on_timeout=first.log_tail,
+    )
+    victim_pid = started[0][2]
+    assert victim_pid != first.pid, "the job should run in the forked worker process"
+    wait_for(
+        lambda: sum(1 for e in executions() if e[3] == "finish") >= 3,
+        30,
+        "a few quick jobs to finish beside it",
+        on_timeout=first.log_tail,
+    )
+
+    os.kill(victim_pid, signal.SIGKILL)
+    wait_for(lambda: _gone(victim_pid), 10, "the killed process to disappear")
+    # The dead process writes nothing more: this is what it left behind.
+    at_kill = statuses()
+    ran_in_victim = {e[0] for e in executions() if e[2] == victim_pid and e[3] == "start"}
+    in_flight = {
+        job_id
+        for job_id, (status, owner) in at_kill.items()
+        if status == "running" and job_id in ran_in_victim
+    }
+    assert hung.message_id in in_flight
+    states = collections.Counter(status for status, _ in at_kill.values())
+    assert states["succeeded"] >= 3 and states["queued"] + states["running"] >= 2, (
+        f"the kill should land mid-stream, with jobs done and jobs left: {states}"
+    )
+    assert at_kill[hung.message_id][1].split(":")[1] == str(victim_pid), (
+        "the lease owner id should name the worker process"
+    )
+    # The main dramatiq process notices its worker died and stops.
+    first.wait(20)
+
+    second = start_worker()
+    wait_for(
+        lambda: all(s == "succeeded" for s, _ in statuses().values()),
+        60,
+        "every job to succeed after the crash",
+        on_timeout=lambda: (
+            f"{collections.Counter(s for s, _ in statuses().values())}\n" + second.log_tail()
+        ),
+    )
+    second.signal(signal.SIGTERM)
+    assert second.wait(30) == 0, second.log_tail()
+
+    final = statuses()
+    assert set(final) == set(ids) and {s for s, _ in final.values()} == {"succeeded"}
+    starts = collections.Counter(e[0] for e in executions() if e[3] == "start")
+    finishes = collections.Counter(e[0] for e in executions() if e[3] == "finish")
+    for job_id in ids:
+        allowed = 2 if job_id in in_flight else 1
+        assert 1 <= starts[job_id] <= allowed, (
+            f"job {job_id} started {starts[job_id]} times (in flight at the kill: "
+            f"{job_id in in_flight})"
+        )
+        assert finishes[job_id] >= 1
+    rerun = {job_id for job_id in ids if starts[job_id] == 2}
+    assert hung.message_id in rerun
+
+    # The hung job: attempt 1 died with its process, the reaper requeued it once its lease
+    # expired, and attempt 2 ran in the other worker.
+    row = broker.store.get(hung.message_id)
+    assert row["attempts"] == 2
+    events = broker.store.events_of(hung.message_id)
+    types = [(e["type"], e["attempt"]) for e in events]
+    assert types[:3] == [("created", 0), ("claimed", 1), ("timeout_requeued", 1)], types
+    assert types[-2:] == [("claimed", 2), ("succeeded", 2)], types
+    second_run = [e for e in executions() if e[0] == hung.message_id and e[1] == 2]
+    assert second_run and all(e[2] != victim_pid for e in second_run)
+    broker.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie until its parent reaps it: dead for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

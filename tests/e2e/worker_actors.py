@@ -1,0 +1,71 @@
+"""Actors for the worker tests, declared on whichever broker they are given.
+
+The ``dramatiq`` subprocesses import :mod:`tests.e2e.worker_app`, which declares them on a
+broker configured from ``DRAMATIQ_PG_*``; the test process declares the same actors on its
+own broker to send messages. Every execution is recorded as rows of an ``executions`` table
+in the broker's schema (created by the test), so the test can count how often each job ran,
+in which process and attempt, even when a process is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import dramatiq
+from psycopg import sql
+
+from dramatiq_pg_broker import PostgresBroker, current_job
+
+QUEUE = "e2e"
+
+EXECUTIONS_DDL = """
+CREATE TABLE {}.executions (
+    id       bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_id   uuid        NOT NULL,
+    attempt  integer     NOT NULL,
+    pid      integer     NOT NULL,
+    phase    text        NOT NULL CHECK (phase IN ('start', 'finish')),
+    at       timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+def create_executions_table(conn, schema: str) -> None:
+    conn.execute(sql.SQL(EXECUTIONS_DDL).format(sql.Identifier(schema)))
+
+
+def record(phase: str) -> None:
+    job = current_job()
+    broker = job.broker
+    statement = sql.SQL(
+        "INSERT INTO {}.executions (job_id, attempt, pid, phase) VALUES (%s, %s, %s, %s)"
+    ).format(sql.Identifier(broker.settings.schema))
+    with broker.pool.connection() as conn:
+        conn.execute(statement, (job.id, job.attempt, os.getpid(), phase))
+
+
+def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
+    """Declare the test actors on ``broker``; returns them by name."""
+
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, priority=0, max_retries=3, min_backoff=100)
+    def hang_first(seconds: float) -> None:
+        """Hangs ``seconds`` on its first attempt (the one a test kills), quick after."""
+        record("start")
+        if current_job().attempt == 1:
+            time.sleep(seconds)
+        record("finish")
+
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, priority=0, max_retries=3)
+    def slow(seconds: float) -> None:
+        record("start")
+        time.sleep(seconds)
+        record("finish")
+
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, priority=10, max_retries=3)
+    def quick(seconds: float = 0.0) -> None:
+        record("start")
+        time.sleep(seconds)
+        record("finish")
+
+    return {"hang_first": hang_first, "slow": slow, "quick": quick}

@@ -1,0 +1,12 @@
+"""``dramatiq tests.e2e.worker_app``: the test actors on a broker from ``DRAMATIQ_PG_*``."""
+
+from __future__ import annotations
+
+import dramatiq
+
+from dramatiq_pg_broker import PostgresBroker
+from tests.e2e.worker_actors import declare
+
+broker = PostgresBroker()
+dramatiq.set_broker(broker)
+actors = declare(broker)

@@ -1,0 +1,109 @@
+"""Real ``dramatiq`` worker processes for the e2e tests, and bounded waiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: Short leases and quick maintenance, so crash recovery takes seconds.
+FAST_SETTINGS = {
+    "DRAMATIQ_PG_LEASE_SECONDS": "2",
+    "DRAMATIQ_PG_REAPER_INTERVAL": "0.5",
+    "DRAMATIQ_PG_BACKOFF_BASE_MS": "100",
+    "DRAMATIQ_PG_POLL_INTERVAL": "0.2",
+}
+
+
+def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
+    """Poll ``predicate`` until it is true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            extra = f"\n{on_timeout()}" if on_timeout else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{extra}")
+        time.sleep(0.05)
+
+
+class WorkerProcess:
+    """``python -m dramatiq tests.e2e.worker_app --processes 1 --threads N`` in its own
+    process group, with its output in a log file."""
+
+    def __init__(self, url: str, schema: str, log_path: Path, *, threads: int = 2, **env):
+        self.log_path = log_path
+        environ = dict(os.environ)
+        environ.update(FAST_SETTINGS)
+        environ.update({"DRAMATIQ_PG_URL": url, "DRAMATIQ_PG_SCHEMA": schema})
+        environ.update(env)
+        environ["PYTHONUNBUFFERED"] = "1"
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "tests.e2e.worker_app",
+                "--processes",
+                "1",
+                "--threads",
+                str(threads),
+            ],
+            cwd=REPO,
+            env=environ,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "worker log (last lines):\n" + "\n".join(text[-lines:])
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker did not exit within {timeout}s\n{self.log_tail()}")
+
+    def kill_group(self) -> None:
+        """SIGKILL everything this worker started (its process group, which outlives the
+        main process if only that one died)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log.close()
+
+
+def worker_starter(pg_url: str, schema: str, tmp_path: Path):
+    """For a fixture: yields ``start(**kwargs)`` that starts a :class:`WorkerProcess`;
+    whatever is still running afterwards is killed."""
+    started: list[WorkerProcess] = []
+
+    def start(**kwargs) -> WorkerProcess:
+        worker = WorkerProcess(pg_url, schema, tmp_path / f"worker{len(started)}.log", **kwargs)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill_group()

@@ -143,13 +143,18 @@ class JobQueries:
             owned = sa.select(job_owners.c.job_id).where(job_owners.c.user_id == owner_id)
             conditions.append(jobs.c.id.in_(owned))
         count_query = sa.select(sa.func.count()).select_from(jobs).where(*conditions)
-        page_query = (
-            _job_select()
+        newest_first = (jobs.c.created_at.desc(), jobs.c.id.desc())
+        # The page's ids first (an index-only walk of jobs_created_at_idx), then the rows
+        # and owners of those ids only: joining before the OFFSET would look up an owner
+        # for every skipped row.
+        page_ids = (
+            sa.select(jobs.c.id)
             .where(*conditions)
-            .order_by(jobs.c.created_at.desc(), jobs.c.id.desc())
+            .order_by(*newest_first)
             .limit(limit)
             .offset(offset)
         )
+        page_query = _job_select().where(jobs.c.id.in_(page_ids)).order_by(*newest_first)
         with self.engine.connect() as conn:
             count = conn.execute(count_query).scalar_one()
             rows = conn.execute(page_query).all() if offset < count else []

@@ -204,6 +204,9 @@ class PostgresConsumer(Consumer):
     def _done(self, proxy: PgMessageProxy) -> None:
         """An outstanding message of this consumer is finished with: free its slot."""
         self.broker.leases.untrack(proxy.attempt)
+        self._release_slot()
+
+    def _release_slot(self) -> None:
         with self._lock:
             self._outstanding -= 1
         self._settled.set()
@@ -262,6 +265,10 @@ class OutcomeWriter:
             return
         self._ensure_thread()
         self._queue.put((kind, proxy, error))
+        # The actor is done with the message, so its prefetch slot is free at once: the
+        # consumer claims more while the outcome is being written, instead of waiting one
+        # more round trip. The lease stays tracked (and renewed) until the write.
+        proxy._consumer._release_slot()
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
@@ -311,7 +318,7 @@ class OutcomeWriter:
                     proxy.attempt.attempt,
                 )
             proxy._settled = True
-            proxy._consumer._done(proxy)
+            self.broker.leases.untrack(proxy.attempt)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted outcome is written. Returns False on timeout."""

@@ -48,6 +48,11 @@ LIMIT 1
 -- statement (no check-then-act), committed at once; no transaction stays open while the
 -- actor runs. The order (priority, available_at, created_at, id) is exactly the partial
 -- index jobs_claim_order_idx, so the scan stops after %(limit)s rows.
+-- The claim commits without waiting for its WAL flush (synchronous_commit off for this
+-- transaction only; set_config(..., true) is transaction-local, no session state): a claim
+-- lost to a server crash only puts the row back to queued with its previous attempt count,
+-- so the job runs again (at-least-once holds), and any outcome written later is a
+-- synchronous commit whose WAL flush covers this claim too. Sends and outcomes stay durable.
 WITH picked AS (
     SELECT id
     FROM {schema}.jobs
@@ -72,7 +77,8 @@ WITH picked AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'claimed', attempts, %(owner)s FROM claimed WHERE %(events)s
 )
-SELECT id, priority, attempts, max_attempts, message, message_bytes FROM claimed
+SELECT id, priority, attempts, max_attempts, message, message_bytes
+FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
 
 -- next_available_at --
 -- When the earliest queued job of a queue becomes runnable (an idle consumer sleeps until

@@ -9,6 +9,7 @@ every job ended succeeded exactly once, and the event log agrees with the claims
 from __future__ import annotations
 
 import collections
+import datetime as dt
 import multiprocessing
 import queue as queue_module
 import threading
@@ -223,3 +224,74 @@ def test_every_job_is_claimed_once_per_attempt_and_succeeds_once(pg_url, schema,
     )
     retried = collections.Counter(j for j, t, _, _ in events if t == "retry_scheduled")
     assert set(retried) == set(reschedule) and set(retried.values()) == {1}
+
+
+REAPERS = 8
+EXPIRED = 600
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_reapers_requeue_each_expired_job_exactly_once(pg_url, schema):
+    """Every worker process runs the reaper: eight at once, each with its own connection
+    and a small batch, must requeue every expired attempt once and only once."""
+    queue_name = f"reap_{uuid.uuid4().hex[:8]}"
+    store = _store(pg_url, schema)
+    clock = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
+    ids = [str(uuid.uuid4()) for _ in range(EXPIRED)]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for job_id in ids:
+            store.enqueue(
+                NewJob(id=job_id, queue_name=queue_name, actor_name="a", message={}),
+                conn=conn,
+            )
+        claimed = store.claim(queue_name, EXPIRED, "dead-worker", 1, conn=conn, now=clock)
+    assert len(claimed) == EXPIRED
+
+    barrier = threading.Barrier(REAPERS)
+    reaped: list[list[str]] = [[] for _ in range(REAPERS)]
+    errors: list[str] = []
+    later = clock + dt.timedelta(seconds=10)
+
+    def reaper(n):
+        try:
+            with psycopg.connect(pg_url, autocommit=True) as conn:
+                barrier.wait(timeout=30)
+                while True:
+                    result = store.reap(
+                        batch=25, backoff_base_ms=0, backoff_max_ms=0, conn=conn, now=later
+                    )
+                    if not result.requeued and not result.failed:
+                        return
+                    reaped[n].extend(result.requeued + result.failed)
+        except Exception as e:  # reported below
+            errors.append(f"reaper {n}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=reaper, args=(n,)) for n in range(REAPERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a reaper hung"
+    assert not errors, errors
+    everything = [job_id for part in reaped for job_id in part]
+    dupes = [j for j, c in collections.Counter(everything).items() if c > 1]
+    assert not dupes, f"{len(dupes)} jobs were reaped by two reapers"
+    assert sorted(everything) == sorted(ids), "some expired job was not reaped"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        counts = dict(
+            conn.execute(
+                f"""SELECT e.type, count(*) FROM "{schema}".job_events e
+                    JOIN "{schema}".jobs j ON j.id = e.job_id
+                    WHERE j.queue_name = %s AND e.type = 'timeout_requeued'
+                    GROUP BY e.type""",
+                (queue_name,),
+            ).fetchall()
+        )
+        statuses = conn.execute(
+            f'SELECT status, attempts, count(*) FROM "{schema}".jobs WHERE queue_name = %s '
+            "GROUP BY status, attempts",
+            (queue_name,),
+        ).fetchall()
+    assert counts == {"timeout_requeued": EXPIRED}
+    assert statuses == [("queued", 1, EXPIRED)]
+    store.pool.close()

@@ -32,7 +32,8 @@ class Harness:
     def broker(self, **options):
         """A new broker, also made Dramatiq's global one (group and pipeline use that)."""
         options.setdefault("poll_interval", 0.1)
-        broker = PostgresBroker(url=self.pg_url, schema=self.schema, **options)
+        options.setdefault("url", self.pg_url)
+        broker = PostgresBroker(schema=self.schema, **options)
         self.brokers.append(broker)
         dramatiq.set_broker(broker)
         return broker

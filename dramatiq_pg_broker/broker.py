@@ -22,7 +22,7 @@ from dramatiq.encoder import JSONEncoder
 from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout
 from dramatiq.middleware import Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .config import Settings
 from .consumer import OutcomeWriter, PgMessageProxy, PostgresConsumer
@@ -202,8 +202,10 @@ class PostgresBroker(dramatiq.Broker):
         for attempt in range(self.settings.enqueue_retries + 1):
             try:
                 return fn()
-            except BrokerConnectionError:
-                if attempt >= self.settings.enqueue_retries:
+            except BrokerConnectionError as e:
+                # A pool timeout means the pool already spent its whole timeout trying to
+                # get a connection; asking again would only multiply that wait.
+                if attempt >= self.settings.enqueue_retries or isinstance(e.__cause__, PoolTimeout):
                     raise
                 logger.warning("Enqueue failed on a connection error; retrying in %.2fs.", delay)
                 time.sleep(delay)

@@ -120,6 +120,7 @@ def filled_queue(pg_url, schema):
     store.pool.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(DEADLINE + 60)
 def test_every_job_is_claimed_once_per_attempt_and_succeeds_once(pg_url, schema, filled_queue):
     queue_name, ids, reschedule = filled_queue

@@ -7,7 +7,7 @@ import time
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.errors import ConnectionError as BrokerConnectionError
+from dramatiq.errors import BrokerConnectionError
 from psycopg_pool import ConnectionPool
 
 from dramatiq_pg_broker import PostgresBroker

@@ -136,13 +136,20 @@ def normalize_email(email: Any) -> str:
     """
     if not isinstance(email, str):
         raise InvalidAccountData("email must be a string such as ops@example.com")
-    email = email.strip().lower()
+    email = _email_key(email)
     if len(email) > MAX_EMAIL_LENGTH or not _EMAIL_RE.match(email) or "\x00" in email:
         raise InvalidAccountData(
             f"email must be an address such as ops@example.com of at most "
             f"{MAX_EMAIL_LENGTH} characters"
         )
     return email
+
+
+def _email_key(email: str) -> str:
+    """An email as looked up: lower-cased here, as stored. The SQL's ``lower()`` alone
+    would not match every stored address: PostgreSQL lower-cases by the database's
+    collation (only ASCII under ``C``), Python by Unicode."""
+    return email.strip().lower()
 
 
 def check_password(password: Any) -> bytes:
@@ -270,7 +277,7 @@ class AccountStore:
 
     def find_user(self, email: str) -> User | None:
         """The user with this email (whatever its case), or None."""
-        rows = self._rows("get_user_by_email", {"email": email.strip()})
+        rows = self._rows("get_user_by_email", {"email": _email_key(email)})
         return User(*rows[0][:5]) if rows else None
 
     def update_user(
@@ -294,17 +301,18 @@ class AccountStore:
             check_role(role)
         password_hash = self._hash_password(password) if password is not None else None
         with self._conn(None) as conn, conn.transaction():
+            # Locked before anything is read: two admins demoting each other at the same
+            # time must not both see the other one still active.
+            admins = {row[0] for row in self._rows("lock_active_admins", {}, conn)}
             current = self._rows("get_user", {"id": user_id}, conn)
             if not current:
                 raise UserNotFound(f"no user with id {user_id}")
             before = User(*current[0])
             demoted = role is not None and role != "admin"
-            if before.role == "admin" and before.active and (demoted or active is False):
-                others = self._rows("count_other_active_admins", {"id": user_id}, conn)[0][0]
-                if not others:
-                    raise LastAdmin(
-                        f"{before.email} is the last active admin: make another user admin first"
-                    )
+            if admins == {user_id} and (demoted or active is False):
+                raise LastAdmin(
+                    f"{before.email} is the last active admin: make another user admin first"
+                )
             row = self._rows(
                 "update_user",
                 {"id": user_id, "role": role, "active": active, "password_hash": password_hash},
@@ -323,20 +331,22 @@ class AccountStore:
         if not isinstance(email, str) or not isinstance(password, str):
             return None
         try:
-            rows = self._rows("get_user_by_email", {"email": email.strip()})
+            rows = self._rows("get_user_by_email", {"email": _email_key(email)})
         except (ValueError, UnicodeEncodeError):  # NUL or lone surrogates: nobody's email
             rows = []
         candidate = password.encode("utf-8", "replace")
-        if not rows:
-            bcrypt.checkpw(candidate[:MAX_PASSWORD_BYTES], self._dummy())
-            return None
-        *fields, password_hash = rows[0]
-        user = User(*fields)
+        # Exactly one full bcrypt check whatever the input: a password longer than bcrypt
+        # reads (never a valid one: none is stored) is checked cut, then refused, so that
+        # it cannot tell a known email (instant refusal) from an unknown one (a check).
+        stored = rows[0][-1].encode("ascii") if rows else self._dummy()
         try:
-            ok = bcrypt.checkpw(candidate, password_hash.encode("ascii"))
-        except ValueError:  # longer than bcrypt accepts: never a valid password here
+            ok = bcrypt.checkpw(candidate[:MAX_PASSWORD_BYTES], stored)
+        except ValueError:  # a stored hash bcrypt cannot read
             ok = False
-        return user if ok and user.active else None
+        if not rows or not ok or len(candidate) > MAX_PASSWORD_BYTES:
+            return None
+        user = User(*rows[0][:-1])
+        return user if user.active else None
 
     def _dummy(self) -> bytes:
         if self._dummy_hash is None:

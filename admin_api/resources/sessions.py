@@ -34,6 +34,11 @@ class Login:
             raise ApiError(
                 401, "The email or the password is wrong, or the account is deactivated."
             )
+        previous = req.cookies.get(SESSION_COOKIE)
+        if previous:
+            # A new session id at every login, and the browser's previous session ends:
+            # a cookie planted or left in the browser before the login never carries it.
+            self.accounts.delete_session(previous)
         session_id = self.accounts.create_session(user.id, self.settings.session_hours)
         set_session_cookie(resp, session_id, self.settings)
         resp.media = {"user": user.as_dict(), "expires_in": int(self.settings.session_hours * 3600)}

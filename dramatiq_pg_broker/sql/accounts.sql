@@ -23,7 +23,8 @@ FROM {schema}.users
 WHERE id = %(id)s
 
 -- get_user_by_email --
--- One account by email, whatever its case, with its password hash (for logging in).
+-- One account by email, with its password hash (for logging in). %(email)s arrives
+-- lower-cased as stored; lower() here matches the unique index users_email_uq.
 SELECT id, email, role, active, created_at, password_hash
 FROM {schema}.users
 WHERE lower(email) = lower(%(email)s)
@@ -37,11 +38,16 @@ SET role = coalesce(%(role)s, role),
 WHERE id = %(id)s
 RETURNING id, email, role, active, created_at
 
--- count_other_active_admins --
--- Active admins other than one user: the last one may not lock everybody out.
-SELECT count(*)
+-- lock_active_admins --
+-- The active admins, locked until the end of the transaction that changes a user, so that
+-- the last one may not lock everybody out even when two admins are changed at once. In id
+-- order, so that concurrent changes queue up instead of deadlocking; a row another
+-- transaction changed meanwhile is checked again, so the ids are the committed admins.
+SELECT id
 FROM {schema}.users
-WHERE role = 'admin' AND active AND id <> %(id)s
+WHERE role = 'admin' AND active
+ORDER BY id
+FOR UPDATE
 
 -- insert_session --
 -- A new session for a user, valid until %(expires_at)s.

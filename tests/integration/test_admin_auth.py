@@ -8,6 +8,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from dramatiq_pg_broker import accounts as accounts_module
+from dramatiq_pg_broker.accounts import InvalidAccountData
+
 from .admin_support import CSRF, PASSWORD, AdminEnv, Endpoint
 
 ALL = frozenset({"viewer", "operator", "admin", "member"})
@@ -153,6 +156,67 @@ def test_malformed_login_is_400(env, body, words):
     result = env.client.simulate_post("/api/auth/login", json=body, headers=CSRF)
     assert result.status_code == 400
     assert words in result.json["message"]
+
+
+def test_a_too_long_password_costs_one_bcrypt_check_known_email_or_not(env, monkeypatch):
+    # bcrypt refuses more than 72 bytes at once: without a full check for a known email,
+    # a long password would answer instantly there and slowly for an unknown one, telling
+    # which emails exist.
+    checked = []
+    real = accounts_module.bcrypt.checkpw
+
+    def checkpw(password, hashed):
+        checked.append(len(password))
+        return real(password, hashed)
+
+    monkeypatch.setattr(accounts_module.bcrypt, "checkpw", checkpw)
+    for email in ("admin@example.com", "nobody@example.com"):
+        checked.clear()
+        assert env.accounts.authenticate(email, "x" * 100) is None
+        assert checked == [72], email
+
+
+def test_passwords_are_never_cut_at_72_bytes(env):
+    # bcrypt reads only 72 bytes: a longer password that starts with the real one is refused
+    # instead of being accepted by its first 72 bytes.
+    password = "é" * 36  # 72 bytes in UTF-8
+    env.accounts.create_user("long-password@example.com", password, "viewer")
+    assert env.accounts.authenticate("long-password@example.com", password) is not None
+    assert env.accounts.authenticate("long-password@example.com", password + "x") is None
+    with pytest.raises(InvalidAccountData, match="at most 72 bytes"):
+        env.accounts.create_user("longer@example.com", password + "x", "viewer")
+
+
+@pytest.mark.parametrize("address", ["İnci@Example.com", "ÅSA@EXAMPLE.COM", "Ωmega@example.com"])
+def test_unicode_emails_log_in_whatever_their_case(env, address):
+    # Stored lower-cased by Python; PostgreSQL's lower() follows the database's collation
+    # (ASCII only under C), so the lookup must not rely on it alone.
+    user = env.accounts.create_user(address, PASSWORD, "viewer")
+    for spelling in (address, address.lower(), address.upper()):
+        result = env.client.simulate_post(
+            "/api/auth/login", json={"email": spelling, "password": PASSWORD}, headers=CSRF
+        )
+        assert result.status_code == 200, (spelling, result.text)
+        assert result.json["user"]["id"] == user.id
+    assert env.accounts.find_user(address) == user
+
+
+def test_login_ends_the_session_the_browser_already_had(env):
+    before = env.login("viewer@example.com")
+    result = env.client.simulate_post(
+        "/api/auth/login",
+        json={"email": "operator@example.com", "password": PASSWORD},
+        cookies={"dpb_session": before},
+        headers=CSRF,
+    )
+    assert result.status_code == 200
+    after = result.cookies["dpb_session"].value
+    assert after != before
+    assert (
+        env.client.simulate_get("/api/auth/me", cookies={"dpb_session": before}).status_code == 401
+    )
+    me = env.client.simulate_get("/api/auth/me", cookies={"dpb_session": after})
+    assert me.json["user"]["email"] == "operator@example.com"
 
 
 def test_deactivated_users_cannot_log_in_and_lose_sessions_and_tokens(env):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import io
+import threading
 import uuid
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from dramatiq_pg_broker import cli
 from dramatiq_pg_broker.accounts import EmailTaken, InvalidAccountData, LastAdmin
+from dramatiq_pg_broker.migrate import migrate
 
 from .admin_support import CSRF, PASSWORD, AdminEnv
 
@@ -107,6 +111,41 @@ def test_the_last_active_admin_cannot_be_demoted_or_deactivated(pg_url, schema):
             env.accounts.update_user(keep.id, role="operator")
         for other in others:
             env.accounts.update_user(other.id, role="admin")
+    finally:
+        env.close()
+
+
+def test_two_admins_demoted_at_once_leave_one_admin(pg_url, empty_schema):
+    migrate(pg_url, empty_schema)
+    env = AdminEnv(pg_url, empty_schema)
+    try:
+        first = env.users["admin"]
+        second = env.accounts.create_user(email(), PASSWORD, "admin")
+        outcome: list[object] = []
+
+        def demote_second():
+            try:
+                outcome.append(env.accounts.update_user(second.id, role="viewer"))
+            except LastAdmin as e:
+                outcome.append(e)
+
+        with psycopg.connect(pg_url) as other:
+            # Another request demotes the first admin and has not committed yet.
+            other.execute(
+                sql.SQL("UPDATE {}.users SET role = 'viewer' WHERE id = %s").format(
+                    sql.Identifier(empty_schema)
+                ),
+                (first.id,),
+            )
+            thread = threading.Thread(target=demote_second)
+            thread.start()
+            thread.join(1.0)
+            assert thread.is_alive(), f"the second demotion did not wait: {outcome}"
+            other.commit()
+        thread.join(10)
+        assert not thread.is_alive(), "the second demotion is still waiting after 10 s"
+        assert len(outcome) == 1 and isinstance(outcome[0], LastAdmin), outcome
+        assert env.accounts.get_user(second.id).role == "admin"
     finally:
         env.close()
 

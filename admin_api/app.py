@@ -24,7 +24,7 @@ from .queries import JobQueries
 from .resources.docs import DocsPage, OpenApiDocument
 from .resources.events import EventFeed
 from .resources.health import Health
-from .resources.jobs import JobCancel, JobDetail, JobEvents, JobList, JobRetry, JobStats
+from .resources.jobs import JobDetail, JobEvents, JobList, JobStats, JobTransition
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
 from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
@@ -127,8 +127,8 @@ def routes(
         ("/api/jobs/stats", JobStats(queries)),
         ("/api/jobs/{job_id}", JobDetail(queries)),
         ("/api/jobs/{job_id}/events", JobEvents(queries)),
-        ("/api/jobs/{job_id}/retry", JobRetry(queries, store)),
-        ("/api/jobs/{job_id}/cancel", JobCancel(queries, store)),
+        ("/api/jobs/{job_id}/retry", JobTransition(queries, store, "retry_failed")),
+        ("/api/jobs/{job_id}/cancel", JobTransition(queries, store, "cancel")),
         ("/api/job-events", EventFeed(queries)),
         ("/api/auth/login", Login(accounts, settings)),
         ("/api/auth/logout", Logout(accounts, settings)),

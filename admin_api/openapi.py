@@ -20,7 +20,7 @@ from .resources import events as events_resource
 from .resources import jobs as jobs_resource
 from .resources.sessions import LOGIN_FIELDS
 from .resources.users import TOKEN_FIELDS, USER_FIELDS, USER_UPDATE_FIELDS
-from .validation import object_schema
+from .validation import MAX_BODY_BYTES, object_schema
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -212,6 +212,16 @@ _403 = _error("The caller's role may not do this (or a cross-site request was re
 _400 = _error("Bad input; the message says what was wrong.")
 _404 = _error("No such job (or, for a member, not one of theirs).")
 _503 = _error("The database is unavailable.")
+_413 = _error(f"The body is larger than {MAX_BODY_BYTES} bytes.")
+_415 = _error("The body is not JSON.")
+
+
+def _with_body(op: dict[str, Any]) -> dict[str, Any]:
+    """An operation that reads a JSON body may also answer 413 and 415."""
+    if "requestBody" in op:
+        op["responses"].setdefault("413", _413)
+        op["responses"].setdefault("415", _415)
+    return op
 
 
 def _protected(op: dict[str, Any], roles: str) -> dict[str, Any]:
@@ -220,7 +230,20 @@ def _protected(op: dict[str, Any], roles: str) -> dict[str, Any]:
     op["responses"]["401"] = _401
     op["responses"]["403"] = _403
     op["responses"]["503"] = _503
-    return op
+    return _with_body(op)
+
+
+def _list_of(name: str, description: str) -> dict[str, Any]:
+    return _json(
+        {
+            "type": "object",
+            "properties": {
+                "count": {"type": "integer"},
+                "results": {"type": "array", "items": _ref(name)},
+            },
+        },
+        description,
+    )
 
 
 def _paths() -> dict[str, Any]:
@@ -288,7 +311,6 @@ def _paths() -> dict[str, Any]:
                         "201": _json(_ref("Job"), "The new job."),
                         "200": _json(_ref("Job"), "The job that already had this idempotency key."),
                         "409": _error("A member reused a key of a job they did not create."),
-                        "415": _error("The body is not JSON."),
                     },
                 },
                 "operator, admin, member",
@@ -384,20 +406,33 @@ def _paths() -> dict[str, Any]:
             )
         },
         "/api/auth/login": {
-            "post": {
-                "summary": "Log in: sets the session cookie dpb_session.",
-                "description": "Send the header X-Requested-With (any value).",
-                "security": [],
-                "requestBody": _body(LOGIN_FIELDS),
-                "responses": {
-                    "200": _json(
-                        {"type": "object", "properties": {"user": _ref("User")}}, "Logged in."
-                    ),
-                    "400": _400,
-                    "401": _error("Wrong email or password, or a deactivated account."),
-                    "403": _error("X-Requested-With missing, or an origin not allowed."),
-                },
-            }
+            "post": _with_body(
+                {
+                    "summary": "Log in: sets the session cookie dpb_session.",
+                    "description": "Send the header X-Requested-With (any value).",
+                    "security": [],
+                    "requestBody": _body(LOGIN_FIELDS),
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "user": _ref("User"),
+                                    "expires_in": {
+                                        "type": "integer",
+                                        "description": "Seconds until the session expires.",
+                                    },
+                                },
+                            },
+                            "Logged in.",
+                        ),
+                        "400": _400,
+                        "401": _error("Wrong email or password, or a deactivated account."),
+                        "403": _error("X-Requested-With missing, or an origin not allowed."),
+                        "503": _503,
+                    },
+                }
+            )
         },
         "/api/auth/logout": {
             "post": {
@@ -434,18 +469,7 @@ def _paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "Every user.",
-                    "responses": {
-                        "200": _json(
-                            {
-                                "type": "object",
-                                "properties": {
-                                    "count": {"type": "integer"},
-                                    "results": {"type": "array", "items": _ref("User")},
-                                },
-                            },
-                            "The users.",
-                        )
-                    },
+                    "responses": {"200": _list_of("User", "The users.")},
                 },
                 "admin",
             ),
@@ -493,16 +517,7 @@ def _paths() -> dict[str, Any]:
                     "summary": "A user's API tokens (never their values).",
                     "parameters": [_USER_ID],
                     "responses": {
-                        "200": _json(
-                            {
-                                "type": "object",
-                                "properties": {
-                                    "count": {"type": "integer"},
-                                    "results": {"type": "array", "items": _ref("Token")},
-                                },
-                            },
-                            "The tokens.",
-                        ),
+                        "200": _list_of("Token", "The tokens."),
                         "404": _error("No such user."),
                     },
                 },

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import math
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,6 +21,11 @@ from .errors import ApiError, bad_request
 
 #: How deep a JSON body may nest (job arguments included).
 MAX_DEPTH = 32
+#: The largest request body accepted, in bytes (job arguments included). Larger ones are a
+#: 413: they would only cost memory in the API and, past jsonb's limit, fail in PostgreSQL.
+MAX_BODY_BYTES = 1024 * 1024
+
+_INTEGER_RE = re.compile(r"-?[0-9]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +39,8 @@ class Field:
       required(bool): the body must have it.
       nullable(bool): ``null`` is accepted (and means "not given").
       minimum(int), maximum(int): bounds of an integer.
-      max_length(int): the longest string.
+      min_length(int), max_length(int): the shortest and the longest string.
+      pattern(str): a regular expression a string must match (anchored with ^ and $).
       enum(tuple): the accepted values of a string.
       default: the value used when the field is absent (documentation only).
       trim(bool): strip surrounding whitespace from a string (not for passwords).
@@ -45,7 +52,9 @@ class Field:
     nullable: bool = False
     minimum: int | None = None
     maximum: int | None = None
+    min_length: int | None = None
     max_length: int | None = None
+    pattern: str | None = None
     enum: tuple[str, ...] | None = None
     default: Any = None
     trim: bool = True
@@ -62,13 +71,14 @@ class Field:
             ("minimum", self.minimum),
             ("maximum", self.maximum),
             ("maxLength", self.max_length),
+            ("pattern", self.pattern),
             ("enum", list(self.enum) if self.enum else None),
             ("default", self.default),
         ):
             if value is not None:
                 schema[key] = value
         if self.type == "string" and not self.enum:
-            schema["minLength"] = 1
+            schema["minLength"] = self.min_length or 1
         schema["description"] = self.description
         return schema
 
@@ -87,14 +97,16 @@ def read_json(req: falcon.Request) -> Any:
     """The request body, parsed.
 
     Raises:
-      ApiError: 400 when the body is missing or not JSON, 415 when it is declared as
-        something else than JSON.
+      ApiError: 400 when the body is missing or not JSON, 413 when it is larger than
+        :data:`MAX_BODY_BYTES`, 415 when it is declared as something else than JSON.
     """
     content_type = (req.content_type or falcon.MEDIA_JSON).split(";")[0].strip().lower()
     if content_type != falcon.MEDIA_JSON:
         raise ApiError(
             415, f"The body must be JSON (Content-Type: application/json), not {content_type}."
         )
+    if (req.content_length or 0) > MAX_BODY_BYTES:
+        raise ApiError(413, f"The body must be at most {MAX_BODY_BYTES} bytes long.")
     try:
         body = req.get_media()
     except falcon.MediaNotFoundError:
@@ -199,8 +211,12 @@ def check_value(name: str, field: Field, value: Any) -> Any:
                 raise bad_request(f"{name} must be one of {', '.join(field.enum)}")
         elif not value.strip():
             raise bad_request(f"{name} must not be empty or only whitespace")
+        if field.min_length is not None and len(value) < field.min_length:
+            raise bad_request(f"{name} must have at least {field.min_length} characters")
         if field.max_length is not None and len(value) > field.max_length:
             raise bad_request(f"{name} must be at most {field.max_length} characters long")
+        if field.pattern is not None and not re.search(field.pattern, value):
+            raise bad_request(f"{name} must match the pattern {field.pattern}")
         return value
     if kind == "integer":
         if isinstance(value, bool) or not isinstance(value, int):
@@ -300,10 +316,9 @@ class Query:
         raw = self.text(name)
         if raw is None or raw == "":
             return default
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            value = None
+        # ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits.
+        digits = raw.strip()
+        value = int(digits) if _INTEGER_RE.fullmatch(digits) and len(digits) <= 20 else None
         if value is None or not minimum <= value <= maximum:
             raise bad_request(f"{name} must be an integer from {minimum} to {maximum}, not {raw!r}")
         return value

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import re
 
 import dramatiq
 import falcon
@@ -29,7 +28,7 @@ MAX_OFFSET = 10_000_000
 #: The furthest in the future a job may be scheduled: ten years, in milliseconds.
 MAX_DELAY_MS = 10 * 365 * 86_400_000
 #: Dramatiq's own rule for queue names.
-QUEUE_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+QUEUE_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9._-]*$"
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -40,8 +39,8 @@ JOB_FIELDS = {
         max_length=255,
     ),
     "queue_name": Field(
-        "string", "The actor's queue (letters, digits, '.', '_', '-').", max_length=255,
-        default="default",
+        "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'.",
+        max_length=255, pattern=QUEUE_NAME_PATTERN, default="default",
     ),
     "args": Field("array", "Positional arguments of the actor.", default=[]),
     "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
@@ -74,23 +73,6 @@ LIST_PARAMS = ("limit", "offset", "status", "queue", "actor", "created_after", "
 
 def job_id_param(raw: str) -> str:
     return parse_uuid(raw, "job id")
-
-
-def transition(
-    queries: JobQueries, store: JobStore, name: str, job_id: str, req: falcon.Request
-) -> dict:
-    """Run an operator transition and return the job as the transition left it.
-
-    The transition and its read-back share one transaction: a worker woken by the
-    transition's NOTIFY (delivered at commit) cannot claim the job before the response
-    is read, so the response shows what the operator did, not what happened next.
-    """
-    change = getattr(store, name)  # retry_failed or cancel
-    with store.pool.connection() as conn, conn.transaction():
-        row = change(job_id, by=req.context.user.email, conn=conn)
-    job = queries.get_job(job_id)
-    job.update({name: row[name] for name in JOB_COLUMNS if name != "id"})
-    return job
 
 
 class JobList:
@@ -127,11 +109,6 @@ class JobList:
         values = read_object(req, JOB_FIELDS)
         user = req.context.user
         queue_name = values.get("queue_name", "default")
-        if not QUEUE_NAME_RE.match(queue_name):
-            raise bad_request(
-                "queue_name must start with a letter or '_' and hold only letters, digits, "
-                "'.', '_' and '-'"
-            )
         if "delay" in values and "available_at" in values:
             raise bad_request("give delay or available_at, not both")
         delay_ms = values.get("delay", 0)
@@ -232,32 +209,32 @@ class JobStats:
         resp.media = self.queries.stats()
 
 
-class JobRetry:
-    """``POST /api/jobs/{id}/retry``: failed to queued, attempts from zero (409 for any
-    other status)."""
+class JobTransition:
+    """An operator's transition of one job, through the broker's state machine:
+    ``POST /api/jobs/{id}/retry`` (failed to queued, attempts from zero) and
+    ``POST /api/jobs/{id}/cancel`` (queued to cancelled); 409 for any other status.
+
+    Parameters:
+      queries(JobQueries): to read the job back.
+      store(JobStore): the state machine.
+      name(str): the :class:`JobStore` method, ``retry_failed`` or ``cancel``.
+    """
 
     permissions = {"POST": OPERATORS}
 
-    def __init__(self, queries: JobQueries, store: JobStore) -> None:
+    def __init__(self, queries: JobQueries, store: JobStore, name: str) -> None:
         self.queries = queries
         self.store = store
+        self.change = getattr(store, name)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
-        resp.media = transition(self.queries, self.store, "retry_failed", job_id, req)
-
-
-class JobCancel:
-    """``POST /api/jobs/{id}/cancel``: queued to cancelled (409 for any other status)."""
-
-    permissions = {"POST": OPERATORS}
-
-    def __init__(self, queries: JobQueries, store: JobStore) -> None:
-        self.queries = queries
-        self.store = store
-
-    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
-        job_id = job_id_param(job_id)
-        resp.media = transition(self.queries, self.store, "cancel", job_id, req)
+        # The transition and its read-back share one transaction: a worker woken by the
+        # transition's NOTIFY (delivered at commit) cannot claim the job before it is
+        # read, so the response shows what the operator did, not what happened next.
+        with self.store.pool.connection() as conn, conn.transaction():
+            row = self.change(job_id, by=req.context.user.email, conn=conn)
+        job = self.queries.get_job(job_id)
+        job.update({name: row[name] for name in JOB_COLUMNS if name != "id"})
+        resp.media = job

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import falcon
 
-from dramatiq_pg_broker.accounts import ROLES, AccountStore
+from dramatiq_pg_broker.accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
 
 from ..auth import ADMINS
 from ..errors import bad_request
@@ -14,7 +14,13 @@ USER_FIELDS = {
     "email": Field(
         "string", "Email address; unique whatever its case.", required=True, max_length=254
     ),
-    "password": Field("string", "8 characters to 72 bytes.", required=True, trim=False),
+    "password": Field(
+        "string",
+        "8 characters to 72 bytes (in UTF-8).",
+        required=True,
+        trim=False,
+        min_length=MIN_PASSWORD_LENGTH,
+    ),
     "role": Field("string", "What the user may do.", required=True, enum=ROLES),
     "active": Field("boolean", "A deactivated user cannot log in or use tokens.", default=True),
 }
@@ -22,7 +28,12 @@ USER_FIELDS = {
 USER_UPDATE_FIELDS = {
     "role": Field("string", "What the user may do.", enum=ROLES),
     "active": Field("boolean", "Deactivating ends the user's sessions."),
-    "password": Field("string", "A new password; ends the user's sessions.", trim=False),
+    "password": Field(
+        "string",
+        "A new password, 8 characters to 72 bytes (in UTF-8); ends the user's sessions.",
+        trim=False,
+        min_length=MIN_PASSWORD_LENGTH,
+    ),
 }
 
 TOKEN_FIELDS = {
@@ -30,15 +41,10 @@ TOKEN_FIELDS = {
 }
 
 
-def user_id_param(raw: str) -> int:
+def id_param(raw: str, what: str) -> int:
+    """A user or token id from the path (a bigint, so at most 18 digits here)."""
     if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
-        raise bad_request(f"user id must be a positive integer, not {raw[:40]!r}")
-    return int(raw)
-
-
-def token_id_param(raw: str) -> int:
-    if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
-        raise bad_request(f"token id must be a positive integer, not {raw[:40]!r}")
+        raise bad_request(f"{what} id must be a positive integer, not {raw[:40]!r}")
     return int(raw)
 
 
@@ -75,10 +81,10 @@ class UserDetail:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
         Query(req, ())
-        resp.media = self.accounts.get_user(user_id_param(user_id)).as_dict()
+        resp.media = self.accounts.get_user(id_param(user_id, "user")).as_dict()
 
     def on_patch(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
-        user_id_value = user_id_param(user_id)
+        user_id_value = id_param(user_id, "user")
         values = read_object(req, USER_UPDATE_FIELDS)
         if not values:
             raise bad_request("give at least one of role, active, password")
@@ -96,12 +102,12 @@ class UserTokens:
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
         Query(req, ())
-        user = self.accounts.get_user(user_id_param(user_id))
+        user = self.accounts.get_user(id_param(user_id, "user"))
         tokens = [token.as_dict() for token in self.accounts.list_tokens(user.id)]
         resp.media = {"count": len(tokens), "results": tokens}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
-        user_id_value = user_id_param(user_id)
+        user_id_value = id_param(user_id, "user")
         values = read_object(req, TOKEN_FIELDS)
         new = self.accounts.create_token(user_id_value, values["name"])
         resp.status = falcon.HTTP_201
@@ -118,5 +124,5 @@ class TokenDetail:
 
     def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: str) -> None:
         Query(req, ())
-        self.accounts.revoke_token(token_id_param(token_id))
+        self.accounts.revoke_token(id_param(token_id, "token"))
         resp.status = falcon.HTTP_204

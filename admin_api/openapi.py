@@ -214,11 +214,13 @@ _404 = _error("No such job (or, for a member, not one of theirs).")
 _503 = _error("The database is unavailable.")
 _413 = _error(f"The body is larger than {MAX_BODY_BYTES} bytes.")
 _415 = _error("The body is not JSON.")
+_411 = _error("The body is chunked: send it with a Content-Length.")
 
 
 def _with_body(op: dict[str, Any]) -> dict[str, Any]:
-    """An operation that reads a JSON body may also answer 413 and 415."""
+    """An operation that reads a JSON body may also answer 411, 413 and 415."""
     if "requestBody" in op:
+        op["responses"].setdefault("411", _411)
         op["responses"].setdefault("413", _413)
         op["responses"].setdefault("415", _415)
     return op

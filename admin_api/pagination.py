@@ -14,7 +14,8 @@ from .errors import bad_request
 from .queries import Cursor
 
 _CURSOR_RE = re.compile(r"^([on]):(\d{1,19})$")
-_MAX_EVENT_ID = 2**63 - 1
+#: The largest event id (a bigint) a cursor may hold.
+MAX_EVENT_ID = 2**63 - 1
 
 
 def page_link(req: falcon.Request, **changes: Any) -> str:
@@ -57,7 +58,7 @@ def decode_cursor(raw: str) -> Cursor:
     except (binascii.Error, ValueError):
         text = ""
     match = _CURSOR_RE.match(text)
-    if match is None or int(match.group(2)) > _MAX_EVENT_ID:
+    if match is None or int(match.group(2)) > MAX_EVENT_ID:
         raise bad_request(
             "cursor is not one this API made: use the 'next' or 'previous' link of a "
             "response, or leave cursor out for the newest events"

@@ -97,14 +97,19 @@ def read_json(req: falcon.Request) -> Any:
     """The request body, parsed.
 
     Raises:
-      ApiError: 400 when the body is missing or not JSON, 413 when it is larger than
-        :data:`MAX_BODY_BYTES`, 415 when it is declared as something else than JSON.
+      ApiError: 400 when the body is missing or not JSON, 411 when it is chunked, 413
+        when it is larger than :data:`MAX_BODY_BYTES`, 415 when it is declared as
+        something else than JSON.
     """
     content_type = (req.content_type or falcon.MEDIA_JSON).split(";")[0].strip().lower()
     if content_type != falcon.MEDIA_JSON:
         raise ApiError(
             415, f"The body must be JSON (Content-Type: application/json), not {content_type}."
         )
+    if req.content_length is None and req.get_header("Transfer-Encoding"):
+        # Falcon reads a WSGI body up to its Content-Length only: a chunked one would
+        # look empty.
+        raise ApiError(411, "Send the body with a Content-Length header, not chunked.")
     if (req.content_length or 0) > MAX_BODY_BYTES:
         raise ApiError(413, f"The body must be at most {MAX_BODY_BYTES} bytes long.")
     try:

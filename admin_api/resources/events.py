@@ -12,7 +12,7 @@ import falcon
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 
 from ..auth import READERS, owner_scope
-from ..pagination import decode_cursor, encode_cursor, page_link
+from ..pagination import MAX_EVENT_ID, decode_cursor, encode_cursor, page_link
 from ..queries import Cursor, JobQueries
 from ..validation import Query
 
@@ -51,9 +51,13 @@ class EventFeed:
             if cursor is not None:
                 # Back towards the newest: everything above this page's first event (or,
                 # on an empty page, everything from the cursor up).
-                preceding = link(False, results[0]["id"] if results else cursor.event_id - 1)
+                preceding = link(
+                    False, results[0]["id"] if results else max(cursor.event_id - 1, 0)
+                )
         else:
             if more:
                 preceding = link(False, results[0]["id"])
-            following = link(True, results[-1]["id"] if results else cursor.event_id + 1)
+            following = link(
+                True, results[-1]["id"] if results else min(cursor.event_id + 1, MAX_EVENT_ID)
+            )
         resp.media = {"next": following, "previous": preceding, "results": results}

@@ -92,6 +92,19 @@ def test_an_empty_page_still_links_back(env):
     assert oldest in ids(back)
 
 
+@pytest.mark.parametrize(("older", "event_id"), [(True, 0), (False, 2**63 - 1), (True, 2**63 - 1)])
+def test_links_from_a_cursor_at_either_end_are_accepted(env, older, event_id):
+    from admin_api.pagination import encode_cursor
+    from admin_api.queries import Cursor
+
+    page = env.get(f"/api/job-events?cursor={encode_cursor(Cursor(older, event_id))}")
+    assert page.status_code == 200, page.text
+    for link in (page.json["next"], page.json["previous"]):
+        if link is not None:
+            result = env.get(path_of(link))
+            assert result.status_code == 200, (link, result.text)
+
+
 @pytest.mark.parametrize(
     ("query", "words"),
     [

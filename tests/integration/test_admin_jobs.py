@@ -319,6 +319,13 @@ def test_create_refuses_a_body_over_the_size_limit(env):
     assert result.status_code == 201, result.text[:200]
 
 
+def test_create_asks_for_a_content_length_instead_of_a_chunked_body(env):
+    headers = {"Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+    result = env.post("/api/jobs", headers=headers)
+    assert result.status_code == 411, result.text
+    assert "Content-Length" in result.json["message"]
+
+
 def test_create_refuses_other_content_types(env):
     result = env.post("/api/jobs", body="actor_name=a", headers={"Content-Type": "text/plain"})
     assert result.status_code == 415

@@ -70,10 +70,6 @@ def bad_request(message: str) -> ApiError:
     return ApiError(400, message)
 
 
-def not_found(message: str) -> ApiError:
-    return ApiError(404, message)
-
-
 def serialize_error(req: falcon.Request, resp: falcon.Response, error: falcon.HTTPError) -> None:
     """Write any :class:`falcon.HTTPError` (ours or Falcon's own, such as an unknown route or
     an invalid query parameter) in the API's error shape."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import falcon
 
 from ..queries import JobQueries
+
+logger = logging.getLogger(__name__)
 
 
 class Health:
@@ -28,12 +32,16 @@ class Health:
             }
             return
         except Exception as e:  # noqa: BLE001 - any failure to answer is "unavailable"
+            # The driver's message names hosts and users; anyone may call this endpoint, so
+            # it gets the kind of failure and the log gets the whole message.
+            logger.warning("Health check: the database did not answer: %s", e)
             resp.status = 503
-            detail = str(getattr(e, "orig", None) or e).strip().splitlines()
+            cause = getattr(e, "orig", None) or e
             resp.media = {
                 "status": "unavailable",
                 "database": "unreachable",
-                "detail": detail[0] if detail else type(e).__name__,
+                "detail": f"the database did not answer ({type(cause).__name__}); "
+                "the API log has the driver's message",
             }
             return
         resp.media = {"status": "ok", "database": "ok", "schema": "ok"}

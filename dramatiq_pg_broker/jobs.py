@@ -204,10 +204,7 @@ class JobStore:
             },
             conn,
         )
-        jobs = [ClaimedJob(str(r[0]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
-        # UPDATE ... RETURNING does not keep the selection order; restore it.
-        jobs.sort(key=lambda j: j.priority)
-        return jobs
+        return [ClaimedJob(str(r[0]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
 
     def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:
         """When the earliest waiting job of a queue becomes runnable, or None."""

@@ -72,13 +72,17 @@ WITH picked AS (
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM picked
     WHERE j.id = picked.id
-    RETURNING j.id, j.priority, j.attempts, j.max_attempts, j.message, j.message_bytes
+    RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
+              j.message, j.message_bytes
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'claimed', attempts, %(owner)s FROM claimed WHERE %(events)s
 )
+-- UPDATE ... RETURNING does not keep the selection's order: restore the claim order, so
+-- the worker starts a batch's jobs in the order they were chosen.
 SELECT id, priority, attempts, max_attempts, message, message_bytes
 FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
+ORDER BY priority, available_at, created_at, id
 
 -- next_available_at --
 -- When the earliest queued job of a queue becomes runnable (an idle consumer sleeps until

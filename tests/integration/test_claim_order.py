@@ -1,0 +1,39 @@
+"""One claim returns its batch in claim order: priority, then availability, then age."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import uuid
+
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.jobs import JobStore, NewJob
+
+
+def test_a_batch_comes_back_in_claim_order(pg_url, schema):
+    store = JobStore(ProcessPool(Settings.load(url=pg_url, schema=schema)), schema)
+    base = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=1)
+    # (priority, seconds after base): created and available at that moment.
+    plan = [(p, s) for p in (0, 5, 10) for s in range(8)]
+    random.Random(7).shuffle(plan)
+    expected = {}
+    for priority, seconds in plan:
+        job_id = str(uuid.uuid4())
+        expected[job_id] = (priority, seconds)
+        store.enqueue(
+            NewJob(
+                id=job_id,
+                queue_name="claim-order",
+                actor_name="a",
+                message={"args": [], "kwargs": {}, "options": {}},
+                priority=priority,
+            ),
+            now=base + dt.timedelta(seconds=seconds),
+        )
+
+    claimed = store.claim("claim-order", len(plan), "owner-1", 30)
+
+    got = [expected[job.id] for job in claimed]
+    assert got == sorted(expected.values()), f"batch order was {got}"
+    store.pool.close()

@@ -31,14 +31,12 @@ import datetime as dt
 import hashlib
 import re
 import secrets
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import bcrypt
 import psycopg
 
-from .db import ProcessPool, Queries, translate_errors
+from .db import ProcessPool, Queries
 from .errors import PgBrokerError
 
 #: Every role, from the least to the most trusted (member stands apart: it sees only its
@@ -222,17 +220,8 @@ class AccountStore:
         self.statements = Queries(schema, "accounts.sql")
         self._dummy_hash: bytes | None = None
 
-    @contextmanager
-    def _conn(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
-        if conn is not None:
-            with translate_errors():
-                yield conn
-        else:
-            with self.pool.connection() as pooled:
-                yield pooled
-
     def _rows(self, name: str, params: dict[str, Any], conn=None) -> list[tuple]:
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             cur = c.execute(self.statements[name], params)
             return cur.fetchall() if cur.description is not None else []
 
@@ -300,7 +289,7 @@ class AccountStore:
         if role is not None:
             check_role(role)
         password_hash = self._hash_password(password) if password is not None else None
-        with self._conn(None) as conn, conn.transaction():
+        with self.pool.use(None) as conn, conn.transaction():
             # Locked before anything is read: two admins demoting each other at the same
             # time must not both see the other one still active.
             admins = {row[0] for row in self._rows("lock_active_admins", {}, conn)}
@@ -360,7 +349,7 @@ class AccountStore:
         its hash is stored). Expired sessions are pruned on the way."""
         session_id = secrets.token_urlsafe(32)
         expires_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=hours)
-        with self._conn(None) as conn:
+        with self.pool.use(None) as conn:
             conn.execute(self.statements["delete_expired_sessions"])
             conn.execute(
                 self.statements["insert_session"],

@@ -172,6 +172,17 @@ class ProcessPool:
             self._discard_broken(pool)
             raise
 
+    @contextlib.contextmanager
+    def use(self, conn: psycopg.Connection | None = None) -> Iterator[psycopg.Connection]:
+        """The connection a caller handed in (its own transaction, say), or a pooled one;
+        either way connection errors become Dramatiq's."""
+        if conn is not None:
+            with translate_errors():
+                yield conn
+        else:
+            with self.connection() as pooled:
+                yield pooled
+
     @staticmethod
     def _discard_broken(pool: ConnectionPool) -> None:
         try:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from .db import ProcessPool, Queries, translate_errors
+from .db import ProcessPool, Queries
 from .errors import InvalidTransition, JobNotFound
 
 
@@ -119,19 +118,10 @@ class JobStore:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    @contextmanager
-    def _conn(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
-        if conn is not None:
-            with translate_errors():
-                yield conn
-        else:
-            with self.pool.connection() as pooled:
-                yield pooled
-
     def _fetch(self, name: str, params: dict[str, Any], conn=None) -> list[tuple]:
         params.setdefault("now", None)
         params.setdefault("events", self.events)
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             return c.execute(self.queries[name], params).fetchall()
 
     @staticmethod
@@ -168,7 +158,7 @@ class JobStore:
             "channel": self.channel(job.queue_name),
             "now": now,
         }
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             row = c.execute(
                 self.queries["insert_job"], {**params, "events": self.events}
             ).fetchone()
@@ -328,7 +318,7 @@ class JobStore:
         failed = [str(r[0]) for r in rows if r[1] == "failed"]
         if requeued:
             queues = {r[2] for r in rows if r[1] == "queued"}
-            with self._conn(conn) as c:
+            with self.pool.use(conn) as c:
                 for queue_name in queues:
                     c.execute(self.queries["notify_queue"], {"channel": self.channel(queue_name)})
         return ReapResult(requeued, failed)
@@ -343,7 +333,7 @@ class JobStore:
         rows = self._fetch("retry_failed", {"id": job_id, "by": by, "now": now}, conn)
         if not rows:
             self._raise_for(job_id, "failed", "retried", conn)
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             c.execute(self.queries["notify_queue"], {"channel": self.channel(rows[0][1])})
         return self.get(job_id, conn=conn)
 
@@ -370,7 +360,7 @@ class JobStore:
         Raises:
           JobNotFound: no job has this id.
         """
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             cur = c.execute(self.queries["get_job"], {"id": job_id})
             row = cur.fetchone()
             if row is None:
@@ -379,7 +369,7 @@ class JobStore:
 
     def events_of(self, job_id: str, *, conn=None) -> list[dict[str, Any]]:
         """A job's events, oldest first."""
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             cur = c.execute(self.queries["get_job_events"], {"id": job_id})
             names = [d.name for d in cur.description]
             return [dict(zip(names, row)) for row in cur.fetchall()]
@@ -395,5 +385,5 @@ class JobStore:
 
     def flush(self, queue_name: str, *, conn=None) -> int:
         """Delete the waiting and running jobs of a queue; returns how many."""
-        with self._conn(conn) as c:
+        with self.pool.use(conn) as c:
             return c.execute(self.queries["flush_queue"], {"queue_name": queue_name}).rowcount

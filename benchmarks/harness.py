@@ -229,8 +229,9 @@ class Harness:
             self.flush(variant)
         return {"rate": result["rate"]}
 
-    def raw_insert(self, count: int) -> dict:
-        return {"rate": pgdata.raw_insert_rate(self.url, self.schema, count)}
+    def raw_insert(self, count: int, *, autocommit: bool = False) -> dict:
+        rate = pgdata.raw_insert_rate(self.url, self.schema, count, autocommit=autocommit)
+        return {"rate": rate}
 
     def fill(self, variant: Variant, count: int, *, delay_s: float = -1.0) -> None:
         """Put ``count`` messages on the queue (delayed by ``delay_s`` when positive)."""

@@ -27,6 +27,7 @@ TARGETS = (
 
 LABELS = {
     "raw-insert": "raw INSERT+COMMIT",
+    "raw-insert-autocommit": "raw INSERT, autocommit",
     "postgres": "postgres (this broker)",
     "postgres-noevents": "postgres, events off",
     "redis": "redis (dramatiq)",
@@ -81,7 +82,7 @@ def _num(value: float) -> str:
 def _rows(data: dict) -> list[list[str]]:
     rows = []
     results = data.get("results", {})
-    brokers = ["raw-insert", *data.get("brokers", {})]
+    brokers = ["raw-insert", "raw-insert-autocommit", *data.get("brokers", {})]
     for title, workload, metric, unit, _ in ROWS:
         for broker in brokers:
             if broker in data.get("skipped", {}) and workload in results:
@@ -126,14 +127,16 @@ def _target_rows(data: dict) -> list[list[str]]:
 def _extra_lines(data: dict) -> list[str]:
     lines = []
     enq = data.get("results", {}).get("enqueue", {})
-    raw = enq.get("raw-insert", {}).get("rate")
-    if raw:
+    for base in ("raw-insert", "raw-insert-autocommit"):
+        raw = enq.get(base, {}).get("rate")
+        if not raw:
+            continue
         for b in ("postgres", "postgres-noevents"):
             fig = enq.get(b, {}).get("rate")
             if fig:
                 lines.append(
-                    f"enqueue, {LABELS[b]}: {fig['median'] / raw['median']:.2f} × the raw "
-                    "INSERT+COMMIT rate"
+                    f"enqueue, {LABELS[b]}: {fig['median'] / raw['median']:.2f} × the "
+                    f"{LABELS[base]} rate"
                 )
     drain = data.get("results", {}).get("drain", {})
     on, off = drain.get("postgres", {}).get("rate"), drain.get("postgres-noevents", {}).get("rate")
@@ -237,7 +240,7 @@ def chart(data: dict, path: Path) -> None:
         per = data.get("results", {}).get(workload, {})
         groups = [
             (LABELS.get(b, b).replace(" (", "\n("), [per[b].get(m) for m in metrics])
-            for b in ["raw-insert", *data.get("brokers", {})]
+            for b in ["raw-insert", "raw-insert-autocommit", *data.get("brokers", {})]
             if b in per
         ]
         _bars(ax, groups, metrics)

@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
                 if workload == "enqueue":
                     if "postgres" in args.brokers:
                         measure("enqueue", "raw-insert", lambda: harness.raw_insert(cfg["raw"]))
+                        measure(
+                            "enqueue",
+                            "raw-insert-autocommit",
+                            lambda: harness.raw_insert(cfg["raw"], autocommit=True),
+                        )
                     for n in names:
                         v = VARIANTS[n]
                         measure("enqueue", n, lambda v=v: harness.enqueue(v, cfg["enqueue"]))

@@ -86,10 +86,31 @@ ORDER BY priority, available_at, created_at, id
 
 -- next_available_at --
 -- When the earliest queued job of a queue becomes runnable (an idle consumer sleeps until
--- then at most).
-SELECT min(available_at)
-FROM {schema}.jobs
-WHERE queue_name = %(queue_name)s AND status = 'queued'
+-- then at most). A plain min(available_at) would read every queued entry of the queue in
+-- jobs_claim_order_idx (ordered by priority first): 100,000 delayed jobs would cost every
+-- idle poll 100,000 index entries. Instead, hop from one priority to the next through the
+-- same index (a loose index scan): one probe per distinct priority in use.
+WITH RECURSIVE first_per_priority AS (
+    (
+        SELECT priority, available_at
+        FROM {schema}.jobs
+        WHERE queue_name = %(queue_name)s AND status = 'queued'
+        ORDER BY priority, available_at
+        LIMIT 1
+    )
+    UNION ALL
+    SELECT next.priority, next.available_at
+    FROM first_per_priority AS previous
+    CROSS JOIN LATERAL (
+        SELECT priority, available_at
+        FROM {schema}.jobs
+        WHERE queue_name = %(queue_name)s AND status = 'queued'
+          AND priority > previous.priority
+        ORDER BY priority, available_at
+        LIMIT 1
+    ) AS next
+)
+SELECT min(available_at) FROM first_per_priority
 
 -- complete_jobs --
 -- running -> succeeded for many attempts at once (acks are written in batches).

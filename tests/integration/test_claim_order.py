@@ -37,3 +37,28 @@ def test_a_batch_comes_back_in_claim_order(pg_url, schema):
     got = [expected[job.id] for job in claimed]
     assert got == sorted(expected.values()), f"batch order was {got}"
     store.pool.close()
+
+
+def test_next_available_at_is_the_earliest_across_priorities(pg_url, schema):
+    store = JobStore(ProcessPool(Settings.load(url=pg_url, schema=schema)), schema)
+    queue = "next-due"
+    assert store.next_available_at(queue) is None
+    now = dt.datetime.now(dt.timezone.utc)
+    # The earliest job hides behind a higher priority number and later lower-numbered ones.
+    for priority, delay_s in [(0, 300), (0, 200), (3, 900), (7, 50), (7, 400), (9, 100)]:
+        store.enqueue(
+            NewJob(
+                id=str(uuid.uuid4()),
+                queue_name=queue,
+                actor_name="a",
+                message={"args": [], "kwargs": {}, "options": {}},
+                priority=priority,
+                delay_ms=delay_s * 1000,
+            ),
+            now=now,
+        )
+
+    due = store.next_available_at(queue)
+
+    assert due == now + dt.timedelta(seconds=50), due
+    store.pool.close()

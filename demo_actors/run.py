@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         if has_account:
             print(f"  log in with {DEMO_EMAIL} / {DEMO_PASSWORD}, e.g.")
             print(
-                f"  curl -c cookies -H 'Content-Type: application/json' -d "
+                "  curl -c cookies -H 'Content-Type: application/json' "
+                "-H 'X-Requested-With: curl' -d "
                 f'\'{{"email": "{DEMO_EMAIL}", "password": "{DEMO_PASSWORD}"}}\' '
                 f"http://127.0.0.1:{port}/api/auth/login"
             )

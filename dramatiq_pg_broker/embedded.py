@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from pathlib import Path
 
 from .errors import ConfigurationError
@@ -49,6 +50,9 @@ def embedded_url() -> str:
                 ) from None
             path = data_dir()
             path.mkdir(parents=True, exist_ok=True)
+            # pgserver's platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI)
+            # and falls back to a temporary folder, which is fine here.
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
             # cleanup_mode=None: keep the server running after this process exits so that
             # workers, the API and the demo share it.
             server = pgserver.get_server(path, cleanup_mode=None)

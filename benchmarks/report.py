@@ -34,6 +34,15 @@ LABELS = {
     "rabbitmq": "rabbitmq (dramatiq)",
 }
 
+
+def _chart_label(name: str) -> str:
+    """A label short enough for a bar: one phrase a line."""
+    label = LABELS.get(name, name)
+    if label.startswith("raw "):
+        return label.replace(" ", "\n").replace("+", "\n+")
+    return label.replace(" (", "\n(").replace(", ", ",\n")
+
+
 # (title, workload, metric, unit, higher is better)
 ROWS = (
     ("enqueue", "enqueue", "rate", "msg/s", True),
@@ -239,7 +248,7 @@ def chart(data: dict, path: Path) -> None:
             continue
         per = data.get("results", {}).get(workload, {})
         groups = [
-            (LABELS.get(b, b).replace(" (", "\n("), [per[b].get(m) for m in metrics])
+            (_chart_label(b), [per[b].get(m) for m in metrics])
             for b in ["raw-insert", "raw-insert-autocommit", *data.get("brokers", {})]
             if b in per
         ]

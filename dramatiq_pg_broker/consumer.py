@@ -151,7 +151,10 @@ class PostgresConsumer(Consumer):
     def _wait_for_work(self, remaining: float) -> None:
         wait = min(remaining, self.settings.poll_interval)
         if self._next_due is not None:
-            wait = min(wait, max(0.0, self._next_due - time.monotonic()) + 0.001)
+            # At least a few milliseconds: if this host's clock runs ahead of the server's,
+            # a job can look due here before the server agrees, and the consumer must not
+            # spin on empty claims until the clocks meet.
+            wait = min(wait, max(0.005, self._next_due - time.monotonic() + 0.001))
         if wait <= 0:
             return
         conn = self._listener()
@@ -212,15 +215,15 @@ class PostgresConsumer(Consumer):
         self._settled.set()
 
     def close(self) -> None:
+        buffered = list(self._buffer)
+        self._buffer.clear()
         try:
-            if self._buffer:
-                buffered = list(self._buffer)
-                self._buffer.clear()
+            if buffered:
                 self.requeue(buffered)
         except BrokerConnectionError:
             logger.warning(
                 "Could not return %d claimed message(s); their leases will expire.",
-                len(self._buffer),
+                len(buffered),
             )
         finally:
             if self._listen_conn is not None:

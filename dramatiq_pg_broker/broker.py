@@ -221,10 +221,19 @@ class PostgresBroker(dramatiq.Broker):
     ) -> bool:
         """Move a running message's row back to queued, runnable in ``delay_ms``. The
         following ack or nack of this message writes nothing. Returns False (and logs) if
-        this worker no longer owns the attempt."""
+        this worker no longer owns the attempt.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database stayed unreachable. The attempt is
+            then left as it is (running, its lease no longer renewed): the reaper requeues
+            it with backoff once the lease expires. It is never acked as a success.
+        """
         data = data_bytes = None
         if replace_message:
             data, data_bytes = self.encode_message(message._message)
+        # Settled whatever happens: a failed attempt whose retry could not be written must
+        # not be acked as a success by the ack Dramatiq sends next.
+        message._settled = True
         owned = self._with_retries(
             lambda: self.store.reschedule(
                 message.attempt,
@@ -235,7 +244,6 @@ class PostgresBroker(dramatiq.Broker):
                 message_bytes=data_bytes,
             )
         )
-        message._settled = True
         if not owned:
             logger.warning(
                 "Could not reschedule job %s attempt %d: this worker no longer owns it.",

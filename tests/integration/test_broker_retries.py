@@ -229,3 +229,38 @@ def test_stock_retries_middleware_loses_and_duplicates_nothing(h, conn):
     # The stock middleware's bookkeeping travels with the rescheduled row.
     stored = broker.store.get(messages[0].message_id)["message"]
     assert stored["options"]["retries"] == 2
+
+
+def test_a_retry_that_cannot_be_written_is_never_acked_as_a_success(h, monkeypatch):
+    # A short lease and a fast reaper: the unwritten retry is recovered by lease expiry.
+    broker = h.broker(lease_seconds=1.0, reaper_interval=0.2, backoff_base_ms=50, backoff_max_ms=50)
+    real_reschedule = broker.store.reschedule
+    refused = []
+
+    def unreachable_for_attempt_1(attempt, *args, **kwargs):
+        if attempt.attempt == 1:
+            # Every try (the broker retries a few times) finds the server gone.
+            refused.append(attempt)
+            raise dramatiq.errors.ConnectionClosed(OSError("server went away"))
+        return real_reschedule(attempt, *args, **kwargs)
+
+    monkeypatch.setattr(broker.store, "reschedule", unreachable_for_attempt_1)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=3, min_backoff=50)
+    def fails_once():
+        attempt = current_job().attempt
+        h.record(attempt)
+        if attempt == 1:
+            raise ValueError("first attempt fails")
+
+    message = fails_once.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+
+    assert refused, "the reschedule was never attempted"
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["attempts"]) == ("succeeded", 2), row
+    types = [(e["type"], e["attempt"]) for e in broker.store.events_of(message.message_id)]
+    assert ("succeeded", 1) not in types, f"the failed attempt was acked: {types}"
+    assert ("timeout_requeued", 1) in types, types
+    assert [attempt for (attempt,) in h.runs] == [1, 2]

@@ -1,9 +1,10 @@
 """Schema migrations: numbered SQL files applied in order, recorded with their checksums.
 
-Files live in the top-level ``migrations/`` folder (``DRAMATIQ_PG_MIGRATIONS_DIR``
-overrides it) and are named ``NNNN_description.sql``. Each file runs in its own
-transaction with ``search_path`` set to the broker's schema, and is recorded in
-``<schema>.schema_migrations`` with the SHA-256 of its bytes.
+Files live in the top-level ``migrations/`` folder, shipped inside the package as
+``dramatiq_pg_broker/migrations`` (``DRAMATIQ_PG_MIGRATIONS_DIR`` overrides it), and are
+named ``NNNN_description.sql``. Each file runs in its own transaction with ``search_path``
+set to the broker's schema, and is recorded in ``<schema>.schema_migrations`` with the
+SHA-256 of its bytes.
 
 - Running :func:`migrate` twice is a no-op.
 - Two migrators started at once are serialised by an advisory lock held only while
@@ -70,11 +71,13 @@ class MigrationState:
 
 
 def migrations_dir() -> Path:
-    """The folder of migration files."""
+    """The folder of migration files: ``DRAMATIQ_PG_MIGRATIONS_DIR`` if set, else the
+    package's ``migrations`` folder (in a checkout, a link to the top-level
+    ``migrations/``; in an installed wheel, a copy of it)."""
     configured = os.environ.get("DRAMATIQ_PG_MIGRATIONS_DIR")
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parent.parent / "migrations"
+    return Path(__file__).resolve().parent / "migrations"
 
 
 def discover(directory: Path | None = None) -> list[Migration]:

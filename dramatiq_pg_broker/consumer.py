@@ -52,7 +52,10 @@ def describe_error(message: MessageProxy) -> str:
     if exc is None:
         return "message rejected"
     text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    error = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    # PostgreSQL text cannot hold NUL characters: one in an exception's text would make the
+    # outcome (or the retry) impossible to write.
+    return error.replace("\x00", "\\x00")
 
 
 class PgMessageProxy(MessageProxy):

@@ -296,9 +296,22 @@ class OutcomeWriter:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._write(batch)
-            for _ in batch:
-                self._queue.task_done()
+            try:
+                self._write(batch)
+            except Exception:
+                # Not a connection error (those are retried): these outcomes cannot be
+                # written. Stop renewing their attempts, so that the leases expire and the
+                # reaper runs the jobs again, and keep this thread alive for the others.
+                logger.exception(
+                    "Could not write %d outcome(s); their jobs run again once their leases expire.",
+                    len(batch),
+                )
+                for _, proxy, _ in batch:
+                    proxy._settled = True
+                    self.broker.leases.untrack(proxy.attempt)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
 
     def _write(self, batch: list[tuple[str, PgMessageProxy, Any]]) -> None:
         completed = [p for kind, p, _ in batch if kind == "complete"]

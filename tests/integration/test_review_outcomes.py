@@ -56,3 +56,34 @@ def test_a_retry_with_a_nul_character_in_its_error_is_rescheduled(h):
     assert (row["status"], row["attempts"]) == ("failed", 2)
     types = [e["type"] for e in broker.store.events_of(message.message_id)]
     assert "retry_scheduled" in types
+
+
+def test_an_unexpected_write_error_does_not_stop_the_outcome_writer(h):
+    broker = h.broker()
+    seen = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def ok(n):
+        seen.append(n)
+
+    real_complete = broker.store.complete
+    calls = {"n": 0}
+
+    def complete_failing_once(attempts, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("unexpected")
+        return real_complete(attempts, **kwargs)
+
+    broker.store.complete = complete_failing_once
+    first = ok.send(1)
+    h.start(broker, threads=1)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # The batch that could not be written is given up (its lease expires; it runs again),
+    # and the writer neither hangs nor keeps renewing the lost attempt.
+    assert broker.outcomes.flush(timeout=5)
+    assert first.message_id not in {a.id for a in broker.leases.tracked()}
+    second = ok.send(2)
+    assert wait_for_status(broker, second.message_id, "succeeded")["status"] == "succeeded"

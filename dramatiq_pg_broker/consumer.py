@@ -201,10 +201,14 @@ class PostgresConsumer(Consumer):
         proxies = [m for m in messages if isinstance(m, PgMessageProxy) and not m._settled]
         if not proxies:
             return
-        released = self.store.release([p.attempt for p in proxies])
-        for proxy in proxies:
-            proxy._settled = True
-            proxy._consumer._done(proxy)
+        try:
+            released = self.store.release([p.attempt for p in proxies])
+        finally:
+            # Returned or not, this worker is done with them: one that could not be returned
+            # is no longer renewed, so its lease expires and the reaper gives it back.
+            for proxy in proxies:
+                proxy._settled = True
+                proxy._consumer._done(proxy)
         logger.info("Returned %d unstarted message(s) to queue %r.", len(released), self.queue_name)
 
     def _done(self, proxy: PgMessageProxy) -> None:

@@ -6,6 +6,7 @@ import time
 
 import dramatiq
 import pytest
+from dramatiq.errors import ConnectionClosed
 
 from .test_broker_retries import Harness
 
@@ -87,3 +88,29 @@ def test_an_unexpected_write_error_does_not_stop_the_outcome_writer(h):
     assert first.message_id not in {a.id for a in broker.leases.tracked()}
     second = ok.send(2)
     assert wait_for_status(broker, second.message_id, "succeeded")["status"] == "succeeded"
+
+
+def test_claimed_messages_that_cannot_be_returned_are_no_longer_renewed(h):
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def ok(n):
+        pass
+
+    for n in range(3):
+        ok.send(n)
+    consumer = broker.consume(h.queue, prefetch=3, timeout=1000)
+    first = next(consumer)
+    assert first is not None
+    buffered = [p.attempt for p in consumer._buffer]
+    assert len(buffered) == 2
+
+    def unreachable(attempts, **kwargs):
+        raise ConnectionClosed(OSError("server went away"))
+
+    broker.store.release = unreachable
+    consumer.close()
+    tracked = set(broker.leases.tracked())
+    # Their leases must be allowed to expire so that the reaper gives them back.
+    assert not tracked.intersection(buffered)
+    assert first.attempt in tracked

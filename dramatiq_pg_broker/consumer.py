@@ -139,6 +139,10 @@ class PostgresConsumer(Consumer):
         if job.attempts > 1:
             # Dramatiq's convention: options["retries"] counts the earlier attempts.
             message.options["retries"] = job.attempts - 1
+        # The row's available_at already did the waiting. An eta left in a stored message
+        # (one written by other means than enqueue, which strips it) would send the message
+        # to Dramatiq's in-memory delay queue, which re-enqueues and acks the original.
+        message.options.pop("eta", None)
         with self._lock:
             self._outstanding += 1
         self.broker.leases.track(attempt)
@@ -173,16 +177,22 @@ class PostgresConsumer(Consumer):
             return None
         if self._listen_conn is None:
             conn = connect(self.broker.pool.url)
-            with translate_errors():
-                conn.execute(f"LISTEN {_quote_ident(self.store.channel(self.queue_name))}")
+            try:
+                with translate_errors():
+                    conn.execute(f"LISTEN {_quote_ident(self.store.channel(self.queue_name))}")
+            except BaseException:
+                conn.close()
+                raise
             self._listen_conn = conn
         return self._listen_conn
 
     def _drain_notifications(self) -> None:
         # Notifications that arrived while we were busy are stale: the claim that follows
         # sees every row they announced. Draining before the claim (never after) means a
-        # notification for a row committed after the claim's snapshot is never lost.
-        conn = self._listen_conn
+        # notification for a row committed after the claim's snapshot is never lost. For
+        # the same reason the LISTEN starts here, before the first claim, not when the
+        # consumer first goes idle.
+        conn = self._listener()
         if conn is not None:
             with translate_errors():
                 for _ in conn.notifies(timeout=0):

@@ -126,6 +126,9 @@ class JobStore:
 
     @staticmethod
     def _attempt_params(attempts: Sequence[Attempt]) -> dict[str, Any]:
+        # In id order, so that two statements updating overlapping rows (the heartbeat and
+        # the outcome writer) lock them in the same order and do not deadlock.
+        attempts = sorted(attempts, key=lambda a: a.id)
         return {
             "ids": [a.id for a in attempts],
             "owners": [a.owner for a in attempts],
@@ -213,7 +216,12 @@ class JobStore:
         """running -> failed (dead letter), keeping each attempt's error."""
         if not attempts:
             return set()
-        params = {**self._attempt_params(attempts), "errors": list(errors), "now": now}
+        pairs = sorted(zip(attempts, errors), key=lambda pair: pair[0].id)
+        params = {
+            **self._attempt_params([attempt for attempt, _ in pairs]),
+            "errors": [error for _, error in pairs],
+            "now": now,
+        }
         return {str(r[0]) for r in self._fetch("fail_jobs", params, conn)}
 
     def reschedule(

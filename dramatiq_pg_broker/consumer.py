@@ -149,18 +149,14 @@ class PostgresConsumer(Consumer):
         return PgMessageProxy(message, attempt, self)
 
     def _refresh_next_due(self) -> None:
-        due = self.store.next_available_at(self.queue_name)
-        if due is None:
-            self._next_due = None
-        else:
-            self._next_due = time.monotonic() + max(0.0, due.timestamp() - time.time())
+        seconds = self.store.seconds_until_available(self.queue_name)
+        self._next_due = None if seconds is None else time.monotonic() + max(0.0, seconds)
 
     def _wait_for_work(self, remaining: float) -> None:
         wait = min(remaining, self.settings.poll_interval)
         if self._next_due is not None:
-            # At least a few milliseconds: if this host's clock runs ahead of the server's,
-            # a job can look due here before the server agrees, and the consumer must not
-            # spin on empty claims until the clocks meet.
+            # At least a few milliseconds, so that a job due right now but claimed by
+            # another consumer can never make this one spin on empty claims.
             wait = min(wait, max(0.005, self._next_due - time.monotonic() + 0.001))
         if wait <= 0:
             return
@@ -295,6 +291,9 @@ class OutcomeWriter:
             return
         with self._lock:
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                if self._pid != os.getpid():
+                    # A forked child must not write (or wait on) its parent's outcomes.
+                    self._queue = queue.Queue()
                 self._pid = os.getpid()
                 self._thread = threading.Thread(
                     target=self._run, name="dramatiq-pg-outcomes", daemon=True

@@ -203,6 +203,11 @@ class JobStore:
         """When the earliest waiting job of a queue becomes runnable, or None."""
         return self._fetch("next_available_at", {"queue_name": queue_name}, conn)[0][0]
 
+    def seconds_until_available(self, queue_name: str, *, conn=None) -> float | None:
+        """Seconds, by the server's clock, until the earliest waiting job of a queue
+        becomes runnable (0 or less: it is runnable now), or None if none waits."""
+        return self._fetch("next_available_at", {"queue_name": queue_name}, conn)[0][1]
+
     def complete(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
         """running -> succeeded. Returns the ids changed (the attempts still owned)."""
         if not attempts:

@@ -43,9 +43,9 @@ class LeaseKeeper:
 
     def track(self, attempt: Attempt) -> None:
         """Start renewing an attempt (a claimed message, prefetched or running)."""
+        self.start()
         with self._lock:
             self._attempts[attempt.id] = (attempt, True)
-        self.start()
 
     def started_without_heartbeat(self, attempt: Attempt) -> None:
         """An actor declared with ``heartbeat=False`` starts: give it one full lease from
@@ -76,6 +76,9 @@ class LeaseKeeper:
             return
         with self._lock:
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                if self._pid != os.getpid():
+                    # A forked child owns none of its parent's attempts.
+                    self._attempts.clear()
                 self._pid = os.getpid()
                 self._stop.clear()
                 self._thread = threading.Thread(

@@ -110,7 +110,10 @@ WITH RECURSIVE first_per_priority AS (
         LIMIT 1
     ) AS next
 )
-SELECT min(available_at) FROM first_per_priority
+-- The second column is the wait in seconds by the server's clock, so a worker whose clock
+-- differs from the server's still wakes when the server will hand the job out.
+SELECT min(available_at), extract(epoch FROM min(available_at) - now())::float8
+FROM first_per_priority
 
 -- complete_jobs --
 -- running -> succeeded for many attempts at once (acks are written in batches).

@@ -43,6 +43,7 @@ def test_next_available_at_is_the_earliest_across_priorities(pg_url, schema):
     store = JobStore(ProcessPool(Settings.load(url=pg_url, schema=schema)), schema)
     queue = "next-due"
     assert store.next_available_at(queue) is None
+    assert store.seconds_until_available(queue) is None
     now = dt.datetime.now(dt.timezone.utc)
     # The earliest job hides behind a higher priority number and later lower-numbered ones.
     for priority, delay_s in [(0, 300), (0, 200), (3, 900), (7, 50), (7, 400), (9, 100)]:
@@ -59,6 +60,9 @@ def test_next_available_at_is_the_earliest_across_priorities(pg_url, schema):
         )
 
     due = store.next_available_at(queue)
+    seconds = store.seconds_until_available(queue)
 
     assert due == now + dt.timedelta(seconds=50), due
+    # By the server's clock (the same machine's here, so within a few seconds of 50).
+    assert 40 < seconds <= 50, seconds
     store.pool.close()

@@ -19,6 +19,10 @@ from .errors import ConfigurationError
 # pgserver narrates every command at INFO; only its warnings matter to a user.
 logging.getLogger("pgserver").setLevel(logging.WARNING)
 
+# pgserver's platformdirs warns (on import) when XDG_RUNTIME_DIR is unset, as in containers
+# and CI, and falls back to a temporary folder, which is fine here.
+warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+
 _lock = threading.Lock()
 _url: str | None = None
 
@@ -50,9 +54,6 @@ def embedded_url() -> str:
                 ) from None
             path = data_dir()
             path.mkdir(parents=True, exist_ok=True)
-            # pgserver's platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI)
-            # and falls back to a temporary folder, which is fine here.
-            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
             # cleanup_mode=None: keep the server running after this process exits so that
             # workers, the API and the demo share it.
             server = pgserver.get_server(path, cleanup_mode=None)

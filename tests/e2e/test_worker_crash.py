@@ -15,16 +15,11 @@ import pytest
 from dramatiq_pg_broker import PostgresBroker
 
 from .worker_actors import QUEUE, create_executions_table, declare
-from .workers import wait_for, worker_starter
+from .workers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 QUICK_JOBS = 20
-
-
-@pytest.fixture
-def start_worker(pg_url, schema, tmp_path):
-    yield from worker_starter(pg_url, schema, tmp_path)
 
 
 def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(

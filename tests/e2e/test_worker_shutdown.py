@@ -11,17 +11,12 @@ import pytest
 from dramatiq_pg_broker import PostgresBroker
 
 from .worker_actors import QUEUE, create_executions_table, declare
-from .workers import wait_for, worker_starter
+from .workers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 #: Long enough that SIGTERM lands while they run.
 SLOW_SECONDS = 3
-
-
-@pytest.fixture
-def start_worker(pg_url, schema, tmp_path):
-    yield from worker_starter(pg_url, schema, tmp_path)
 
 
 def test_sigterm_finishes_in_flight_jobs_and_releases_prefetched_ones(

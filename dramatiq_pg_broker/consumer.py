@@ -327,20 +327,14 @@ class OutcomeWriter:
                     self._queue.task_done()
 
     def _write(self, batch: list[tuple[str, PgMessageProxy, Any]]) -> None:
-        completed = [p for kind, p, _ in batch if kind == "complete"]
-        failed = [(p, e) for kind, p, e in batch if kind == "fail"]
-        delay = 0.2
-        while True:
-            try:
-                owned = self.store.complete([p.attempt for p in completed])
-                owned |= self.store.fail([p.attempt for p, _ in failed], [e for _, e in failed])
-                break
-            except BrokerConnectionError as e:
-                logger.warning(
-                    "Could not write %d outcome(s), retrying in %.1fs: %s", len(batch), delay, e
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        completed = [p.attempt for kind, p, _ in batch if kind == "complete"]
+        failed = [(p.attempt, e) for kind, p, e in batch if kind == "fail"]
+        # Each statement is retried on its own: one that committed is never sent again (a
+        # second run would find its rows no longer running and report them as lost).
+        owned = self._until_written(lambda: self.store.complete(completed))
+        owned |= self._until_written(
+            lambda: self.store.fail([a for a, _ in failed], [e for _, e in failed])
+        )
         for _, proxy, _ in batch:
             if proxy.attempt.id not in owned:
                 logger.warning(
@@ -351,6 +345,18 @@ class OutcomeWriter:
                 )
             proxy._settled = True
             self.broker.leases.untrack(proxy.attempt)
+
+    @staticmethod
+    def _until_written(write) -> set[str]:
+        """Run a write until the database takes it, backing off on connection errors."""
+        delay = 0.2
+        while True:
+            try:
+                return write()
+            except BrokerConnectionError as e:
+                logger.warning("Could not write outcomes, retrying in %.1fs: %s", delay, e)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted outcome is written. Returns False on timeout."""

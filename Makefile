@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+DEMO_STAMP := $(VENV)/.demo-stamp
 
 .PHONY: install lint format test test-fast demo bench clean
 
@@ -14,6 +15,13 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# The demo needs the broker, the admin API and the local PostgreSQL, not the test tools.
+$(DEMO_STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
@@ -34,7 +42,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit tests/integration $(PYTEST_ARGS)
 
 ## The demo: database, migrations, workers, admin API and sample jobs. Ctrl-C stops it.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m demo_actors.run $(DEMO_ARGS)
 
 ## Side-by-side benchmarks against Dramatiq's Redis and RabbitMQ brokers.

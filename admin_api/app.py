@@ -12,12 +12,12 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from dramatiq_pg_broker.accounts import AccountStore
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool, resolve_url
 from dramatiq_pg_broker.jobs import JobStore
 
 from . import media
+from .accounts import AccountStore
 from .auth import Authentication
 from .errors import add_error_handlers
 from .queries import JobQueries

@@ -32,9 +32,9 @@ from urllib.parse import urlsplit
 
 import falcon
 
-from dramatiq_pg_broker.accounts import AccountStore, User
 from dramatiq_pg_broker.config import Settings
 
+from .accounts import AccountStore, User
 from .errors import ApiError
 
 logger = logging.getLogger(__name__)

@@ -19,14 +19,15 @@ import psycopg
 import psycopg_pool
 import sqlalchemy.exc
 
-from dramatiq_pg_broker.accounts import (
+from dramatiq_pg_broker.errors import InvalidTransition, JobNotFound, SchemaMissing
+
+from .accounts import (
     EmailTaken,
     InvalidAccountData,
     LastAdmin,
     TokenNotFound,
     UserNotFound,
 )
-from dramatiq_pg_broker.errors import InvalidTransition, JobNotFound, SchemaMissing
 
 logger = logging.getLogger(__name__)
 

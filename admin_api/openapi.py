@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from dramatiq_pg_broker import __version__
-from dramatiq_pg_broker.accounts import ROLES
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 from dramatiq_pg_broker.events import STATUSES
 
+from .accounts import ROLES
 from .queries import JOB_COLUMNS
 from .resources import events as events_resource
 from .resources import jobs as jobs_resource

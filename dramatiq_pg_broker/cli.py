@@ -4,6 +4,11 @@ Commands:
   migrate            apply pending migrations (safe to run twice, or from two hosts at once)
   status             list applied and pending migrations
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
+  user ..., token ...  admin API accounts (:mod:`admin_api.cli`; needs the ``admin`` extra)
+
+Every group of commands is added explicitly in :func:`build_parser`, so the parser is the
+same whether this module runs as ``dramatiq-pg-broker``, ``python -m dramatiq_pg_broker``
+or ``python -m dramatiq_pg_broker.cli``.
 """
 
 from __future__ import annotations
@@ -11,21 +16,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import psycopg
 
 from .config import Settings
 from .errors import PgBrokerError
 
-#: Each entry adds its subcommands to the parser; kept as a list so that each group of
-#: commands lives with the module it operates.
-COMMAND_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = []
-
-
-def command_group(fn: Callable[[argparse._SubParsersAction], None]):
-    COMMAND_GROUPS.append(fn)
-    return fn
+#: The modules the ``admin`` extra installs; without them the account commands say how to
+#: get them instead of failing with an import error.
+ADMIN_EXTRA_MODULES = frozenset({"falcon", "bcrypt", "sqlalchemy", "gunicorn"})
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -38,8 +38,7 @@ def database_url(args: argparse.Namespace) -> str:
     return resolve_url(settings_from(args))
 
 
-@command_group
-def _migration_commands(sub: argparse._SubParsersAction) -> None:
+def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     def run_migrate(args: argparse.Namespace) -> int:
         from .migrate import migrate
 
@@ -72,8 +71,7 @@ def _migration_commands(sub: argparse._SubParsersAction) -> None:
     )
 
 
-@command_group
-def _embedded_commands(sub: argparse._SubParsersAction) -> None:
+def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
     def run_embedded(args: argparse.Namespace) -> int:
         from . import embedded
 
@@ -88,18 +86,42 @@ def _embedded_commands(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_embedded)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # Importing the account commands registers them (they live with the account store).
-    from . import accounts_cli  # noqa: F401
+def add_admin_commands(sub: argparse._SubParsersAction) -> None:
+    """The admin API's ``user`` and ``token`` commands, from :mod:`admin_api.cli`. It is
+    imported only here, when the parser is built (never by the broker itself); without the
+    ``admin`` extra each command answers with how to install it."""
+    try:
+        from admin_api.cli import add_account_commands
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in ADMIN_EXTRA_MODULES | {"admin_api"}:
+            raise
 
+        def missing(args: argparse.Namespace) -> int:
+            print(
+                f"error: the {args.command} commands manage admin API accounts and need the "
+                "admin extra: pip install 'dramatiq-pg-broker[admin]'",
+                file=sys.stderr,
+            )
+            return 2
+
+        for name in ("user", "token"):
+            parser = sub.add_parser(name, help="admin API accounts (needs the admin extra)")
+            parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            parser.set_defaults(func=missing)
+        return
+    add_account_commands(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."
     )
     parser.add_argument("--url", help="database URL (default: DRAMATIQ_PG_URL, else embedded)")
     parser.add_argument("--schema", help="schema name (default: DRAMATIQ_PG_SCHEMA or dramatiq)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in COMMAND_GROUPS:
-        group(sub)
+    add_migration_commands(sub)
+    add_embedded_commands(sub)
+    add_admin_commands(sub)
     return parser
 
 

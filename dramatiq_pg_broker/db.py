@@ -26,13 +26,17 @@ _BLOCK_RE = re.compile(r"^-- (\w+) --\s*$", re.MULTILINE)
 
 
 @functools.cache
-def load_queries(filename: str = "queries.sql") -> dict[str, str]:
+def load_queries(filename: str = "queries.sql", package: str = __package__) -> dict[str, str]:
     """Parse a file of named statements into ``{name: text}``.
 
     A block starts with a line ``-- name --``; the comment lines right after it describe
     the statement, the rest up to the next block is the statement.
+
+    Parameters:
+      filename(str): the file, in the package's ``sql/`` directory.
+      package(str): the package holding it (the admin API keeps its own statements).
     """
-    text = resources.files(__package__).joinpath("sql", filename).read_text("utf-8")
+    text = resources.files(package).joinpath("sql", filename).read_text("utf-8")
     parts = _BLOCK_RE.split(text)
     queries: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2]):
@@ -48,12 +52,14 @@ class Queries:
     Plain strings let psycopg prepare each statement once per connection.
     """
 
-    def __init__(self, schema: str, filename: str = "queries.sql") -> None:
+    def __init__(
+        self, schema: str, filename: str = "queries.sql", *, package: str = __package__
+    ) -> None:
         self.schema = schema
         schema_id = sql.Identifier(schema)
         self._text = {
             name: sql.SQL(text).format(schema=schema_id).as_string(None)
-            for name, text in load_queries(filename).items()
+            for name, text in load_queries(filename, package).items()
         }
 
     def __getitem__(self, name: str) -> str:

@@ -7,13 +7,13 @@ import datetime as dt
 import dramatiq
 import falcon
 
-from dramatiq_pg_broker.accounts import AccountStore
 from dramatiq_pg_broker.broker import UNLIMITED_ATTEMPTS
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.errors import JobNotFound
 from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import JobStore, NewJob
 
+from ..accounts import AccountStore
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import offset_links

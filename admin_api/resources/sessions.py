@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import falcon
 
-from dramatiq_pg_broker.accounts import AccountStore
 from dramatiq_pg_broker.config import Settings
 
+from ..accounts import AccountStore
 from ..auth import READERS, SESSION_COOKIE, clear_session_cookie, set_session_cookie
 from ..errors import ApiError
 from ..validation import Field, read_object

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import falcon
 
-from dramatiq_pg_broker.accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
-
+from ..accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
 from ..auth import ADMINS
 from ..errors import bad_request
 from ..validation import Field, Query, read_object

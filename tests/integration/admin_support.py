@@ -11,8 +11,8 @@ from typing import Any
 from falcon import testing
 
 from admin_api import create_app
+from admin_api.accounts import ROLES, AccountStore
 from admin_api.app import create_engine
-from dramatiq_pg_broker.accounts import ROLES, AccountStore
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob

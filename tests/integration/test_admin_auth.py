@@ -8,8 +8,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import accounts as accounts_module
-from dramatiq_pg_broker.accounts import InvalidAccountData
+from admin_api import accounts as accounts_module
+from admin_api.accounts import InvalidAccountData
 
 from .admin_support import CSRF, PASSWORD, AdminEnv, Endpoint
 

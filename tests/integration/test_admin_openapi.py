@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 
 from admin_api import openapi
+from admin_api.accounts import ROLES
 from admin_api.app import routes
 from admin_api.resources.jobs import JOB_FIELDS
 from admin_api.validation import object_schema
-from dramatiq_pg_broker.accounts import ROLES
 
 from .admin_support import CSRF, PASSWORD, AdminEnv
 

@@ -10,8 +10,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from admin_api.accounts import EmailTaken, InvalidAccountData, LastAdmin
 from dramatiq_pg_broker import cli
-from dramatiq_pg_broker.accounts import EmailTaken, InvalidAccountData, LastAdmin
 from dramatiq_pg_broker.migrate import migrate
 
 from .admin_support import CSRF, PASSWORD, AdminEnv
@@ -169,6 +169,34 @@ def test_tokens_through_the_api(env):
     assert env.post(f"/api/users/{user}/tokens", json={"name": " "}).status_code == 400
 
 
+def _bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def test_password_change_revokes_the_users_tokens(env):
+    user = env.accounts.create_user(email(), PASSWORD, "operator")
+    secret = env.accounts.create_token(user.id, "script").secret
+    assert env.client.simulate_get("/api/auth/me", headers=_bearer(secret)).status_code == 200
+    changed = env.request("PATCH", f"/api/users/{user.id}", json={"password": "a new password"})
+    assert changed.status_code == 200
+    assert env.client.simulate_get("/api/auth/me", headers=_bearer(secret)).status_code == 401
+    assert [t.revoked for t in env.accounts.list_tokens(user.id)] == [True]
+
+
+def test_reactivating_a_user_brings_no_token_back(env):
+    user = env.accounts.create_user(email(), PASSWORD, "viewer")
+    secret = env.accounts.create_token(user.id, "script").secret
+    assert env.request("PATCH", f"/api/users/{user.id}", json={"active": False}).status_code == 200
+    assert env.request("PATCH", f"/api/users/{user.id}", json={"active": True}).status_code == 200
+    assert env.client.simulate_get("/api/auth/me", headers=_bearer(secret)).status_code == 401
+    # A role change alone keeps the tokens.
+    fresh = env.accounts.create_token(user.id, "after").secret
+    assert (
+        env.request("PATCH", f"/api/users/{user.id}", json={"role": "operator"}).status_code == 200
+    )
+    assert env.client.simulate_get("/api/auth/me", headers=_bearer(fresh)).status_code == 200
+
+
 def test_account_store_rules(env):
     with pytest.raises(InvalidAccountData):
         env.accounts.create_user("x@y.z", PASSWORD, "superuser")
@@ -242,6 +270,43 @@ class TestCli:
         assert missing == 2 and "no user with email" in capsys.readouterr().err
         with pytest.raises(SystemExit):
             self.run(pg_url, schema, "user", "create", "--email", "a@b.c", "--role", "root")
+
+    def test_deactivate_set_password_and_tokens(self, env, pg_url, schema, capsys, monkeypatch):
+        address = email()
+        user = env.accounts.create_user(address, PASSWORD, "operator")
+        first = env.accounts.create_token(user.id, "first")
+        second = env.accounts.create_token(user.id, "second")
+
+        assert self.run(pg_url, schema, "token", "list", "--email", address) == 0
+        out = capsys.readouterr().out
+        assert "first" in out and "second" in out and "dpb_" not in out
+        assert self.run(pg_url, schema, "token", "revoke", "--id", str(first.token.id)) == 0
+        assert "revoked token" in capsys.readouterr().out
+        assert env.accounts.token_user(first.secret) is None
+        assert env.accounts.token_user(second.secret).email == address
+        assert self.run(pg_url, schema, "token", "revoke", "--id", "99999999") == 2
+        assert "no API token" in capsys.readouterr().err
+
+        session = env.login(address)
+        code = self.run(
+            pg_url, schema, "user", "set-password", "--email", address, "--password-stdin",
+            stdin="reset password\n", monkeypatch=monkeypatch,
+        )  # fmt: skip
+        assert code == 0 and "tokens are revoked" in capsys.readouterr().out
+        assert env.accounts.token_user(second.secret) is None
+        assert env.accounts.session_user(session) is None
+        assert env.accounts.authenticate(address, "reset password").email == address
+
+        third = env.accounts.create_token(user.id, "third")
+        assert self.run(pg_url, schema, "user", "deactivate", "--email", address) == 0
+        assert "deactivated" in capsys.readouterr().out
+        assert env.accounts.authenticate(address, "reset password") is None
+        assert self.run(pg_url, schema, "user", "activate", "--email", address) == 0
+        capsys.readouterr()
+        assert env.accounts.token_user(third.secret) is None
+        assert env.accounts.authenticate(address, "reset password").email == address
+        assert self.run(pg_url, schema, "user", "deactivate", "--email", email()) == 2
+        assert "no user with email" in capsys.readouterr().err
 
     def test_unmigrated_schema_says_to_migrate(self, pg_url, capsys):
         code = cli.main(["--url", pg_url, "--schema", "not_migrated_here", "user", "list"])

@@ -1,8 +1,9 @@
 """Accounts of the admin API: users, login sessions, API tokens and job owners.
 
-It lives in the broker package (not in ``admin_api``) because the ``dramatiq-pg-broker``
-CLI creates the first admin and the API tokens, and the broker package never imports the
-web code.
+It belongs to the admin side (installed with the ``admin`` extra): the broker package
+never imports it. The ``dramatiq-pg-broker user|token`` commands (:mod:`admin_api.cli`)
+use it to create the first admin and the API tokens. Its tables come from migration 0002,
+which ``dramatiq-pg-broker migrate`` applies in every install.
 
 What is stored:
 
@@ -36,8 +37,8 @@ from typing import Any, NamedTuple
 import bcrypt
 import psycopg
 
-from .db import ProcessPool, Queries
-from .errors import PgBrokerError
+from dramatiq_pg_broker.db import ProcessPool, Queries
+from dramatiq_pg_broker.errors import PgBrokerError
 
 #: Every role, from the least to the most trusted (member stands apart: it sees only its
 #: own jobs).
@@ -217,7 +218,7 @@ class AccountStore:
         self.pool = pool
         self.schema = schema
         self.bcrypt_rounds = bcrypt_rounds
-        self.statements = Queries(schema, "accounts.sql")
+        self.statements = Queries(schema, "accounts.sql", package="admin_api")
         self._dummy_hash: bytes | None = None
 
     def _rows(self, name: str, params: dict[str, Any], conn=None) -> list[tuple]:
@@ -279,7 +280,8 @@ class AccountStore:
     ) -> User:
         """Change a user's role, active flag or password; None keeps the current value.
 
-        Deactivating a user or changing their password ends their sessions.
+        Deactivating a user or changing their password ends their sessions and revokes
+        their API tokens for good.
 
         Raises:
           InvalidAccountData: the role or password cannot be used.
@@ -308,7 +310,11 @@ class AccountStore:
                 conn,
             )[0]
             if active is False or password is not None:
+                # Whoever held the old password (or the account) keeps nothing: no session
+                # and no token outlives the change, and reactivating the user later brings
+                # none of them back.
                 self._rows("delete_user_sessions", {"user_id": user_id}, conn)
+                self._rows("revoke_user_tokens", {"user_id": user_id}, conn)
         return User(*row)
 
     def authenticate(self, email: Any, password: Any) -> User | None:

@@ -107,6 +107,11 @@ SET revoked = true
 WHERE id = %(id)s
 RETURNING id, name, user_id, created_at, last_used_at, revoked
 
+-- revoke_user_tokens --
+-- Revoke every token of a user (deactivated, or their password changed): for good, so that
+-- reactivating the user brings none back.
+UPDATE {schema}.api_tokens SET revoked = true WHERE user_id = %(user_id)s AND NOT revoked
+
 -- insert_job_owner --
 -- Record the user who created a job through the admin API (in the enqueue's transaction).
 INSERT INTO {schema}.job_owners (job_id, user_id)

@@ -1,0 +1,61 @@
+"""The broker and the admin side are separate: the broker never imports the admin side or
+its web stack, and the CLI lists the same commands however it is started."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import dramatiq_pg_broker
+
+PACKAGE = Path(dramatiq_pg_broker.__file__).parent
+ADMIN_ONLY = ("admin_api", "falcon", "gunicorn", "bcrypt", "sqlalchemy")
+
+
+def test_importing_the_broker_loads_no_admin_module():
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        "import dramatiq_pg_broker as p\n"
+        "for m in pkgutil.walk_packages(p.__path__, 'dramatiq_pg_broker.'):\n"
+        "    if m.name != 'dramatiq_pg_broker.__main__':\n"
+        "        importlib.import_module(m.name)\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {ADMIN_ONLY!r})))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_only_the_cli_parser_names_the_admin_side():
+    """The one reference to ``admin_api`` in the broker package is the CLI's lazy import
+    of the account commands (made when the parser is built)."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            for name in names:
+                if name.split(".")[0] in ADMIN_ONLY:
+                    offenders.append((path.name, name))
+    assert offenders == [("cli.py", "admin_api.cli")], offenders
+
+
+def test_cli_module_help_lists_the_account_commands():
+    for module in ("dramatiq_pg_broker", "dramatiq_pg_broker.cli"):
+        result = subprocess.run(
+            [sys.executable, "-m", module, "token", "--help"], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        for command in ("create", "list", "revoke"):
+            assert command in result.stdout, (module, result.stdout)
+        result = subprocess.run(
+            [sys.executable, "-m", module, "user", "--help"], capture_output=True, text=True
+        )
+        for command in ("create", "list", "deactivate", "activate", "set-password"):
+            assert command in result.stdout, (module, result.stdout)

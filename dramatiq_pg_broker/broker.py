@@ -56,7 +56,8 @@ class PostgresBroker(dramatiq.Broker):
         open autocommit connections).
       schema(str): schema of the job tables (``DRAMATIQ_PG_SCHEMA``, default ``dramatiq``).
       listen(bool): wake idle consumers with LISTEN/NOTIFY (default True). Use False behind
-        PgBouncer in transaction mode; consumers then poll every ``poll_interval``.
+        PgBouncer in transaction mode; consumers then poll every ``poll_interval``. Pass
+        ``prepared_statements=False`` there as well.
       lease_seconds(float): how long a claim holds without renewal (default 30).
       middleware(list[Middleware]): as for any Dramatiq broker. With the default
         middleware, Dramatiq's Retries is replaced by this package's, which reschedules the

@@ -39,6 +39,10 @@ class Settings:
         without a notification.
       listen(bool): wake idle consumers with LISTEN/NOTIFY. Turn it off behind PgBouncer in
         transaction mode; polling then does all the work.
+      prepared_statements(bool): let psycopg prepare the statements a connection runs
+        often (the default). Turn it off behind PgBouncer in transaction mode (before 1.21,
+        or without its ``max_prepared_statements``): a prepared statement lives in one
+        server session, and the pooler hands each transaction to any session.
       events(bool): write job events (the audit trail). On by default.
       reaper_interval(float): seconds between two runs of the expired-lease reaper in each
         worker process.
@@ -61,6 +65,7 @@ class Settings:
     heartbeat_seconds: float | None = None
     poll_interval: float = 1.0
     listen: bool = True
+    prepared_statements: bool = True
     events: bool = True
     reaper_interval: float = 10.0
     reaper_batch: int = 500

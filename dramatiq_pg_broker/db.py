@@ -92,6 +92,15 @@ def connect(url: str, **kwargs) -> psycopg.Connection:
         return psycopg.connect(url, autocommit=True, **kwargs)
 
 
+def connection_kwargs(settings: Settings) -> dict:
+    """psycopg connection options for the broker's pooled connections: autocommit, and no
+    server-side prepared statements where a transaction-mode pooler would break them."""
+    kwargs: dict = {"autocommit": True}
+    if not settings.prepared_statements:
+        kwargs["prepare_threshold"] = None
+    return kwargs
+
+
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
     """Turn psycopg's connection failures into Dramatiq's connection errors.
@@ -153,7 +162,7 @@ class ProcessPool:
                     self.url,
                     min_size=self.settings.pool_min_size,
                     max_size=self.settings.pool_max_size,
-                    kwargs={"autocommit": True},
+                    kwargs=connection_kwargs(self.settings),
                     name=f"dramatiq-pg-broker-{os.getpid()}",
                     open=False,
                     timeout=30.0,

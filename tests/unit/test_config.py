@@ -77,3 +77,13 @@ def test_a_configured_url_never_starts_the_embedded_server(monkeypatch):
 def test_without_a_url_deployments_can_refuse_the_embedded_server():
     with pytest.raises(ConfigurationError, match="DRAMATIQ_PG_URL"):
         resolve_url(Settings.load(environ={}), allow_embedded=False)
+
+
+def test_prepared_statements_can_be_turned_off_for_a_transaction_mode_pooler():
+    from dramatiq_pg_broker.db import connection_kwargs
+
+    on = Settings.load(environ={})
+    off = Settings.load(environ={"DRAMATIQ_PG_PREPARED_STATEMENTS": "false"})
+    assert on.prepared_statements is True and off.prepared_statements is False
+    assert connection_kwargs(on) == {"autocommit": True}
+    assert connection_kwargs(off) == {"autocommit": True, "prepare_threshold": None}

@@ -74,7 +74,7 @@ def _job_select() -> sa.Select:
     return sa.select(
         *(jobs.c[name] for name in JOB_COLUMNS),
         jobs.c.message,
-        (jobs.c.message_bytes.is_not(None)).label("opaque"),
+        (jobs.c.message.is_(None)).label("opaque"),
         owner,
     ).select_from(
         jobs.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id).outerjoin(
@@ -84,8 +84,11 @@ def _job_select() -> sa.Select:
 
 
 def job_dict(row: sa.Row) -> dict[str, Any]:
-    """A job row as the API shows it. A message stored as bytes (a non-JSON encoder such
-    as pickle) is opaque: ``message`` is null and ``message_encoding`` says why."""
+    """A job row as the API shows it. ``message`` is the row's jsonb view of the encoded
+    message (for display; workers decode the stored bytes). A message that is not JSON (a
+    non-JSON encoder such as pickle) is opaque: ``message`` is null and
+    ``message_encoding`` says why. A JSON message that jsonb cannot hold exactly shows a
+    display-safe copy (``NaN`` as a string, NUL characters as U+FFFD)."""
     data = {name: row._mapping[name] for name in JOB_COLUMNS}
     data["id"] = str(data["id"])
     opaque = row._mapping["opaque"]

@@ -42,6 +42,7 @@ jobs = Table(
     Column("attempts", Integer, nullable=False),
     Column("max_attempts", Integer, nullable=False),
     Column("idempotency_key", Text),
+    Column("idempotency_scope", Text, nullable=False),
     Column("locked_by", Text),
     Column("locked_until", Timestamp),
     Column("last_error", Text),

@@ -10,23 +10,21 @@ and run workers with the standard CLI (``dramatiq your_module``).
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 import time
 from typing import Any
 
 import dramatiq
-from dramatiq.common import current_millis
-from dramatiq.encoder import JSONEncoder
 from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout
 from dramatiq.middleware import Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from . import messages
 from .config import Settings
 from .consumer import OutcomeWriter, PgMessageProxy, PostgresConsumer
-from .current import JobContext
+from .current import JobContext, current_job
 from .db import ProcessPool
 from .errors import PgBrokerError
 from .jobs import JobStore, NewJob
@@ -36,7 +34,7 @@ from .retries import Retries
 logger = logging.getLogger(__name__)
 
 #: Largest max_attempts a job row takes when an actor allows unlimited retries.
-UNLIMITED_ATTEMPTS = 2**31 - 1
+UNLIMITED_ATTEMPTS = messages.UNLIMITED_ATTEMPTS
 
 
 class JobFailed(PgBrokerError):
@@ -119,32 +117,32 @@ class PostgresBroker(dramatiq.Broker):
 
     # -- sending -------------------------------------------------------------------------
 
-    def encode_message(self, message: dramatiq.Message) -> tuple[dict | None, bytes | None]:
-        """The stored form: a dict for jsonb under a JSON encoder, else the encoded bytes."""
-        encoder = dramatiq.get_encoder()
-        if isinstance(encoder, JSONEncoder):
-            return message.asdict(), None
-        return None, message.encode()
-
     def decode_message(self, data: Any, data_bytes: bytes | None) -> dramatiq.Message:
-        """Rebuild a message from its stored form (see :meth:`encode_message`)."""
-        if data_bytes is not None:
-            return dramatiq.Message.decode(bytes(data_bytes))
-        if isinstance(data, (str, bytes)):
-            return dramatiq.Message.decode(data.encode() if isinstance(data, str) else data)
-        fields = dict(data)
-        fields["args"] = tuple(fields.get("args") or ())
-        return dramatiq.Message(**fields)
+        """Rebuild a message from its row (see :func:`dramatiq_pg_broker.messages.decode`)."""
+        return messages.decode(data, data_bytes)
 
-    def _max_attempts(self, message: dramatiq.Message) -> int:
-        actor = self.actors.get(message.actor_name)
+    def default_max_retries(self) -> int | None:
+        """``max_retries`` of an actor that sets none: the Retries middleware's, else the
+        ``max_attempts`` setting's."""
         retries = next((m for m in self.middleware if isinstance(m, DramatiqRetries)), None)
-        default = retries.max_retries if retries is not None else self.settings.max_attempts - 1
-        actor_value = actor.options.get("max_retries", default) if actor else default
-        max_retries = message.options.get("max_retries", actor_value)
-        if max_retries is None:
-            return UNLIMITED_ATTEMPTS
-        return max(1, min(int(max_retries) + 1, UNLIMITED_ATTEMPTS))
+        return retries.max_retries if retries is not None else self.settings.max_attempts - 1
+
+    def job_for(
+        self, message: dramatiq.Message, delay: int | None = None
+    ) -> tuple[NewJob, dramatiq.Message]:
+        """The job row a send of ``message`` writes, and the message as stored.
+
+        Raises:
+          InvalidMessage: an option is out of range, or the encoder cannot encode a value.
+        """
+        actor = self.actors.get(message.actor_name)
+        return messages.job_from_message(
+            message,
+            delay=delay,
+            actor_priority=actor.priority if actor is not None else 0,
+            actor_options=actor.options if actor is not None else None,
+            default_max_retries=self.default_max_retries(),
+        )
 
     def enqueue(self, message: dramatiq.Message, *, delay: int | None = None) -> dramatiq.Message:
         """Store a message as a queued job row and wake the queue's consumers.
@@ -153,50 +151,53 @@ class PostgresBroker(dramatiq.Broker):
         ``available_at``; no delay queue exists and no worker holds delayed messages in
         memory. Priority is the actor's ``priority``, overridable per message with the
         ``priority`` option; lower runs first. The ``idempotency_key`` option makes a second
-        send with the same key return the first job's message instead of a new job.
+        send of the same actor with the same key return the first job's message instead of
+        a new job.
 
-        Re-enqueueing a message that is running here (Dramatiq's own Retries middleware
-        does that) reschedules its row instead of adding a duplicate.
+        Enqueueing a message whose id is already a job (``message.copy()``, as snooze
+        patterns and Dramatiq's own Retries do) reschedules that row if it is waiting or
+        running, with the new message and delay; a running attempt in this thread is
+        settled so that its ack writes nothing.
 
         Raises:
+          InvalidMessage: an option is out of range (``priority``, ``delay``, ``eta``,
+            ``max_retries``, ``idempotency_key``) or the encoder cannot encode a value.
+          JobAlreadyFinished: the message's id is a job that already finished.
           dramatiq.errors.ConnectionError: the database stayed unreachable after
             ``enqueue_retries`` attempts.
         """
-        options = message.options
-        delay_ms = int(delay or 0)
-        if options.get("eta") is not None:
-            delay_ms = max(delay_ms, int(options["eta"]) - current_millis())
-        if "eta" in options:
-            message = message.copy()
-            message.options.pop("eta", None)
-
         self.emit_before("enqueue", message, delay)
-        if isinstance(message, PgMessageProxy) and not message._settled:
-            self.reschedule(message, delay_ms, None, replace_message=True)
+        job, stored = self.job_for(message, delay)
+
+        proxy = self._in_flight(message)
+        if proxy is not None:
+            self.reschedule(proxy, job.delay_ms, None, replace_message=True, new_message=stored)
             self.emit_after("enqueue", message, delay)
             return message
 
-        actor = self.actors.get(message.actor_name)
-        priority = options.get("priority", actor.priority if actor is not None else 0)
-        key = options.get("idempotency_key")
-        data, data_bytes = self.encode_message(message)
-        job = NewJob(
-            id=message.message_id,
-            queue_name=message.queue_name,
-            actor_name=message.actor_name,
-            message=data,
-            message_bytes=data_bytes,
-            priority=int(priority),
-            delay_ms=delay_ms,
-            max_attempts=self._max_attempts(message),
-            idempotency_key=str(key) if key is not None else None,
-        )
-        result = self._with_retries(lambda: self.store.enqueue(job))
-        if not result.created and result.id != message.message_id:
-            logger.debug("Idempotency key %r already used by job %s.", key, result.id)
-            message = self.decode_message(result.message, result.message_bytes)
-        self.emit_after("enqueue", message, delay)
-        return message
+        first = [True]
+
+        def insert():
+            again, first[0] = first[0], False
+            return self.store.enqueue(job, again=again)
+
+        result = self._with_retries(insert)
+        if not result.created and result.id != job.id:
+            logger.debug(
+                "Idempotency key %r already used by job %s.", job.idempotency_key, result.id
+            )
+            stored = self.decode_message(result.message, result.message_bytes)
+        self.emit_after("enqueue", stored, delay)
+        return stored
+
+    def _in_flight(self, message: dramatiq.Message) -> PgMessageProxy | None:
+        """The unsettled attempt of this message that this thread is running, if any."""
+        if isinstance(message, PgMessageProxy):
+            return message if not message._settled else None
+        job = current_job()
+        if job is not None and job.id == message.message_id and not job.message._settled:
+            return job.message
+        return None
 
     def _with_retries(self, fn):
         delay = 0.05
@@ -219,10 +220,12 @@ class PostgresBroker(dramatiq.Broker):
         error: str | None,
         *,
         replace_message: bool = False,
+        new_message: dramatiq.Message | None = None,
     ) -> bool:
         """Move a running message's row back to queued, runnable in ``delay_ms``. The
         following ack or nack of this message writes nothing. Returns False (and logs) if
-        this worker no longer owns the attempt.
+        this worker no longer owns the attempt. ``replace_message`` stores the message
+        again (``new_message``, or the proxy's own).
 
         Raises:
           dramatiq.errors.ConnectionError: the database stayed unreachable. The attempt is
@@ -231,7 +234,11 @@ class PostgresBroker(dramatiq.Broker):
         """
         data = data_bytes = None
         if replace_message:
-            data, data_bytes = self.encode_message(message._message)
+            stored = messages.encode(new_message if new_message is not None else message._message)
+            data_bytes = stored.data
+            data = stored.view
+            if data is None and stored.view_from_bytes:
+                data = messages.display_view(data_bytes)
         # Settled whatever happens: a failed attempt whose retry could not be written must
         # not be acked as a success by the ack Dramatiq sends next.
         message._settled = True
@@ -295,7 +302,8 @@ class PostgresBroker(dramatiq.Broker):
           QueueJoinTimeout: the timeout elapsed.
           JobFailed: with ``fail_fast``, a job failed.
         """
-        started = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1)
+        # The server's clock, which also wrote finished_at: this host's may differ.
+        started = self.store.server_now() if fail_fast else None
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         while True:
             if fail_fast and self.store.count_failed_since(queue_name, started):

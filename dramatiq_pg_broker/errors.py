@@ -35,3 +35,26 @@ class InvalidTransition(PgBrokerError):
         self.job_id = job_id
         self.status = status
         super().__init__(f"job {job_id} is {status}: only {allowed} jobs can be {done}")
+
+
+class InvalidMessage(PgBrokerError, ValueError):
+    """A message cannot be sent as it is: an option is out of range, or the configured
+    encoder cannot encode one of its values. Nothing was written."""
+
+
+class JobAlreadyFinished(PgBrokerError):
+    """A message was enqueued again with the id of a job that already finished
+    (succeeded, failed or cancelled): it was not sent. Send a new message instead
+    (``message.copy(message_id=...)`` or ``actor.send(...)``)."""
+
+    def __init__(self, job_id: object, status: str) -> None:
+        self.job_id = job_id
+        self.status = status
+        super().__init__(
+            f"job {job_id} is already {status}: a message with its id cannot be enqueued "
+            "again; send a new message (with a new message_id) instead"
+        )
+
+
+class TransactionError(PgBrokerError):
+    """``broker.transaction()`` was given a connection it cannot write jobs on."""

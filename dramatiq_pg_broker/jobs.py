@@ -28,7 +28,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from .db import ProcessPool, Queries
-from .errors import InvalidTransition, JobNotFound
+from .errors import InvalidTransition, JobAlreadyFinished, JobNotFound
 
 
 class Attempt(NamedTuple):
@@ -53,28 +53,38 @@ class ClaimedJob:
 
 @dataclasses.dataclass(frozen=True)
 class NewJob:
-    """What :meth:`JobStore.enqueue` stores: one encoded message and its scheduling."""
+    """What :meth:`JobStore.enqueue` stores: one encoded message and its scheduling.
+
+    Build it with :func:`dramatiq_pg_broker.messages.job_from_message`, which validates
+    and encodes. ``message_bytes`` is what workers decode; ``message`` is the jsonb view
+    for display (or, with ``message_view_from_bytes``, the server parses the bytes into
+    it). A job with only ``message`` is an older row's form, still readable.
+    """
 
     id: str
     queue_name: str
     actor_name: str
-    message: dict[str, Any] | None = None
+    message: Any = None
     message_bytes: bytes | None = None
     priority: int = 0
     delay_ms: int = 0
     max_attempts: int = 21
     idempotency_key: str | None = None
+    message_view_from_bytes: bool = False
+    idempotency_scope: str = ""
 
 
 class EnqueueResult(NamedTuple):
     """The stored job: ``created`` is False when an existing job (same message id or
-    idempotency key) was returned instead."""
+    idempotency key) was returned instead; ``rescheduled`` is True when a waiting or
+    running job with the same id was moved back to queued with the new message."""
 
     id: str
     created: bool
     status: str
-    message: dict[str, Any] | None
+    message: Any
     message_bytes: bytes | None
+    rescheduled: bool = False
 
 
 class ReapResult(NamedTuple):
@@ -141,37 +151,72 @@ class JobStore:
     # -- transitions -------------------------------------------------------------------
 
     def enqueue(
-        self, job: NewJob, *, conn: psycopg.Connection | None = None, now: dt.datetime | None = None
+        self,
+        job: NewJob,
+        *,
+        conn: psycopg.Connection | None = None,
+        now: dt.datetime | None = None,
+        again: bool = True,
     ) -> EnqueueResult:
         """Store a message as a queued job (with its ``created`` event) and wake consumers.
 
-        If a job with the same id or idempotency key exists, nothing is written and that job
-        is returned with ``created=False``.
+        - A job with the same idempotency key (same actor and scope) exists: nothing is
+          written and that job is returned with ``created=False``.
+        - A job with the same id is waiting or running (the message is enqueued again, as
+          a snooze does): it is moved back to ``queued`` with the new message, priority and
+          delay, and returned with ``rescheduled=True``. A running attempt loses its
+          ownership (its later outcome matches nothing).
+        - ``again=False`` (a retry of a send whose first try may have committed) returns a
+          job with the same id as it is.
+
+        Raises:
+          JobAlreadyFinished: a job with the same id already finished.
         """
-        params = {
+        params = self._new_job_params(job, now)
+        with self.pool.use(conn) as c:
+            row = c.execute(self.queries["insert_job"], params).fetchone()
+            if row is not None:
+                return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+            existing = c.execute(self.queries["find_existing"], params).fetchone()
+            if existing is None:  # pragma: no cover - deleted between the two statements
+                raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
+            job_id, status, message, message_bytes = existing
+            job_id = str(job_id)
+            if job_id != job.id or not again:
+                return EnqueueResult(job_id, False, status, message, message_bytes)
+            if status in ("queued", "running"):
+                moved = c.execute(self.queries["reenqueue_job"], params).fetchone()
+                if moved is not None:
+                    return EnqueueResult(
+                        job.id, False, "queued", job.message, job.message_bytes, True
+                    )
+                current = c.execute(self.queries["get_job"], {"id": job.id}).fetchone()
+                if current is None:  # pragma: no cover - deleted meanwhile
+                    raise JobNotFound(f"job {job.id} was deleted while it was enqueued again")
+                status = current[5]
+        raise JobAlreadyFinished(job.id, status)
+
+    def _new_job_params(self, job: NewJob, now: dt.datetime | None) -> dict[str, Any]:
+        return {
             "id": job.id,
             "queue_name": job.queue_name,
             "actor_name": job.actor_name,
             "message": Jsonb(job.message) if job.message is not None else None,
             "message_bytes": job.message_bytes,
+            "view_from_bytes": job.message_view_from_bytes,
             "priority": job.priority,
             "delay_ms": max(0, int(job.delay_ms)),
             "max_attempts": job.max_attempts,
             "idempotency_key": job.idempotency_key,
+            "idempotency_scope": job.idempotency_scope,
             "channel": self.channel(job.queue_name),
             "now": now,
+            "events": self.events,
         }
-        with self.pool.use(conn) as c:
-            row = c.execute(
-                self.queries["insert_job"], {**params, "events": self.events}
-            ).fetchone()
-            if row is not None:
-                return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-            existing = c.execute(self.queries["find_existing"], params).fetchone()
-        if existing is None:  # pragma: no cover - deleted between the two statements
-            raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
-        job_id, status, message, message_bytes = existing
-        return EnqueueResult(str(job_id), False, status, message, message_bytes)
+
+    def server_now(self, *, conn=None) -> dt.datetime:
+        """The database server's clock (``now()``)."""
+        return self._fetch("server_now", {}, conn)[0][0]
 
     def claim(
         self,

@@ -21,6 +21,7 @@ from dramatiq.middleware.retries import DEFAULT_MAX_BACKOFF
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 
 from .consumer import PgMessageProxy, describe_error
+from .messages import max_retries_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Retries(DramatiqRetries):
             self.max_backoff = backoff_max_ms
 
     def max_retries_for(self, actor, options: dict) -> int | None:
-        return options.get("max_retries", actor.options.get("max_retries", self.max_retries))
+        return max_retries_of(options, actor.options, self.max_retries)
 
     def after_process_message(self, broker, message, *, result=None, exception=None):
         if exception is None:

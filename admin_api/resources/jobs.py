@@ -7,11 +7,11 @@ import datetime as dt
 import dramatiq
 import falcon
 
-from dramatiq_pg_broker.broker import UNLIMITED_ATTEMPTS
 from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.errors import JobNotFound
+from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
 from dramatiq_pg_broker.events import STATUSES
-from dramatiq_pg_broker.jobs import JobStore, NewJob
+from dramatiq_pg_broker.jobs import JobStore
+from dramatiq_pg_broker.messages import MAX_DELAY_MS, UNLIMITED_ATTEMPTS, job_from_message
 
 from ..accounts import AccountStore
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
@@ -25,8 +25,6 @@ DEFAULT_LIMIT = 25
 MAX_LIMIT = 100
 #: The deepest ``offset`` accepted (beyond it, narrow the filters instead).
 MAX_OFFSET = 10_000_000
-#: The furthest in the future a job may be scheduled: ten years, in milliseconds.
-MAX_DELAY_MS = 10 * 365 * 86_400_000
 #: Dramatiq's own rule for queue names.
 QUEUE_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9._-]*$"
 
@@ -117,21 +115,19 @@ class JobList:
             delay_ms = max(0, int(wait.total_seconds() * 1000))
             if delay_ms > MAX_DELAY_MS:
                 raise bad_request("available_at must be at most ten years from now")
-        key = values.get("idempotency_key")
         options: dict = {}
-        if key is not None:
-            options["idempotency_key"] = key
+        if "idempotency_key" in values and values["idempotency_key"] is not None:
+            options["idempotency_key"] = values["idempotency_key"]
+        if "priority" in values:
+            options["priority"] = values["priority"]
         if "max_retries" in values:
             # Only when asked: the worker reads the message's max_retries before the
             # actor's, so a default here would override the actor's own setting.
             options["max_retries"] = values["max_retries"]
-            max_attempts = min(values["max_retries"] + 1, UNLIMITED_ATTEMPTS)
-        else:
-            # The API does not know the actor's max_retries; the row's limit (used when
-            # leases expire) is the configured default, as for an actor without one.
-            max_attempts = self.settings.max_attempts
-        # The API holds no actor code: the message is built as actor.send() would build it,
-        # and stored as PostgresBroker.encode_message stores it for the JSON encoder.
+        # The API holds no actor code: the message is built as actor.send_with_options()
+        # would build it, and becomes a row through the broker's own function. Without a
+        # max_retries, the row's limit (used when leases expire) is the configured default,
+        # as for an actor that sets none.
         message = dramatiq.Message(
             queue_name=queue_name,
             actor_name=values["actor_name"],
@@ -139,16 +135,12 @@ class JobList:
             kwargs=values.get("kwargs", {}),
             options=options,
         )
-        job = NewJob(
-            id=message.message_id,
-            queue_name=queue_name,
-            actor_name=message.actor_name,
-            message=message.asdict(),
-            priority=values.get("priority", 0),
-            delay_ms=delay_ms,
-            max_attempts=max_attempts,
-            idempotency_key=key,
-        )
+        try:
+            job, _ = job_from_message(
+                message, delay=delay_ms, default_max_retries=self.settings.max_attempts - 1
+            )
+        except InvalidMessage as e:
+            raise bad_request(str(e)) from None
         # The job and its owner are written together or not at all.
         with self.store.pool.connection() as conn, conn.transaction():
             result = self.store.enqueue(job, conn=conn)

@@ -13,16 +13,22 @@
 -- insert_job --
 -- Store one message as a queued job with its `created` event, and wake the queue's
 -- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
--- An existing id or idempotency key inserts nothing and returns no row.
+-- An existing id or idempotency key (per actor and scope) inserts nothing and returns no
+-- row. message_bytes is what workers decode; the jsonb view is for display only: either
+-- given (a display-safe copy) or parsed here from the bytes when the sender knows jsonb
+-- holds them as they are (%(view_from_bytes)s), so the message crosses the wire once.
 WITH inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
-        max_attempts, idempotency_key, created_at, updated_at
+        max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
     )
     VALUES (
-        %(id)s, %(queue_name)s, %(actor_name)s, %(message)s, %(message_bytes)s, %(priority)s,
+        %(id)s, %(queue_name)s, %(actor_name)s,
+        coalesce(%(message)s::jsonb, CASE WHEN %(view_from_bytes)s
+            THEN convert_from(%(message_bytes)s::bytea, 'UTF8')::jsonb END),
+        %(message_bytes)s, %(priority)s,
         coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
-        %(max_attempts)s, %(idempotency_key)s,
+        %(max_attempts)s, %(idempotency_key)s, %(idempotency_scope)s,
         coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
     )
     ON CONFLICT DO NOTHING
@@ -34,12 +40,51 @@ WITH inserted AS (
 SELECT id, pg_notify(%(channel)s, '') FROM inserted
 
 -- find_existing --
--- The job that made an insert a no-op: the same message id, or the same idempotency key.
-SELECT id, status, message, message_bytes
+-- The job that made an insert a no-op: the same message id, or the same idempotency key
+-- of the same actor and scope. The jsonb view is returned only for an older row that has
+-- no bytes (a worker or sender decodes the bytes).
+SELECT id, status, CASE WHEN message_bytes IS NULL THEN message END, message_bytes
 FROM {schema}.jobs
-WHERE id = %(id)s OR idempotency_key = %(idempotency_key)s
+WHERE id = %(id)s
+   OR (idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
+       AND idempotency_scope = %(idempotency_scope)s)
 ORDER BY (id = %(id)s) DESC
 LIMIT 1
+
+-- reenqueue_job --
+-- A message enqueued again with the id of a job that is waiting or running (a snooze:
+-- `broker.enqueue(message.copy(), delay=...)`): the row goes back to queued with the new
+-- message, queue, priority and delay. A running attempt loses its ownership, so its
+-- owner's outcome later matches nothing. The attempt already charged stays charged;
+-- max_attempts grows if needed so that the next claim is allowed, as for a retry.
+-- Finished rows are never touched (the caller raises).
+WITH moved AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'queued',
+        locked_by = NULL,
+        locked_until = NULL,
+        queue_name = %(queue_name)s,
+        message = coalesce(%(message)s::jsonb, CASE WHEN %(view_from_bytes)s
+            THEN convert_from(%(message_bytes)s::bytea, 'UTF8')::jsonb END),
+        message_bytes = %(message_bytes)s,
+        priority = %(priority)s,
+        available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
+        max_attempts = greatest(%(max_attempts)s, j.attempts + 1),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    WHERE j.id = %(id)s AND j.status IN ('queued', 'running')
+    RETURNING j.id, j.attempts, j.available_at
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, data)
+    SELECT id, 'retry_scheduled', attempts,
+           jsonb_build_object('reason', 'enqueued again', 'delay_ms', %(delay_ms)s::bigint,
+                              'available_at', available_at)
+    FROM moved WHERE %(events)s
+)
+SELECT id, pg_notify(%(channel)s, '') FROM moved
+
+-- server_now --
+-- The server's clock, for comparisons with timestamps the server wrote.
+SELECT now()
 
 -- claim_jobs --
 -- Claim up to %(limit)s runnable jobs of a queue for one worker, in claim order.
@@ -80,7 +125,9 @@ WITH picked AS (
 )
 -- UPDATE ... RETURNING does not keep the selection's order: restore the claim order, so
 -- the worker starts a batch's jobs in the order they were chosen.
-SELECT id, priority, attempts, max_attempts, message, message_bytes
+-- The jsonb view travels only for an older row without bytes: workers decode the bytes.
+SELECT id, priority, attempts, max_attempts,
+       CASE WHEN message_bytes IS NULL THEN message END, message_bytes
 FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
 ORDER BY priority, available_at, created_at, id
 

@@ -222,14 +222,18 @@ def test_create_is_idempotent_with_a_key(env):
         "/api/jobs", "operator", json={"actor_name": "tests.once", "idempotency_key": key}
     )
     second = env.post(
-        "/api/jobs", "admin", json={"actor_name": "tests.other", "idempotency_key": key}
+        "/api/jobs", "admin", json={"actor_name": "tests.once", "idempotency_key": key}
     )
     assert first.status_code == 201 and second.status_code == 200
     assert second.json["id"] == first.json["id"]
-    assert second.json["actor_name"] == "tests.once"
     assert second.json["owner"] == "operator@example.com"
     count = env.get("/api/jobs?actor=tests.once&limit=100").json["count"]
     assert count == 1
+    # Keys are scoped by actor: the same key for another actor is another job.
+    other = env.post(
+        "/api/jobs", "admin", json={"actor_name": "tests.other", "idempotency_key": key}
+    )
+    assert other.status_code == 201 and other.json["id"] != first.json["id"]
 
 
 def test_a_failed_create_writes_nothing(env, pg_url, schema):
@@ -460,7 +464,7 @@ def test_members_see_only_their_own_jobs(env):
 
 def test_members_cannot_see_a_job_through_its_idempotency_key(env):
     key = unique("key-")
-    env.create_job("operator", idempotency_key=key)
+    env.create_job("operator", actor_name="tests.x", idempotency_key=key)
     result = env.post("/api/jobs", "member", json={"actor_name": "tests.x", "idempotency_key": key})
     assert result.status_code == 409
     assert "idempotency_key is already used" in result.json["message"]

@@ -1,0 +1,343 @@
+"""The send side: message fidelity, re-enqueueing an id, scoped idempotency keys, bad
+options refused at send(), and join's fail-fast clock."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import time
+import types
+import uuid
+
+import dramatiq
+import pytest
+from dramatiq.middleware import CurrentMessage
+
+from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker import broker as broker_module
+from dramatiq_pg_broker.broker import JobFailed
+from dramatiq_pg_broker.errors import InvalidMessage, JobAlreadyFinished
+from dramatiq_pg_broker.jobs import Attempt
+
+
+@pytest.fixture
+def broker(pg_url, schema):
+    previous = dramatiq.broker.global_broker
+    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
+    broker.add_middleware(CurrentMessage())
+    workers = []
+
+    def start(threads: int = 1):
+        worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
+        worker.start()
+        workers.append(worker)
+
+    broker.start_worker = start
+    yield broker
+    for worker in workers:
+        worker.stop(timeout=10_000)
+    broker.close()
+    dramatiq.broker.global_broker = previous
+
+
+@pytest.fixture
+def queue():
+    return f"s_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def encoder():
+    previous = dramatiq.get_encoder()
+    yield dramatiq.set_encoder
+    dramatiq.set_encoder(previous)
+
+
+def count_rows(broker, conn, queue) -> int:
+    return conn.execute(
+        f'SELECT count(*) FROM "{broker.settings.schema}".jobs WHERE queue_name = %s', (queue,)
+    ).fetchone()[0]
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# -- message fidelity ----------------------------------------------------------------------
+
+
+def test_the_actor_receives_exactly_what_the_json_encoder_round_trips(broker, queue):
+    received = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task(*args, **kwargs):
+        received.append((args, kwargs))
+
+    args = (1e20, -0.0, 0.1, 2**70, "\u0000", float("nan"), float("inf"), float("-inf"))
+    kwargs = {"zebra": 1, "apple": {"b": 2, "a": 1}, "text": "a\u0000b\ud800"}
+    message = task.send(*args, **kwargs)
+    row = broker.store.get(message.message_id)
+    assert bytes(row["message_bytes"]) == message.encode(), "the stored bytes are the encoder's"
+
+    broker.start_worker()
+    broker.join(queue, timeout=20_000)
+    [(got_args, got_kwargs)] = received
+    assert type(got_args[0]) is float and got_args[0] == 1e20
+    assert math.copysign(1, got_args[1]) == -1, "-0.0 came back as 0.0"
+    assert got_args[2:5] == (0.1, 2**70, "\u0000")
+    assert math.isnan(got_args[5]) and got_args[6:] == (float("inf"), float("-inf"))
+    assert list(got_kwargs) == ["zebra", "apple", "text"], "key order changed"
+    assert list(got_kwargs["apple"]) == ["b", "a"]
+    assert got_kwargs["text"] == "a\u0000b\ud800"
+    assert broker.store.get(message.message_id)["status"] == "succeeded"
+    # The jsonb view (display only) is a safe copy, never null for a JSON message.
+    view = row["message"]
+    assert view["args"][5] == "NaN" and view["args"][4] == "\ufffd"
+    assert view["kwargs"]["text"] == "a\ufffdb\ufffd"
+
+
+class DatetimeEncoder(dramatiq.JSONEncoder):
+    """A user's encoder: datetimes travel as tagged ISO strings and come back as datetimes."""
+
+    def encode(self, data):
+        def default(value):
+            if isinstance(value, dt.datetime):
+                return {"$dt": value.isoformat()}
+            raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+        return json.dumps(data, default=default, separators=(",", ":")).encode()
+
+    def decode(self, data):
+        def hook(obj):
+            return dt.datetime.fromisoformat(obj["$dt"]) if set(obj) == {"$dt"} else obj
+
+        return json.loads(data, object_hook=hook)
+
+
+def test_a_json_encoder_subclass_set_with_set_encoder_is_used(broker, queue, encoder):
+    encoder(DatetimeEncoder())
+    received = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task(when):
+        received.append(when)
+
+    when = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.timezone.utc)
+    message = task.send(when)
+    assert broker.store.get(message.message_id)["message"]["args"] == [{"$dt": when.isoformat()}]
+    broker.start_worker()
+    broker.join(queue, timeout=20_000)
+    assert received == [when]
+
+
+def test_a_value_the_encoder_cannot_encode_is_a_clear_error_at_send(broker, queue, conn):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task(value):
+        pass
+
+    with pytest.raises(InvalidMessage, match="cannot be encoded by JSONEncoder") as excinfo:
+        task.send(object())
+    assert isinstance(excinfo.value, ValueError)
+    with pytest.raises(InvalidMessage, match="cannot be encoded"):
+        task.send(dt.date(2026, 1, 1))
+    assert count_rows(broker, conn, queue) == 0
+
+
+# -- enqueueing an existing id -------------------------------------------------------------
+
+
+def test_enqueueing_a_queued_message_again_reschedules_it(broker, queue, conn):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task():
+        pass
+
+    message = task.send()
+    before = broker.store.get(message.message_id)["available_at"]
+    broker.enqueue(message.copy(), delay=60_000)
+    row = broker.store.get(message.message_id)
+    assert row["status"] == "queued"
+    assert dt.timedelta(seconds=55) < row["available_at"] - before < dt.timedelta(seconds=90)
+    assert count_rows(broker, conn, queue) == 1
+
+
+def test_enqueueing_a_running_message_again_reschedules_its_row(broker, queue):
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def task():
+        pass
+
+    message = task.send()
+    [claimed] = broker.store.claim(queue, 1, "other-worker", 60)
+    result = broker.enqueue(message.copy(), delay=30_000)
+    assert result.message_id == message.message_id
+    row = broker.store.get(message.message_id)
+    assert row["status"] == "queued" and row["locked_by"] is None
+    assert row["available_at"] > row["updated_at"] + dt.timedelta(seconds=25)
+    # The attempt that was running no longer owns the row: its ack writes nothing.
+    attempt = Attempt(claimed.id, "other-worker", claimed.attempts)
+    assert broker.store.complete([attempt]) == set()
+    events = [e["type"] for e in broker.store.events_of(message.message_id)]
+    assert events[-1] == "retry_scheduled"
+    # It can be claimed again even with max_retries=0.
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=60)
+    assert [j.id for j in broker.store.claim(queue, 1, "w", 60, now=later)] == [claimed.id]
+
+
+@pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled"])
+def test_enqueueing_a_finished_message_again_raises(broker, queue, outcome):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task():
+        pass
+
+    message = task.send()
+    if outcome == "cancelled":
+        broker.store.cancel(message.message_id)
+    else:
+        [claimed] = broker.store.claim(queue, 1, "w", 60)
+        attempt = Attempt(claimed.id, "w", claimed.attempts)
+        if outcome == "succeeded":
+            broker.store.complete([attempt])
+        else:
+            broker.store.fail([attempt], ["boom"])
+    with pytest.raises(JobAlreadyFinished, match=f"already {outcome}"):
+        broker.enqueue(message.copy(), delay=1000)
+    assert broker.store.get(message.message_id)["status"] == outcome
+
+
+def test_an_actor_that_snoozes_itself_runs_again(broker, queue):
+    runs = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def snoozer():
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            broker.enqueue(CurrentMessage.get_current_message().copy(), delay=200)
+
+    message = snoozer.send()
+    broker.start_worker()
+    wait_for(lambda: len(runs) == 2, what="the snoozed job's second run")
+    broker.join(queue, timeout=20_000)
+    row = broker.store.get(message.message_id)
+    assert row["status"] == "succeeded"
+    assert len(runs) == 2
+
+
+# -- idempotency keys ----------------------------------------------------------------------
+
+
+def test_idempotency_keys_are_scoped_by_actor(broker, queue):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def first_actor(n):
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name=f"{queue}_other")
+    def second_actor(n):
+        pass
+
+    key = f"k-{uuid.uuid4()}"
+    a = first_actor.send_with_options(args=(1,), idempotency_key=key)
+    b = second_actor.send_with_options(args=(2,), idempotency_key=key)
+    assert b.message_id != a.message_id, "actor B got actor A's job"
+    assert broker.store.get(b.message_id)["actor_name"] == "second_actor"
+    again = first_actor.send_with_options(args=(3,), idempotency_key=key)
+    assert again.message_id == a.message_id and again.args == (1,)
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [("", "must not be empty"), (42, "must be a string"), ("a\x00b", "NUL"), ("x" * 1001, "1000")],
+)
+def test_a_bad_idempotency_key_is_a_value_error(broker, queue, conn, key, words):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task():
+        pass
+
+    with pytest.raises(ValueError, match="idempotency_key") as excinfo:
+        task.send_with_options(idempotency_key=key)
+    assert words in str(excinfo.value)
+    assert count_rows(broker, conn, queue) == 0
+
+
+# -- bad options at send() -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"priority": 2**31}, "priority must be an integer from -2147483648 to 2147483647"),
+        ({"priority": -(2**31) - 1}, "priority must be an integer from -2147483648"),
+        ({"priority": "high"}, "priority must be an integer"),
+        ({"delay": 10**17}, "delay must be an integer from 0 to 315360000000 milliseconds"),
+        ({"delay": -5}, "delay must be an integer from 0"),
+        ({"eta": 10**17}, "eta must be at most 315360000000 milliseconds"),
+        ({"eta": "tomorrow"}, "eta must be a time in epoch milliseconds"),
+        ({"max_retries": -1}, "max_retries must be an integer from 0"),
+        ({"max_retries": 2**40}, "max_retries must be an integer from 0 to 2147483646"),
+    ],
+)
+def test_bad_send_options_raise_a_value_error_naming_the_option(
+    broker, queue, conn, options, words
+):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task():
+        pass
+
+    with pytest.raises(ValueError) as excinfo:
+        task.send_with_options(**options)
+    assert words in str(excinfo.value)
+    assert count_rows(broker, conn, queue) == 0
+
+
+def test_a_message_id_that_is_not_a_uuid_is_a_value_error(broker, queue):
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task():
+        pass
+
+    with pytest.raises(ValueError, match="message_id must be a UUID"):
+        broker.enqueue(task.message().copy(message_id="not-a-uuid"))
+
+
+# -- join(fail_fast=True) uses the server's clock ------------------------------------------
+
+
+def skewed_clock(monkeypatch, seconds: float) -> None:
+    """This host's clock, as the broker module sees it, is ``seconds`` off the server's."""
+
+    class Skewed(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return dt.datetime.now(tz) + dt.timedelta(seconds=seconds)
+
+    fake = types.SimpleNamespace(datetime=Skewed, timedelta=dt.timedelta, timezone=dt.timezone)
+    monkeypatch.setattr(broker_module, "dt", fake, raising=False)
+
+
+def test_join_fail_fast_sees_a_failure_when_this_host_runs_ahead(broker, queue, monkeypatch):
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def doomed():
+        time.sleep(0.3)
+        raise RuntimeError("boom")
+
+    skewed_clock(monkeypatch, +5)
+    doomed.send()
+    broker.start_worker()
+    with pytest.raises(JobFailed):
+        broker.join(queue, timeout=20_000, fail_fast=True)
+
+
+def test_join_fail_fast_ignores_an_earlier_failure_when_this_host_runs_behind(
+    broker, queue, monkeypatch
+):
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def doomed():
+        raise RuntimeError("boom")
+
+    message = doomed.send()
+    broker.start_worker()
+    wait_for(lambda: broker.store.get(message.message_id)["status"] == "failed", what="failure")
+    skewed_clock(monkeypatch, -5)
+    broker.join(queue, timeout=20_000, fail_fast=True)  # an idle queue: returns at once

@@ -42,7 +42,6 @@ jobs = Table(
     Column("attempts", Integer, nullable=False),
     Column("max_attempts", Integer, nullable=False),
     Column("idempotency_key", Text),
-    Column("idempotency_scope", Text, nullable=False),
     Column("locked_by", Text),
     Column("locked_until", Timestamp),
     Column("last_error", Text),
@@ -51,6 +50,7 @@ jobs = Table(
     Column("updated_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
+    Column("idempotency_scope", Text, nullable=False),
 )
 
 job_events = Table(

@@ -13,6 +13,8 @@ from .errors import (
     SchemaMissing,
 )
 from .jobs import Attempt, JobStore
+from .periodic import Schedule, periodic
+from .retention import RetentionPolicy
 from .retries import Retries
 
 __all__ = [
@@ -28,9 +30,12 @@ __all__ = [
     "PgBrokerError",
     "PostgresBroker",
     "Retries",
+    "RetentionPolicy",
+    "Schedule",
     "SchemaMissing",
     "Settings",
     "current_job",
+    "periodic",
 ]
 
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ from .db import ProcessPool
 from .errors import PgBrokerError
 from .jobs import JobStore, NewJob
 from .leases import LeaseKeeper
+from .periodic import Periodic, Schedule
 from .retries import Retries
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class PostgresBroker(dramatiq.Broker):
       middleware(list[Middleware]): as for any Dramatiq broker. With the default
         middleware, Dramatiq's Retries is replaced by this package's, which reschedules the
         same row. A middleware list you pass is kept as it is.
+      schedules(list[Schedule]): periodic schedules the workers run (see
+        :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
       settings(Settings): every other knob (see :class:`Settings`); keyword arguments win.
       **options: any other :class:`Settings` field (``poll_interval``, ``events``, ...).
     """
@@ -73,6 +76,7 @@ class PostgresBroker(dramatiq.Broker):
         listen: bool | None = None,
         lease_seconds: float | None = None,
         middleware: list[Middleware] | None = None,
+        schedules: list[Schedule] | None = None,
         settings: Settings | None = None,
         **options: Any,
     ) -> None:
@@ -98,6 +102,9 @@ class PostgresBroker(dramatiq.Broker):
             if isinstance(m, Retries):
                 m.configure(settings.backoff_base_ms, settings.backoff_max_ms)
         self.add_middleware(JobContext())
+        self.schedules: list[Schedule] = []
+        self.periodic = Periodic()
+        self.add_middleware(self.periodic)
 
         self.queues: dict[str, None] = {}
         self.pool = ProcessPool(settings, pool=pool)
@@ -105,6 +112,18 @@ class PostgresBroker(dramatiq.Broker):
         self.leases = LeaseKeeper(self)
         self.outcomes = OutcomeWriter(self)
         self._consumers_lock = threading.Lock()
+        for schedule in schedules or ():
+            self.add_schedule(schedule)
+
+    def add_schedule(self, schedule: Schedule) -> None:
+        """Run ``schedule`` in the workers (what ``@periodic`` above an actor does).
+
+        Raises:
+          ConfigurationError: another schedule has the same name.
+        """
+        from .periodic import add_schedule
+
+        add_schedule(self, schedule)
 
     # -- declaring -----------------------------------------------------------------------
 
@@ -315,7 +334,10 @@ class PostgresBroker(dramatiq.Broker):
             time.sleep(interval / 1000)
 
     def close(self) -> None:
-        """Write pending outcomes, stop the heartbeat and close this process's pool."""
+        """Stop the scheduler, write pending outcomes, stop the heartbeat and close this
+        process's pool."""
+        if self.periodic.scheduler is not None:
+            self.periodic.scheduler.stop()
         self.outcomes.flush(timeout=30)
         self.leases.stop()
         self.pool.close()

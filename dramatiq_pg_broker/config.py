@@ -57,6 +57,14 @@ class Settings:
       cors_origins(tuple[str, ...]): origins the admin API allows cross-site requests from.
       cookie_secure(bool): mark the admin session cookie Secure (HTTPS only).
       session_hours(float): admin sessions expire after this many hours.
+      retention(bool): workers delete old finished jobs on the maintenance schedule.
+      retention_interval(float): seconds between two retention runs (one run per interval
+        across all worker processes).
+      retention_batch(int): the most jobs one retention transaction deletes.
+      retain_succeeded_days(float), retain_failed_days(float),
+      retain_cancelled_days(float): how long finished jobs of each status (and their
+        events) are kept; 0 keeps them forever.
+      scheduler(bool): run periodic schedules (and retention) in worker processes.
     """
 
     url: str | None = None
@@ -79,6 +87,13 @@ class Settings:
     cors_origins: tuple[str, ...] = ()
     cookie_secure: bool = False
     session_hours: float = 12.0
+    retention: bool = True
+    retention_interval: float = 300.0
+    retention_batch: int = 1000
+    retain_succeeded_days: float = 7.0
+    retain_failed_days: float = 30.0
+    retain_cancelled_days: float = 7.0
+    scheduler: bool = True
 
     def __post_init__(self) -> None:
         if not _SCHEMA_RE.match(self.schema):
@@ -86,7 +101,13 @@ class Settings:
                 f"schema {self.schema!r} is not a valid name: use lower-case letters, digits "
                 "and underscores, starting with a letter or underscore"
             )
-        positive = ("lease_seconds", "poll_interval", "reaper_interval", "session_hours")
+        positive = (
+            "lease_seconds",
+            "poll_interval",
+            "reaper_interval",
+            "session_hours",
+            "retention_interval",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be greater than 0")
@@ -94,7 +115,13 @@ class Settings:
             0 < self.heartbeat_seconds < self.lease_seconds
         ):
             raise ConfigurationError("heartbeat_seconds must be between 0 and lease_seconds")
-        minimum_one = ("reaper_batch", "max_attempts", "pool_min_size", "pool_max_size")
+        minimum_one = (
+            "reaper_batch",
+            "max_attempts",
+            "pool_min_size",
+            "pool_max_size",
+            "retention_batch",
+        )
         for name in minimum_one:
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be at least 1")
@@ -102,6 +129,9 @@ class Settings:
             raise ConfigurationError("pool_max_size must not be smaller than pool_min_size")
         if self.backoff_base_ms < 0 or self.backoff_max_ms < self.backoff_base_ms:
             raise ConfigurationError("backoff needs 0 <= backoff_base_ms <= backoff_max_ms")
+        for name in ("retain_succeeded_days", "retain_failed_days", "retain_cancelled_days"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"{name} must not be negative (0 keeps forever)")
         if self.enqueue_retries < 0:
             raise ConfigurationError("enqueue_retries must not be negative")
 

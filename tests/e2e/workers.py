@@ -36,10 +36,19 @@ def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
 
 
 class WorkerProcess:
-    """``python -m dramatiq tests.e2e.worker_app --processes 1 --threads N`` in its own
-    process group, with its output in a log file."""
+    """``python -m dramatiq <app> --processes 1 --threads N`` in its own process group, with
+    its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``."""
 
-    def __init__(self, url: str, schema: str, log_path: Path, *, threads: int = 2, **env):
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        log_path: Path,
+        *,
+        threads: int = 2,
+        app: str = "tests.e2e.worker_app",
+        **env,
+    ):
         self.log_path = log_path
         environ = dict(os.environ)
         environ.update(FAST_SETTINGS)
@@ -52,7 +61,7 @@ class WorkerProcess:
                 sys.executable,
                 "-m",
                 "dramatiq",
-                "tests.e2e.worker_app",
+                app,
                 "--processes",
                 "1",
                 "--threads",

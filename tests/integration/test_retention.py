@@ -1,0 +1,137 @@
+"""Retention against real PostgreSQL: finished jobs (and their events) older than their
+status's age go, in bounded batches; waiting and running jobs never do."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+
+import pytest
+
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.jobs import JobStore, NewJob
+from dramatiq_pg_broker.retention import RetentionPolicy, prune
+
+NOW = dt.datetime(2030, 6, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+
+@pytest.fixture
+def store(pg_url, schema):
+    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
+    store = JobStore(pool, schema)
+    with pool.connection() as conn:
+        conn.execute(f"TRUNCATE {schema}.jobs CASCADE")
+    yield store
+    pool.close()
+
+
+def make_job(store: JobStore, status: str, *, days_ago: float, queue: str = "q") -> str:
+    """A job that reached ``status`` ``days_ago`` days before NOW, through the real
+    transitions with an injected clock."""
+    when = NOW - dt.timedelta(days=days_ago)
+    job_id = str(uuid.uuid4())
+    store.enqueue(NewJob(job_id, queue, "act", message={"x": 1}), now=when)
+    if status == "queued":
+        return job_id
+    if status == "cancelled":
+        store.cancel(job_id, by="test", now=when)
+        return job_id
+    (claimed,) = [c for c in store.claim(queue, 100, "w", 30, now=when) if c.id == job_id]
+    from dramatiq_pg_broker.jobs import Attempt
+
+    attempt = Attempt(job_id, "w", claimed.attempts)
+    if status == "succeeded":
+        assert store.complete([attempt], now=when) == {job_id}
+    elif status == "failed":
+        assert store.fail([attempt], ["boom"], now=when) == {job_id}
+    return job_id
+
+
+def count(store: JobStore, table: str, job_ids) -> int:
+    column = "id" if table == "jobs" else "job_id"
+    with store.pool.connection() as conn:
+        return conn.execute(
+            f"SELECT count(*) FROM {store.schema}.{table} WHERE {column} = ANY(%s::uuid[])",
+            (list(job_ids),),
+        ).fetchone()[0]
+
+
+def test_each_status_has_its_own_age_and_events_go_with_their_job(store):
+    old_ok = [make_job(store, "succeeded", days_ago=8) for _ in range(3)]
+    new_ok = make_job(store, "succeeded", days_ago=6)
+    mid_failed = make_job(store, "failed", days_ago=8)  # kept: failed live 30 days
+    old_failed = make_job(store, "failed", days_ago=31)
+    old_cancelled = make_job(store, "cancelled", days_ago=8)
+    ancient_queued = make_job(store, "queued", days_ago=400)
+    ancient_running = make_job(store, "running", days_ago=400)
+    assert count(store, "job_events", old_ok) == 9  # created, claimed, succeeded
+
+    report = prune(store.pool, store.schema, RetentionPolicy(), batch=2, now=NOW)
+
+    assert report.jobs == {"succeeded": 3, "failed": 1, "cancelled": 1}
+    assert report.events == {"succeeded": 9, "failed": 3, "cancelled": 2}
+    assert report.complete
+    gone = [*old_ok, old_failed, old_cancelled]
+    kept = [new_ok, mid_failed, ancient_queued, ancient_running]
+    assert count(store, "jobs", gone) == 0
+    assert count(store, "job_events", gone) == 0
+    assert count(store, "jobs", kept) == len(kept)
+    # batch=2: succeeded took 2 batches (2 + 1), failed 1, cancelled 1.
+    assert report.batches == 4
+
+
+def test_dry_run_counts_and_deletes_nothing(store):
+    jobs = [make_job(store, "succeeded", days_ago=10) for _ in range(4)]
+    report = prune(store.pool, store.schema, RetentionPolicy(), dry_run=True, now=NOW)
+    assert report.dry_run
+    assert report.jobs["succeeded"] == 4
+    assert report.events["succeeded"] == 12
+    assert count(store, "jobs", jobs) == 4
+
+
+def test_a_status_kept_forever_is_never_pruned(store):
+    failed = make_job(store, "failed", days_ago=3650)
+    policy = RetentionPolicy.from_settings(Settings(retain_failed_days=0))
+    assert "failed" not in policy.ages()
+    report = prune(store.pool, store.schema, policy, now=NOW)
+    assert report.total_jobs == 0
+    assert count(store, "jobs", [failed]) == 1
+
+
+def test_a_budget_stops_between_batches_and_the_next_run_goes_on(store):
+    jobs = [make_job(store, "succeeded", days_ago=10) for _ in range(5)]
+    first = prune(store.pool, store.schema, RetentionPolicy(), batch=2, budget_seconds=0, now=NOW)
+    assert not first.complete and first.total_jobs == 0
+    second = prune(store.pool, store.schema, RetentionPolicy(), batch=2, now=NOW)
+    assert second.complete and second.jobs["succeeded"] == 5
+    assert count(store, "jobs", jobs) == 0
+
+
+def test_concurrent_runs_take_different_rows(store):
+    jobs = [make_job(store, "succeeded", days_ago=10) for _ in range(60)]
+    barrier = threading.Barrier(3)
+    reports = []
+
+    def run():
+        barrier.wait(timeout=30)
+        reports.append(
+            prune(store.pool, store.schema, RetentionPolicy(), batch=5, rest=False, now=NOW)
+        )
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(reports) == 3, "a pruner did not finish"
+    assert sum(r.jobs["succeeded"] for r in reports) == 60
+    assert count(store, "jobs", jobs) == 0
+
+
+def test_settings_reject_a_negative_age():
+    from dramatiq_pg_broker.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="retain_failed_days"):
+        Settings(retain_failed_days=-1)

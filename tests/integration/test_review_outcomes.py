@@ -80,8 +80,11 @@ def test_an_unexpected_write_error_does_not_stop_the_outcome_writer(h):
     first = ok.send(1)
     h.start(broker, threads=1)
     deadline = time.monotonic() + 10
-    while not seen and time.monotonic() < deadline:
+    # Until the failing write was attempted: the actor having run is not enough, its
+    # outcome may not be queued for the writer yet (and flush would have nothing to wait on).
+    while calls["n"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert seen and calls["n"] >= 1, "the actor's outcome was never written"
     # The batch that could not be written is given up (its lease expires; it runs again),
     # and the writer neither hangs nor keeps renewing the lost attempt.
     assert broker.outcomes.flush(timeout=5)

@@ -1,4 +1,4 @@
-"""The named SQL: every statement name the code looks up exists in sql/queries.sql."""
+"""The named SQL: every statement name the code looks up exists in the package's sql/*.sql."""
 
 from __future__ import annotations
 
@@ -48,8 +48,16 @@ def _names_used(path: Path) -> set[tuple[str, int]]:
     return found
 
 
+def _sql_files() -> list[str]:
+    return sorted(
+        f.name
+        for f in resources.files("dramatiq_pg_broker").joinpath("sql").iterdir()
+        if f.name.endswith(".sql")
+    )
+
+
 def test_every_query_name_used_in_code_exists():
-    defined = set(load_queries())
+    defined = set().union(*(load_queries(name) for name in _sql_files()))
     used: dict[str, list[str]] = {}
     for path in _python_files():
         for name, line in _names_used(path):
@@ -59,11 +67,12 @@ def test_every_query_name_used_in_code_exists():
         f"the scan found too few query lookups to be trusted: {sorted(used)}"
     )
     missing = {name: where for name, where in used.items() if name not in defined}
-    assert not missing, f"query names used in code but absent from sql/queries.sql: {missing}"
+    assert not missing, f"query names used in code but absent from sql/*.sql: {missing}"
 
 
-def test_query_names_are_unique_and_every_block_has_a_description_and_a_statement():
-    text = resources.files("dramatiq_pg_broker").joinpath("sql", "queries.sql").read_text("utf-8")
+@pytest.mark.parametrize("filename", _sql_files())
+def test_query_names_are_unique_and_every_block_has_a_description_and_a_statement(filename):
+    text = resources.files("dramatiq_pg_broker").joinpath("sql", filename).read_text("utf-8")
     headers = re.findall(r"^-- (\w+) --\s*$", text, flags=re.MULTILINE)
     duplicates = sorted({h for h in headers if headers.count(h) > 1})
     assert not duplicates, f"a later block silently replaces an earlier one: {duplicates}"
@@ -71,7 +80,7 @@ def test_query_names_are_unique_and_every_block_has_a_description_and_a_statemen
     for name, body in zip(headers, blocks):
         lines = body.strip().splitlines()
         assert lines and lines[0].startswith("-- "), f"{name}: no one-line description"
-        assert load_queries()[name], f"{name}: no statement"
+        assert load_queries(filename)[name], f"{name}: no statement"
 
 
 def test_schema_is_filled_in_as_an_identifier():

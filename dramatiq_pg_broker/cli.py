@@ -4,6 +4,8 @@ Commands:
   migrate            apply pending migrations (safe to run twice, or from two hosts at once)
   status             list applied and pending migrations
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
+  jobs list|show|retry|cancel, stats, prune, schedules
+                     the operator's commands (:mod:`.cli_jobs`)
   user ..., token ...  admin API accounts (:mod:`admin_api.cli`; needs the ``admin`` extra)
 
 Every group of commands is added explicitly in :func:`build_parser`, so the parser is the
@@ -112,8 +114,17 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     add_account_commands(sub)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad arguments print one line (no usage block) and exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cli_jobs import add_operator_commands
+
+    parser = OneLineErrorParser(
         prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."
     )
     parser.add_argument("--url", help="database URL (default: DRAMATIQ_PG_URL, else embedded)")
@@ -121,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_migration_commands(sub)
     add_embedded_commands(sub)
+    add_operator_commands(sub)
     add_admin_commands(sub)
     return parser
 

@@ -1,0 +1,431 @@
+"""The operator's commands: ``jobs list|show|retry|cancel``, ``stats``, ``prune`` and
+``schedules``.
+
+Reads use the named statements of ``sql/operator.sql``; every change goes through the
+:class:`~dramatiq_pg_broker.jobs.JobStore` transitions (the same functions, and so the same
+events, as the admin API's). Output is aligned columns with relative times for a terminal;
+``--json`` prints the same data for scripts. Bad arguments print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import getpass
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .config import Settings
+from .db import ProcessPool, Queries
+from .errors import InvalidTransition, PgBrokerError
+from .jobs import JobStore
+
+STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+
+class BadArgument(PgBrokerError):
+    """A command-line argument that cannot be used."""
+
+
+# -- formatting ---------------------------------------------------------------------------
+
+
+def relative(when: dt.datetime | None, now: dt.datetime | None = None) -> str:
+    """``12s ago``, ``in 3m``, ``2h ago``, ``5d ago``; empty for None."""
+    if when is None:
+        return ""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    seconds = (now - when).total_seconds()
+    future = seconds < 0
+    seconds = abs(seconds)
+    if seconds < 1:
+        return "now"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            amount = f"{int(seconds // size)}{unit}"
+            break
+    return f"in {amount}" if future else f"{amount} ago"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return relative(dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds)).replace(
+        " ago", ""
+    )
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Columns aligned to their widest cell; numbers right-aligned."""
+    rows = [["" if v is None else str(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    numeric = [
+        bool(rows) and all(r[i].lstrip("-").isdigit() for r in rows if r[i])
+        for i in range(len(headers))
+    ]
+
+    def line(cells):
+        return "  ".join(
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)
+        ).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def to_json(data: Any) -> str:
+    def default(value):
+        if isinstance(value, (dt.datetime, dt.date)):
+            return value.isoformat()
+        if isinstance(value, uuid.UUID):
+            return str(value)
+        if isinstance(value, (bytes, memoryview)):
+            return None
+        return str(value)
+
+    return json.dumps(data, default=default, indent=2)
+
+
+def one_line(text: str | None, width: int = 60) -> str:
+    if not text:
+        return ""
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# -- plumbing -----------------------------------------------------------------------------
+
+
+def job_id(value: str) -> str:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise BadArgument(f"{value!r} is not a job id (a UUID)") from None
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return number
+
+
+class Context:
+    """What every command needs: settings, a pool, the job store and the named reads."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from .cli import settings_from
+
+        self.settings: Settings = settings_from(args)
+        self.pool = ProcessPool(self.settings)
+        self.store = JobStore(self.pool, self.settings.schema)
+        self.queries = Queries(self.settings.schema, "operator.sql")
+
+    def _fetch(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        with self.pool.connection() as conn:
+            cur = conn.execute(self.queries[name], params)
+            names = [d.name for d in cur.description]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def command(fn):
+    """Run a command with a :class:`Context`, closed afterwards."""
+
+    def run(args: argparse.Namespace) -> int:
+        ctx = Context(args)
+        try:
+            return fn(ctx, args)
+        finally:
+            ctx.close()
+
+    return run
+
+
+def operator_name() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # no user name in this environment
+        return "cli"
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+@command
+def run_jobs_list(ctx: Context, args) -> int:
+    rows = ctx._fetch(
+        "list_jobs",
+        {"status": args.status, "queue": args.queue, "actor": args.actor, "limit": args.limit},
+    )
+    if args.json:
+        print(to_json(rows))
+        return 0
+    now = dt.datetime.now(dt.timezone.utc)
+    print(
+        table(
+            ["ID", "QUEUE", "ACTOR", "STATUS", "ATTEMPTS", "CREATED", "UPDATED", "ERROR"],
+            (
+                [
+                    r["id"],
+                    r["queue_name"],
+                    r["actor_name"],
+                    r["status"],
+                    f"{r['attempts']}/{r['max_attempts']}",
+                    relative(r["created_at"], now),
+                    relative(r["updated_at"], now),
+                    one_line(r["last_error"], 40),
+                ]
+                for r in rows
+            ),
+        )
+    )
+    if not rows:
+        print("(no jobs)")
+    return 0
+
+
+@command
+def run_jobs_show(ctx: Context, args) -> int:
+    job = ctx.store.get(job_id(args.id))
+    events = ctx.store.events_of(job["id"])
+    if args.json:
+        job.pop("message_bytes", None)
+        print(to_json({"job": job, "events": events}))
+        return 0
+    now = dt.datetime.now(dt.timezone.utc)
+    fields = [
+        "id", "queue_name", "actor_name", "status", "priority", "attempts", "max_attempts",
+        "idempotency_key", "locked_by", "locked_until", "available_at", "created_at",
+        "started_at", "finished_at", "updated_at", "last_error",
+    ]  # fmt: skip
+    width = max(len(f) for f in fields)
+    for name in fields:
+        value = job[name]
+        if isinstance(value, dt.datetime):
+            value = f"{value.isoformat(timespec='seconds')}  ({relative(value, now)})"
+        text = "" if value is None else str(value)
+        # A multi-line error (a traceback) stays under its column.
+        print(f"{name.ljust(width)}  " + text.replace("\n", "\n" + " " * (width + 2)))
+    message = job["message"]
+    if message is not None:
+        shown = {k: message.get(k) for k in ("args", "kwargs") if k in message}
+        print(f"{'message'.ljust(width)}  {one_line(json.dumps(shown), 100)}")
+    elif job["message_bytes"] is not None:
+        print(f"{'message'.ljust(width)}  ({len(job['message_bytes'])} bytes, not JSON)")
+    print()
+    print("timeline")
+    print(
+        table(
+            ["AT", "WHEN", "EVENT", "ATTEMPT", "BY", "DATA"],
+            (
+                [
+                    e["created_at"].isoformat(timespec="milliseconds"),
+                    relative(e["created_at"], now),
+                    e["type"],
+                    e["attempt"],
+                    e["actor"],
+                    one_line(json.dumps(e["data"]) if e["data"] is not None else "", 60),
+                ]
+                for e in events
+            ),
+        )
+    )
+    return 0
+
+
+@command
+def run_jobs_retry(ctx: Context, args) -> int:
+    if args.queue and not args.all_failed:
+        raise BadArgument("--queue goes with --all-failed, not with a job id")
+    by = operator_name()
+    if args.all_failed:
+        ids = [str(r["id"]) for r in ctx._fetch("failed_job_ids", {"queue": args.queue})]
+        retried, skipped = [], []
+        for one in ids:
+            try:
+                ctx.store.retry_failed(one, by=by)
+                retried.append(one)
+            except (InvalidTransition, PgBrokerError):
+                skipped.append(one)  # retried, or pruned, by someone else meanwhile
+        if args.json:
+            print(to_json({"retried": retried, "skipped": skipped}))
+        else:
+            where = f" of queue {args.queue!r}" if args.queue else ""
+            print(f"retried {len(retried)} failed job(s){where}")
+            if skipped:
+                print(f"skipped {len(skipped)} that changed meanwhile")
+        return 0
+    job = ctx.store.retry_failed(job_id(args.id), by=by)
+    print(to_json(job) if args.json else f"job {job['id']} is {job['status']} again")
+    return 0
+
+
+@command
+def run_jobs_cancel(ctx: Context, args) -> int:
+    job = ctx.store.cancel(job_id(args.id), by=operator_name())
+    print(to_json(job) if args.json else f"job {job['id']} is {job['status']}")
+    return 0
+
+
+@command
+def run_stats(ctx: Context, args) -> int:
+    rows = ctx._fetch("queue_stats", {})
+    if args.json:
+        print(to_json(rows))
+        return 0
+    print(
+        table(
+            ["QUEUE", "QUEUED", "RUNNING", "DELAYED", "FAILED", "OLDEST WAITING"],
+            (
+                [
+                    r["queue_name"],
+                    r["queued"],
+                    r["running"],
+                    r["delayed"],
+                    r["failed"],
+                    duration(r["oldest_waiting_seconds"]),
+                ]
+                for r in rows
+            ),
+        )
+    )
+    if not rows:
+        print("(no jobs)")
+    return 0
+
+
+@command
+def run_prune(ctx: Context, args) -> int:
+    from .retention import RetentionPolicy, prune
+
+    policy = RetentionPolicy.from_settings(ctx.settings)
+    report = prune(
+        ctx.pool,
+        ctx.settings.schema,
+        policy,
+        batch=ctx.settings.retention_batch,
+        dry_run=args.dry_run,
+        rest=False,
+    )
+    if args.json:
+        print(to_json(report.as_dict()))
+        return 0
+    ages = policy.ages()
+    verb = "would delete" if args.dry_run else "deleted"
+    rows = []
+    for status in ("succeeded", "failed", "cancelled"):
+        if status in ages:
+            days = ages[status].total_seconds() / 86400
+            rows.append([status, f"{days:g}d", report.jobs[status], report.events[status]])
+        else:
+            rows.append([status, "forever", 0, 0])
+    print(table(["STATUS", "KEPT FOR", "JOBS", "EVENTS"], rows))
+    for name, count in report.reclaimed.items():
+        print(f"{name}: {count} expired row(s) reclaimed")
+    print(f"{verb} {report.total_jobs} finished job(s)" + (" (dry run)" if args.dry_run else ""))
+    return 0
+
+
+@command
+def run_schedules(ctx: Context, args) -> int:
+    from .periodic import list_schedules
+
+    with ctx.pool.connection() as conn:
+        rows = list_schedules(conn, ctx.settings.schema)
+    if args.json:
+        print(to_json(rows))
+        return 0
+    now = dt.datetime.now(dt.timezone.utc)
+    print(
+        table(
+            [
+                "NAME",
+                "KIND",
+                "QUEUE",
+                "TRIGGER",
+                "TZ",
+                "MISSED",
+                "LAST TICK",
+                "NEXT RUN",
+                "LAST JOB",
+            ],
+            (
+                [
+                    r["name"],
+                    r["kind"],
+                    r["queue_name"] or "-",
+                    r["trigger"],
+                    r["timezone"],
+                    r["missed"] if r["kind"] == "actor" else "-",
+                    relative(r["last_tick"], now) or "never",
+                    relative(r["next_run"], now),
+                    r["last_job_status"] or "-",
+                ]
+                for r in rows
+            ),
+        )
+    )
+    if not rows:
+        print("(no schedules: a worker registers them when it boots)")
+    return 0
+
+
+# -- registration -------------------------------------------------------------------------
+
+
+def _json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``jobs``, ``stats``, ``prune`` and ``schedules`` to the CLI."""
+    jobs = sub.add_parser("jobs", help="list, show, retry and cancel jobs")
+    jobs_sub = jobs.add_subparsers(
+        dest="jobs_command", metavar="{list,show,retry,cancel}", required=True
+    )
+
+    listing = jobs_sub.add_parser("list", help="the newest jobs first")
+    listing.add_argument("--status", choices=STATUSES)
+    listing.add_argument("--queue")
+    listing.add_argument("--actor")
+    listing.add_argument("--limit", type=positive_int, default=50, help="default 50")
+    _json_flag(listing)
+    listing.set_defaults(func=run_jobs_list)
+
+    show = jobs_sub.add_parser("show", help="a job's row and its timeline")
+    show.add_argument("id")
+    _json_flag(show)
+    show.set_defaults(func=run_jobs_show)
+
+    retry = jobs_sub.add_parser("retry", help="put failed jobs back in their queue")
+    which = retry.add_mutually_exclusive_group(required=True)
+    which.add_argument("id", nargs="?")
+    which.add_argument("--all-failed", action="store_true", help="every failed job")
+    retry.add_argument("--queue", help="with --all-failed: only this queue's")
+    _json_flag(retry)
+    retry.set_defaults(func=run_jobs_retry)
+
+    cancel = jobs_sub.add_parser("cancel", help="cancel a queued job")
+    cancel.add_argument("id")
+    _json_flag(cancel)
+    cancel.set_defaults(func=run_jobs_cancel)
+
+    stats = sub.add_parser("stats", help="per queue: queued, running, delayed, failed")
+    _json_flag(stats)
+    stats.set_defaults(func=run_stats)
+
+    prune = sub.add_parser("prune", help="delete finished jobs past their retention age")
+    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    _json_flag(prune)
+    prune.set_defaults(func=run_prune)
+
+    schedules = sub.add_parser("schedules", help="periodic schedules, last tick, next run")
+    _json_flag(schedules)
+    schedules.set_defaults(func=run_schedules)

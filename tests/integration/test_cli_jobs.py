@@ -1,0 +1,217 @@
+"""The operator's CLI against real PostgreSQL: jobs list/show/retry/cancel, stats, prune and
+schedules, in both output forms, and one-line errors with exit code 2 for bad arguments."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+
+import pytest
+
+from dramatiq_pg_broker import cli
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
+
+
+@pytest.fixture
+def store(pg_url, schema):
+    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
+    store = JobStore(pool, schema)
+    with pool.connection() as conn:
+        conn.execute(f"TRUNCATE {schema}.jobs CASCADE")
+    yield store
+    pool.close()
+
+
+@pytest.fixture
+def run(pg_url, schema, capsys):
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            code = cli.main(["--url", pg_url, "--schema", schema, *args])
+        except SystemExit as e:  # argparse's own errors exit from parse_args
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def enqueue(store, queue="mail", actor="send", *, delay_ms=0, now=None) -> str:
+    job_id = str(uuid.uuid4())
+    store.enqueue(
+        NewJob(job_id, queue, actor, message={"args": [1], "kwargs": {}}, delay_ms=delay_ms),
+        now=now,
+    )
+    return job_id
+
+
+def failed_job(store, queue="mail", *, now=None) -> str:
+    job_id = enqueue(store, queue, now=now)
+    (claimed,) = [c for c in store.claim(queue, 100, "w", 30, now=now) if c.id == job_id]
+    store.fail([Attempt(job_id, "w", claimed.attempts)], ["ValueError: bad address"], now=now)
+    return job_id
+
+
+def test_jobs_list_filters_and_aligns(store, run):
+    failed = failed_job(store, "mail")
+    queued = enqueue(store, "mail")
+    enqueue(store, "reports", "build")
+
+    code, out, _ = run("jobs", "list", "--queue", "mail")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "ID", "QUEUE", "ACTOR", "STATUS", "ATTEMPTS", "CREATED", "UPDATED", "ERROR",
+    ]  # fmt: skip
+    assert len(lines) == 3 and "reports" not in out
+    # Aligned: every row's status column starts where the header's does.
+    column = lines[0].index("STATUS")
+    assert {line[column:].split()[0] for line in lines[1:]} == {"queued", "failed"}
+    assert ("ago" in out or " now " in out) and "ValueError: bad address" in out
+
+    code, out, _ = run("jobs", "list", "--status", "failed", "--json")
+    assert code == 0
+    assert [j["id"] for j in json.loads(out)] == [failed]
+    code, out, _ = run("jobs", "list", "--actor", "build", "--limit", "1", "--json")
+    assert [j["queue_name"] for j in json.loads(out)] == ["reports"]
+    assert queued
+
+
+def test_jobs_show_prints_the_row_and_its_timeline(store, run):
+    job = failed_job(store)
+    code, out, _ = run("jobs", "show", job)
+    assert code == 0
+    assert f"id               {job}" in out or out.splitlines()[0].split() == ["id", job]
+    timeline = out.split("timeline\n", 1)[1]
+    assert [line.split()[2] for line in timeline.splitlines()[1:]] == [
+        "created",
+        "claimed",
+        "failed",
+    ]
+
+    code, out, _ = run("jobs", "show", job, "--json")
+    data = json.loads(out)
+    assert data["job"]["status"] == "failed"
+    assert [e["type"] for e in data["events"]] == ["created", "claimed", "failed"]
+
+
+def test_jobs_retry_and_cancel_use_the_job_store_transitions(store, run):
+    job = failed_job(store)
+    code, out, _ = run("jobs", "retry", job)
+    assert code == 0 and "queued again" in out
+    assert store.get(job)["status"] == "queued"
+    assert store.get(job)["attempts"] == 0
+    manual = [e for e in store.events_of(job) if e["type"] == "manual_retry"]
+    assert len(manual) == 1 and manual[0]["actor"].startswith("cli")
+
+    code, out, _ = run("jobs", "cancel", job, "--json")
+    assert code == 0 and json.loads(out)["status"] == "cancelled"
+    assert store.events_of(job)[-1]["type"] == "cancelled"
+
+    # A transition the job's status does not allow: one line, exit 2, nothing changed.
+    code, out, err = run("jobs", "cancel", job)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "is cancelled" in err
+    assert store.get(job)["status"] == "cancelled"
+
+
+def test_retry_all_failed_of_one_queue(store, run):
+    mail = [failed_job(store, "mail") for _ in range(3)]
+    other = failed_job(store, "reports")
+    code, out, _ = run("jobs", "retry", "--all-failed", "--queue", "mail")
+    assert code == 0 and "retried 3 failed job(s) of queue 'mail'" in out
+    assert {store.get(j)["status"] for j in mail} == {"queued"}
+    assert store.get(other)["status"] == "failed"
+    code, out, _ = run("jobs", "retry", "--all-failed", "--json")
+    assert json.loads(out) == {"retried": [other], "skipped": []}
+
+
+def test_stats_per_queue(store, run):
+    enqueue(store, "mail")
+    enqueue(store, "mail", now=dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5))
+    enqueue(store, "mail", delay_ms=3_600_000)
+    failed_job(store, "reports")
+    code, out, _ = run("stats", "--json")
+    assert code == 0
+    stats = {row["queue_name"]: row for row in json.loads(out)}
+    assert stats["mail"]["queued"] == 2 and stats["mail"]["delayed"] == 1
+    assert stats["mail"]["oldest_waiting_seconds"] >= 299
+    assert stats["reports"]["failed"] == 1 and stats["reports"]["oldest_waiting_seconds"] is None
+    code, out, _ = run("stats")
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "QUEUE",
+        "QUEUED",
+        "RUNNING",
+        "DELAYED",
+        "FAILED",
+        "OLDEST",
+        "WAITING",
+    ]
+    assert lines[1].split()[:5] == ["mail", "2", "0", "1", "0"] and lines[1].split()[5] == "5m"
+
+
+def test_prune_dry_run_then_for_real(store, run):
+    old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=40)
+    failed = failed_job(store, now=old)
+    recent = failed_job(store)
+    code, out, _ = run("prune", "--dry-run")
+    assert code == 0 and "would delete 1 finished job(s) (dry run)" in out
+    assert store.get(failed)["status"] == "failed"
+    code, out, _ = run("prune", "--json")
+    report = json.loads(out)
+    assert report["jobs"]["failed"] == 1 and report["events"]["failed"] == 3
+    assert store.get(recent)["status"] == "failed"
+    with pytest.raises(Exception, match="no job"):
+        store.get(failed)
+
+
+def test_schedules_lists_what_workers_registered(pg_url, schema, run):
+    import dramatiq
+
+    from dramatiq_pg_broker import PostgresBroker, periodic
+    from dramatiq_pg_broker.periodic import Scheduler
+
+    broker = PostgresBroker(url=pg_url, schema=schema, retention=False)
+
+    @periodic("*/5 * * * *", timezone="Europe/Paris", missed="skip")
+    @dramatiq.actor(broker=broker, queue_name="reports", actor_name="report")
+    def report():
+        pass
+
+    Scheduler(broker).register(broker.schedules[0], dt.datetime.now(dt.timezone.utc))
+    broker.close()
+    code, out, _ = run("schedules")
+    assert code == 0
+    (line,) = [line for line in out.splitlines() if line.startswith("report ")]
+    assert line.split()[:8] == ["report", "actor", "reports", "cron", "*/5", "*", "*", "*"]
+    assert "Europe/Paris" in line and "skip" in line and "never" in line and "in " in line
+    code, out, _ = run("schedules", "--json")
+    (row,) = [r for r in json.loads(out) if r["name"] == "report"]
+    assert row["trigger"] == "cron */5 * * * *" and row["last_tick"] is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["jobs", "show", "not-a-uuid"], "is not a job id"),
+        (["jobs", "show", str(uuid.UUID(int=1))], "no job with id"),
+        (["jobs", "list", "--status", "lost"], "invalid choice"),
+        (["jobs", "list", "--limit", "0"], "not a positive whole number"),
+        (["jobs", "retry"], "one of the arguments"),
+        (
+            ["jobs", "retry", str(uuid.UUID(int=1)), "--queue", "q"],
+            "--queue goes with --all-failed",
+        ),
+        (["jobs", "frobnicate"], "invalid choice"),
+        (["prune", "--now"], "unrecognized arguments"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(run, store, args, message):
+    code, out, err = run(*args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1, err
+    assert message in err

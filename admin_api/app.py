@@ -25,6 +25,7 @@ from .resources.docs import DocsPage, OpenApiDocument
 from .resources.events import EventFeed
 from .resources.health import Health
 from .resources.jobs import JobDetail, JobEvents, JobList, JobStats, JobTransition
+from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
 from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
@@ -130,6 +131,7 @@ def routes(
         ("/api/jobs/{job_id}/retry", JobTransition(queries, store, "retry_failed")),
         ("/api/jobs/{job_id}/cancel", JobTransition(queries, store, "cancel")),
         ("/api/job-events", EventFeed(queries)),
+        ("/api/schedules", ScheduleList(store)),
         ("/api/auth/login", Login(accounts, settings)),
         ("/api/auth/logout", Logout(accounts, settings)),
         ("/api/auth/me", Me()),

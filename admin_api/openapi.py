@@ -133,6 +133,23 @@ _SCHEMAS: dict[str, Any] = {
             "results": {"type": "array", "items": _ref("Event")},
         },
     },
+    "Schedule": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "kind": {"type": "string", "enum": ["actor", "maintenance"]},
+            "actor_name": {"type": ["string", "null"]},
+            "queue_name": {"type": ["string", "null"]},
+            "trigger": {"type": "string", "description": "'cron <expr>' or 'every <n><unit>'."},
+            "timezone": {"type": "string"},
+            "missed": {"type": "string", "enum": ["run_once", "skip"]},
+            "last_tick": {"type": ["string", "null"], "format": "date-time"},
+            "next_run": {"type": ["string", "null"], "format": "date-time"},
+            "last_job_id": {"type": ["string", "null"], "format": "uuid"},
+            "last_job_status": {"type": ["string", "null"]},
+            "updated_at": {"type": "string", "format": "date-time"},
+        },
+    },
     "Stats": {
         "type": "object",
         "properties": {
@@ -324,6 +341,26 @@ def _paths() -> dict[str, Any]:
                     "summary": "Counts by status and queue, expired leases, pending retries, "
                     "the oldest queued job.",
                     "responses": {"200": _json(_ref("Stats"), "The stats.")},
+                },
+                "viewer, operator, admin",
+            )
+        },
+        "/api/schedules": {
+            "get": _protected(
+                {
+                    "summary": "Periodic schedules: trigger, missed-tick policy, last tick, "
+                    "next run (read-only).",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {
+                                    "schedules": {"type": "array", "items": _ref("Schedule")}
+                                },
+                            },
+                            "Every schedule the workers registered.",
+                        )
+                    },
                 },
                 "viewer, operator, admin",
             )

@@ -129,6 +129,8 @@ class Settings:
             raise ConfigurationError("pool_max_size must not be smaller than pool_min_size")
         if self.backoff_base_ms < 0 or self.backoff_max_ms < self.backoff_base_ms:
             raise ConfigurationError("backoff needs 0 <= backoff_base_ms <= backoff_max_ms")
+        if self.retention_interval < 1:
+            raise ConfigurationError("retention_interval must be at least 1 second")
         for name in ("retain_succeeded_days", "retain_failed_days", "retain_cancelled_days"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(f"{name} must not be negative (0 keeps forever)")

@@ -265,6 +265,9 @@ class Scheduler:
         self.settings = broker.settings
         self.queries = Queries(broker.settings.schema, "periodic.sql")
         self._seen: dict[str, dt.datetime] = {}
+        #: Schedules whose registration could not reach the database yet, with the boot
+        #: time their catch-up is computed from; retried at their next firing.
+        self._pending: dict[str, dt.datetime] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._scheduler: BackgroundScheduler | None = None
@@ -296,9 +299,9 @@ class Scheduler:
         now = now or dt.datetime.now(UTC)
         self._stop.clear()
         for schedule in schedules:
-            self.register(schedule, now)
+            self._registered(schedule, now)
         if self.settings.retention:
-            self._upsert(self.retention, now, kind="maintenance")
+            self._registered(self.retention, now, kind="maintenance")
 
         for name in ("apscheduler.scheduler", "apscheduler.executors.default"):
             quiet = logging.getLogger(name)
@@ -356,6 +359,30 @@ class Scheduler:
         with self.broker.pool.connection() as conn:
             return conn.execute(self.queries["upsert_schedule"], params).fetchone()[0]
 
+    def _registered(self, schedule: Schedule, boot: dt.datetime, *, kind: str = "actor") -> bool:
+        """Register a schedule (once); a database that cannot be reached leaves it pending,
+        and its next firing tries again with the same boot time, so no tick is lost."""
+        with self._lock:
+            boot = self._pending.get(schedule.name, boot)
+        try:
+            if kind == "actor":
+                self.register(schedule, boot)
+            else:
+                self._upsert(schedule, boot, kind=kind)
+        except BrokerConnectionError as e:
+            logger.warning(
+                "Schedule %s could not be registered yet (it will be at its next tick): %s",
+                schedule.name,
+                e,
+            )
+            with self._lock:
+                self._pending[schedule.name] = boot
+                self._seen.setdefault(schedule.name, boot)
+            return False
+        with self._lock:
+            self._pending.pop(schedule.name, None)
+        return True
+
     def register(self, schedule: Schedule, now: dt.datetime) -> dt.datetime | None:
         """Write the schedule's definition and, under ``run_once``, enqueue one job for the
         latest tick missed since its last enqueued tick. Ticks after ``now`` are this
@@ -386,6 +413,8 @@ class Scheduler:
         """Enqueue every tick of ``schedule`` due since this process last fired it (one, on
         time; more if this process fell behind). Returns the ticks enqueued."""
         now = now or dt.datetime.now(UTC)
+        if schedule.name in self._pending and not self._registered(schedule, now):
+            return []
         with self._lock:
             seen = self._seen.get(schedule.name, now)
         ticks, _ = schedule.ticks(seen, now)
@@ -444,6 +473,10 @@ class Scheduler:
     def fire_retention(self, now: dt.datetime | None = None):
         """Run retention if this process wins the tick. Returns the report, or None."""
         now = now or dt.datetime.now(UTC)
+        if self.retention.name in self._pending and not self._registered(
+            self.retention, now, kind="maintenance"
+        ):
+            return None
         try:
             if self.claim_tick(self.retention, now) is None:
                 return None

@@ -214,3 +214,36 @@ def test_a_worker_starts_and_stops_the_scheduler(make_broker):
     finally:
         worker.stop()
     assert not broker.periodic.scheduler.running
+
+
+def test_a_registration_the_database_refused_is_retried_at_the_next_tick(make_broker):
+    from dramatiq.errors import ConnectionClosed
+
+    broker = make_broker(retention=False)
+    declare(broker, every=1)
+    before = Scheduler(broker)
+    before.register(broker.schedules[0], at(0.5))
+    before.fire(broker.schedules[0], at(1.1))  # tick 1, then every worker stops
+
+    booting = Scheduler(broker)
+    real_upsert = booting._upsert
+    calls = {"n": 0}
+
+    def upsert_down_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionClosed(RuntimeError("the database is restarting"))
+        return real_upsert(*args, **kwargs)
+
+    booting._upsert = upsert_down_once
+    assert not booting._registered(broker.schedules[0], at(5.5))
+    assert tick_jobs(broker)[-1]["periodic"]["tick"] == at(1).isoformat()
+    # The next firing registers it with the original boot time: the ticks missed before the
+    # boot are caught up (run once), and the ticks since the boot are enqueued one by one.
+    assert booting.fire(broker.schedules[0], at(7.2)) == [at(6), at(7)]
+    assert [(j["periodic"]["tick"], j["periodic"]["missed"]) for j in tick_jobs(broker)] == [
+        (at(1).isoformat(), 1),
+        (at(5).isoformat(), 4),
+        (at(6).isoformat(), 1),
+        (at(7).isoformat(), 1),
+    ]

@@ -30,6 +30,8 @@ CREATE TABLE schedules (
 -- Retention deletes finished jobs oldest first, per status. finished_at is set exactly on
 -- terminal rows (jobs_terminal_shape), so this partial index holds only those: it never
 -- grows with waiting or running jobs and is never read by a claim.
-CREATE INDEX jobs_finished_idx
+-- IF NOT EXISTS: on a big existing table, build it first without blocking writes
+-- (CREATE INDEX CONCURRENTLY with this exact definition), then migrate.
+CREATE INDEX IF NOT EXISTS jobs_finished_idx
     ON jobs (status, finished_at)
     WHERE finished_at IS NOT NULL;

@@ -156,11 +156,18 @@ class Harness:
 
     @contextlib.contextmanager
     def worker(
-        self, variant: Variant, tag: str, *, schema: str | None = None, expect: int = 0
+        self,
+        variant: Variant,
+        tag: str,
+        *,
+        schema: str | None = None,
+        expect: int = 0,
+        extra_env: dict[str, str] | None = None,
     ) -> Iterator[tuple[subprocess.Popen, str]]:
         """A running worker process group and its state directory; stopped on exit."""
         state = tempfile.mkdtemp(prefix="bench-state-")
         env = self.env(variant, schema, BENCH_STATE_DIR=state, BENCH_EXPECT=str(expect))
+        env.update(extra_env or {})
         log_path = self.log_dir / f"worker-{variant.name}-{tag}.log"
         args = [
             sys.executable, "-m", "dramatiq", "benchmarks.actors",
@@ -243,14 +250,19 @@ class Harness:
             self.client(variant, "send", timeout=count / 100 + 60, count=count)
 
     def drain(self, variant: Variant, count: int, *, schema: str | None = None,
-              prepared: bool = False, tag: str = "drain") -> dict:  # fmt: skip
+              prepared: bool = False, tag: str = "drain",
+              extra_env: dict[str, str] | None = None) -> dict:  # fmt: skip
         """Time one worker processing ``count`` queued messages. ``prepared``: the queue
-        was filled by the caller (the backlog workload)."""
+        was filled by the caller (the backlog workload). ``extra_env``: more variables for
+        the worker."""
         if not prepared:
             self.flush(variant)
             self.fill(variant, count)
         try:
-            with self.worker(variant, tag, schema=schema, expect=count) as (proc, state):
+            with self.worker(variant, tag, schema=schema, expect=count, extra_env=extra_env) as (
+                proc,
+                state,
+            ):
                 self.wait_ready(proc, state)
                 result = self.wait_file(proc, os.path.join(state, "drain.json"),
                                         timeout=count / 100 + 60)  # fmt: skip

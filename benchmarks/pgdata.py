@@ -58,8 +58,10 @@ SELECT n.id, %(queue)s::text, 'noop',
        1,
        now() - interval '1 hour' + n.g * interval '1 microsecond',
        now(),
-       CASE WHEN %(status)s::text = 'succeeded' THEN now() END,
-       CASE WHEN %(status)s::text = 'succeeded' THEN now() END
+       CASE WHEN %(status)s::text = 'succeeded'
+            THEN now() - %(finished_ago_s)s::float8 * interval '1 second' END,
+       CASE WHEN %(status)s::text = 'succeeded'
+            THEN now() - %(finished_ago_s)s::float8 * interval '1 second' END
 FROM (SELECT gen_random_uuid() AS id, g FROM generate_series(1, %(count)s::int) AS g) AS n
 """
 
@@ -86,16 +88,27 @@ def load(
     delay_s: float = -1.0,
     events: bool = True,
     queue: str = QUEUE,
+    finished_ago_s: float = 0.0,
+    vacuum: bool = True,
 ) -> float:
     """Insert ``count`` jobs of the benchmark's ``noop`` actor; returns seconds taken.
 
     ``status`` is ``queued`` (runnable after ``delay_s``; negative means already due) or
-    ``succeeded`` (finished history, with its created/claimed/succeeded events).
+    ``succeeded`` (finished history, with its created/claimed/succeeded events, finished
+    ``finished_ago_s`` seconds ago). ``vacuum``: VACUUM ANALYZE both tables afterwards.
     """
     started = time.perf_counter()
-    params = {"queue": queue, "status": status, "delay_s": delay_s, "count": count}
+    params = {
+        "queue": queue,
+        "status": status,
+        "delay_s": delay_s,
+        "count": count,
+        "finished_ago_s": finished_ago_s,
+    }
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(_q(_INSERT_EVENTS if events else _INSERT_JOBS, schema), params)
+    if not vacuum:
+        return time.perf_counter() - started
     with psycopg.connect(url, autocommit=True) as conn:
         # What autovacuum would do soon after such a load: statistics and visibility map.
         conn.execute(_q("VACUUM ANALYZE {schema}.jobs", schema))
@@ -179,3 +192,14 @@ def raw_insert_rate(
 def server_version(url: str) -> str:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute("SHOW server_version").fetchone()[0]
+
+
+def table_sizes(url: str, schema: str) -> dict[str, int]:
+    """Bytes on disk of each job table, its indexes and TOAST included."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return {
+            table: conn.execute(
+                "SELECT pg_total_relation_size(%s::regclass)", (f"{schema}.{table}",)
+            ).fetchone()[0]
+            for table in ("jobs", "job_events")
+        }

@@ -21,6 +21,10 @@ TARGETS = (
      ("latency", "postgres", "p99_ms"), ("latency", "redis", "p99_ms"), "<", 1.0),
     ("backlog-vs-empty", "backlog drain ≥ 0.8 × drain on an empty table",
      ("backlog", "postgres", "rate"), ("drain", "postgres", "rate"), ">=", 0.8),
+    ("retention-drain", "drain while retention deletes a finished backlog ≥ 0.8 × without",
+     ("retention", "postgres", "rate"), ("retention", "postgres", "baseline_rate"), ">=", 0.8),
+    ("churn-size", "table+index size after churn ≤ 1.2 × at half time (bounded)",
+     ("churn", "postgres", "end_mb"), ("churn", "postgres", "mid_mb"), "<=", 1.2),
     ("delayed-memory", "worker memory with delayed messages ≤ 1.1 × idle",
      ("memory", "postgres", "delayed_mb"), ("memory", "postgres", "idle_mb"), "<=", 1.1),
 )  # fmt: skip
@@ -50,6 +54,11 @@ ROWS = (
     ("latency p50", "latency", "p50_ms", "ms", False),
     ("latency p99", "latency", "p99_ms", "ms", False),
     ("backlog drain", "backlog", "rate", "msg/s", True),
+    ("drain, finished backlog", "retention", "baseline_rate", "msg/s", True),
+    ("drain, retention deleting it", "retention", "rate", "msg/s", True),
+    ("retention delete rate", "retention", "delete_rate", "jobs/s", True),
+    ("job tables, churn half time", "churn", "mid_mb", "MiB", False),
+    ("job tables, churn end", "churn", "end_mb", "MiB", False),
     ("worker RSS, idle", "memory", "idle_mb", "MiB", False),
     ("worker RSS, delayed msgs", "memory", "delayed_mb", "MiB", False),
 )
@@ -96,7 +105,8 @@ def _rows(data: dict) -> list[list[str]]:
         for broker in brokers:
             if broker in data.get("skipped", {}) and workload in results:
                 if broker in {"redis", "rabbitmq"} and not (
-                    workload == "backlog" or (workload == "memory" and "noevents" in broker)
+                    workload in ("backlog", "retention", "churn")
+                    or (workload == "memory" and "noevents" in broker)
                 ):
                     rows.append([title, LABELS.get(broker, broker), "skipped: not reachable",
                                  "", "", ""])  # fmt: skip
@@ -206,7 +216,15 @@ def markdown(data: dict) -> str:
         f"(send() to actor start); backlog: the drain with {cfg['backlog_finished']:,} "
         f"finished and {cfg['backlog_queued']:,} queued rows in the table; memory: worker "
         f"RSS {cfg['settle']:g} s after boot, idle and with {cfg['delayed']:,} messages "
-        "delayed by an hour",
+        "delayed by an hour"
+        + (
+            f"; retention: the drain with {cfg['retention_finished']:,} finished jobs past "
+            "their retention age in the table, without and then with retention deleting them; "
+            f"churn: {cfg['churn_seconds']:,} s of {cfg['churn_rate']:,} jobs/s with retention "
+            "every 5 s keeping succeeded jobs 30 s, job tables' size at half time and at the end"
+            if "retention_finished" in cfg
+            else ""
+        ),
         "",
         _md_table(HEADER, _rows(data)),
         "",

@@ -24,10 +24,10 @@ import time
 import traceback
 from pathlib import Path
 
-from . import pgdata, report
+from . import pgdata, report, retention
 from .harness import VARIANTS, BenchError, Harness, reachable
 
-WORKLOADS = ("enqueue", "drain", "latency", "backlog", "memory")
+WORKLOADS = ("enqueue", "drain", "latency", "backlog", "memory", "retention", "churn")
 
 FULL = {
     "repeat": 3,
@@ -40,6 +40,9 @@ FULL = {
     "backlog_queued": 100_000,
     "delayed": 100_000,
     "settle": 10.0,
+    "retention_finished": 1_000_000,
+    "churn_seconds": 600,
+    "churn_rate": 500,
 }
 QUICK = {
     "repeat": 1,
@@ -52,6 +55,9 @@ QUICK = {
     "backlog_queued": 20_000,
     "delayed": 20_000,
     "settle": 10.0,
+    "retention_finished": 100_000,
+    "churn_seconds": 60,
+    "churn_rate": 300,
 }
 
 #: Which variants each workload runs on.
@@ -61,6 +67,8 @@ APPLIES = {
     "latency": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "backlog": ("postgres",),
     "memory": ("postgres", "redis", "rabbitmq"),
+    "retention": ("postgres",),
+    "churn": ("postgres",),
 }
 
 SCHEMA = "bench"
@@ -86,6 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(WORKLOADS),
         help=f"comma-separated subset of: {', '.join(WORKLOADS)}",
     )
+    p.add_argument(
+        "--retention-finished",
+        type=int,
+        help="finished jobs the retention workload deletes (default 1,000,000)",
+    )
+    p.add_argument("--churn-seconds", type=int, help="length of the churn workload (default 600)")
     p.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     p.add_argument(
         "--results-md",
@@ -137,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeat:
         cfg["repeat"] = args.repeat
+    if args.retention_finished:
+        cfg["retention_finished"] = args.retention_finished
+    if args.churn_seconds:
+        cfg["churn_seconds"] = args.churn_seconds
     started = time.monotonic()
     url = database_url()
     out_dir: Path = args.out
@@ -215,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
                     for n in names:
                         v = VARIANTS[n]
                         measure("backlog", n, lambda v=v: backlog_round(harness, v, cfg))
+                elif workload in ("retention", "churn"):
+                    step = (
+                        retention.retention_round
+                        if workload == "retention"
+                        else (retention.churn_round)
+                    )
+                    for n in names:
+                        v = VARIANTS[n]
+                        measure(workload, n, lambda v=v, step=step: step(harness, v, cfg))
                 elif workload == "memory":
                     for n in names:
                         v = VARIANTS[n]
@@ -263,7 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.terminal(data))
     print(f"JSON: {json_path}\nChart: {png_path}")
-    full = not args.quick and set(args.workloads) == set(WORKLOADS)
+    full = (
+        not args.quick
+        and set(args.workloads) == set(WORKLOADS)
+        and cfg["retention_finished"] == FULL["retention_finished"]
+        and cfg["churn_seconds"] == FULL["churn_seconds"]
+    )
     if args.results_md == "yes" or (args.results_md == "auto" and full):
         (HERE / "RESULTS.md").write_text(table)
         print(f"Table: {HERE / 'RESULTS.md'}")

@@ -1,0 +1,143 @@
+"""The retention workloads: what deleting old jobs costs the workers, and whether the tables
+stay bounded under churn.
+
+- ``retention``: a table holding ``retention_finished`` finished jobs older than their
+  retention age (with their events). One worker drains ``drain`` queued jobs twice: once
+  with nothing else running (``baseline_rate``), once while :func:`prune` deletes the
+  backlog with the workers' own settings (``rate``: batches of 1,000, the duty-cycle rest)
+  from a thread of this process, the same function a worker's maintenance tick runs.
+- ``churn``: for ``churn_seconds``, jobs are fed at ``churn_rate`` a second to one worker
+  whose scheduler runs retention every 5 s, keeping succeeded jobs 30 s. The job tables'
+  size (heap, indexes, TOAST) is sampled throughout; ``mid_mb`` and ``end_mb`` are the
+  sizes at half time and at the end: bounded means the second half does not grow with the
+  jobs it processed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.retention import RetentionPolicy, prune
+
+from . import pgdata
+from .harness import Harness
+
+RETENTION_SCHEMA = "bench_retention"
+CHURN_SCHEMA = "bench_churn"
+
+#: Workers of the retention workload run no scheduler: only the measured pruner deletes.
+NO_SCHEDULER = {"DRAMATIQ_PG_SCHEDULER": "false"}
+
+#: Churn workers prune every 5 s and keep succeeded jobs 30 s.
+CHURN_RETENTION = {
+    "DRAMATIQ_PG_RETENTION_INTERVAL": "5",
+    "DRAMATIQ_PG_RETAIN_SUCCEEDED_DAYS": str(30 / 86400),
+}
+
+
+def _mb(sizes: dict[str, int]) -> float:
+    return sum(sizes.values()) / 2**20
+
+
+def retention_round(harness: Harness, variant, cfg: dict) -> dict:
+    """Drain with and without retention deleting a finished backlog (see the module)."""
+    url = harness.url
+    pgdata.reset_schema(url, RETENTION_SCHEMA)
+    try:
+        # Finished 30 days ago: past the 7-day default for succeeded jobs.
+        pgdata.load(
+            url, RETENTION_SCHEMA, cfg["retention_finished"], status="succeeded",
+            finished_ago_s=30 * 86400,
+        )  # fmt: skip
+        pgdata.load(url, RETENTION_SCHEMA, cfg["drain"], events=variant.events)
+        baseline = harness.drain(
+            variant, cfg["drain"], schema=RETENTION_SCHEMA, prepared=True,
+            tag="retention-baseline", extra_env=NO_SCHEDULER,
+        )  # fmt: skip
+
+        pgdata.load(url, RETENTION_SCHEMA, cfg["drain"], events=variant.events)
+        settings = Settings.load(url=url, schema=RETENTION_SCHEMA)
+        pool = ProcessPool(settings)
+        stop = threading.Event()
+        reports = []
+
+        def pruning() -> None:
+            reports.append(
+                prune(
+                    pool,
+                    RETENTION_SCHEMA,
+                    RetentionPolicy(),
+                    batch=settings.retention_batch,
+                    stop=stop,
+                )  # fmt: skip
+            )
+
+        pruner = threading.Thread(target=pruning, name="bench-pruner")
+        started = time.monotonic()
+        pruner.start()
+        try:
+            during = harness.drain(
+                variant, cfg["drain"], schema=RETENTION_SCHEMA, prepared=True,
+                tag="retention-pruning", extra_env=NO_SCHEDULER,
+            )  # fmt: skip
+        finally:
+            still_pruning = pruner.is_alive()
+            stop.set()
+            pruner.join()
+            pool.close()
+        elapsed = time.monotonic() - started
+        deleted = reports[0].total_jobs if reports else 0
+        return {
+            "rate": during["rate"],
+            "baseline_rate": baseline["rate"],
+            "deleted_jobs": float(deleted),
+            "delete_rate": deleted / elapsed,
+            # 1.0: the pruner was still deleting when the drain ended (the whole drain ran
+            # against an active retention run), 0.0: it had finished the backlog before.
+            "pruning_throughout": 1.0 if still_pruning else 0.0,
+        }
+    finally:
+        pgdata.drop_schema(url, RETENTION_SCHEMA)
+
+
+def churn_round(harness: Harness, variant, cfg: dict) -> dict:
+    """Feed jobs at a fixed rate for ``churn_seconds`` with retention on; sample sizes."""
+    url = harness.url
+    seconds = cfg["churn_seconds"]
+    rate = cfg["churn_rate"]
+    pgdata.reset_schema(url, CHURN_SCHEMA)
+    samples: list[tuple[float, float]] = []
+    fed = 0
+    try:
+        with harness.worker(variant, "churn", schema=CHURN_SCHEMA, extra_env=CHURN_RETENTION) as (
+            proc,
+            state,
+        ):
+            harness.wait_ready(proc, state)
+            started = time.monotonic()
+            next_sample = started
+            while (now := time.monotonic()) - started < seconds:
+                due = int((now - started) * rate) - fed
+                if due > 0:
+                    pgdata.load(url, CHURN_SCHEMA, due, events=variant.events, vacuum=False)
+                    fed += due
+                if now >= next_sample:
+                    samples.append((now - started, _mb(pgdata.table_sizes(url, CHURN_SCHEMA))))
+                    next_sample += max(1.0, seconds / 60)
+                time.sleep(0.1)
+            samples.append((time.monotonic() - started, _mb(pgdata.table_sizes(url, CHURN_SCHEMA))))
+            unfinished = pgdata.count_unfinished(url, CHURN_SCHEMA)
+        mid = min(samples, key=lambda s: abs(s[0] - seconds / 2))[1]
+        return {
+            "jobs_fed": float(fed),
+            "backlog_at_end": float(unfinished),
+            "mid_mb": mid,
+            "end_mb": samples[-1][1],
+            "max_mb": max(size for _, size in samples),
+            "mb_per_10k_jobs_second_half": (samples[-1][1] - mid) / max(fed / 2, 1) * 10_000,
+        }
+    finally:
+        pgdata.drop_schema(url, CHURN_SCHEMA)

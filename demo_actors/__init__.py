@@ -8,7 +8,9 @@ as Dramatiq's global broker and declares the demo actors on the ``demo`` queue:
 - ``demo.slow``     works for a few seconds, renewing its lease and reporting progress;
 - ``demo.timeout``  sleeps past its lease without renewing (``heartbeat=False``), so the
                      reaper requeues it and finally fails it;
-- ``demo.flaky``    fails until a given attempt, then succeeds.
+- ``demo.flaky``    fails until a given attempt, then succeeds;
+- ``demo.tick``     runs every 5 seconds (a periodic actor): both worker processes run the
+                     schedule, and each tick still makes exactly one job.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import dramatiq
 
-from dramatiq_pg_broker import PostgresBroker, current_job
+from dramatiq_pg_broker import PostgresBroker, current_job, periodic
 
 logger = logging.getLogger("demo_actors")
 
@@ -74,3 +76,11 @@ def flaky(succeed_on_attempt: int = 3) -> str:
     if attempt < succeed_on_attempt:
         raise DemoFailure(f"attempt {attempt} of {succeed_on_attempt} fails")
     return f"succeeded on attempt {attempt}"
+
+
+@periodic(every=5)
+@dramatiq.actor(actor_name="demo.tick", queue_name="demo", max_retries=0)
+def tick() -> None:
+    """A periodic actor: one job every 5 seconds, whatever the number of workers."""
+    job = current_job()
+    logger.info("demo.tick: job %s", job.id if job is not None else "?")

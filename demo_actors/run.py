@@ -105,6 +105,31 @@ def summary(rows: list[tuple]) -> str:
     return "  ".join(f"{status}={counts.get(status, 0)}" for status in order)
 
 
+def schedule_line(url: str, schema: str) -> str:
+    """The demo schedule at work: how many jobs its ticks made, the last tick, the next."""
+    import psycopg
+    from psycopg import sql
+
+    from dramatiq_pg_broker.cli_jobs import relative
+    from dramatiq_pg_broker.periodic import list_schedules
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = [r for r in list_schedules(conn, schema) if r["name"] == "demo.tick"]
+        ticks = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}.jobs WHERE actor_name = %s").format(
+                sql.Identifier(schema)
+            ),
+            ("demo.tick",),
+        ).fetchone()[0]
+    if not rows:
+        return "schedule demo.tick: not registered yet"
+    row = rows[0]
+    return (
+        f"schedule demo.tick ({row['trigger']}): {ticks} job(s), last tick "
+        f"{relative(row['last_tick']) or 'never'}, next run {relative(row['next_run'])}"
+    )
+
+
 def print_table(rows: list[tuple]) -> None:
     print(f"\n{'job':<10}{'actor':<14}{'status':<11}{'attempts':<10}last error")
     for job_id, actor, status, attempts, max_attempts, error in rows:
@@ -199,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = job_rows(url, settings.schema, ids)
         while time.monotonic() < deadline:
             rows = job_rows(url, settings.schema, ids)
-            print(f"  {summary(rows)}", flush=True)
+            print(f"  {summary(rows)}   {schedule_line(url, settings.schema)}", flush=True)
             if all(row[2] in ("succeeded", "failed", "cancelled") for row in rows):
                 break
             if any(p.poll() is not None for p in processes):
@@ -207,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(2)
         print_table(rows)
+        print(f"\n{schedule_line(url, settings.schema)}")
+        print("  (dramatiq-pg-broker schedules lists every schedule; jobs list --actor demo.tick)")
         wrong = [r for r in rows if EXPECTED.get(r[1]) != r[2]]
         if wrong:
             print(f"\n{len(wrong)} job(s) did not reach their expected end state")

@@ -5,12 +5,15 @@ from .config import Settings
 from .current import CurrentJob, current_job
 from .errors import (
     ConfigurationError,
+    InvalidMessage,
     InvalidTransition,
+    JobAlreadyFinished,
     JobNotFound,
     MigrationChecksumError,
     MigrationError,
     PgBrokerError,
     SchemaMissing,
+    TransactionError,
 )
 from .jobs import Attempt, JobStore
 from .periodic import Schedule, periodic
@@ -21,7 +24,9 @@ __all__ = [
     "Attempt",
     "ConfigurationError",
     "CurrentJob",
+    "InvalidMessage",
     "InvalidTransition",
+    "JobAlreadyFinished",
     "JobFailed",
     "JobNotFound",
     "JobStore",
@@ -33,6 +38,7 @@ __all__ = [
     "RetentionPolicy",
     "Schedule",
     "SchemaMissing",
+    "TransactionError",
     "Settings",
     "current_job",
     "periodic",

@@ -177,24 +177,99 @@ class JobStore:
             row = c.execute(self.queries["insert_job"], params).fetchone()
             if row is not None:
                 return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-            existing = c.execute(self.queries["find_existing"], params).fetchone()
-            if existing is None:  # pragma: no cover - deleted between the two statements
-                raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
-            job_id, status, message, message_bytes = existing
-            job_id = str(job_id)
-            if job_id != job.id or not again:
-                return EnqueueResult(job_id, False, status, message, message_bytes)
-            if status in ("queued", "running"):
-                moved = c.execute(self.queries["reenqueue_job"], params).fetchone()
-                if moved is not None:
-                    return EnqueueResult(
-                        job.id, False, "queued", job.message, job.message_bytes, True
-                    )
-                current = c.execute(self.queries["get_job"], {"id": job.id}).fetchone()
-                if current is None:  # pragma: no cover - deleted meanwhile
-                    raise JobNotFound(f"job {job.id} was deleted while it was enqueued again")
-                status = current[5]
+            return self._not_inserted(c, job, params, again)
+
+    def _not_inserted(
+        self, c: psycopg.Connection, job: NewJob, params: dict[str, Any], again: bool
+    ) -> EnqueueResult:
+        """What a send whose insert was a no-op gets: the job with its idempotency key, or
+        the job with its id rescheduled (see :meth:`enqueue`)."""
+        existing = c.execute(self.queries["find_existing"], params).fetchone()
+        if existing is None:  # pragma: no cover - deleted between the two statements
+            raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
+        job_id, status, message, message_bytes = existing
+        job_id = str(job_id)
+        if job_id != job.id or not again:
+            return EnqueueResult(job_id, False, status, message, message_bytes)
+        if status in ("queued", "running"):
+            moved = c.execute(self.queries["reenqueue_job"], params).fetchone()
+            if moved is not None:
+                return EnqueueResult(job.id, False, "queued", job.message, job.message_bytes, True)
+            current = c.execute(self.queries["get_job"], {"id": job.id}).fetchone()
+            if current is None:  # pragma: no cover - deleted meanwhile
+                raise JobNotFound(f"job {job.id} was deleted while it was enqueued again")
+            status = current[5]
         raise JobAlreadyFinished(job.id, status)
+
+    #: Rows per bulk insert statement: bounds the size of one statement's parameters.
+    BULK_CHUNK = 10_000
+
+    def enqueue_many(
+        self,
+        jobs: Sequence[NewJob],
+        *,
+        conn: psycopg.Connection | None = None,
+        now: dt.datetime | None = None,
+        again: bool = True,
+    ) -> list[EnqueueResult]:
+        """Store many messages in one transaction (a savepoint inside the caller's, on
+        ``conn``): all of them or, if anything fails, none. Each job is handled as
+        :meth:`enqueue` handles one; results are in the order of ``jobs``.
+
+        Raises:
+          JobAlreadyFinished: a job's id is a job that already finished (its index is in
+            the message); nothing was written.
+        """
+        if not jobs:
+            return []
+        results: list[EnqueueResult | None] = [None] * len(jobs)
+        with self.pool.use(conn) as c, c.transaction():
+            queues: set[str] = set()
+            for start in range(0, len(jobs), self.BULK_CHUNK):
+                chunk = jobs[start : start + self.BULK_CHUNK]
+                rows = c.execute(
+                    self.queries["insert_jobs"], self._bulk_params(chunk, now)
+                ).fetchall()
+                inserted = {str(r[0]) for r in rows}
+                for offset, job in enumerate(chunk):
+                    if job.id in inserted:
+                        inserted.discard(job.id)  # a repeated id inserts once
+                        results[start + offset] = EnqueueResult(
+                            job.id, True, "queued", job.message, job.message_bytes
+                        )
+                        queues.add(job.queue_name)
+            for index, job in enumerate(jobs):
+                if results[index] is not None:
+                    continue
+                params = self._new_job_params(job, now)
+                try:
+                    results[index] = result = self._not_inserted(c, job, params, again)
+                except JobAlreadyFinished as e:
+                    e.args = (f"message {index} of the batch: {e}",)
+                    raise
+                if result.rescheduled:
+                    queues.add(job.queue_name)
+            if queues:
+                channels = sorted(self.channel(q) for q in queues)
+                c.execute(self.queries["notify_queues"], {"channels": channels})
+        return results  # type: ignore[return-value]
+
+    def _bulk_params(self, jobs: Sequence[NewJob], now: dt.datetime | None) -> dict[str, Any]:
+        return {
+            "ids": [j.id for j in jobs],
+            "queue_names": [j.queue_name for j in jobs],
+            "actor_names": [j.actor_name for j in jobs],
+            "messages": [Jsonb(j.message) if j.message is not None else None for j in jobs],
+            "message_bytes": [j.message_bytes for j in jobs],
+            "view_from_bytes": [j.message_view_from_bytes for j in jobs],
+            "priorities": [j.priority for j in jobs],
+            "delays_ms": [max(0, int(j.delay_ms)) for j in jobs],
+            "max_attempts": [j.max_attempts for j in jobs],
+            "idempotency_keys": [j.idempotency_key for j in jobs],
+            "idempotency_scopes": [j.idempotency_scope for j in jobs],
+            "now": now,
+            "events": self.events,
+        }
 
     def _new_job_params(self, job: NewJob, now: dt.datetime | None) -> dict[str, Any]:
         return {

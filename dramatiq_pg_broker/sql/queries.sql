@@ -82,6 +82,50 @@ WITH moved AS (
 )
 SELECT id, pg_notify(%(channel)s, '') FROM moved
 
+-- insert_jobs --
+-- Many messages in one statement (bulk enqueue), each with its `created` event; the arrays
+-- are parallel, one element per message. As insert_job: an existing id or idempotency key
+-- inserts nothing, and the rows that were inserted are returned with their position (from
+-- 1). All the rows get the same now(), so created_at is advanced by one microsecond per
+-- position: jobs of equal priority and availability are then claimed in the order sent.
+WITH given AS (
+    SELECT *
+    FROM unnest(
+        %(ids)s::uuid[], %(queue_names)s::text[], %(actor_names)s::text[],
+        %(messages)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
+        %(priorities)s::integer[], %(delays_ms)s::bigint[], %(max_attempts)s::integer[],
+        %(idempotency_keys)s::text[], %(idempotency_scopes)s::text[]
+    ) WITH ORDINALITY AS g (
+        id, queue_name, actor_name, message, message_bytes, view_from_bytes, priority,
+        delay_ms, max_attempts, idempotency_key, idempotency_scope, position
+    )
+), inserted AS (
+    INSERT INTO {schema}.jobs AS j (
+        id, queue_name, actor_name, message, message_bytes, priority, available_at,
+        max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
+    )
+    SELECT id, queue_name, actor_name,
+           coalesce(message, CASE WHEN view_from_bytes
+               THEN convert_from(message_bytes, 'UTF8')::jsonb END),
+           message_bytes, priority,
+           coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
+           max_attempts, idempotency_key, idempotency_scope,
+           coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
+           coalesce(%(now)s::timestamptz, now())
+    FROM given
+    ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING j.id, j.created_at
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
+    SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
+)
+SELECT id FROM inserted
+
+-- notify_queues --
+-- Wake the consumers of several queues at once (after a bulk enqueue), at commit.
+SELECT pg_notify(channel, '') FROM unnest(%(channels)s::text[]) AS channel
+
 -- server_now --
 -- The server's clock, for comparisons with timestamps the server wrote.
 SELECT now()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -81,15 +82,14 @@ class SendContext:
 def _sqlalchemy_connection(obj: Any):
     """The SQLAlchemy ``Connection`` behind a Session or Connection, or None if ``obj`` is
     neither (or SQLAlchemy is not installed)."""
-    try:
-        from sqlalchemy.engine import Connection
-        from sqlalchemy.orm import Session
-    except ImportError:  # pragma: no cover - SQLAlchemy is optional
-        return None
-    if isinstance(obj, Session):
+    # Never imported here (the broker does not depend on SQLAlchemy): a Session or
+    # Connection can only exist if the application imported SQLAlchemy already.
+    orm = sys.modules.get("sqlalchemy.orm")
+    engine = sys.modules.get("sqlalchemy.engine")
+    if orm is not None and isinstance(obj, orm.Session):
         # Begins the session's transaction if none is open; the application commits it.
         return obj.connection()
-    if isinstance(obj, Connection):
+    if engine is not None and isinstance(obj, engine.Connection):
         if not obj.in_transaction():
             # A statement written under SQLAlchemy's feet would open a transaction that
             # SQLAlchemy does not know about, and its commit() would not commit it.

@@ -20,11 +20,15 @@ from . import media
 from .accounts import AccountStore
 from .auth import Authentication
 from .errors import add_error_handlers
+from .metrics import Metrics
+from .monitoring import Monitor
 from .queries import JobQueries
+from .resources import dashboard
 from .resources.docs import DocsPage, OpenApiDocument
 from .resources.events import EventFeed
 from .resources.health import Health
 from .resources.jobs import JobDetail, JobEvents, JobList, JobStats, JobTransition
+from .resources.metrics import MetricsPage
 from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
@@ -100,6 +104,7 @@ def create_app(
     if engine is None:
         engine = create_engine(settings.url or database_url(), settings)
     queries = JobQueries(engine, settings.schema)
+    monitor = Monitor(engine, settings.schema)
 
     middleware: list[Any] = []
     if settings.cors_origins:
@@ -112,16 +117,25 @@ def create_app(
     # "/api/jobs/" and "/api/jobs" are the same resource.
     app.req_options.strip_url_path_trailing_slash = True
 
-    for path, resource in routes(settings, store, accounts, queries):
+    for path, resource in routes(settings, store, accounts, queries, monitor):
         app.add_route(path, resource)
+    # Not API endpoints (HTML and Prometheus text), so not in the OpenAPI document.
+    for path, resource in dashboard.page_routes():
+        app.add_route(path, resource)
+    app.add_route("/metrics", MetricsPage(Metrics(monitor)))
     return app
 
 
 def routes(
-    settings: Settings, store: JobStore, accounts: AccountStore, queries: JobQueries
+    settings: Settings,
+    store: JobStore,
+    accounts: AccountStore,
+    queries: JobQueries,
+    monitor: Monitor | None = None,
 ) -> list[tuple[str, object]]:
     """Every route of the API and its resource (the OpenAPI document lists the same)."""
     return [
+        *dashboard.api_routes(monitor),
         ("/api/health", Health(queries)),
         ("/api/config", Config(settings)),
         ("/api/jobs", JobList(queries, store, accounts, settings)),

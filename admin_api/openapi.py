@@ -16,6 +16,7 @@ from dramatiq_pg_broker.events import STATUSES
 
 from .accounts import ROLES
 from .queries import JOB_COLUMNS
+from .resources import dashboard as dashboard_resource
 from .resources import events as events_resource
 from .resources import jobs as jobs_resource
 from .resources.sessions import LOGIN_FIELDS
@@ -603,6 +604,84 @@ def _paths() -> dict[str, Any]:
                 "security": [],
                 "responses": {"200": {"description": "HTML."}},
             }
+        },
+        **_monitoring_paths(),
+    }
+
+
+def _monitoring_paths() -> dict[str, Any]:
+    """The endpoints the dashboard reads its overview from."""
+    count = {"type": "integer", "minimum": 0}
+    queue = {
+        "type": "object",
+        "properties": {
+            "queue_name": {"type": "string"},
+            "queued": {**count, "description": "Waiting and runnable now."},
+            "delayed": {**count, "description": "Waiting for a later available_at."},
+            "running": {**count, "description": "Claimed by a worker."},
+            "failed": {**count, "description": "In the dead-letter state."},
+            "oldest_waiting_seconds": {
+                "type": "number",
+                "description": "How long the oldest runnable job has waited (0: none).",
+            },
+        },
+    }
+    bucket = {
+        "type": "object",
+        "properties": {
+            "at": _TIME,
+            "succeeded": count,
+            "failed": count,
+            "retried": count,
+        },
+    }
+    throughput = {
+        "type": "object",
+        "properties": {
+            "since": _TIME,
+            "until": _TIME,
+            "buckets": {"type": "array", "items": bucket},
+            "truncated": {
+                "type": "boolean",
+                "description": "The window held more events than one read takes; the "
+                "oldest minutes are incomplete.",
+            },
+        },
+    }
+    minutes = _param(
+        "minutes",
+        "query",
+        {"type": "integer", "minimum": 1, "maximum": dashboard_resource.MAX_THROUGHPUT_MINUTES},
+        "The window, in minutes (default 60).",
+    )
+    return {
+        "/api/queues": {
+            "get": _protected(
+                {
+                    "summary": "Per queue: queued, delayed, running and failed jobs, and the "
+                    "age of the oldest runnable job. Queues with none of these are left out.",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "properties": {"results": {"type": "array", "items": queue}},
+                            },
+                            "The queues, by name.",
+                        )
+                    },
+                },
+                "viewer, operator, admin",
+            )
+        },
+        "/api/throughput": {
+            "get": _protected(
+                {
+                    "summary": "Succeeded, failed and retried attempts per minute.",
+                    "parameters": [minutes],
+                    "responses": {"200": _json(throughput, "One bucket per minute, oldest first.")},
+                },
+                "viewer, operator, admin",
+            )
         },
     }
 

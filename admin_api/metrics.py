@@ -1,0 +1,145 @@
+"""``/metrics``: the queue as PostgreSQL sees it, in Prometheus' text format.
+
+A scrape runs two statements: the per-queue counts (partial indexes only) and the events
+written since the previous scrape (a range of the events' primary key). Gauges are the
+database's truth at that moment, the same for every process that answers. Counters count
+the events this process has read since its first scrape (Prometheus treats the start of a
+process as a counter reset); each process keeps its own, so scrape one process: the
+dedicated metrics app (:func:`admin_api.resources.metrics.create_metrics_app`, run with one
+gunicorn worker) or an admin API run with ``ADMIN_API_WORKERS=1``.
+
+Worker-side numbers (messages processed per actor, durations, in flight per worker
+process) come from Dramatiq's own ``dramatiq.middleware.Prometheus`` on each worker host;
+these are queue-side numbers, one series per queue, whichever host runs the work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dramatiq_pg_broker import events as event_types
+
+from .monitoring import EVENT_SETTLE_SECONDS, Monitor
+
+#: Every metric's name starts with this.
+PREFIX = "dramatiq_pg"
+
+#: Finished-job outcomes, by the event that records them.
+OUTCOMES = (event_types.SUCCEEDED, event_types.FAILED, event_types.CANCELLED)
+
+
+class QueueCollector(Collector):
+    """A Prometheus collector that reads the database at each scrape.
+
+    Parameters:
+      monitor(Monitor): the monitoring reads.
+      settle(float): events younger than this many seconds wait for the next scrape (see
+        :meth:`Monitor.new_events`).
+    """
+
+    def __init__(self, monitor: Monitor, *, settle: float = EVENT_SETTLE_SECONDS) -> None:
+        self.monitor = monitor
+        self.settle = settle
+        self._lock = threading.Lock()
+        self._cursor: int | None = None
+        self._events: dict[str, int] = {}
+        self._lease_expiries = 0
+
+    def describe(self) -> list[Metric]:
+        # Known metric names without a database read at registration.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        started = time.perf_counter()
+        queues = self.monitor.queues()
+        with self._lock:
+            if self._cursor is None:
+                # Counting starts now: the history before this process is not re-read.
+                self._cursor = self.monitor.last_event_id()
+            else:
+                new = self.monitor.new_events(self._cursor, settle=self.settle)
+                self._cursor = new.cursor
+                for name, n in new.counts.items():
+                    self._events[name] = self._events.get(name, 0) + n
+                self._lease_expiries += new.lease_expiries
+            events = dict(self._events)
+            lease_expiries = self._lease_expiries
+        elapsed = time.perf_counter() - started
+
+        gauges = {
+            "queued": "Jobs waiting and runnable now.",
+            "delayed": "Jobs waiting for a later available_at (delay, eta or retry backoff).",
+            "running": "Jobs claimed by a worker.",
+            "failed": "Jobs in the dead-letter state (failed for good until retried).",
+        }
+        for field, help_text in gauges.items():
+            family = GaugeMetricFamily(f"{PREFIX}_jobs_{field}", help_text, labels=["queue"])
+            for queue, counts in queues.items():
+                family.add_metric([queue], getattr(counts, field))
+            yield family
+        oldest = GaugeMetricFamily(
+            f"{PREFIX}_oldest_waiting_seconds",
+            "How long the oldest runnable job of the queue has been waiting (0: none waits).",
+            labels=["queue"],
+        )
+        for queue, counts in queues.items():
+            oldest.add_metric([queue], counts.oldest_waiting_seconds)
+        yield oldest
+
+        finished = CounterMetricFamily(
+            f"{PREFIX}_jobs_finished",
+            "Attempts that ended a job, by outcome, since this process started counting.",
+            labels=["outcome"],
+        )
+        for outcome in OUTCOMES:
+            finished.add_metric([outcome], events.get(outcome, 0))
+        yield finished
+        yield CounterMetricFamily(
+            f"{PREFIX}_retries",
+            "Failed attempts rescheduled with a backoff.",
+            value=events.get(event_types.RETRY_SCHEDULED, 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_manual_retries",
+            "Failed jobs an operator sent back to the queue.",
+            value=events.get(event_types.MANUAL_RETRY, 0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_lease_expiries",
+            "Attempts whose lease expired (worker died or hung): requeued or failed.",
+            value=lease_expiries,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_claims",
+            "Attempts claimed by workers.",
+            value=events.get(event_types.CLAIMED, 0),
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_metrics_query_seconds",
+            "Database round trip of this scrape's metric queries.",
+            value=elapsed,
+        )
+
+
+class Metrics:
+    """The registry of one process and its text exposition.
+
+    Parameters:
+      monitor(Monitor): the monitoring reads.
+      settle(float): see :class:`QueueCollector`.
+    """
+
+    def __init__(self, monitor: Monitor, *, settle: float = EVENT_SETTLE_SECONDS) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = QueueCollector(monitor, settle=settle)
+        self.registry.register(self.collector)
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text format (version 0.0.4)."""
+        return generate_latest(self.registry)

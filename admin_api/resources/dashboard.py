@@ -1,0 +1,140 @@
+"""The dashboard: its pages and static files, and the two API endpoints only it needed.
+
+The pages are static shells with no data in them (so they need no credentials, like the
+docs page): the script in ``admin_api/dashboard/`` logs in through ``/api/auth/login`` and
+reads everything through the API with the session cookie, so the dashboard shows what the
+caller's role may see and nothing else, and every change it makes passes the API's role
+and cross-site checks. Nothing is loaded from other sites; there is no build step.
+
+- ``/`` redirects to ``/dashboard``: the overview (counts per queue, charts of the last
+  hour), refreshed every few seconds.
+- ``/dashboard/jobs``: the job list with the API's filters, in the page's query string.
+- ``/dashboard/jobs/{job_id}``: one job, its timeline, Retry and Cancel.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import falcon
+
+from ..auth import OBSERVERS
+from ..monitoring import Monitor
+from ..validation import Query
+
+#: The dashboard's files, read once: name -> (content type, bytes).
+STATIC_TYPES = {
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+
+#: Only this page's own files, from this origin; no inline script; no framing.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+
+
+def _files() -> dict[str, tuple[str, bytes]]:
+    folder = resources.files("admin_api").joinpath("dashboard")
+    found = {}
+    for entry in folder.iterdir():
+        suffix = "." + entry.name.rpartition(".")[2]
+        if suffix in STATIC_TYPES:
+            found[entry.name] = (STATIC_TYPES[suffix], entry.read_bytes())
+    return found
+
+
+FILES = _files()
+PAGE = resources.files("admin_api").joinpath("dashboard", "index.html").read_bytes()
+
+
+class Root:
+    """``/``: to the dashboard."""
+
+    public = True
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        raise falcon.HTTPFound(f"{req.prefix}/dashboard")
+
+
+class DashboardPage:
+    """``/dashboard``, ``/dashboard/jobs`` and ``/dashboard/jobs/{job_id}``: one shell;
+    the script reads the path."""
+
+    public = True
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str | None = None):
+        resp.content_type = falcon.MEDIA_HTML
+        resp.set_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
+        resp.set_header("X-Content-Type-Options", "nosniff")
+        resp.set_header("Cache-Control", "no-cache")
+        resp.data = PAGE
+
+
+class StaticFile:
+    """``/dashboard/static/{name}``: the script, the style sheet and the icon."""
+
+    public = True
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
+        found = FILES.get(name)
+        if found is None:
+            raise falcon.HTTPNotFound(description=f"The dashboard has no file named {name!r}.")
+        resp.content_type, resp.data = found
+        resp.set_header("X-Content-Type-Options", "nosniff")
+        resp.set_header("Cache-Control", "no-cache")
+
+
+class Queues:
+    """``GET /api/queues``: per queue, queued / delayed / running / failed jobs and how long
+    the oldest runnable one has waited (see :meth:`Monitor.queues`)."""
+
+    permissions = {"GET": OBSERVERS}
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        Query(req, ())
+        queues = self.monitor.queues()
+        resp.media = {
+            "results": [{"queue_name": name, **c.as_dict()} for name, c in queues.items()]
+        }
+
+
+#: The longest window of ``GET /api/throughput``, in minutes.
+MAX_THROUGHPUT_MINUTES = 24 * 60
+
+
+class Throughput:
+    """``GET /api/throughput?minutes=60``: succeeded, failed and retried attempts per
+    minute (see :meth:`Monitor.throughput`)."""
+
+    permissions = {"GET": OBSERVERS}
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        query = Query(req, ("minutes",))
+        minutes = query.integer("minutes", 60, 1, MAX_THROUGHPUT_MINUTES)
+        resp.media = self.monitor.throughput(minutes=minutes)
+
+
+def api_routes(monitor: Monitor) -> list[tuple[str, object]]:
+    """The dashboard's API endpoints (documented in the OpenAPI document)."""
+    return [("/api/queues", Queues(monitor)), ("/api/throughput", Throughput(monitor))]
+
+
+def page_routes() -> list[tuple[str, object]]:
+    """The pages and files (HTML, not API)."""
+    page = DashboardPage()
+    return [
+        ("/", Root()),
+        ("/dashboard", page),
+        ("/dashboard/jobs", page),
+        ("/dashboard/jobs/{job_id}", page),
+        ("/dashboard/static/{name}", StaticFile()),
+    ]

@@ -1,0 +1,239 @@
+"""The dashboard's overview endpoints and /metrics, against a real schema: every number is
+checked against the table, and the sample alert rules against a real scrape."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+
+import psycopg
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
+
+from admin_api.metrics import Metrics
+from admin_api.monitoring import Monitor
+
+from .admin_support import CSRF, AdminEnv
+
+REPO = Path(__file__).resolve().parents[2]
+ALERTS = REPO / "docs" / "prometheus-alerts.yml"
+
+
+@pytest.fixture(scope="module")
+def env(pg_url, schema):
+    env = AdminEnv(pg_url, schema)
+    yield env
+    env.close()
+
+
+def table_counts(pg_url: str, schema: str) -> dict[str, dict[str, int]]:
+    """Per queue, straight from the jobs table: what the gauges must say."""
+    query = sql.SQL(
+        """SELECT queue_name,
+                  count(*) FILTER (WHERE status = 'queued' AND available_at <= now()),
+                  count(*) FILTER (WHERE status = 'queued' AND available_at > now()),
+                  count(*) FILTER (WHERE status = 'running'),
+                  count(*) FILTER (WHERE status = 'failed')
+           FROM {}.jobs WHERE status IN ('queued', 'running', 'failed') GROUP BY queue_name"""
+    ).format(sql.Identifier(schema))
+    with psycopg.connect(pg_url) as conn:
+        return {
+            row[0]: dict(zip(("queued", "delayed", "running", "failed"), row[1:]))
+            for row in conn.execute(query)
+        }
+
+
+def scrape(metrics: Metrics) -> dict[str, dict[tuple, float]]:
+    """name -> {labels: value} of one scrape (counters under their ``_total`` sample)."""
+    found: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            found.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def test_queues_count_each_state_of_a_queue(env, pg_url, schema):
+    queue = "mon_states"
+    for _ in range(2):
+        env.enqueue(queue=queue)
+    env.enqueue(queue=queue, delay_ms=3_600_000)
+    # A queue's claim takes its first runnable job: claim before adding the others.
+    running = env.enqueue(queue=queue + "_r")
+    env.claim(running)
+    for _ in range(2):
+        env.failed(queue=queue + "_f")
+    env.succeeded(queue=queue + "_s")
+
+    result = env.get("/api/queues", "viewer")
+    assert result.status_code == 200, result.text
+    by_name = {row["queue_name"]: row for row in result.json["results"]}
+    assert {k: by_name[queue][k] for k in ("queued", "delayed", "running", "failed")} == {
+        "queued": 2, "delayed": 1, "running": 0, "failed": 0,
+    }  # fmt: skip
+    assert 0 <= by_name[queue]["oldest_waiting_seconds"] < 60
+    assert by_name[queue + "_r"]["running"] == 1
+    assert by_name[queue + "_f"]["failed"] == 2
+    assert queue + "_s" not in by_name, "a queue with only finished jobs has nothing to show"
+    # Every queue, every field, agrees with the table.
+    expected = table_counts(pg_url, schema)
+    assert {
+        name: {k: row[k] for k in ("queued", "delayed", "running", "failed")}
+        for name, row in by_name.items()
+    } == expected
+
+
+def test_oldest_waiting_age_counts_from_when_the_job_became_runnable(env):
+    queue = "mon_age"
+    env.enqueue(queue=queue)
+    monitor = Monitor(env.engine, env.settings.schema)
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10)
+    counts = monitor.queues(now=later)[queue]
+    assert 590 < counts.oldest_waiting_seconds < 700
+    # A job delayed beyond "now" is not waiting yet.
+    env.enqueue(queue="mon_age_delayed", delay_ms=3_600_000)
+    delayed = monitor.queues(now=later)["mon_age_delayed"]
+    assert (delayed.queued, delayed.delayed, delayed.oldest_waiting_seconds) == (0, 1, 0.0)
+
+
+def test_only_observers_read_the_overview_endpoints(env):
+    for path in ("/api/queues", "/api/throughput", "/metrics"):
+        assert env.get(path, "member").status_code == 403, path
+        assert env.get(path, None).status_code == 401, path
+        for role in ("viewer", "operator", "admin"):
+            assert env.get(path, role).status_code == 200, (path, role)
+
+
+def test_throughput_counts_this_minutes_outcomes(env):
+    before = env.get("/api/throughput", "viewer", params={"minutes": 5}).json
+    env.succeeded(queue="mon_tp")
+    env.succeeded(queue="mon_tp")
+    env.failed(queue="mon_tp")
+    after = env.get("/api/throughput", "viewer", params={"minutes": 5}).json
+    assert len(after["buckets"]) == 5 and after["truncated"] is False
+    assert (
+        sum(b["succeeded"] for b in after["buckets"])
+        - sum(b["succeeded"] for b in before["buckets"])
+        == 2
+    )
+    assert (
+        sum(b["failed"] for b in after["buckets"]) - sum(b["failed"] for b in before["buckets"])
+        == 1
+    )
+    assert len(env.get("/api/throughput").json["buckets"]) == 60
+    for bad in ("0", "1441", "x"):
+        result = env.get("/api/throughput", params={"minutes": bad})
+        assert result.status_code == 400 and "minutes" in result.json["message"], bad
+
+
+def test_metrics_gauges_and_counters_match_the_table(env, pg_url, schema):
+    metrics = Metrics(Monitor(env.engine, schema), settle=0)
+    first = scrape(metrics)
+    assert first["dramatiq_pg_jobs_finished_total"][(("outcome", "succeeded"),)] == 0
+
+    queue = "mon_metrics"
+    for _ in range(3):
+        env.succeeded(queue=queue)
+    env.failed(queue=queue)
+    # A retry with backoff, a lease that expires and is requeued, an operator's retry.
+    retried = env.enqueue(queue=queue + "_retry")
+    assert env.store.reschedule(env.claim(retried), queue + "_retry", 60_000, "flaky")
+    expiring = env.enqueue(queue=queue + "_lease")
+    env.claim(expiring, lease_seconds=0.001)
+    future = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
+    reaped = env.store.reap(batch=100, backoff_base_ms=60_000, backoff_max_ms=60_000, now=future)
+    assert expiring in reaped.requeued
+    # Its last attempt: the lease expires again and the job fails.
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "UPDATE {}.jobs SET max_attempts = attempts + 1, available_at = now() WHERE id = %s"
+            ).format(sql.Identifier(schema)),
+            (expiring,),
+        )
+    claimed = env.store.claim(queue + "_lease", 1, "tests-worker", 0.001)
+    assert [c.id for c in claimed] == [expiring]
+    reaped = env.store.reap(batch=100, backoff_base_ms=1, backoff_max_ms=1, now=future)
+    assert expiring in reaped.failed
+    manual = env.failed(queue=queue + "_manual")
+    assert env.post(f"/api/jobs/{manual}/retry", "operator", headers=CSRF).status_code == 200
+
+    second = scrape(metrics)
+    finished = second["dramatiq_pg_jobs_finished_total"]
+    assert finished[(("outcome", "succeeded"),)] == 3
+    assert finished[(("outcome", "failed"),)] == 3  # the nack, the lost lease, the manual one
+    assert finished[(("outcome", "cancelled"),)] == 0
+    assert second["dramatiq_pg_retries_total"][()] == 1
+    assert second["dramatiq_pg_lease_expiries_total"][()] == 2
+    assert second["dramatiq_pg_manual_retries_total"][()] == 1
+    assert second["dramatiq_pg_claims_total"][()] == 3 + 1 + 1 + 2 + 1
+    assert 0 < second["dramatiq_pg_metrics_query_seconds"][()] < 5
+
+    expected = table_counts(pg_url, schema)
+    for field in ("queued", "delayed", "running", "failed"):
+        gauge = second[f"dramatiq_pg_jobs_{field}"]
+        assert {labels[0][1]: value for labels, value in gauge.items()} == {
+            name: counts[field] for name, counts in expected.items()
+        }, field
+    assert set(second["dramatiq_pg_oldest_waiting_seconds"]) == {
+        (("queue", name),) for name in expected
+    }
+    # Nothing new: the counters stay where they are.
+    assert scrape(metrics)["dramatiq_pg_jobs_finished_total"] == finished
+
+
+def test_counters_wait_for_events_that_may_still_commit(env, schema):
+    monitor = Monitor(env.engine, schema)
+    cursor = monitor.last_event_id()
+    env.succeeded(queue="mon_settle")
+    waiting = monitor.new_events(cursor, settle=3600)
+    assert waiting.counts == {} and waiting.cursor == cursor
+    counted = monitor.new_events(cursor, settle=0)
+    assert counted.counts == {"created": 1, "claimed": 1, "succeeded": 1}
+    assert counted.cursor > cursor
+
+
+def test_metrics_over_http(env):
+    result = env.get("/metrics", "viewer")
+    assert result.status_code == 200
+    assert result.headers["content-type"].startswith("text/plain; version=0.0.4")
+    names = {family.name for family in text_string_to_metric_families(result.text)}
+    assert {"dramatiq_pg_jobs_queued", "dramatiq_pg_jobs_finished"} <= names
+
+
+def test_the_metrics_only_app_needs_no_credentials(env):
+    from falcon import testing
+
+    from admin_api.resources.metrics import create_metrics_app
+
+    client = testing.TestClient(create_metrics_app(env.settings, engine=env.engine))
+    result = client.simulate_get("/metrics")
+    assert result.status_code == 200 and "dramatiq_pg_jobs_queued" in result.text
+    assert client.simulate_get("/api/jobs").status_code == 404
+
+
+def test_the_sample_alert_rules_parse_and_use_real_metrics(env, schema):
+    document = yaml.safe_load(ALERTS.read_text())
+    rules = [rule for group in document["groups"] for rule in group["rules"]]
+    assert {rule["alert"] for rule in rules} >= {
+        "DramatiqPgBacklogOld", "DramatiqPgFailureRate", "DramatiqPgNoWorkerClaiming",
+    }  # fmt: skip
+    exported = {
+        family.name
+        for family in text_string_to_metric_families(
+            Metrics(Monitor(env.engine, schema)).render().decode()
+        )
+    }
+    exported |= {f"{name}_total" for name in exported}
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+        assert rule["labels"]["severity"] in ("info", "warning", "critical"), rule["alert"]
+        assert rule["annotations"]["summary"], rule["alert"]
+        if "for" in rule:
+            assert re.fullmatch(r"\d+[smh]", rule["for"]), rule["alert"]
+        expr = rule["expr"]
+        assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]")
+        used = set(re.findall(r"\bdramatiq_pg_[a-z_]+", expr))
+        assert used and used <= exported, (rule["alert"], used - exported)

@@ -1,0 +1,577 @@
+// dramatiq-pg-broker dashboard: plain JavaScript, no library, nothing loaded from elsewhere.
+// Every number comes from the admin API with the session cookie, so the page shows exactly
+// what the caller's role may see; state changes send X-Requested-With like any browser
+// client of the API must.
+"use strict";
+
+const COUNTS_EVERY_MS = 3000; // the overview's counts
+const CHARTS_EVERY_MS = 15000; // the overview's charts
+const JOB_EVERY_MS = 2000; // a job page while its job is unfinished
+const LIST_EVERY_MS = 5000; // the job list
+const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+const OPERATORS = ["operator", "admin"];
+const OBSERVERS = ["viewer", "operator", "admin"];
+const EVENT_COLOURS = {
+  created: "#57606a", claimed: "#0969da", progress: "#1f883d", lease_renewed: "#8c959f",
+  succeeded: "#1a7f37", retry_scheduled: "#9a6700", failed: "#b42318",
+  timeout_requeued: "#bc4c00", released: "#6f42c1", manual_retry: "#1d4f91", cancelled: "#57606a",
+};
+
+let me = null;
+let timer = null;
+
+// -- small helpers -----------------------------------------------------------------------
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name === "class") node.className = value;
+    else if (name === "text") node.textContent = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value === true ? "" : value);
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined) continue;
+    node.append(child instanceof Node ? child : String(child));
+  }
+  return node;
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs || {})) {
+    if (name === "text") node.textContent = value;
+    else node.setAttribute(name, value);
+  }
+  for (const child of children.flat()) if (child) node.append(child);
+  return node;
+}
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+async function api(method, path, body) {
+  const headers = { Accept: "application/json", "X-Requested-With": "dashboard" };
+  const init = { method, headers, credentials: "same-origin" };
+  if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let response;
+  try {
+    response = await fetch(path, init);
+  } catch (error) {
+    throw new ApiError(0, "The admin API cannot be reached: " + error.message);
+  }
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) {
+    throw new ApiError(response.status, (data && data.message) || response.statusText);
+  }
+  return data;
+}
+
+function notice(message) {
+  const box = document.getElementById("notice");
+  box.textContent = message || "";
+  box.hidden = !message;
+}
+
+function failed(error) {
+  if (error instanceof ApiError && error.status === 401) {
+    showLogin();
+    return;
+  }
+  notice(error.message);
+}
+
+function schedule(fn, ms) {
+  clearTimeout(timer);
+  timer = setTimeout(async () => {
+    if (document.hidden) return schedule(fn, ms); // no polling in a background tab
+    try {
+      await fn();
+      notice("");
+    } catch (error) {
+      failed(error);
+    }
+    if (me) schedule(fn, ms);
+  }, ms);
+}
+
+function formatTime(iso) {
+  if (!iso) return "—";
+  const date = new Date(iso);
+  return date.toLocaleString(undefined, { dateStyle: "medium", timeStyle: "medium" });
+}
+
+function formatAge(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) return s + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min " + (s % 60) + " s";
+  if (s < 86400) return Math.floor(s / 3600) + " h " + Math.floor((s % 3600) / 60) + " min";
+  return Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
+}
+
+function ago(iso) {
+  if (!iso) return "—";
+  return formatAge((Date.now() - new Date(iso).getTime()) / 1000) + " ago";
+}
+
+function badge(status) {
+  return el("span", { class: "badge s-" + status, "data-status": status, text: status });
+}
+
+function json(value) {
+  return JSON.stringify(value, null, 2);
+}
+
+function setView(title, ...children) {
+  document.title = title + " · dramatiq-pg-broker";
+  const view = document.getElementById("view");
+  view.replaceChildren(...children);
+}
+
+// -- login, who am I, navigation ---------------------------------------------------------
+
+function showLogin() {
+  me = null;
+  clearTimeout(timer);
+  document.getElementById("nav").hidden = true;
+  document.getElementById("who").hidden = true;
+  document.getElementById("view").replaceChildren();
+  document.getElementById("login-section").hidden = false;
+  document.title = "Log in · dramatiq-pg-broker";
+  document.getElementById("login-email").focus();
+}
+
+async function login(event) {
+  event.preventDefault();
+  const error = document.getElementById("login-error");
+  error.textContent = "";
+  try {
+    await api("POST", "/api/auth/login", {
+      email: document.getElementById("login-email").value,
+      password: document.getElementById("login-password").value,
+    });
+  } catch (e) {
+    error.textContent = e.message;
+    return;
+  }
+  document.getElementById("login-password").value = "";
+  document.getElementById("login-section").hidden = true;
+  await start();
+}
+
+async function logout() {
+  try {
+    await api("POST", "/api/auth/logout");
+  } finally {
+    showLogin();
+  }
+}
+
+async function start() {
+  try {
+    me = (await api("GET", "/api/auth/me")).user;
+  } catch (error) {
+    if (error instanceof ApiError && error.status === 401) return showLogin();
+    return notice(error.message);
+  }
+  document.getElementById("who-text").textContent = me.email + " (" + me.role + ")";
+  document.getElementById("who").hidden = false;
+  document.getElementById("nav").hidden = false;
+  document.getElementById("nav-overview").hidden = !OBSERVERS.includes(me.role);
+  route();
+}
+
+function route() {
+  const path = location.pathname.replace(/\/+$/, "");
+  const jobMatch = path.match(/\/dashboard\/jobs\/([^/]+)$/);
+  let section = "overview";
+  let run;
+  if (jobMatch) {
+    section = "jobs";
+    run = () => jobPage(decodeURIComponent(jobMatch[1]));
+  } else if (path.endsWith("/dashboard/jobs") || !OBSERVERS.includes(me.role)) {
+    // Members see their own jobs only; the overview counts everyone's.
+    section = "jobs";
+    run = jobsPage;
+  } else {
+    run = overviewPage;
+  }
+  for (const link of document.querySelectorAll("#nav a[data-section]")) {
+    if (link.dataset.section === section) link.setAttribute("aria-current", "page");
+    else link.removeAttribute("aria-current");
+  }
+  run().catch(failed);
+}
+
+// -- overview ----------------------------------------------------------------------------
+
+const COUNT_FIELDS = [
+  ["queued", "Queued", "Waiting and runnable now"],
+  ["delayed", "Delayed", "Waiting for a later time: a delay, an eta or a retry backoff"],
+  ["running", "Running", "Claimed by a worker"],
+  ["failed", "Failed", "Dead letters: failed for good until retried"],
+];
+
+async function overviewPage() {
+  const cards = el("div", { class: "cards", id: "totals", "aria-live": "polite" });
+  const table = el("table", { class: "data", id: "queues" },
+    el("caption", { class: "muted", style: null, text: "" }),
+    el("thead", {}, el("tr", {},
+      el("th", { scope: "col", text: "Queue" }),
+      COUNT_FIELDS.map(([, label, help]) => el("th", { scope: "col", class: "num", title: help, text: label })),
+      el("th", { scope: "col", class: "num", title: "How long the oldest runnable job has waited", text: "Oldest waiting" }))),
+    el("tbody"));
+  const throughput = el("figure", { id: "chart-throughput" },
+    el("figcaption", { text: "Succeeded per minute, last hour" }));
+  const failures = el("figure", { id: "chart-failures" },
+    el("figcaption", { text: "Failures and retries per minute, last hour" }));
+  const updated = el("p", { class: "muted", id: "updated", "aria-live": "off" });
+  setView("Overview",
+    el("h1", { text: "Overview" }),
+    cards,
+    el("h2", { text: "Queues" }),
+    table,
+    updated,
+    el("h2", { text: "Last hour" }),
+    el("div", { class: "charts" }, throughput, failures));
+
+  async function refreshCounts() {
+    const { results } = await api("GET", "/api/queues");
+    const totals = { queued: 0, delayed: 0, running: 0, failed: 0 };
+    const rows = results.map((queue) => {
+      for (const key of Object.keys(totals)) totals[key] += queue[key];
+      const link = (status, n) => n > 0 && (status === "queued" || status === "failed" || status === "running")
+        ? el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ status, queue: queue.queue_name }), text: String(n) })
+        : String(n);
+      return el("tr", { "data-queue": queue.queue_name },
+        el("th", { scope: "row" }, el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ queue: queue.queue_name }), text: queue.queue_name })),
+        COUNT_FIELDS.map(([key]) => el("td", { class: "num", "data-field": key }, link(key, queue[key]))),
+        el("td", { class: "num" + (queue.oldest_waiting_seconds > 300 ? " stale" : ""), "data-field": "oldest_waiting_seconds" },
+          queue.queued ? formatAge(queue.oldest_waiting_seconds) : "—"));
+    });
+    if (!rows.length) {
+      rows.push(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No queued, delayed, running or failed jobs." })));
+    }
+    table.tBodies[0].replaceChildren(...rows);
+    cards.replaceChildren(...COUNT_FIELDS.map(([key, label, help]) =>
+      el("div", { class: "card", title: help, "data-total": key },
+        el("div", { class: "n", text: String(totals[key]) }), el("div", { class: "l", text: label }))));
+    updated.textContent = "Updated " + new Date().toLocaleTimeString() + "; refreshed every " + COUNTS_EVERY_MS / 1000 + " s.";
+  }
+
+  async function refreshCharts() {
+    const data = await api("GET", "/api/throughput?minutes=60");
+    drawBars(throughput, data, [["succeeded", "Succeeded", "#1a7f37"]]);
+    drawBars(failures, data, [["failed", "Failed", "#b42318"], ["retried", "Retried", "#9a6700"]]);
+  }
+
+  await Promise.all([refreshCounts(), refreshCharts()]);
+  let ticks = 0;
+  schedule(async function poll() {
+    ticks += 1;
+    await refreshCounts();
+    if ((ticks * COUNTS_EVERY_MS) % CHARTS_EVERY_MS < COUNTS_EVERY_MS) await refreshCharts();
+  }, COUNTS_EVERY_MS);
+}
+
+// A stacked bar per minute, drawn as SVG; the figure's caption and an aria-label carry the
+// totals for readers that do not see the bars.
+function drawBars(figure, data, series) {
+  const width = 600, height = 170, left = 34, bottom = 20, top = 8;
+  const buckets = data.buckets;
+  const max = Math.max(1, ...buckets.map((b) => series.reduce((sum, [key]) => sum + b[key], 0)));
+  const step = (width - left) / buckets.length;
+  const scale = (height - bottom - top) / max;
+  const chart = svg("svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, role: "img" });
+  const totals = series.map(([key, label]) => `${buckets.reduce((s, b) => s + b[key], 0)} ${label.toLowerCase()}`);
+  chart.setAttribute("aria-label", `${totals.join(", ")} in the last ${buckets.length} minutes; at most ${max} in one minute.`);
+  for (const tick of new Set([0, Math.round(max / 2), max])) {
+    const y = height - bottom - tick * scale;
+    chart.append(svg("line", { x1: left, x2: width, y1: y, y2: y, stroke: "#d0d7de" }));
+    chart.append(svg("text", { x: left - 4, y: y + 4, "text-anchor": "end", text: String(tick) }));
+  }
+  buckets.forEach((bucket, i) => {
+    let y = height - bottom;
+    for (const [key, label, colour] of series) {
+      const h = bucket[key] * scale;
+      if (h <= 0) continue;
+      y -= h;
+      const bar = svg("rect", { x: left + i * step + 0.5, y, width: Math.max(1, step - 1), height: h, fill: colour });
+      bar.append(svg("title", { text: `${new Date(bucket.at).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" })}: ${bucket[key]} ${label.toLowerCase()}` }));
+      chart.append(bar);
+    }
+    if (i % 15 === 0) {
+      chart.append(svg("text", { x: left + i * step, y: height - 5, text: new Date(bucket.at).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }) }));
+    }
+  });
+  chart.append(svg("text", { x: width, y: height - 5, "text-anchor": "end", text: "now" }));
+  const legend = el("div", { class: "legend" }, series.map(([key, label, colour], i) =>
+    el("span", { "data-series": key }, el("span", { class: "swatch", style: null }), label + ": " + totals[i].split(" ")[0])));
+  // Swatch colours through the SVG-free way CSP allows: a class per series would need one
+  // rule per colour, so set the property from script (not an inline style attribute).
+  legend.querySelectorAll(".swatch").forEach((swatch, i) => { swatch.style.background = series[i][2]; });
+  const caption = figure.querySelector("figcaption");
+  figure.replaceChildren(caption, chart, legend);
+  if (data.truncated) figure.append(el("p", { class: "muted", text: "A busy hour: only the most recent events were counted." }));
+}
+
+// -- job list ----------------------------------------------------------------------------
+
+const PAGE_SIZE = 25;
+
+async function jobsPage() {
+  const params = new URLSearchParams(location.search);
+  const form = el("form", { class: "filters", id: "filters", method: "get", action: "/dashboard/jobs", role: "search", "aria-label": "Filter jobs" },
+    el("div", {}, el("label", { for: "filter-status", text: "Status" }),
+      el("select", { id: "filter-status", name: "status" },
+        el("option", { value: "", text: "any" }),
+        STATUSES.map((s) => el("option", { value: s, selected: params.get("status") === s, text: s })))),
+    el("div", {}, el("label", { for: "filter-queue", text: "Queue" }),
+      el("input", { id: "filter-queue", name: "queue", value: params.get("queue") || "", size: 14 })),
+    el("div", {}, el("label", { for: "filter-actor", text: "Actor contains" }),
+      el("input", { id: "filter-actor", name: "actor", value: params.get("actor") || "", size: 16 })),
+    el("div", {}, el("label", { for: "filter-after", text: "Created after" }),
+      el("input", { id: "filter-after", name: "created_after", type: "datetime-local", step: 1, value: params.get("created_after") || "" })),
+    el("div", {}, el("label", { for: "filter-before", text: "Created before" }),
+      el("input", { id: "filter-before", name: "created_before", type: "datetime-local", step: 1, value: params.get("created_before") || "" })),
+    el("div", {}, el("button", { type: "submit", class: "primary", id: "filter-apply", text: "Apply" })),
+    el("div", {}, el("a", { href: "/dashboard/jobs", text: "Clear" })));
+  // Empty fields stay out of the address.
+  form.addEventListener("submit", () => {
+    for (const input of form.querySelectorAll("input, select")) input.disabled = !input.value;
+  });
+  const table = el("table", { class: "data", id: "jobs" },
+    el("thead", {}, el("tr", {}, ["Job", "Status", "Queue", "Actor", "Attempts", "Created", "Last error"].map((h) => el("th", { scope: "col", text: h })))),
+    el("tbody"));
+  const summary = el("p", { class: "muted", id: "jobs-count", "aria-live": "polite" });
+  const pager = el("nav", { class: "pager", "aria-label": "Pages" });
+  setView("Jobs", el("h1", { text: me.role === "member" ? "My jobs" : "Jobs" }), form, summary, table, pager);
+
+  const query = new URLSearchParams();
+  for (const name of ["status", "queue", "actor"]) if (params.get(name)) query.set(name, params.get(name));
+  for (const name of ["created_after", "created_before"]) {
+    const value = params.get(name);
+    if (value) query.set(name, new Date(value).toISOString()); // the browser's local time
+  }
+  const offset = Math.max(0, parseInt(params.get("offset") || "0", 10) || 0);
+  query.set("limit", PAGE_SIZE);
+  if (offset) query.set("offset", offset);
+
+  async function refresh() {
+    const page = await api("GET", "/api/jobs?" + query);
+    const rows = page.results.map((job) => el("tr", { "data-job": job.id, "data-status": job.status },
+      el("td", { class: "mono" }, el("a", { href: "/dashboard/jobs/" + job.id, text: job.id.slice(0, 8), "aria-label": "Job " + job.id })),
+      el("td", {}, badge(job.status)),
+      el("td", { text: job.queue_name }),
+      el("td", { class: "mono", text: job.actor_name }),
+      el("td", { class: "num", text: job.attempts + " / " + job.max_attempts }),
+      el("td", { title: formatTime(job.created_at), text: ago(job.created_at) }),
+      el("td", { class: "mono", text: (job.last_error || "").split("\n")[0].slice(0, 90) })));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No job matches." })));
+    table.tBodies[0].replaceChildren(...rows);
+    const first = page.count ? offset + 1 : 0;
+    summary.textContent = `${first}–${offset + page.results.length} of ${page.count} jobs`;
+    const pageLink = (label, to, rel) => {
+      const next = new URLSearchParams(params);
+      if (to > 0) next.set("offset", to); else next.delete("offset");
+      return el("a", { href: "/dashboard/jobs?" + next, rel, id: "page-" + rel, text: label });
+    };
+    pager.replaceChildren(
+      page.previous ? pageLink("← Newer", Math.max(0, offset - PAGE_SIZE), "prev") : el("span", { class: "muted", text: "← Newer" }),
+      page.next ? pageLink("Older →", offset + PAGE_SIZE, "next") : el("span", { class: "muted", text: "Older →" }));
+  }
+
+  await refresh();
+  schedule(refresh, LIST_EVERY_MS);
+}
+
+// -- one job -----------------------------------------------------------------------------
+
+async function jobPage(jobId) {
+  const [job, events] = await Promise.all([
+    api("GET", "/api/jobs/" + encodeURIComponent(jobId)),
+    api("GET", "/api/jobs/" + encodeURIComponent(jobId) + "/events"),
+  ]);
+  renderJob(job, events.results);
+  schedule(async function poll() {
+    const [fresh, freshEvents] = await Promise.all([
+      api("GET", "/api/jobs/" + encodeURIComponent(jobId)),
+      api("GET", "/api/jobs/" + encodeURIComponent(jobId) + "/events"),
+    ]);
+    // Leave the page alone while a confirmation is open.
+    if (!document.getElementById("confirm").open) renderJob(fresh, freshEvents.results);
+  }, JOB_EVERY_MS);
+}
+
+function renderJob(job, events) {
+  const message = job.message || {};
+  const field = (label, value) => [el("dt", { text: label }), el("dd", { "data-field": label }, value ?? "—")];
+  const fields = el("dl", { class: "fields", id: "job-fields" },
+    field("id", el("span", { class: "mono", text: job.id })),
+    field("status", badge(job.status)),
+    field("queue", job.queue_name),
+    field("actor", el("span", { class: "mono", text: job.actor_name })),
+    field("attempts", job.attempts + " of " + job.max_attempts),
+    field("priority", String(job.priority)),
+    field("available at", formatTime(job.available_at)),
+    field("created", formatTime(job.created_at)),
+    field("started", formatTime(job.started_at)),
+    field("finished", formatTime(job.finished_at)),
+    job.locked_by ? field("worker", el("span", { class: "mono", text: job.locked_by })) : null,
+    job.locked_until ? field("lease until", formatTime(job.locked_until)) : null,
+    job.idempotency_key ? field("idempotency key", job.idempotency_key) : null,
+    job.owner ? field("created by", job.owner) : null);
+
+  const actions = el("div", { class: "actions", id: "job-actions" });
+  if (OPERATORS.includes(me.role)) {
+    if (job.status === "failed") {
+      actions.append(el("button", { type: "button", class: "primary", id: "retry", text: "Retry",
+        onclick: () => transition(job, "retry", "Retry this job? It goes back to its queue with its attempts reset to zero.") }));
+    }
+    if (job.status === "queued") {
+      actions.append(el("button", { type: "button", class: "danger", id: "cancel", text: "Cancel job",
+        onclick: () => transition(job, "cancel", "Cancel this job? It will not run; a cancelled job cannot be retried.") }));
+    }
+  }
+
+  const payload = [];
+  if (job.message_encoding === "binary") {
+    payload.push(el("p", { class: "muted", text: "The message was encoded by a non-JSON encoder; its arguments cannot be shown." }));
+  } else {
+    payload.push(el("h2", { text: "Arguments" }),
+      el("pre", { id: "job-args", tabindex: 0, "aria-label": "Arguments" }, json({ args: message.args || [], kwargs: message.kwargs || {} })));
+    if (message.options && Object.keys(message.options).length) {
+      payload.push(el("h2", { text: "Options" }), el("pre", { tabindex: 0 }, json(message.options)));
+    }
+  }
+  if (job.last_error) payload.push(el("h2", { text: "Last error" }), el("pre", { id: "job-error", tabindex: 0, class: "error-text" }, job.last_error));
+  if (job.result !== null && job.result !== undefined) payload.push(el("h2", { text: "Result" }), el("pre", { id: "job-result", tabindex: 0 }, json(job.result)));
+
+  const back = el("p", {}, el("a", { href: "/dashboard/jobs", text: "← All jobs" }));
+  setView("Job " + job.id.slice(0, 8),
+    back,
+    el("h1", {}, "Job ", el("span", { class: "mono", text: job.id.slice(0, 8) }), " ", badge(job.status)),
+    actions,
+    el("div", { class: "columns" },
+      el("section", { "aria-labelledby": "h-fields" }, el("h2", { id: "h-fields", text: "Fields" }), fields, payload),
+      el("section", { "aria-labelledby": "h-timeline" }, el("h2", { id: "h-timeline", text: "Timeline" }), timeline(job, events))));
+}
+
+async function transition(job, verb, question) {
+  const dialog = document.getElementById("confirm");
+  document.getElementById("confirm-title").textContent = verb === "retry" ? "Retry job" : "Cancel job";
+  document.getElementById("confirm-text").textContent = question;
+  dialog.returnValue = "";
+  const answer = await new Promise((resolve) => {
+    dialog.addEventListener("close", () => resolve(dialog.returnValue), { once: true });
+    dialog.showModal();
+  });
+  if (answer !== "ok") return;
+  try {
+    await api("POST", `/api/jobs/${encodeURIComponent(job.id)}/${verb}`);
+    notice("");
+  } catch (error) {
+    return failed(error);
+  }
+  await jobPage(job.id);
+  document.getElementById("main").focus();
+}
+
+// The timeline: a lane for the job's own events (created, manual retry, cancelled) and one
+// per run (from a claim to the event that ended the run), a bar over each lane's span, a
+// dot per event (hover for its details); the list under it says the same in words.
+const RUN_ENDS = ["succeeded", "failed", "retry_scheduled", "timeout_requeued", "released"];
+
+function lanesOf(events) {
+  const queue = { label: "queue", events: [] };
+  const lanes = [queue];
+  let run = null;
+  let runs = 0;
+  for (const event of events) {
+    if (event.type === "claimed") {
+      runs += 1;
+      run = { label: `run ${runs} · attempt ${event.attempt}`, events: [] };
+      lanes.push(run);
+    }
+    if (run && (event.type === "claimed" || event.type === "progress" || event.type === "lease_renewed" || RUN_ENDS.includes(event.type))) {
+      run.events.push(event);
+      if (RUN_ENDS.includes(event.type)) run = null;
+    } else {
+      queue.events.push(event);
+    }
+  }
+  return lanes.filter((lane) => lane.events.length);
+}
+
+function timeline(job, events) {
+  const wrap = el("div", { id: "timeline" });
+  if (!events.length) {
+    wrap.append(el("p", { class: "muted", text: "No events (they are off: DRAMATIQ_PG_EVENTS)." }));
+    return wrap;
+  }
+  const at = (event) => new Date(event.created_at).getTime();
+  const times = events.map(at);
+  const start = Math.min(...times);
+  const unfinished = job.status === "queued" || job.status === "running";
+  const end = Math.max(...times, unfinished ? Date.now() : 0, start + 1000);
+  const lanes = lanesOf(events);
+  const width = 620, left = 112, right = 12, laneHeight = 30, top = 8, axis = 22;
+  const height = top + lanes.length * laneHeight + axis;
+  const x = (t) => left + ((t - start) / (end - start)) * (width - left - right);
+  const chart = svg("svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, role: "img",
+    "aria-label": `Timeline of ${events.length} events over ${formatAge((end - start) / 1000)}: ${lanes.length - 1} runs.` });
+  lanes.forEach((lane, i) => {
+    const y = top + i * laneHeight + laneHeight / 2;
+    const first = Math.min(...lane.events.map(at));
+    const last = Math.max(...lane.events.map(at));
+    chart.append(svg("text", { x: 4, y: y + 4, text: lane.label }));
+    chart.append(svg("line", { x1: left, x2: width - right, y1: y, y2: y, stroke: "#eaeef2" }));
+    if (lane.label !== "queue") {
+      chart.append(svg("rect", { x: x(first), y: y - 4, width: Math.max(2, x(last) - x(first)), height: 8, rx: 4, fill: "#d0d7de" }));
+    }
+    for (const event of lane.events) {
+      const dot = svg("circle", { cx: x(at(event)), cy: y, r: 6,
+        fill: EVENT_COLOURS[event.type] || "#57606a", stroke: "#fff", "stroke-width": 2, "data-type": event.type });
+      dot.append(svg("title", { text: `${event.type} · ${formatTime(event.created_at)}${event.actor ? " · " + event.actor : ""}` }));
+      chart.append(dot);
+    }
+  });
+  const axisY = height - 6;
+  chart.append(svg("text", { x: left, y: axisY, text: new Date(start).toLocaleTimeString() }));
+  chart.append(svg("text", { x: width - right, y: axisY, "text-anchor": "end", text: unfinished ? "now" : new Date(end).toLocaleTimeString() }));
+  wrap.append(chart);
+
+  const list = el("ol", { class: "events", id: "events", "aria-label": "Events, oldest first" });
+  for (const event of events) {
+    const item = el("li", { "data-type": event.type },
+      el("span", { class: "t", text: event.type.replace(/_/g, " ") }),
+      el("span", { class: "when", title: formatTime(event.created_at), text: formatTime(event.created_at) }),
+      event.attempt ? el("span", { class: "when", text: "attempt " + event.attempt }) : null,
+      event.actor ? el("div", { class: "muted mono", text: event.actor }) : null,
+      event.data && Object.keys(event.data).length ? el("pre", {}, json(event.data)) : null);
+    item.style.setProperty("--c", EVENT_COLOURS[event.type] || "#57606a");
+    list.append(item);
+  }
+  wrap.append(list);
+  return wrap;
+}
+
+// -- start -------------------------------------------------------------------------------
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("login-form").addEventListener("submit", login);
+  document.getElementById("logout").addEventListener("click", logout);
+  document.getElementById("loading").remove();
+  start();
+});

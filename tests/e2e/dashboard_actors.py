@@ -1,0 +1,27 @@
+"""Actors for the dashboard's browser tests: ``dramatiq tests.e2e.dashboard_actors``.
+
+The broker is configured from DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA (the test's schema).
+"""
+
+from __future__ import annotations
+
+import os
+
+import dramatiq
+
+from dramatiq_pg_broker import PostgresBroker
+
+dramatiq.set_broker(PostgresBroker(poll_interval=0.2))
+
+
+@dramatiq.actor(actor_name="dash.add", queue_name="dash", max_retries=0)
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+@dramatiq.actor(actor_name="dash.flaky", queue_name="dash", max_retries=0)
+def flaky(flag_path: str) -> str:
+    """Fails until the file ``flag_path`` exists: the test creates it before retrying."""
+    if not os.path.exists(flag_path):
+        raise RuntimeError(f"{flag_path} does not exist yet")
+    return "fixed"

@@ -1,0 +1,284 @@
+"""The dashboard in a real headless Chromium, against the admin API under gunicorn and a
+real dramatiq worker: what an operator, a viewer and a member see and can do.
+
+Set ``DASHBOARD_SCREENSHOTS`` to a folder to save the README's screenshots on the way.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.admin_support import PASSWORD, AdminEnv
+
+from .browser import Stack, new_driver, require_browser
+
+pytestmark = pytest.mark.slow
+
+QUEUE = "dash"
+
+
+@pytest.fixture(scope="module")
+def accounts(pg_url, schema):
+    """One user and one API token per role (viewer@example.com ...), and a second member."""
+    env = AdminEnv(pg_url, schema)
+    other = env.accounts.create_user("other-member@example.com", PASSWORD, "member")
+    env.tokens["other"] = env.accounts.create_token(other.id, "tests").secret
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="module")
+def stack(pg_url, schema, accounts):
+    require_browser()
+    stack = Stack(pg_url, schema, Path(tempfile.mkdtemp(prefix="dashboard-e2e-")))
+    try:
+        stack.start_api()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def browser(stack):
+    driver = new_driver()
+    yield driver
+    driver.quit()
+
+
+def wait(driver, stack, what: str, condition, timeout: float = 60):
+    """Poll ``condition(driver)`` until it is truthy; fail with what the page showed."""
+    deadline = time.monotonic() + timeout
+    last_error = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition(driver)
+            if value:
+                return value
+        except Exception as error:  # the page is re-rendering under us: look again
+            last_error = error
+        time.sleep(0.1)
+    body = driver.find_element("tag name", "body").text[:2000]
+    pytest.fail(
+        f"{what}: not within {timeout} s (last error: {last_error!r})\npage text:\n{body}\n"
+        f"{stack.tails()}"
+    )
+
+
+def css(driver, selector: str):
+    return driver.find_elements("css selector", selector)
+
+
+def text_of(driver, selector: str) -> str | None:
+    found = css(driver, selector)
+    return found[0].text.strip() if found else None
+
+
+def log_in(driver, stack, role: str, path: str = "/dashboard") -> None:
+    driver.delete_all_cookies()
+    driver.get(stack.base + path)
+    email = wait(
+        driver,
+        stack,
+        "the login form",
+        lambda d: [e for e in css(d, "#login-email") if e.is_displayed()],
+    )
+    email[0].send_keys(f"{role}@example.com")
+    css(driver, "#login-password")[0].send_keys(PASSWORD)
+    css(driver, "#login-submit")[0].click()
+    wait(
+        driver, stack, f"{role} logged in", lambda d: f"({role})" in (text_of(d, "#who-text") or "")
+    )
+
+
+def screenshot(driver, name: str) -> None:
+    folder = os.environ.get("DASHBOARD_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(folder) / name))
+
+
+def queue_cell(driver, field: str) -> str | None:
+    return text_of(driver, f'#queues tr[data-queue="{QUEUE}"] td[data-field="{field}"]')
+
+
+def test_an_operator_sees_counts_change_and_retries_a_failed_job(stack, accounts, browser):
+    token = accounts.tokens["operator"]
+    flag = Path(tempfile.mkdtemp(prefix="dashboard-flag-")) / "fixed"
+    for i in range(5):
+        stack.api(
+            "POST",
+            "/api/jobs",
+            token,
+            {"actor_name": "dash.add", "queue_name": QUEUE, "args": [i, 1]},
+        )
+    flaky = stack.api(
+        "POST",
+        "/api/jobs",
+        token,
+        {"actor_name": "dash.flaky", "queue_name": QUEUE, "args": [str(flag)]},
+    )
+
+    log_in(browser, stack, "operator")
+    wait(browser, stack, "6 queued jobs on the overview", lambda d: queue_cell(d, "queued") == "6")
+    assert queue_cell(browser, "running") == "0" and queue_cell(browser, "failed") == "0"
+
+    # The page is not reloaded from here on: the counts change as the worker runs the jobs.
+    marker = browser.execute_script("return window.performance.timeOrigin")
+    stack.start_worker()
+    wait(
+        browser,
+        stack,
+        "the queue drained and one job failed",
+        lambda d: queue_cell(d, "queued") == "0" and queue_cell(d, "failed") == "1",
+    )
+    assert browser.execute_script("return window.performance.timeOrigin") == marker
+    wait(
+        browser,
+        stack,
+        "the throughput chart showing 5 succeeded",
+        lambda d: "Succeeded: 5" in (text_of(d, "#chart-throughput .legend") or ""),
+    )
+    screenshot(browser, "dashboard-overview.png")
+
+    # Filter the job list to the failed job and open it.
+    css(browser, 'a[data-section="jobs"]')[0].click()
+    wait(browser, stack, "the job list", lambda d: css(d, "#filter-status"))
+    from selenium.webdriver.support.ui import Select
+
+    Select(css(browser, "#filter-status")[0]).select_by_value("failed")
+    css(browser, "#filter-queue")[0].send_keys(QUEUE)
+    css(browser, "#filter-apply")[0].click()
+    wait(
+        browser,
+        stack,
+        "the list filtered to one failed job",
+        lambda d: "status=failed" in d.current_url and len(css(d, "#jobs tr[data-job]")) == 1,
+    )
+    row = css(browser, "#jobs tr[data-job]")[0]
+    assert row.get_attribute("data-job") == flaky["id"]
+    row.find_element("css selector", "a").click()
+
+    wait(
+        browser,
+        stack,
+        "the job's timeline with its failure",
+        lambda d: (
+            [li.get_attribute("data-type") for li in css(d, "#events li")]
+            == ["created", "claimed", "failed"]
+        ),
+    )
+    assert "does not exist yet" in text_of(browser, "#job-error")
+    assert css(browser, "#timeline svg circle[data-type=failed]")
+    assert '"args"' in text_of(browser, "#job-args")
+
+    # Retry asks first; going back changes nothing.
+    css(browser, "#retry")[0].click()
+    wait(
+        browser,
+        stack,
+        "the confirmation",
+        lambda d: css(d, "#confirm")[0].get_attribute("open") is not None,
+    )
+    css(browser, "#confirm-no")[0].click()
+    time.sleep(0.5)
+    assert stack.api("GET", f"/api/jobs/{flaky['id']}", token)["status"] == "failed"
+
+    flag.touch()
+    css(browser, "#retry")[0].click()
+    wait(
+        browser,
+        stack,
+        "the confirmation",
+        lambda d: css(d, "#confirm")[0].get_attribute("open") is not None,
+    )
+    css(browser, "#confirm-yes")[0].click()
+    wait(
+        browser,
+        stack,
+        "the retried job running again and succeeding",
+        lambda d: (
+            [li.get_attribute("data-type") for li in css(d, "#events li")]
+            == ["created", "claimed", "failed", "manual_retry", "claimed", "succeeded"]
+        ),
+    )
+    wait(
+        browser,
+        stack,
+        "the status badge saying succeeded",
+        lambda d: css(d, 'h1 .badge[data-status="succeeded"]'),
+    )
+    assert not css(browser, "#retry")
+    browser.execute_script("window.scrollTo(0, 0)")
+    screenshot(browser, "dashboard-job.png")
+
+
+def test_a_viewer_sees_a_failed_job_but_no_retry_button(stack, accounts, browser):
+    token = accounts.tokens["operator"]
+    flag = Path(tempfile.mkdtemp(prefix="dashboard-flag-")) / "never"
+    if not any(p.log.name.startswith("worker") for p in stack.processes):
+        stack.start_worker()
+    job = stack.api(
+        "POST",
+        "/api/jobs",
+        token,
+        {"actor_name": "dash.flaky", "queue_name": QUEUE, "args": [str(flag)]},
+    )
+    stack.wait_for(
+        "the job failing",
+        lambda: stack.api("GET", f"/api/jobs/{job['id']}", token)["status"] == "failed",
+    )
+    log_in(browser, stack, "viewer", f"/dashboard/jobs/{job['id']}")
+    wait(
+        browser, stack, "the failed job's page", lambda d: css(d, 'h1 .badge[data-status="failed"]')
+    )
+    wait(browser, stack, "its timeline", lambda d: css(d, '#events li[data-type="failed"]'))
+    assert not css(browser, "#retry") and not css(browser, "#cancel")
+    # The overview is there for a viewer.
+    assert css(browser, "#nav-overview")[0].is_displayed()
+
+
+def test_a_member_sees_only_its_own_jobs(stack, accounts, browser):
+    mine = [
+        stack.api(
+            "POST",
+            "/api/jobs",
+            accounts.tokens["member"],
+            {"actor_name": "dash.missing", "queue_name": "member_q", "args": [i]},
+        )["id"]
+        for i in range(3)
+    ]
+    theirs = stack.api(
+        "POST",
+        "/api/jobs",
+        accounts.tokens["other"],
+        {"actor_name": "dash.missing", "queue_name": "member_q", "args": ["x"]},
+    )["id"]
+
+    log_in(browser, stack, "member")
+    # A member lands on its own job list: the overview counts everyone's jobs.
+    wait(
+        browser,
+        stack,
+        "the member's job list",
+        lambda d: {r.get_attribute("data-job") for r in css(d, "#jobs tr[data-job]")} == set(mine),
+    )
+    assert "3 of 3" in text_of(browser, "#jobs-count")
+    assert not css(browser, "#nav-overview")[0].is_displayed()
+
+    browser.get(f"{stack.base}/dashboard/jobs/{theirs}")
+    wait(
+        browser,
+        stack,
+        "someone else's job not found",
+        lambda d: "No job has the id" in (text_of(d, "#notice") or ""),
+    )
+    assert not css(browser, "#job-fields")
+
+    browser.get(f"{stack.base}/dashboard/jobs/{mine[0]}")
+    wait(browser, stack, "its own job's page", lambda d: css(d, "#job-fields"))
+    assert not css(browser, "#retry") and not css(browser, "#cancel")

@@ -56,21 +56,19 @@ class QueueCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        started = time.perf_counter()
-        queues = self.monitor.queues()
+        # One scrape at a time per process: two at once would read the same events twice.
         with self._lock:
-            if self._cursor is None:
-                # Counting starts now: the history before this process is not re-read.
-                self._cursor = self.monitor.last_event_id()
-            else:
-                new = self.monitor.new_events(self._cursor, settle=self.settle)
-                self._cursor = new.cursor
-                for name, n in new.counts.items():
-                    self._events[name] = self._events.get(name, 0) + n
-                self._lease_expiries += new.lease_expiries
+            started = time.perf_counter()
+            # With no cursor yet, counting starts now: the history before this process is
+            # not re-read.
+            queues, new = self.monitor.scrape(self._cursor, settle=self.settle)
+            elapsed = time.perf_counter() - started
+            self._cursor = new.cursor
+            for name, n in new.counts.items():
+                self._events[name] = self._events.get(name, 0) + n
+            self._lease_expiries += new.lease_expiries
             events = dict(self._events)
             lease_expiries = self._lease_expiries
-        elapsed = time.perf_counter() - started
 
         gauges = {
             "queued": "Jobs waiting and runnable now.",

@@ -92,37 +92,28 @@ class Monitor:
         self.engine = engine.execution_options(schema_translate_map={None: schema})
 
     def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueCounts]:
-        """Counts per queue, in one statement.
-
-        ``status IN ('queued', 'running', 'failed')`` matches the predicates of the three
-        partial indexes (claim order, lease expiry, dead letters), so PostgreSQL reads
-        them and not the succeeded rows. A queue with no unfinished or failed job does not
-        appear.
-        """
-        now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
-        queued = jobs.c.status == "queued"
-        runnable = sa.and_(queued, jobs.c.available_at <= now_value)
-        query = (
-            sa.select(
-                jobs.c.queue_name,
-                sa.func.count().filter(runnable).label("queued"),
-                sa.func.count().filter(queued, jobs.c.available_at > now_value).label("delayed"),
-                sa.func.count().filter(jobs.c.status == "running").label("running"),
-                sa.func.count().filter(jobs.c.status == "failed").label("failed"),
-                sa.func.extract(
-                    "epoch", now_value - sa.func.min(jobs.c.available_at).filter(runnable)
-                ).label("oldest"),
-            )
-            .where(
-                sa.or_(
-                    jobs.c.status == "queued", jobs.c.status == "running", jobs.c.status == "failed"
-                )
-            )
-            .group_by(jobs.c.queue_name)
-            .order_by(jobs.c.queue_name)
-        )
+        """Counts per queue, in one statement (:meth:`queues_statement`). A queue with no
+        unfinished or failed job does not appear."""
         with self.engine.connect() as conn:
-            rows = conn.execute(query).all()
+            return self._queues(conn, now)
+
+    def scrape(self, cursor: int | None, *, settle: float = EVENT_SETTLE_SECONDS):
+        """What a metrics scrape reads, on one connection: the per-queue counts and the
+        events after ``cursor`` (with no cursor yet, only the newest event's id, where
+        counting starts).
+
+        Returns:
+          tuple: the counts per queue (dict of :class:`QueueCounts`) and :class:`NewEvents`.
+        """
+        with self.engine.connect() as conn:
+            queues = self._queues(conn, None)
+            if cursor is None:
+                newest = conn.execute(sa.select(sa.func.max(job_events.c.id))).scalar() or 0
+                return queues, NewEvents(counts={}, lease_expiries=0, cursor=newest)
+            return queues, self._new_events(conn, cursor, settle)
+
+    def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueCounts]:
+        rows = conn.execute(self.queues_statement(now)).all()
         return {
             row.queue_name: QueueCounts(
                 queued=row.queued,
@@ -133,6 +124,36 @@ class Monitor:
             )
             for row in rows
         }
+
+    @staticmethod
+    def queues_statement(now: dt.datetime | None = None) -> sa.Select:
+        """The per-queue counts.
+
+        ``status IN ('queued', 'running', 'failed')`` matches the predicates of the three
+        partial indexes (claim order, lease expiry, dead letters), so PostgreSQL reads
+        them and not the succeeded rows.
+        """
+        now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
+        queued = jobs.c.status == "queued"
+        runnable = sa.and_(queued, jobs.c.available_at <= now_value)
+        oldest = now_value - sa.func.min(jobs.c.available_at).filter(runnable)
+        return (
+            sa.select(
+                jobs.c.queue_name,
+                sa.func.count().filter(runnable).label("queued"),
+                sa.func.count().filter(queued, jobs.c.available_at > now_value).label("delayed"),
+                sa.func.count().filter(jobs.c.status == "running").label("running"),
+                sa.func.count().filter(jobs.c.status == "failed").label("failed"),
+                sa.func.extract("epoch", oldest).label("oldest"),
+            )
+            .where(
+                sa.or_(
+                    jobs.c.status == "queued", jobs.c.status == "running", jobs.c.status == "failed"
+                )
+            )
+            .group_by(jobs.c.queue_name)
+            .order_by(jobs.c.queue_name)
+        )
 
     def throughput(self, *, minutes: int = 60, now: dt.datetime | None = None) -> dict[str, Any]:
         """Succeeded, failed and retried attempts per minute over the last ``minutes``.
@@ -199,6 +220,24 @@ class Monitor:
         transaction commits late is never skipped: it is counted the next time.
         One range scan of the primary key, as long as the events written since ``cursor``.
         """
+        with self.engine.connect() as conn:
+            return self._new_events(conn, cursor, settle)
+
+    def _new_events(self, conn, cursor: int, settle: float) -> NewEvents:
+        counts: dict[str, int] = {}
+        lease_expiries = 0
+        newest = cursor
+        for type_, lease, n, last in conn.execute(self.new_events_statement(cursor, settle)):
+            counts[type_] = counts.get(type_, 0) + n
+            if type_ == event_types.TIMEOUT_REQUEUED or lease:
+                lease_expiries += n
+            newest = max(newest, last)
+        return NewEvents(counts=counts, lease_expiries=lease_expiries, cursor=newest)
+
+    @staticmethod
+    def new_events_statement(cursor: int, settle: float) -> sa.Select:
+        """Counts by type (and whether a failure was a lost lease) of the settled run of
+        events after ``cursor``, with the run's last id."""
         fresh = (
             sa.select(
                 job_events.c.id,
@@ -218,21 +257,11 @@ class Monitor:
             .where(fresh.c.created_at >= settled_before)
             .scalar_subquery()
         )
-        query = (
+        return (
             sa.select(fresh.c.type, fresh.c.lease, sa.func.count(), sa.func.max(fresh.c.id))
             .where(sa.or_(stop.is_(None), fresh.c.id < stop))
             .group_by(fresh.c.type, fresh.c.lease)
         )
-        counts: dict[str, int] = {}
-        lease_expiries = 0
-        newest = cursor
-        with self.engine.connect() as conn:
-            for type_, lease, n, last in conn.execute(query):
-                counts[type_] = counts.get(type_, 0) + n
-                if type_ == event_types.TIMEOUT_REQUEUED or lease:
-                    lease_expiries += n
-                newest = max(newest, last)
-        return NewEvents(counts=counts, lease_expiries=lease_expiries, cursor=newest)
 
     def _now(self) -> dt.datetime:
         with self.engine.connect() as conn:

@@ -116,10 +116,10 @@ class Monitor:
         rows = conn.execute(self.queues_statement(now)).all()
         return {
             row.queue_name: QueueCounts(
-                queued=row.queued,
-                delayed=row.delayed,
-                running=row.running,
-                failed=row.failed,
+                queued=int(row.queued),
+                delayed=int(row.delayed),
+                running=int(row.running),
+                failed=int(row.failed),
                 oldest_waiting_seconds=round(max(0.0, float(row.oldest or 0)), 3),
             )
             for row in rows
@@ -127,70 +127,101 @@ class Monitor:
 
     @staticmethod
     def queues_statement(now: dt.datetime | None = None) -> sa.Select:
-        """The per-queue counts.
+        """The per-queue counts: three aggregates, one per partial index, added up.
 
-        ``status IN ('queued', 'running', 'failed')`` matches the predicates of the three
-        partial indexes (claim order, lease expiry, dead letters), so PostgreSQL reads
-        them and not the succeeded rows.
+        Each part's ``status = ...`` is the predicate of a partial index (claim order,
+        lease expiry, dead letters), so PostgreSQL reads those indexes and never the
+        succeeded rows. The waiting jobs, usually the most numerous, are counted from the
+        claim-order index alone (an index-only scan: it holds queue_name and
+        available_at), grouped in index order.
         """
         now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
-        queued = jobs.c.status == "queued"
-        runnable = sa.and_(queued, jobs.c.available_at <= now_value)
-        oldest = now_value - sa.func.min(jobs.c.available_at).filter(runnable)
-        return (
+        runnable = jobs.c.available_at <= now_value
+        zero = sa.literal(0, sa.BigInteger)
+        no_time = sa.null().cast(Timestamp)
+        waiting = (
             sa.select(
                 jobs.c.queue_name,
                 sa.func.count().filter(runnable).label("queued"),
-                sa.func.count().filter(queued, jobs.c.available_at > now_value).label("delayed"),
-                sa.func.count().filter(jobs.c.status == "running").label("running"),
-                sa.func.count().filter(jobs.c.status == "failed").label("failed"),
+                sa.func.count().filter(sa.not_(runnable)).label("delayed"),
+                zero.label("running"),
+                zero.label("failed"),
+                sa.func.min(jobs.c.available_at).filter(runnable).label("oldest_at"),
+            )
+            .where(jobs.c.status == "queued")
+            .group_by(jobs.c.queue_name)
+        )
+
+        def other(status: str) -> sa.Select:
+            return (
+                sa.select(
+                    jobs.c.queue_name,
+                    zero,
+                    zero,
+                    sa.func.count() if status == "running" else zero,
+                    sa.func.count() if status == "failed" else zero,
+                    no_time,
+                )
+                .where(jobs.c.status == status)
+                .group_by(jobs.c.queue_name)
+            )
+
+        parts = sa.union_all(waiting, other("running"), other("failed")).subquery("parts")
+        oldest = now_value - sa.func.min(parts.c.oldest_at)
+        return (
+            sa.select(
+                parts.c.queue_name,
+                sa.func.sum(parts.c.queued).label("queued"),
+                sa.func.sum(parts.c.delayed).label("delayed"),
+                sa.func.sum(parts.c.running).label("running"),
+                sa.func.sum(parts.c.failed).label("failed"),
                 sa.func.extract("epoch", oldest).label("oldest"),
             )
-            .where(
-                sa.or_(
-                    jobs.c.status == "queued", jobs.c.status == "running", jobs.c.status == "failed"
-                )
-            )
-            .group_by(jobs.c.queue_name)
-            .order_by(jobs.c.queue_name)
+            .group_by(parts.c.queue_name)
+            .order_by(parts.c.queue_name)
         )
 
     def throughput(self, *, minutes: int = 60, now: dt.datetime | None = None) -> dict[str, Any]:
         """Succeeded, failed and retried attempts per minute over the last ``minutes``.
 
-        Reads the newest events backwards along the primary key (at most
-        :data:`THROUGHPUT_MAX_EVENTS`), so a large history costs nothing.
+        Events carry no time index, but their ids grow with time: a binary search of the
+        primary key (a few dozen one-row probes) finds the first event of the window, and
+        the counts read from there on (at most the newest :data:`THROUGHPUT_MAX_EVENTS`),
+        so the history before the window costs nothing.
 
         Returns:
           dict: ``since``, ``until`` (the minute boundaries), ``buckets`` (one per minute,
           oldest first, each ``{"at", "succeeded", "failed", "retried"}``, minutes without
           events included) and ``truncated`` (the window held more events than were read).
         """
-        current = now or self._now()
-        until = current.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
-        since = until - dt.timedelta(minutes=minutes)
-        recent = (
-            sa.select(job_events.c.type, job_events.c.created_at)
-            .order_by(job_events.c.id.desc())
-            .limit(THROUGHPUT_MAX_EVENTS)
-            .subquery("recent")
-        )
-        minute = sa.func.date_trunc("minute", recent.c.created_at).label("minute")
-        counts = (
-            sa.select(
-                minute,
-                *(
-                    sa.func.count().filter(recent.c.type == name).label(name)
-                    for name in THROUGHPUT_TYPES
-                ),
-            )
-            .where(recent.c.created_at >= sa.literal(since, Timestamp))
-            .group_by(minute)
-        )
-        read = sa.select(sa.func.count(), sa.func.min(recent.c.created_at))
         with self.engine.connect() as conn:
-            rows = {row.minute: row for row in conn.execute(counts)}
-            n_read, oldest_read = conn.execute(read).one()
+            current = now or conn.execute(sa.select(sa.func.now())).scalar_one()
+            until = current.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+            since = until - dt.timedelta(minutes=minutes)
+            first = self._first_event_at(conn, since)
+            rows: dict[dt.datetime, Any] = {}
+            n_read = 0
+            if first is not None:
+                recent = (
+                    sa.select(job_events.c.type, job_events.c.created_at)
+                    .where(job_events.c.id >= first)
+                    .order_by(job_events.c.id.desc())
+                    .limit(THROUGHPUT_MAX_EVENTS)
+                    .cte("recent")
+                )
+                minute = sa.func.date_trunc("minute", recent.c.created_at).label("minute")
+                in_window = recent.c.created_at >= sa.literal(since, Timestamp)
+                counts = sa.select(
+                    minute,
+                    sa.func.sum(sa.func.count()).over().label("n_read"),
+                    *(
+                        sa.func.count().filter(recent.c.type == name, in_window).label(name)
+                        for name in THROUGHPUT_TYPES
+                    ),
+                ).group_by(minute)
+                for row in conn.execute(counts):
+                    rows[row.minute] = row
+                    n_read = int(row.n_read)
         buckets = []
         for i in range(minutes):
             at = since + dt.timedelta(minutes=i)
@@ -203,10 +234,39 @@ class Monitor:
                     "retried": row.retry_scheduled if row else 0,
                 }
             )
-        truncated = (
-            n_read >= THROUGHPUT_MAX_EVENTS and oldest_read is not None and oldest_read > since
+        return {
+            "since": since,
+            "until": until,
+            "buckets": buckets,
+            "truncated": n_read >= THROUGHPUT_MAX_EVENTS,
+        }
+
+    @staticmethod
+    def _first_event_at(conn, since: dt.datetime) -> int | None:
+        """The smallest event id written at or after ``since`` (None: no such event),
+        by bisecting the primary key; each probe reads one index entry and its row."""
+        low, high = conn.execute(
+            sa.select(sa.func.min(job_events.c.id), sa.func.max(job_events.c.id))
+        ).one()
+        if high is None:
+            return None
+        probe = (
+            sa.select(job_events.c.id, job_events.c.created_at)
+            .where(job_events.c.id >= sa.bindparam("at"))
+            .order_by(job_events.c.id)
+            .limit(1)
         )
-        return {"since": since, "until": until, "buckets": buckets, "truncated": truncated}
+        newest = conn.execute(probe, {"at": high}).one()
+        if newest.created_at < since:
+            return None
+        while low < high:
+            middle = (low + high) // 2
+            found = conn.execute(probe, {"at": middle}).one()
+            if found.created_at < since:
+                low = found.id + 1
+            else:
+                high = middle
+        return low
 
     def last_event_id(self) -> int:
         """The newest event's id (0 when there is none): one probe of the primary key."""

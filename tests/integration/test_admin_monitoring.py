@@ -237,3 +237,41 @@ def test_the_sample_alert_rules_parse_and_use_real_metrics(env, schema):
         assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]")
         used = set(re.findall(r"\bdramatiq_pg_[a-z_]+", expr))
         assert used and used <= exported, (rule["alert"], used - exported)
+
+
+def test_throughput_finds_the_window_in_a_long_history(pg_url, empty_schema):
+    from admin_api.app import create_engine
+    from dramatiq_pg_broker.config import Settings
+    from dramatiq_pg_broker.migrate import migrate
+
+    migrate(pg_url, empty_schema)
+    engine = create_engine(pg_url, Settings(url=pg_url, schema=empty_schema))
+    insert = sql.SQL(
+        "INSERT INTO {schema}.job_events (job_id, type, attempt, created_at) "
+        "SELECT %(job)s, %(type)s, 1, now() - %(ago)s * interval '1 minute' "
+        "FROM generate_series(1, %(n)s)"
+    ).format(schema=sql.Identifier(empty_schema))
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        job = conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.jobs (id, queue_name, actor_name, message, status, available_at) "
+                "VALUES (gen_random_uuid(), 'q', 'a', '{{}}', 'queued', now()) RETURNING id"
+            ).format(sql.Identifier(empty_schema))
+        ).fetchone()[0]
+        # Oldest first, as events are written: ids grow with time.
+        for ago, kind, n in ((150, "succeeded", 300), (90, "failed", 20), (30, "succeeded", 7)):
+            conn.execute(insert, {"job": job, "type": kind, "ago": ago, "n": n})
+        conn.execute(insert, {"job": job, "type": "retry_scheduled", "ago": 0, "n": 2})
+    monitor = Monitor(engine, empty_schema)
+    try:
+
+        def totals(minutes):
+            buckets = monitor.throughput(minutes=minutes)["buckets"]
+            return tuple(sum(b[k] for b in buckets) for k in ("succeeded", "failed", "retried"))
+
+        assert totals(60) == (7, 0, 2)
+        assert totals(120) == (7, 20, 2)
+        assert totals(240) == (307, 20, 2)
+        assert totals(1) == (0, 0, 2)
+    finally:
+        engine.dispose()

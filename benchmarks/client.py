@@ -1,5 +1,5 @@
 """Client-side steps, each run in its own process so that brokers never share one:
-``python -m benchmarks.client {enqueue,send,delayed,latency,flush} ...``.
+``python -m benchmarks.client {enqueue,bulk,send,delayed,latency,flush} ...``.
 
 The broker is the one ``benchmarks.actors`` builds from ``BENCH_BROKER``. Each step prints
 one JSON object on stdout.
@@ -26,7 +26,7 @@ def _send_many(actor, count: int, **options) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.client")
-    parser.add_argument("step", choices=["enqueue", "send", "delayed", "latency", "flush"])
+    parser.add_argument("step", choices=["enqueue", "bulk", "send", "delayed", "latency", "flush"])
     parser.add_argument("--count", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--gap", type=float, default=0.01, help="seconds between two sends")
@@ -44,6 +44,15 @@ def main(argv: list[str] | None = None) -> int:
             # Warm up connections, prepared statements and scripts first; not timed.
             _send_many(actors.noop, args.warmup)
             seconds = _send_many(actors.noop, args.count)
+            out.update(seconds=seconds, rate=args.count / seconds)
+        elif args.step == "bulk":
+            # One broker.enqueue_many() of `count` messages (built first, not timed), after
+            # an untimed warm-up batch.
+            broker.enqueue_many([actors.noop.message(i) for i in range(args.warmup)])
+            batch = [actors.noop.message(i) for i in range(args.count)]
+            started = time.perf_counter()
+            broker.enqueue_many(batch)
+            seconds = time.perf_counter() - started
             out.update(seconds=seconds, rate=args.count / seconds)
         elif args.step == "send":
             seconds = _send_many(actors.noop, args.count)

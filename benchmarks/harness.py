@@ -236,6 +236,19 @@ class Harness:
             self.flush(variant)
         return {"rate": result["rate"]}
 
+    def bulk(self, variant: Variant, count: int) -> dict:
+        """One ``broker.enqueue_many()`` of ``count`` messages (this broker only)."""
+        self.flush(variant)
+        try:
+            result = self.client(variant, "bulk", timeout=count / 500 + 120, count=count,
+                                 warmup=1000)  # fmt: skip
+        finally:
+            self.flush(variant)
+        return {"rate": result["rate"]}
+
+    def raw_copy(self, count: int) -> dict:
+        return {"rate": pgdata.raw_copy_rate(self.url, self.schema, count)}
+
     def raw_insert(self, count: int, *, autocommit: bool = False) -> dict:
         rate = pgdata.raw_insert_rate(self.url, self.schema, count, autocommit=autocommit)
         return {"rate": rate}

@@ -189,6 +189,43 @@ def raw_insert_rate(
     return count / seconds
 
 
+def raw_copy_rate(url: str, schema: str, count: int) -> float:
+    """The bulk limit: the same messages a bulk enqueue stores, encoded with Dramatiq's JSON
+    encoder and written with one binary ``COPY`` into a plain table with the job row's
+    columns (no index, no constraint, no event), committed. Building the messages is not
+    timed (as for the bulk enqueue); encoding them is, since the broker must too."""
+    import dramatiq
+
+    messages = [
+        dramatiq.Message(queue_name=QUEUE, actor_name="noop", args=(i,), kwargs={}, options={})
+        for i in range(count)
+    ]
+    with psycopg.connect(url, autocommit=True) as setup:
+        setup.execute(_q("DROP TABLE IF EXISTS {schema}.raw_copy", schema))
+        setup.execute(_q("CREATE TABLE {schema}.raw_copy (LIKE {schema}.jobs)", schema))
+    with psycopg.connect(url) as conn:
+        stmt = _q(
+            "COPY {schema}.raw_copy (id, queue_name, actor_name, message_bytes, status, "
+            "priority, available_at, attempts, max_attempts, idempotency_scope, created_at, "
+            "updated_at) FROM STDIN (FORMAT BINARY)",
+            schema,
+        )
+        types = ["uuid", "text", "text", "bytea", "text", "int4", "timestamptz", "int4", "int4",
+                 "text", "timestamptz", "timestamptz"]  # fmt: skip
+        started = time.perf_counter()
+        now = conn.execute("SELECT now()").fetchone()[0]
+        with conn.cursor().copy(stmt) as copy:
+            copy.set_types(types)
+            for m in messages:
+                copy.write_row((uuid.UUID(m.message_id), m.queue_name, m.actor_name, m.encode(),
+                                "queued", 0, now, 0, 1, "", now, now))  # fmt: skip
+        conn.commit()
+        seconds = time.perf_counter() - started
+    with psycopg.connect(url, autocommit=True) as setup:
+        setup.execute(_q("DROP TABLE {schema}.raw_copy", schema))
+    return count / seconds
+
+
 def server_version(url: str) -> str:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute("SHOW server_version").fetchone()[0]

@@ -13,6 +13,8 @@ TARGETS = (
      ("drain", "postgres", "rate"), ("drain", "redis", "rate"), ">=", 2.5),
     ("enqueue-vs-raw", "enqueue ≥ 0.9 × raw INSERT+COMMIT (created event included)",
      ("enqueue", "postgres", "rate"), ("enqueue", "raw-insert", "rate"), ">=", 0.9),
+    ("bulk-vs-copy", "bulk enqueue ≥ 0.4 × raw COPY into a plain table (events on)",
+     ("bulk", "postgres", "rate"), ("bulk", "raw-copy", "rate"), ">=", 0.4),
     ("latency-p50-vs-rabbitmq", "latency p50 ≤ 1.5 × RabbitMQ's",
      ("latency", "postgres", "p50_ms"), ("latency", "rabbitmq", "p50_ms"), "<=", 1.5),
     ("latency-p50-vs-redis", "latency p50 ≤ 0.5 × Redis's",
@@ -32,6 +34,7 @@ TARGETS = (
 LABELS = {
     "raw-insert": "raw INSERT+COMMIT",
     "raw-insert-autocommit": "raw INSERT, autocommit",
+    "raw-copy": "raw COPY, plain table",
     "postgres": "postgres (this broker)",
     "postgres-noevents": "postgres, events off",
     "redis": "redis (dramatiq)",
@@ -50,6 +53,7 @@ def _chart_label(name: str) -> str:
 # (title, workload, metric, unit, higher is better)
 ROWS = (
     ("enqueue", "enqueue", "rate", "msg/s", True),
+    ("bulk enqueue", "bulk", "rate", "msg/s", True),
     ("drain", "drain", "rate", "msg/s", True),
     ("latency p50", "latency", "p50_ms", "ms", False),
     ("latency p99", "latency", "p99_ms", "ms", False),
@@ -100,7 +104,7 @@ def _num(value: float) -> str:
 def _rows(data: dict) -> list[list[str]]:
     rows = []
     results = data.get("results", {})
-    brokers = ["raw-insert", "raw-insert-autocommit", *data.get("brokers", {})]
+    brokers = ["raw-insert", "raw-insert-autocommit", "raw-copy", *data.get("brokers", {})]
     for title, workload, metric, unit, _ in ROWS:
         for broker in brokers:
             if broker in data.get("skipped", {}) and workload in results:

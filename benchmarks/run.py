@@ -27,12 +27,13 @@ from pathlib import Path
 from . import pgdata, report, retention
 from .harness import VARIANTS, BenchError, Harness, reachable
 
-WORKLOADS = ("enqueue", "drain", "latency", "backlog", "memory", "retention", "churn")
+WORKLOADS = ("enqueue", "bulk", "drain", "latency", "backlog", "memory", "retention", "churn")
 
 FULL = {
     "repeat": 3,
     "enqueue": 10_000,
     "raw": 10_000,
+    "bulk": 100_000,
     "drain": 20_000,
     "latency": 300,
     "latency_gap": 0.01,
@@ -48,6 +49,7 @@ QUICK = {
     "repeat": 1,
     "enqueue": 2_000,
     "raw": 2_000,
+    "bulk": 20_000,
     "drain": 5_000,
     "latency": 100,
     "latency_gap": 0.01,
@@ -63,6 +65,7 @@ QUICK = {
 #: Which variants each workload runs on.
 APPLIES = {
     "enqueue": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
+    "bulk": ("postgres",),
     "drain": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "latency": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "backlog": ("postgres",),
@@ -217,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
                     for n in names:
                         v = VARIANTS[n]
                         measure("enqueue", n, lambda v=v: harness.enqueue(v, cfg["enqueue"]))
+                elif workload == "bulk":
+                    if names:
+                        measure("bulk", "raw-copy", lambda: harness.raw_copy(cfg["bulk"]))
+                    for n in names:
+                        v = VARIANTS[n]
+                        measure("bulk", n, lambda v=v: harness.bulk(v, cfg["bulk"]))
                 elif workload == "drain":
                     for n in names:
                         v = VARIANTS[n]

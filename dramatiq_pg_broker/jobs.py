@@ -203,6 +203,13 @@ class JobStore:
 
     #: Rows per bulk insert statement: bounds the size of one statement's parameters.
     BULK_CHUNK = 10_000
+    #: From this many rows, a bulk insert goes through COPY into a staging table (two more
+    #: round trips, far cheaper per row than array parameters).
+    BULK_COPY_MIN = 200
+    _STAGED_TYPES = (
+        "text", "text", "text", "jsonb", "bytea", "bool", "int4", "int8", "int4", "text",
+        "text", "int8",
+    )  # fmt: skip
 
     def enqueue_many(
         self,
@@ -227,9 +234,12 @@ class JobStore:
             queues: set[str] = set()
             for start in range(0, len(jobs), self.BULK_CHUNK):
                 chunk = jobs[start : start + self.BULK_CHUNK]
-                rows = c.execute(
-                    self.queries["insert_jobs"], self._bulk_params(chunk, now)
-                ).fetchall()
+                if len(chunk) >= self.BULK_COPY_MIN:
+                    rows = self._insert_staged(c, chunk, now)
+                else:
+                    rows = c.execute(
+                        self.queries["insert_jobs"], self._bulk_params(chunk, now)
+                    ).fetchall()
                 inserted = {str(r[0]) for r in rows}
                 for offset, job in enumerate(chunk):
                     if job.id in inserted:
@@ -253,6 +263,35 @@ class JobStore:
                 channels = sorted(self.channel(q) for q in queues)
                 c.execute(self.queries["notify_queues"], {"channels": channels})
         return results  # type: ignore[return-value]
+
+    def _insert_staged(
+        self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None
+    ) -> list[tuple]:
+        c.execute(self.queries["stage_jobs"])
+        with c.cursor().copy(self.queries["copy_staged_jobs"]) as copy:
+            copy.set_types(self._STAGED_TYPES)
+            for position, j in enumerate(jobs, 1):
+                copy.write_row(
+                    (
+                        j.id,
+                        j.queue_name,
+                        j.actor_name,
+                        Jsonb(j.message) if j.message is not None else None,
+                        j.message_bytes,
+                        j.message_view_from_bytes,
+                        j.priority,
+                        max(0, int(j.delay_ms)),
+                        j.max_attempts,
+                        j.idempotency_key,
+                        j.idempotency_scope,
+                        position,
+                    )
+                )
+        rows = c.execute(
+            self.queries["insert_staged_jobs"], {"now": now, "events": self.events}
+        ).fetchall()
+        c.execute(self.queries["drop_staged_jobs"])
+        return rows
 
     def _bulk_params(self, jobs: Sequence[NewJob], now: dt.datetime | None) -> dict[str, Any]:
         return {

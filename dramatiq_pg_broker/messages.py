@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 from typing import Any
 
@@ -39,7 +40,9 @@ APPLICATION_SCOPE = ""
 
 # Only these sequences can make the JSON that Python's json module writes unacceptable to
 # jsonb: NaN and Infinity are not JSON, and jsonb refuses "\u0000" and lone surrogates.
-_JSONB_SUSPECTS = (b"NaN", b"Infinity", b"\\u0000", b"\\ud")
+_JSONB_SUSPECTS = re.compile(rb"NaN|Infinity|\\u0000|\\ud")
+#: A message id as Dramatiq writes it (uuid4, canonical form): no parsing needed.
+_CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def max_attempts_for(max_retries: int | None) -> int:
@@ -167,7 +170,7 @@ def encode(message: dramatiq.Message) -> StoredMessage:
     data = bytes(data)
     if not isinstance(encoder, JSONEncoder):
         return StoredMessage(data)
-    if type(encoder) is JSONEncoder and not any(s in data for s in _JSONB_SUSPECTS):
+    if type(encoder) is JSONEncoder and _JSONB_SUSPECTS.search(data) is None:
         # The stock encoder writes plain ASCII JSON: without the suspects, jsonb takes it.
         return StoredMessage(data, view_from_bytes=True)
     return StoredMessage(data, view=display_view(data))
@@ -243,10 +246,13 @@ def job_from_message(
       InvalidMessage: an option is out of range, or the encoder cannot encode a value.
     """
     options = message.options
-    try:
-        uuid.UUID(message.message_id)
-    except (TypeError, ValueError, AttributeError):
-        raise InvalidMessage(f"message_id must be a UUID, got {message.message_id!r}") from None
+    job_id = message.message_id
+    if not isinstance(job_id, str) or _CANONICAL_UUID.fullmatch(job_id) is None:
+        try:
+            # The row's id in PostgreSQL's spelling, so that results match it.
+            job_id = str(uuid.UUID(job_id))
+        except (TypeError, ValueError, AttributeError):
+            raise InvalidMessage(f"message_id must be a UUID, got {job_id!r}") from None
     delay_ms = delay_of(message, delay)
     if "eta" in options:
         message = message.copy()
@@ -260,7 +266,7 @@ def job_from_message(
     key = _check_key(options.get("idempotency_key"))
     stored = encode(message)
     job = NewJob(
-        id=message.message_id,
+        id=job_id,
         queue_name=message.queue_name,
         actor_name=message.actor_name,
         message=stored.view,

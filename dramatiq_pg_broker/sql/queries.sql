@@ -113,7 +113,6 @@ WITH given AS (
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
            coalesce(%(now)s::timestamptz, now())
     FROM given
-    ORDER BY position
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -121,6 +120,48 @@ WITH given AS (
     SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
 )
 SELECT id FROM inserted
+
+-- stage_jobs --
+-- A temporary table for a large bulk enqueue, filled with COPY (much cheaper than one huge
+-- statement's parameters), read by insert_staged_jobs, dropped at once after. Temporary
+-- and dropped within the transaction, so it holds no session state (poolers work).
+CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
+    id text, queue_name text, actor_name text, message jsonb, message_bytes bytea,
+    view_from_bytes boolean, priority integer, delay_ms bigint, max_attempts integer,
+    idempotency_key text, idempotency_scope text, position bigint
+) ON COMMIT DROP
+
+-- copy_staged_jobs --
+-- Fill the staging table (binary COPY, in the order of its columns).
+COPY dramatiq_pg_broker_staged_jobs FROM STDIN (FORMAT BINARY)
+
+-- insert_staged_jobs --
+-- insert_jobs, reading the staged rows instead of arrays (same rules, same events).
+WITH inserted AS (
+    INSERT INTO {schema}.jobs AS j (
+        id, queue_name, actor_name, message, message_bytes, priority, available_at,
+        max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
+    )
+    SELECT id::uuid, queue_name, actor_name,
+           coalesce(message, CASE WHEN view_from_bytes
+               THEN convert_from(message_bytes, 'UTF8')::jsonb END),
+           message_bytes, priority,
+           coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
+           max_attempts, idempotency_key, idempotency_scope,
+           coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
+           coalesce(%(now)s::timestamptz, now())
+    FROM dramatiq_pg_broker_staged_jobs
+    ON CONFLICT DO NOTHING
+    RETURNING j.id, j.created_at
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
+    SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
+)
+SELECT id FROM inserted
+
+-- drop_staged_jobs --
+-- The staging table is done with (a second bulk enqueue in the same transaction makes its own).
+DROP TABLE dramatiq_pg_broker_staged_jobs
 
 -- notify_queues --
 -- Wake the consumers of several queues at once (after a bulk enqueue), at commit.

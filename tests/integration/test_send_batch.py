@@ -179,3 +179,42 @@ def test_enqueue_many_reschedules_a_waiting_id(broker, task, queue, schema, conn
     assert len(by_id) == 2
     now = dt.datetime.now(dt.timezone.utc)
     assert by_id[first.message_id][2] > now + dt.timedelta(seconds=30)
+
+
+def test_a_large_batch_keeps_the_rules_and_twice_in_one_transaction(
+    broker, task, queue, schema, conn, pg_url
+):
+    existing = task.send_with_options(args=(0,), idempotency_key="big-0")
+    count = broker.store.BULK_COPY_MIN + 50
+
+    def messages(offset):
+        return [
+            task.message_with_options(args=(offset + n,), idempotency_key=f"big-{n % 100}")
+            if n % 3 == 0
+            else task.message_with_options(args=(offset + n,), priority=n % 7)
+            for n in range(count)
+        ]
+
+    with psycopg.connect(pg_url) as app:
+        with pytest.raises(RuntimeError):
+            with broker.transaction(app):
+                broker.enqueue_many(messages(0))
+                raise RuntimeError("roll back")
+        assert [r[0] for r in rows(conn, schema, queue)] == [existing.message_id]
+        with broker.transaction(app):
+            first = broker.enqueue_many(messages(0))
+            second = broker.enqueue_many(messages(1000))
+    assert first[0].message_id == existing.message_id
+    keyed = {
+        m.options["idempotency_key"]: m.message_id for m in first if "idempotency_key" in m.options
+    }
+    assert all(
+        m.message_id == keyed[m.options["idempotency_key"]]
+        for m in second
+        if "idempotency_key" in m.options
+    )
+    stored = {r[0]: r for r in rows(conn, schema, queue)}
+    unkeyed = [m for m in first + second if "idempotency_key" not in m.options]
+    assert len(stored) == 1 + len(set(keyed.values()) - {existing.message_id}) + len(unkeyed)
+    assert all(stored[m.message_id][1] == m.options["priority"] for m in unkeyed)
+    assert created_events(conn, schema, queue) == len(stored)

@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             env=env, cwd=REPO, stdout=api_log, stderr=subprocess.STDOUT,
         ))  # fmt: skip
         print(f"admin API: http://127.0.0.1:{port}/api/docs (log: {api_log.name})")
+        print(f"dashboard: http://127.0.0.1:{port}/dashboard")
         if has_account:
             print(f"  log in with {DEMO_EMAIL} / {DEMO_PASSWORD}, e.g.")
             print(

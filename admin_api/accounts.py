@@ -32,6 +32,7 @@ import datetime as dt
 import hashlib
 import re
 import secrets
+import unicodedata
 from typing import Any, NamedTuple
 
 import bcrypt
@@ -140,6 +141,13 @@ def normalize_email(email: Any) -> str:
         raise InvalidAccountData(
             f"email must be an address such as ops@example.com of at most "
             f"{MAX_EMAIL_LENGTH} characters"
+        )
+    # Control and format characters (bidirectional overrides such as U+202E, zero-width
+    # joiners, ...) would make one address display as another in a list of users.
+    hidden = [c for c in email if unicodedata.category(c) in ("Cc", "Cf", "Co", "Cs", "Cn")]
+    if hidden:
+        raise InvalidAccountData(
+            f"email must not contain invisible or control characters (found U+{ord(hidden[0]):04X})"
         )
     return email
 

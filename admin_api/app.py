@@ -18,7 +18,7 @@ from dramatiq_pg_broker.jobs import JobStore
 
 from . import media
 from .accounts import AccountStore
-from .auth import Authentication
+from .auth import Authentication, SecurityHeaders
 from .errors import add_error_handlers
 from .metrics import Metrics
 from .monitoring import Monitor
@@ -42,9 +42,22 @@ logger = logging.getLogger(__name__)
 DATABASE_WAIT_SECONDS = 5
 
 
+def statement_timeout_ms(settings: Settings) -> int:
+    return max(1, round(settings.statement_timeout * 1000))
+
+
 class ApiPool(ProcessPool):
     """The broker's per-process pool, waiting at most :data:`DATABASE_WAIT_SECONDS` for a
-    connection (the broker's workers wait longer: they have no client waiting)."""
+    connection (the broker's workers wait longer: they have no client waiting), and whose
+    connections stop any statement after ``settings.statement_timeout``."""
+
+    def __init__(self, settings: Settings) -> None:
+        timeout = statement_timeout_ms(settings)
+
+        def configure(conn: psycopg.Connection) -> None:
+            conn.execute("SELECT set_config('statement_timeout', %s, false)", (f"{timeout}ms",))
+
+        super().__init__(settings, configure=configure)
 
     def get(self):
         pool = super().get()
@@ -56,11 +69,22 @@ def create_engine(url: str, settings: Settings) -> Engine:
     """A SQLAlchemy engine for the read queries, over psycopg 3.
 
     Connections come from ``psycopg.connect(url)`` so that any libpq connection string
-    works (a URL or ``key=value`` pairs), exactly as for the broker.
+    works (a URL or ``key=value`` pairs), exactly as for the broker. Each one stops any
+    statement that runs longer than ``settings.statement_timeout`` (PostgreSQL's
+    ``statement_timeout``, set once per connection): no request, whatever its filters,
+    holds the database longer; the client gets a 503 that says so.
     """
+    timeout = statement_timeout_ms(settings)
+
+    def connect() -> psycopg.Connection:
+        conn = psycopg.connect(url, connect_timeout=DATABASE_WAIT_SECONDS, autocommit=True)
+        conn.execute("SELECT set_config('statement_timeout', %s, false)", (f"{timeout}ms",))
+        conn.autocommit = False
+        return conn
+
     return sa.create_engine(
         "postgresql+psycopg://",
-        creator=lambda: psycopg.connect(url, connect_timeout=DATABASE_WAIT_SECONDS),
+        creator=connect,
         pool_size=settings.pool_max_size,
         max_overflow=0,
         pool_pre_ping=True,
@@ -110,6 +134,7 @@ def create_app(
     if settings.cors_origins:
         origins = list(settings.cors_origins)
         middleware.append(falcon.CORSMiddleware(allow_origins=origins, allow_credentials=origins))
+    middleware.append(SecurityHeaders(settings))
     middleware.append(Authentication(accounts, settings))
     app = falcon.App(middleware=middleware)
     media.install(app)
@@ -118,6 +143,9 @@ def create_app(
     app.req_options.strip_url_path_trailing_slash = True
 
     for path, resource in routes(settings, store, accounts, queries, monitor):
+        if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
+            # HEAD answers what GET would, without the body (Falcon sends none for HEAD).
+            resource.on_head = resource.on_get
         app.add_route(path, resource)
     # Not API endpoints (HTML and Prometheus text), so not in the OpenAPI document.
     for path, resource in dashboard.page_routes():

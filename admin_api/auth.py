@@ -19,7 +19,10 @@ DELETE) that is not authenticated by a bearer token must
   custom header through CORS, whose preflight the API answers only for the origins in
   ``DRAMATIQ_PG_CORS_ORIGINS``; a plain HTML form cannot send one at all;
 - and, when the browser says where it comes from (``Origin``), come from the API's own
-  origin or one of those origins.
+  origin or one of those origins. Origins are compared whole: scheme, host and port
+  (``http://api.example`` is not ``https://api.example``, nor ``https://api.example:8443``).
+  The API's own origin is that of ``DRAMATIQ_PG_PUBLIC_URL`` when it is set, else the
+  scheme, host and port the request was addressed to.
 
 Bearer requests need neither: a browser never adds a bearer token on its own.
 """
@@ -56,6 +59,28 @@ OPERATORS = frozenset({"operator", "admin"})
 ADMINS = frozenset({"admin"})
 
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+#: An origin: scheme, host (lower case) and port.
+Origin = tuple[str, str, int]
+
+
+def parse_origin(text: str, *, base_url: bool = False) -> Origin | None:
+    """The origin of ``text``, an ``Origin`` header (or, with ``base_url``, a base URL
+    whose path is ignored), or None when it has none (``null``, another scheme, a path,
+    credentials ...)."""
+    try:
+        parts = urlsplit(text.strip())
+        scheme = parts.scheme.lower()
+        if scheme not in _DEFAULT_PORTS or not parts.hostname or parts.username is not None:
+            return None
+        if (parts.path not in ("", "/") and not base_url) or parts.query or parts.fragment:
+            return None
+        return scheme, parts.hostname.lower(), parts.port or _DEFAULT_PORTS[scheme]
+    except ValueError:  # a port that is not a number, or out of range
+        return None
+
+
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="dramatiq-pg-broker"'}
 
 
@@ -80,7 +105,12 @@ class Authentication:
 
     def __init__(self, accounts: AccountStore, settings: Settings) -> None:
         self.accounts = accounts
-        self.allowed_origins = frozenset(o.rstrip("/") for o in settings.cors_origins)
+        self.allowed_origins = frozenset(
+            origin for origin in map(parse_origin, settings.cors_origins) if origin is not None
+        )
+        self.public_origin = (
+            parse_origin(settings.public_url, base_url=True) if settings.public_url else None
+        )
 
     def process_resource(self, req: falcon.Request, resp, resource, params) -> None:
         req.context.user = None
@@ -101,7 +131,9 @@ class Authentication:
         responder = getattr(resource, f"on_{req.method.lower()}", None)
         if responder is None:
             return  # Falcon answers 405
-        allowed: Iterable[str] = resource.permissions.get(req.method, ())
+        # HEAD is GET without the body: the same roles may.
+        method = "GET" if req.method == "HEAD" else req.method
+        allowed: Iterable[str] = resource.permissions.get(method, ())
         if user.role not in allowed:
             raise ApiError(
                 403,
@@ -161,14 +193,44 @@ class Authentication:
             )
 
     def _origin_allowed(self, req: falcon.Request, origin: str) -> bool:
-        origin = origin.rstrip("/")
-        if origin in self.allowed_origins:
-            return True
-        try:
-            netloc = urlsplit(origin).netloc
-        except ValueError:
+        parsed = parse_origin(origin)
+        if parsed is None:
             return False
-        return bool(netloc) and netloc.lower() in {req.netloc.lower(), req.host.lower()}
+        if parsed in self.allowed_origins:
+            return True
+        if self.public_origin is not None:
+            return parsed == self.public_origin
+        scheme = req.scheme.lower()
+        own = (scheme, req.host.lower(), req.port or _DEFAULT_PORTS.get(scheme, 0))
+        return parsed == own
+
+
+class SecurityHeaders:
+    """Falcon middleware: headers every response carries.
+
+    - ``Cache-Control: no-store``: responses hold job data, session cookies and, once, new
+      API tokens; no browser or proxy cache may keep them.
+    - ``X-Content-Type-Options: nosniff``: a browser never reads a JSON body as HTML.
+    - ``Vary: Origin`` when cross-site origins are configured: the CORS headers depend on
+      the request's ``Origin``, so a shared cache must not serve one origin's answer to
+      another.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.vary_origin = bool(settings.cors_origins)
+        self.public_base = (settings.public_url or "").rstrip("/")
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        # Where links point (see admin_api.pagination.link_to).
+        req.context.public_base = self.public_base
+
+    def process_response(self, req, resp: falcon.Response, resource, req_succeeded) -> None:
+        resp.set_header("Cache-Control", "no-store")
+        resp.set_header("X-Content-Type-Options", "nosniff")
+        if self.vary_origin:
+            vary = [v.strip() for v in (resp.get_header("Vary") or "").split(",") if v.strip()]
+            if "origin" not in {v.lower() for v in vary}:
+                resp.set_header("Vary", ", ".join([*vary, "Origin"]))
 
 
 def set_session_cookie(resp: falcon.Response, session_id: str, settings: Settings) -> None:

@@ -46,7 +46,10 @@ CODES = {
     409: "conflict",
     411: "length_required",
     413: "payload_too_large",
+    414: "uri_too_long",
     415: "unsupported_media_type",
+    429: "too_many_requests",
+    431: "request_header_fields_too_large",
     500: "internal_error",
     503: "unavailable",
 }
@@ -99,7 +102,28 @@ def _raise(status: int, message: str):
     return handler
 
 
+def _cancelled(ex: BaseException) -> bool:
+    """Whether ``ex`` is PostgreSQL cancelling a statement (its ``statement_timeout``),
+    possibly wrapped by SQLAlchemy or by the broker's connection-error translation."""
+    seen = 0
+    while ex is not None and seen < 5:
+        if isinstance(ex, psycopg.errors.QueryCanceled):
+            return True
+        ex = getattr(ex, "orig", None) or ex.__cause__
+        seen += 1
+    return False
+
+
 def _unavailable(req, resp, ex, params):
+    if _cancelled(ex):
+        logger.warning("Statement timeout while serving %s %s", req.method, req.path)
+        raise ApiError(
+            503,
+            "The query took longer than the API's statement timeout "
+            "(DRAMATIQ_PG_STATEMENT_TIMEOUT) and was stopped: narrow the filters (a status, "
+            "a queue, an actor, a created_after/created_before range) or retry later.",
+            headers={"Retry-After": "5"},
+        )
     logger.warning("Database unavailable while serving %s %s: %s", req.method, req.path, ex)
     raise ApiError(
         503, "The database is unavailable; try again shortly (see /api/health for details)."

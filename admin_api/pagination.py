@@ -18,12 +18,20 @@ _CURSOR_RE = re.compile(r"^([on]):(\d{1,19})$")
 MAX_EVENT_ID = 2**63 - 1
 
 
+def link_to(req: falcon.Request, path: str) -> str:
+    """A link to ``path`` (``/api/...``, with its query string): under the configured
+    public base URL (``DRAMATIQ_PG_PUBLIC_URL``) when there is one, else a relative
+    reference (``/api/jobs?...``). Never built from the request's ``Host`` header, which
+    the client chooses."""
+    return getattr(req.context, "public_base", "") + req.root_path + path
+
+
 def page_link(req: falcon.Request, **changes: Any) -> str:
-    """This request's URL with some query parameters replaced (None removes one)."""
+    """This request's link with some query parameters replaced (None removes one)."""
     params = {name: value for name, value in req.params.items() if name not in changes}
     params.update({name: value for name, value in changes.items() if value is not None})
     query = urlencode(params, doseq=True)
-    return f"{req.prefix}{req.path}" + (f"?{query}" if query else "")
+    return link_to(req, req.path + (f"?{query}" if query else ""))
 
 
 def offset_links(

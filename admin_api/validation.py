@@ -17,6 +17,7 @@ from typing import Any
 
 import falcon
 
+from . import media
 from .errors import ApiError, bad_request
 
 #: How deep a JSON body may nest (job arguments included).
@@ -101,6 +102,7 @@ def read_json(req: falcon.Request) -> Any:
         when it is larger than :data:`MAX_BODY_BYTES`, 415 when it is declared as
         something else than JSON.
     """
+    # Media types are case-insensitive (RFC 9110): APPLICATION/JSON is JSON.
     content_type = (req.content_type or falcon.MEDIA_JSON).split(";")[0].strip().lower()
     if content_type != falcon.MEDIA_JSON:
         raise ApiError(
@@ -112,14 +114,15 @@ def read_json(req: falcon.Request) -> Any:
         raise ApiError(411, "Send the body with a Content-Length header, not chunked.")
     if (req.content_length or 0) > MAX_BODY_BYTES:
         raise ApiError(413, f"The body must be at most {MAX_BODY_BYTES} bytes long.")
+    raw = req.bounded_stream.read()
+    if not raw.strip():
+        raise bad_request("The request body is empty: send a JSON object.")
     try:
-        body = req.get_media()
-    except falcon.MediaNotFoundError:
-        raise bad_request("The request body is empty: send a JSON object.") from None
-    except falcon.MediaMalformedError as e:
-        cause = e.__cause__
-        detail = f" ({cause})" if cause is not None else ""
-        raise bad_request(f"The request body is not valid JSON{detail}.") from None
+        body = media.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not valid JSON (it is not UTF-8 text).") from None
+    except ValueError as e:
+        raise bad_request(f"The request body is not valid JSON ({e}).") from None
     check_json_value(body, "body")
     return body
 

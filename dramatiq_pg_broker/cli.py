@@ -148,6 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except psycopg.OperationalError as e:
         print(f"error: cannot connect to the database: {e}".strip(), file=sys.stderr)
         return 2
+    except psycopg.ProgrammingError as e:
+        if "connection" not in str(e).lower():
+            raise
+        # libpq's message quotes part of the string, which may be the password.
+        print(
+            "error: the database URL is not a connection string libpq can parse: check "
+            "--url or DRAMATIQ_PG_URL",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

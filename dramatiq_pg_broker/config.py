@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
 
@@ -65,9 +66,20 @@ class Settings:
       retain_cancelled_days(float): how long finished jobs of each status (and their
         events) are kept; 0 keeps them forever.
       scheduler(bool): run periodic schedules (and retention) in worker processes.
+      public_url(str): the admin API's public base URL (``https://ops.example.com``). Links
+        in responses (pagination, ``Location``) start with it; unset, they are relative
+        paths. Never taken from the request's ``Host`` header.
+      trusted_proxies(tuple[str, ...]): addresses of reverse proxies in front of the admin
+        API; for a request from one of them, the client address (for login throttling) is
+        the last one in ``X-Forwarded-For``.
+      statement_timeout(float): seconds an admin API query may run before PostgreSQL
+        cancels it (the request gets a 503).
+      login_concurrency(int): password checks (bcrypt) one admin API process runs at once;
+        more logins wait briefly, then get a 429.
     """
 
-    url: str | None = None
+    # Not in the repr: a logged Settings must not show the password (see public()).
+    url: str | None = dataclasses.field(default=None, repr=False)
     schema: str = "dramatiq"
     lease_seconds: float = 30.0
     heartbeat_seconds: float | None = None
@@ -94,6 +106,10 @@ class Settings:
     retain_failed_days: float = 30.0
     retain_cancelled_days: float = 7.0
     scheduler: bool = True
+    public_url: str | None = None
+    trusted_proxies: tuple[str, ...] = ()
+    statement_timeout: float = 5.0
+    login_concurrency: int = 1
 
     def __post_init__(self) -> None:
         if not _SCHEMA_RE.match(self.schema):
@@ -107,6 +123,7 @@ class Settings:
             "reaper_interval",
             "session_hours",
             "retention_interval",
+            "statement_timeout",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -121,6 +138,7 @@ class Settings:
             "pool_min_size",
             "pool_max_size",
             "retention_batch",
+            "login_concurrency",
         )
         for name in minimum_one:
             if getattr(self, name) < 1:
@@ -134,6 +152,13 @@ class Settings:
         for name in ("retain_succeeded_days", "retain_failed_days", "retain_cancelled_days"):
             if getattr(self, name) < 0:
                 raise ConfigurationError(f"{name} must not be negative (0 keeps forever)")
+        if self.public_url is not None:
+            parts = urlsplit(self.public_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
+                raise ConfigurationError(
+                    f"public_url {self.public_url!r} must be an http(s) base URL such as "
+                    "https://ops.example.com (no query string)"
+                )
         if self.enqueue_retries < 0:
             raise ConfigurationError("enqueue_retries must not be negative")
 
@@ -174,14 +199,39 @@ class Settings:
         data["url"] = mask_url(self.url)
         data["heartbeat_seconds"] = self.heartbeat_interval
         data["cors_origins"] = list(self.cors_origins)
+        data["trusted_proxies"] = list(self.trusted_proxies)
         return data
 
 
+#: Connection parameters that are secrets (libpq's names): masked wherever a connection
+#: string is shown.
+SECRET_PARAMETERS = ("password", "sslpassword")
+#: What a connection string libpq cannot parse is shown as (its text may hold a password).
+UNPARSEABLE = "(a connection string libpq cannot parse)"
+
+
 def mask_url(url: str | None) -> str | None:
-    """Return ``url`` with its password replaced by ``***``."""
+    """Return a connection string that is safe to show: ``url`` parsed by libpq's own
+    parser (``psycopg.conninfo``), so every form libpq accepts is understood (a URL with or
+    without a user name, query parameters, ``key=value`` pairs, quoted values, passwords
+    holding ``@`` or ``/``), with each secret parameter replaced by ``***``.
+
+    The result is in ``key=value`` form, whatever form ``url`` had. A string libpq cannot
+    parse is replaced whole by :data:`UNPARSEABLE`: libpq's own error message would quote
+    part of it.
+    """
     if not url:
         return url
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        params = conninfo_to_dict(url)
+    except Exception:  # psycopg.ProgrammingError, or a string with a NUL byte
+        return UNPARSEABLE
+    for name in SECRET_PARAMETERS:
+        if params.get(name) is not None:
+            params[name] = "***"
+    return make_conninfo("", **params)
 
 
 def _parse(name: str, type_: Any, raw: str) -> Any:

@@ -9,7 +9,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 
 import psycopg
@@ -136,8 +136,16 @@ class ProcessPool:
     process id and a child opens its own.
     """
 
-    def __init__(self, settings: Settings, *, pool: ConnectionPool | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        pool: ConnectionPool | None = None,
+        configure: Callable[[psycopg.Connection], None] | None = None,
+    ) -> None:
         self.settings = settings
+        #: Called with each new connection of the pool (psycopg_pool's ``configure``).
+        self.configure = configure
         self._given = pool
         self._pool: ConnectionPool | None = pool
         self._pid = os.getpid() if pool is not None else None
@@ -163,6 +171,7 @@ class ProcessPool:
                     min_size=self.settings.pool_min_size,
                     max_size=self.settings.pool_max_size,
                     kwargs=connection_kwargs(self.settings),
+                    configure=self.configure,
                     name=f"dramatiq-pg-broker-{os.getpid()}",
                     open=False,
                     timeout=30.0,

@@ -11,12 +11,18 @@ from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
 from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import JobStore
-from dramatiq_pg_broker.messages import MAX_DELAY_MS, UNLIMITED_ATTEMPTS, job_from_message
+from dramatiq_pg_broker.messages import (
+    APPLICATION_SCOPE,
+    MAX_DELAY_MS,
+    UNLIMITED_ATTEMPTS,
+    idempotency_scope,
+    job_from_message,
+)
 
-from ..accounts import AccountStore
+from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
-from ..pagination import offset_links
+from ..pagination import link_to, offset_links
 from ..queries import JOB_COLUMNS, JobFilters, JobQueries
 from ..validation import Field, Query, parse_uuid, read_object
 
@@ -62,11 +68,23 @@ JOB_FIELDS = {
     ),
     "idempotency_key": Field(
         "string", "A second request with the same key returns the first job (200) "
-        "instead of creating one.", max_length=255, nullable=True,
+        "instead of creating one. A member's keys live in that member's own namespace.",
+        max_length=255, nullable=True,
     ),
 }  # fmt: skip
 
 LIST_PARAMS = ("limit", "offset", "status", "queue", "actor", "created_after", "created_before")
+
+
+def member_scope(user: User) -> str:
+    """The idempotency scope of a job created through the API. A member's keys live in
+    that member's own scope (``member:<user id>``), so a member can neither take a key the
+    application will use (its job would be returned for the application's later send, and
+    the real job would never exist) nor learn whether a key exists. Other roles act for
+    the application and share its scope."""
+    if user.role != "member":
+        return APPLICATION_SCOPE
+    return idempotency_scope(f"member:{user.id}")
 
 
 def job_id_param(raw: str) -> str:
@@ -137,7 +155,10 @@ class JobList:
         )
         try:
             job, _ = job_from_message(
-                message, delay=delay_ms, default_max_retries=self.settings.max_attempts - 1
+                message,
+                delay=delay_ms,
+                default_max_retries=self.settings.max_attempts - 1,
+                scope=member_scope(user),
             )
         except InvalidMessage as e:
             raise bad_request(str(e)) from None
@@ -154,7 +175,7 @@ class JobList:
                 409, "idempotency_key is already used by a job you did not create; use another key"
             ) from None
         resp.status = falcon.HTTP_201 if result.created else falcon.HTTP_200
-        resp.location = f"{req.prefix}/api/jobs/{result.id}"
+        resp.location = link_to(req, f"/api/jobs/{result.id}")
         resp.media = body
 
 

@@ -10,10 +10,10 @@ from ..auth import READERS
 
 
 def public_settings(settings: Settings) -> dict:
-    """The settings as the API shows them: the URL without its password or query string
-    (which may carry one)."""
+    """The settings as the API shows them: the connection string parsed by libpq's own
+    parser, its secrets masked (:func:`dramatiq_pg_broker.config.mask_url`)."""
     data = settings.public()
-    data["url"] = mask_url((settings.url or "").split("?")[0]) or None
+    data["url"] = mask_url(settings.url) or None
     return data
 
 

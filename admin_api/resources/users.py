@@ -7,6 +7,7 @@ import falcon
 from ..accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
 from ..auth import ADMINS
 from ..errors import bad_request
+from ..pagination import link_to
 from ..validation import Field, Query, read_object
 
 USER_FIELDS = {
@@ -66,7 +67,7 @@ class UserList:
             values["email"], values["password"], values["role"], active=values.get("active", True)
         )
         resp.status = falcon.HTTP_201
-        resp.location = f"{req.prefix}/api/users/{user.id}"
+        resp.location = link_to(req, f"/api/users/{user.id}")
         resp.media = user.as_dict()
 
 

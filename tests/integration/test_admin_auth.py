@@ -313,7 +313,16 @@ class TestCrossSite:
             ("https://evil.example", 403),
             ("null", 403),
             ("https://ops.example.com", 201),
-            ("http://falconframework.org", 201),  # the test client's own host
+            ("http://falconframework.org", 201),  # the test client's own origin
+            ("http://falconframework.org:80", 201),
+            ("HTTP://FalconFramework.org", 201),
+            # Same host, another scheme or port: another origin.
+            ("https://falconframework.org", 403),
+            ("http://falconframework.org:8080", 403),
+            ("http://ops.example.com", 403),
+            ("https://ops.example.com:444", 403),
+            ("https://ops.example.com.evil.example", 403),
+            ("http://falconframework.org/path", 403),
         ],
     )
     def test_origin_must_be_the_api_or_an_allowed_origin(self, env, origin, status):

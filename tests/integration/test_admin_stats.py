@@ -104,12 +104,42 @@ def test_config_shows_settings_without_secrets(pg_url, schema):
     assert result.status_code == 200
     config = result.json
     assert "hunter2" not in result.text
-    assert config["url"] == "postgresql://app:***@db.example:5432/app"
+    assert config["url"] == "user=app password=*** dbname=app host=db.example port=5432"
     assert config["lease_seconds"] == 45
     assert config["heartbeat_seconds"] == 15
     assert config["cors_origins"] == ["https://a"]
     for key in ("poll_interval", "backoff_base_ms", "backoff_max_ms", "max_attempts", "schema"):
         assert key in config
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "host=db.example user=app password=hunter2 dbname=app",
+        "postgresql://:hunter2@db.example/app",
+        "postgresql://app:hun%40ter2@db.example/app",
+        "host=db.example password='hunter2 x' sslpassword=hunter2",
+    ],
+)
+def test_config_masks_every_connection_string_form_for_every_role(pg_url, schema, url):
+    from falcon import testing
+
+    env = AdminEnv(pg_url, schema)
+    try:
+        app = create_app(
+            Settings(url=url, schema=schema),
+            store=env.store,
+            accounts=env.accounts,
+            engine=env.engine,
+        )
+        client = testing.TestClient(app)
+        for role in ("member", "viewer", "admin"):
+            result = client.simulate_get("/api/config", headers=env.auth(role))
+            assert result.status_code == 200
+            assert "hunter" not in result.text and "ter2" not in result.text, result.text
+            assert "password=***" in result.json["url"]
+    finally:
+        env.close()
 
 
 def test_health_ok(env):

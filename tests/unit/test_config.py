@@ -60,8 +60,33 @@ def test_unknown_keywords_are_refused():
 
 def test_public_settings_hide_the_password():
     settings = Settings.load(environ={}, url="postgresql://app:s3cret@db:5432/app")
-    assert settings.public()["url"] == "postgresql://app:***@db:5432/app"
+    assert settings.public()["url"] == "user=app password=*** dbname=app host=db port=5432"
+    assert "s3cret" not in repr(settings)
     assert mask_url(None) is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:s3cret@db:5432/app",
+        "postgres://app:s3cret@db/app?sslmode=require",
+        "host=db user=app password=s3cret dbname=app",
+        "host=db password='s3cret with spaces' dbname=app",
+        "postgresql://:s3cret@db/app",
+        "postgresql://app:s3c@ret@db/app",
+        "postgresql://app:s3c%40ret@db/app",
+        "postgresql://app@db/app?password=s3cret",
+        "postgresql:///app?host=/run/postgresql&password=s3cret",
+        "host=db sslpassword=s3cret",
+        "host=db password s3cret",
+    ],
+)
+def test_every_libpq_form_is_masked(url):
+    """Whatever libpq reads as the password is masked (an unencoded ``@`` ends libpq's
+    password in a URL: ``s3c@ret@db`` is the password ``s3c`` on the host ``ret@db``)."""
+    masked = mask_url(url)
+    for part in ("s3cret", "s3c@", "s3c%40"):
+        assert part not in masked, masked
 
 
 def test_a_configured_url_never_starts_the_embedded_server(monkeypatch):

@@ -32,7 +32,9 @@ import datetime as dt
 import hashlib
 import re
 import secrets
+import threading
 import unicodedata
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import bcrypt
@@ -47,6 +49,9 @@ ROLES = ("viewer", "operator", "admin", "member")
 
 #: bcrypt's work factor for new password hashes (2^12 rounds, about a quarter second).
 DEFAULT_BCRYPT_ROUNDS = 12
+
+#: Longest wait for a free password-hashing slot before a login is refused (429).
+HASH_WAIT_SECONDS = 2.0
 
 #: Shortest password accepted.
 MIN_PASSWORD_LENGTH = 8
@@ -85,6 +90,10 @@ class TokenNotFound(AccountError):
 
 class LastAdmin(AccountError):
     """The change would leave no active admin."""
+
+
+class HashingBusy(AccountError):
+    """Too many password checks are running in this process; try again in a moment."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,14 +227,26 @@ class AccountStore:
       schema(str): the schema holding the tables (migration 0002).
       bcrypt_rounds(int): the work factor of new password hashes. Tests lower it; a
         password's own hash keeps the factor it was made with.
+      hash_concurrency(int): the most bcrypt computations this store runs at once (None:
+        no bound). A flood of logins then queues for :data:`HASH_WAIT_SECONDS` at most and
+        is refused (:class:`HashingBusy`) instead of taking every core from the requests
+        that are not logins.
     """
 
     def __init__(
-        self, pool: ProcessPool, schema: str, *, bcrypt_rounds: int = DEFAULT_BCRYPT_ROUNDS
+        self,
+        pool: ProcessPool,
+        schema: str,
+        *,
+        bcrypt_rounds: int = DEFAULT_BCRYPT_ROUNDS,
+        hash_concurrency: int | None = None,
     ) -> None:
         self.pool = pool
         self.schema = schema
         self.bcrypt_rounds = bcrypt_rounds
+        self._hash_slots = (
+            threading.BoundedSemaphore(hash_concurrency) if hash_concurrency else None
+        )
         self.statements = Queries(schema, "accounts.sql", package="admin_api")
         self._dummy_hash: bytes | None = None
 
@@ -234,9 +255,22 @@ class AccountStore:
             cur = c.execute(self.statements[name], params)
             return cur.fetchall() if cur.description is not None else []
 
+    def _bcrypt(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one bcrypt computation, within the bound on how many run at once."""
+        slots = self._hash_slots
+        if slots is None:
+            return fn(*args)
+        if not slots.acquire(timeout=HASH_WAIT_SECONDS):
+            raise HashingBusy("too many password checks are running; try again in a second")
+        try:
+            return fn(*args)
+        finally:
+            slots.release()
+
     def _hash_password(self, password: Any) -> str:
         data = check_password(password)
-        return bcrypt.hashpw(data, bcrypt.gensalt(self.bcrypt_rounds)).decode("ascii")
+        salt = bcrypt.gensalt(self.bcrypt_rounds)
+        return self._bcrypt(bcrypt.hashpw, data, salt).decode("ascii")
 
     # -- users ---------------------------------------------------------------------------
 
@@ -343,7 +377,7 @@ class AccountStore:
         # it cannot tell a known email (instant refusal) from an unknown one (a check).
         stored = rows[0][-1].encode("ascii") if rows else self._dummy()
         try:
-            ok = bcrypt.checkpw(candidate[:MAX_PASSWORD_BYTES], stored)
+            ok = self._bcrypt(bcrypt.checkpw, candidate[:MAX_PASSWORD_BYTES], stored)
         except ValueError:  # a stored hash bcrypt cannot read
             ok = False
         if not rows or not ok or len(candidate) > MAX_PASSWORD_BYTES:

@@ -33,6 +33,7 @@ from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
 from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
+from .throttle import LoginThrottle
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def create_app(
     store: JobStore | None = None,
     accounts: AccountStore | None = None,
     engine: Engine | None = None,
+    throttle: LoginThrottle | None = None,
 ) -> falcon.App:
     """Build the admin API.
 
@@ -108,6 +110,7 @@ def create_app(
         per-process pool.
       accounts(AccountStore): users, sessions and tokens. Default: one on the store's pool.
       engine(Engine): the SQLAlchemy engine for reads. Default: one on the same URL.
+      throttle(LoginThrottle): the login throttle. Default: one on the accounts' pool.
 
     Returns:
       falcon.App: the WSGI application.
@@ -124,7 +127,11 @@ def create_app(
     if store is None:
         store = JobStore(ApiPool(settings), settings.schema, events=settings.events)
     if accounts is None:
-        accounts = AccountStore(store.pool, settings.schema)
+        accounts = AccountStore(
+            store.pool, settings.schema, hash_concurrency=settings.login_concurrency
+        )
+    if throttle is None:
+        throttle = LoginThrottle(accounts.pool, settings.schema)
     if engine is None:
         engine = create_engine(settings.url or database_url(), settings)
     queries = JobQueries(engine, settings.schema)
@@ -142,7 +149,7 @@ def create_app(
     # "/api/jobs/" and "/api/jobs" are the same resource.
     app.req_options.strip_url_path_trailing_slash = True
 
-    for path, resource in routes(settings, store, accounts, queries, monitor):
+    for path, resource in routes(settings, store, accounts, queries, monitor, throttle):
         if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
             # HEAD answers what GET would, without the body (Falcon sends none for HEAD).
             resource.on_head = resource.on_get
@@ -160,6 +167,7 @@ def routes(
     accounts: AccountStore,
     queries: JobQueries,
     monitor: Monitor | None = None,
+    throttle: LoginThrottle | None = None,
 ) -> list[tuple[str, object]]:
     """Every route of the API and its resource (the OpenAPI document lists the same)."""
     return [
@@ -174,7 +182,7 @@ def routes(
         ("/api/jobs/{job_id}/cancel", JobTransition(queries, store, "cancel")),
         ("/api/job-events", EventFeed(queries)),
         ("/api/schedules", ScheduleList(store)),
-        ("/api/auth/login", Login(accounts, settings)),
+        ("/api/auth/login", Login(accounts, settings, throttle)),
         ("/api/auth/logout", Logout(accounts, settings)),
         ("/api/auth/me", Me()),
         ("/api/users", UserList(accounts)),

@@ -23,6 +23,7 @@ from dramatiq_pg_broker.errors import InvalidTransition, JobNotFound, SchemaMiss
 
 from .accounts import (
     EmailTaken,
+    HashingBusy,
     InvalidAccountData,
     LastAdmin,
     TokenNotFound,
@@ -114,6 +115,10 @@ def _cancelled(ex: BaseException) -> bool:
     return False
 
 
+def _busy(req, resp, ex, params):
+    raise ApiError(429, f"{ex}.", headers={"Retry-After": "1"})
+
+
 def _unavailable(req, resp, ex, params):
     if _cancelled(ex):
         logger.warning("Statement timeout while serving %s %s", req.method, req.path)
@@ -159,6 +164,7 @@ def add_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(InvalidAccountData, _raise(400, "{ex}."))
     app.add_error_handler(EmailTaken, _raise(409, "{ex}."))
     app.add_error_handler(LastAdmin, _raise(409, "{ex}."))
+    app.add_error_handler(HashingBusy, _busy)
     app.add_error_handler(UserNotFound, _raise(404, "{ex}."))
     app.add_error_handler(TokenNotFound, _raise(404, "{ex}."))
     app.add_error_handler(SchemaMissing, _raise(503, "{ex}."))

@@ -229,7 +229,14 @@ _401 = _error("No credentials, or invalid ones.")
 _403 = _error("The caller's role may not do this (or a cross-site request was refused).")
 _400 = _error("Bad input; the message says what was wrong.")
 _404 = _error("No such job (or, for a member, not one of theirs).")
-_503 = _error("The database is unavailable.")
+_503 = _error(
+    "The database is unavailable, or the query ran past the statement timeout "
+    "(DRAMATIQ_PG_STATEMENT_TIMEOUT); Retry-After says when to try again."
+)
+_429 = _error(
+    "Too many failed logins for this account or from this address, or too many password "
+    "checks at once; Retry-After gives the seconds to wait."
+)
 _413 = _error(f"The body is larger than {MAX_BODY_BYTES} bytes.")
 _415 = _error("The body is not JSON.")
 _411 = _error("The body is chunked: send it with a Content-Length.")
@@ -469,6 +476,7 @@ def _paths() -> dict[str, Any]:
                         "400": _400,
                         "401": _error("Wrong email or password, or a deactivated account."),
                         "403": _error("X-Requested-With missing, or an origin not allowed."),
+                        "429": _429,
                         "503": _503,
                     },
                 }

@@ -9,6 +9,7 @@ from dramatiq_pg_broker.config import Settings
 from ..accounts import AccountStore
 from ..auth import READERS, SESSION_COOKIE, clear_session_cookie, set_session_cookie
 from ..errors import ApiError
+from ..throttle import LoginThrottle, client_address
 from ..validation import Field, read_object
 
 LOGIN_FIELDS = {
@@ -23,17 +24,28 @@ class Login:
 
     public = True
 
-    def __init__(self, accounts: AccountStore, settings: Settings) -> None:
+    def __init__(self, accounts: AccountStore, settings: Settings, throttle: LoginThrottle) -> None:
         self.accounts = accounts
         self.settings = settings
+        self.throttle = throttle
+        self.trusted_proxies = frozenset(settings.trusted_proxies)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         values = read_object(req, LOGIN_FIELDS)
-        user = self.accounts.authenticate(values["email"], values["password"])
+        email, client = values["email"], client_address(req, self.trusted_proxies)
+        wait = self.throttle.retry_after(email, client)
+        if wait > 0:
+            raise too_many_logins(wait)
+        user = self.accounts.authenticate(email, values["password"])
         if user is None:
+            wait = self.throttle.failed(email, client)
             raise ApiError(
-                401, "The email or the password is wrong, or the account is deactivated."
+                401,
+                "The email or the password is wrong, or the account is deactivated."
+                + (f" Too many failed logins: the next may be tried in {wait} s." if wait else ""),
+                headers={"Retry-After": str(wait)} if wait else None,
             )
+        self.throttle.succeeded(email, client)
         previous = req.cookies.get(SESSION_COOKIE)
         if previous:
             # A new session id at every login, and the browser's previous session ends:
@@ -42,6 +54,14 @@ class Login:
         session_id = self.accounts.create_session(user.id, self.settings.session_hours)
         set_session_cookie(resp, session_id, self.settings)
         resp.media = {"user": user.as_dict(), "expires_in": int(self.settings.session_hours * 3600)}
+
+
+def too_many_logins(wait: int) -> ApiError:
+    return ApiError(
+        429,
+        f"Too many failed logins for this account or from this address: try again in {wait} s.",
+        headers={"Retry-After": str(wait)},
+    )
 
 
 class Logout:

@@ -1,0 +1,133 @@
+"""The shipped gunicorn configuration: slow and idle clients do not stop the API from
+answering, and the errors gunicorn answers itself (414, 431) are JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import statistics
+import time
+
+import pytest
+
+from .test_admin_e2e import free_port, start, stop
+from .workers import wait_for
+
+pytestmark = pytest.mark.slow
+
+#: Clients that connect and send nothing, and clients that send half a request head.
+IDLE_CLIENTS = 25
+HALF_HEADER_CLIENTS = 25
+
+
+def raw_request(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict, bytes]:
+    """Send ``data`` on a new connection; return the status, headers and body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            raw = b"".join(chunks)
+            head, sep, body = raw.partition(b"\r\n\r\n")
+            if sep:
+                headers = dict(
+                    line.decode("latin-1").split(": ", 1) for line in head.split(b"\r\n")[1:]
+                )
+                headers = {k.lower(): v for k, v in headers.items()}
+                if len(body) >= int(headers.get("content-length", "0")):
+                    break
+    raw = b"".join(chunks)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    headers = {
+        k.lower(): v for k, v in (line.decode("latin-1").split(": ", 1) for line in lines[1:])
+    }
+    return status, headers, body
+
+
+def health(port: int) -> tuple[int, float]:
+    started = time.perf_counter()
+    status, _, _ = raw_request(
+        port, b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    return status, time.perf_counter() - started
+
+
+@pytest.fixture
+def api(pg_url, schema, tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "DRAMATIQ_PG_URL": pg_url,
+        "DRAMATIQ_PG_SCHEMA": schema,
+        "ADMIN_API_BIND": f"127.0.0.1:{port}",
+        "ADMIN_API_LOG_LEVEL": "warning",
+    }
+    log = tmp_path / "gunicorn.log"
+    process = start(
+        ["-m", "gunicorn", "-c", "python:admin_api.gunicorn_conf", "admin_api.wsgi:app"],
+        env,
+        log,
+    )
+    try:
+
+        def up():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                return health(port)[0] == 200
+            return False
+
+        wait_for(up, 60, "gunicorn to answer /api/health", on_timeout=lambda: log.read_text())
+        yield port
+    finally:
+        stop(process)
+
+
+def test_slow_and_idle_clients_do_not_stop_health(api):
+    port = api
+    held = []
+    try:
+        for n in range(IDLE_CLIENTS + HALF_HEADER_CLIENTS):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if n % 2:
+                sock.sendall(b"GET /api/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            held.append(sock)
+        time.sleep(0.5)  # let the workers take every one of them
+        timings = []
+        for _ in range(20):
+            status, seconds = health(port)
+            assert status == 200
+            timings.append(seconds)
+        median = statistics.median(timings)
+        assert median <= 0.1, f"/api/health median {median * 1000:.0f} ms with slow clients"
+        assert max(timings) < 5, timings
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_errors_gunicorn_answers_itself_are_json(api):
+    port = api
+    long_line = b"GET /api/jobs?actor=" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    status, headers, body = raw_request(port, long_line)
+    assert status == 414
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body)["error"] == "uri_too_long"
+
+    many = b"".join(b"X-H%d: v\r\n" % n for n in range(150))
+    status, headers, body = raw_request(
+        port, b"GET /api/jobs HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"
+    )
+    assert status == 431
+    assert headers["content-type"] == "application/json"
+    error = json.loads(body)
+    assert error["error"] == "request_header_fields_too_large" and error["message"]
+
+    status, headers, body = raw_request(port, b"NOT HTTP\r\n\r\n")
+    assert status == 400 and json.loads(body)["error"] == "bad_request"
+    assert headers["x-content-type-options"] == "nosniff"

@@ -225,8 +225,7 @@ const COUNT_FIELDS = [
 
 async function overviewPage() {
   const cards = el("div", { class: "cards", id: "totals", "aria-live": "polite" });
-  const table = el("table", { class: "data", id: "queues" },
-    el("caption", { class: "muted", style: null, text: "" }),
+  const table = el("table", { class: "data", id: "queues", "aria-labelledby": "h-queues" },
     el("thead", {}, el("tr", {},
       el("th", { scope: "col", text: "Queue" }),
       COUNT_FIELDS.map(([, label, help]) => el("th", { scope: "col", class: "num", title: help, text: label })),
@@ -240,7 +239,7 @@ async function overviewPage() {
   setView("Overview",
     el("h1", { text: "Overview" }),
     cards,
-    el("h2", { text: "Queues" }),
+    el("h2", { id: "h-queues", text: "Queues" }),
     table,
     updated,
     el("h2", { text: "Last hour" }),
@@ -316,10 +315,9 @@ function drawBars(figure, data, series) {
     }
   });
   chart.append(svg("text", { x: width, y: height - 5, "text-anchor": "end", text: "now" }));
-  const legend = el("div", { class: "legend" }, series.map(([key, label, colour], i) =>
-    el("span", { "data-series": key }, el("span", { class: "swatch", style: null }), label + ": " + totals[i].split(" ")[0])));
-  // Swatch colours through the SVG-free way CSP allows: a class per series would need one
-  // rule per colour, so set the property from script (not an inline style attribute).
+  const legend = el("div", { class: "legend" }, series.map(([key, label], i) =>
+    el("span", { "data-series": key }, el("span", { class: "swatch" }), label + ": " + totals[i].split(" ")[0])));
+  // Colours set from script: the page's CSP refuses inline style attributes.
   legend.querySelectorAll(".swatch").forEach((swatch, i) => { swatch.style.background = series[i][2]; });
   const caption = figure.querySelector("figcaption");
   figure.replaceChildren(caption, chart, legend);
@@ -347,9 +345,13 @@ async function jobsPage() {
       el("input", { id: "filter-before", name: "created_before", type: "datetime-local", step: 1, value: params.get("created_before") || "" })),
     el("div", {}, el("button", { type: "submit", class: "primary", id: "filter-apply", text: "Apply" })),
     el("div", {}, el("a", { href: "/dashboard/jobs", text: "Clear" })));
-  // Empty fields stay out of the address.
+  // Empty fields stay out of the address (disabled fields are not submitted); enabled
+  // again if the browser restores this page from its back-forward cache.
   form.addEventListener("submit", () => {
     for (const input of form.querySelectorAll("input, select")) input.disabled = !input.value;
+  });
+  window.addEventListener("pageshow", () => {
+    for (const input of form.querySelectorAll("input, select")) input.disabled = false;
   });
   const table = el("table", { class: "data", id: "jobs" },
     el("thead", {}, el("tr", {}, ["Job", "Status", "Queue", "Actor", "Attempts", "Created", "Last error"].map((h) => el("th", { scope: "col", text: h })))),

@@ -51,6 +51,8 @@ def new_driver(width: int = 1366, height: int = 900):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
+    # Belt and braces: Selenium Manager (which could download a driver) stays offline.
+    os.environ.setdefault("SE_OFFLINE", "true")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for argument in (

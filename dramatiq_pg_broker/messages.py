@@ -99,7 +99,7 @@ def _check_key(key: Any) -> str | None:
 def _check_int(name: str, value: Any, low: int, high: int, unit: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidMessage(f"{name} must be an integer from {low} to {high}{unit}, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
         raise InvalidMessage(f"{name} must be an integer from {low} to {high}{unit}, got {value}")
     if not low <= value <= high:
         raise InvalidMessage(f"{name} must be an integer from {low} to {high}{unit}, got {value}")

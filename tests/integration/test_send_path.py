@@ -271,6 +271,7 @@ def test_a_bad_idempotency_key_is_a_value_error(broker, queue, conn, key, words)
         ({"priority": 2**31}, "priority must be an integer from -2147483648 to 2147483647"),
         ({"priority": -(2**31) - 1}, "priority must be an integer from -2147483648"),
         ({"priority": "high"}, "priority must be an integer"),
+        ({"priority": 1.5}, "priority must be an integer"),
         ({"delay": 10**17}, "delay must be an integer from 0 to 315360000000 milliseconds"),
         ({"delay": -5}, "delay must be an integer from 0"),
         ({"eta": 10**17}, "eta must be at most 315360000000 milliseconds"),
@@ -341,3 +342,30 @@ def test_join_fail_fast_ignores_an_earlier_failure_when_this_host_runs_behind(
     wait_for(lambda: broker.store.get(message.message_id)["status"] == "failed", what="failure")
     skewed_clock(monkeypatch, -5)
     broker.join(queue, timeout=20_000, fail_fast=True)  # an idle queue: returns at once
+
+
+def test_a_send_is_one_prepared_statement_in_one_round_trip(pg_url, schema, queue, tmp_path):
+    """A durable send is a single autocommit statement: no BEGIN, no separate COMMIT, and
+    (once psycopg has prepared it) no query text sent again."""
+    broker = PostgresBroker(url=pg_url, schema=schema, pool_min_size=1, pool_max_size=1)
+    try:
+
+        @dramatiq.actor(broker=broker, queue_name=queue)
+        def task(n):
+            pass
+
+        for n in range(10):  # psycopg prepares a statement on its fifth execution
+            task.send(n)
+        trace = tmp_path / "trace.txt"
+        with open(trace, "w") as f:
+            with broker.pool.connection() as c:
+                c.pgconn.trace(f.fileno())
+            task.send(99)
+            with broker.pool.connection() as c:
+                c.pgconn.untrace()
+        sent = [line.split("\t")[3].split()[0] for line in trace.read_text().splitlines()
+                if line.split("\t")[1] == "F"]  # fmt: skip
+        assert sent.count("Sync") == 1, sent  # one round trip
+        assert "Query" not in sent and "Parse" not in sent, sent  # prepared, no COMMIT
+    finally:
+        broker.close()

@@ -88,9 +88,9 @@ def log_in(driver, stack, role: str, path: str = "/dashboard") -> None:
         "the login form",
         lambda d: [e for e in css(d, "#login-email") if e.is_displayed()],
     )
+    # By keyboard: type, then Enter submits the form.
     email[0].send_keys(f"{role}@example.com")
-    css(driver, "#login-password")[0].send_keys(PASSWORD)
-    css(driver, "#login-submit")[0].click()
+    css(driver, "#login-password")[0].send_keys(PASSWORD + "\n")
     wait(
         driver, stack, f"{role} logged in", lambda d: f"({role})" in (text_of(d, "#who-text") or "")
     )
@@ -239,6 +239,48 @@ def test_an_operator_sees_counts_change_and_retries_a_failed_job(stack, accounts
     assert not css(browser, "#retry")
     browser.execute_script("window.scrollTo(0, 0)")
     screenshot(browser, "dashboard-job.png")
+
+    # Cancel a delayed job: it asks, then the job is cancelled and the button is gone.
+    later_jobs = stack.api("GET", "/api/jobs?queue=dash_later", token)["results"]
+    browser.get(f"{stack.base}/dashboard/jobs/{later_jobs[0]['id']}")
+    wait(browser, stack, "the Cancel button of a queued job", lambda d: css(d, "#cancel"))
+    css(browser, "#cancel")[0].click()
+    wait(browser, stack, "the confirmation", dialog_open)
+    css(browser, "#confirm-yes")[0].click()
+    wait(
+        browser,
+        stack,
+        "the job cancelled",
+        lambda d: css(d, 'h1 .badge[data-status="cancelled"]') and not css(d, "#cancel"),
+    )
+    assert stack.api("GET", f"/api/jobs/{later_jobs[0]['id']}", token)["status"] == "cancelled"
+
+
+def dialog_open(driver) -> bool:
+    return css(driver, "#confirm")[0].get_attribute("open") is not None
+
+
+def test_every_control_has_a_label_and_the_page_fits_a_laptop(stack, accounts, browser):
+    log_in(browser, stack, "operator", "/dashboard/jobs")
+    wait(browser, stack, "the job list", lambda d: css(d, "#filters"))
+    unlabelled = browser.execute_script(
+        """return [...document.querySelectorAll('input, select, textarea')]
+             .filter((e) => e.offsetParent !== null)
+             .filter((e) => !(e.labels && e.labels.length) && !e.getAttribute('aria-label'))
+             .map((e) => e.id || e.name);"""
+    )
+    assert unlabelled == []
+    nameless = browser.execute_script(
+        """return [...document.querySelectorAll('button, a')]
+             .filter((e) => e.offsetParent !== null && !e.textContent.trim()
+                     && !e.getAttribute('aria-label'))
+             .map((e) => e.outerHTML);"""
+    )
+    assert nameless == []
+    # 1366 pixels wide: nothing scrolls sideways.
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    )
 
 
 def test_a_viewer_sees_a_failed_job_but_no_retry_button(stack, accounts, browser):

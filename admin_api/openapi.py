@@ -101,9 +101,25 @@ _SCHEMAS: dict[str, Any] = {
     "JobPage": {
         "type": "object",
         "properties": {
-            "count": {"type": "integer"},
-            "next": {"type": ["string", "null"], "format": "uri"},
-            "previous": {"type": ["string", "null"], "format": "uri"},
+            "count": {
+                "type": "integer",
+                "description": "Matching jobs, counted up to 10,000 (see count_exact).",
+            },
+            "count_exact": {
+                "type": "boolean",
+                "description": "False when more than 10,000 jobs match: count is then 10,000.",
+            },
+            "next": {
+                "type": ["string", "null"],
+                "format": "uri-reference",
+                "description": "Older jobs (a keyset cursor link; relative unless "
+                "DRAMATIQ_PG_PUBLIC_URL is set).",
+            },
+            "previous": {
+                "type": ["string", "null"],
+                "format": "uri-reference",
+                "description": "Newer jobs (a keyset cursor link).",
+            },
             "results": {"type": "array", "items": _ref("Job")},
         },
     },
@@ -129,8 +145,8 @@ _SCHEMAS: dict[str, Any] = {
     "EventPage": {
         "type": "object",
         "properties": {
-            "next": {"type": ["string", "null"], "format": "uri"},
-            "previous": {"type": ["string", "null"], "format": "uri"},
+            "next": {"type": ["string", "null"], "format": "uri-reference"},
+            "previous": {"type": ["string", "null"], "format": "uri-reference"},
             "results": {"type": "array", "items": _ref("Event")},
         },
     },
@@ -298,8 +314,10 @@ def _paths() -> dict[str, Any]:
         "/api/jobs": {
             "get": _protected(
                 {
-                    "summary": "List jobs, newest first, with filters and limit-offset pages.",
-                    "description": "Members see only the jobs they created.",
+                    "summary": "List jobs, newest first, with filters and keyset pages.",
+                    "description": "Members see only the jobs they created. Follow next and "
+                    "previous (cursor links) to page; offset serves the first "
+                    f"{jobs_resource.MAX_OFFSET:,} jobs only.",
                     "parameters": [
                         _param(
                             "limit",
@@ -316,11 +334,28 @@ def _paths() -> dict[str, Any]:
                             "offset",
                             "query",
                             {"type": "integer", "minimum": 0, "maximum": jobs_resource.MAX_OFFSET},
-                            "Jobs to skip.",
+                            "Jobs to skip (not with cursor).",
+                        ),
+                        _param(
+                            "cursor",
+                            "query",
+                            {"type": "string"},
+                            "A position from a next or previous link.",
                         ),
                         _param("status", "query", statuses, "Exact status."),
-                        _param("queue", "query", {"type": "string"}, "Exact queue name."),
-                        _param("actor", "query", {"type": "string"}, "Case-insensitive substring."),
+                        _param(
+                            "queue",
+                            "query",
+                            {"type": "string", "maxLength": jobs_resource.MAX_FILTER_LENGTH},
+                            "Exact queue name.",
+                        ),
+                        _param(
+                            "actor",
+                            "query",
+                            {"type": "string", "maxLength": jobs_resource.MAX_FILTER_LENGTH},
+                            "Case-insensitive substring of the actor's name (at most "
+                            "50 actor names may match).",
+                        ),
                         _param("created_after", "query", _TIME, "Created at or after (ISO 8601)."),
                         _param("created_before", "query", _TIME, "Created before (ISO 8601)."),
                     ],

@@ -1,17 +1,19 @@
-"""Page links: limit-offset for the job list, opaque cursors for the event feed."""
+"""Page links: opaque keyset cursors for the job list and the event feed."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import re
+import uuid
 from typing import Any
 from urllib.parse import urlencode
 
 import falcon
 
 from .errors import bad_request
-from .queries import Cursor
+from .queries import Cursor, JobCursor, JobPage
 
 _CURSOR_RE = re.compile(r"^([on]):(\d{1,19})$")
 #: The largest event id (a bigint) a cursor may hold.
@@ -34,20 +36,66 @@ def page_link(req: falcon.Request, **changes: Any) -> str:
     return link_to(req, req.path + (f"?{query}" if query else ""))
 
 
-def offset_links(
-    req: falcon.Request, *, count: int, limit: int, offset: int
+def job_links(
+    req: falcon.Request, page: JobPage, *, limit: int, offset: int, cursor: JobCursor | None
 ) -> tuple[str | None, str | None]:
-    """The ``next`` and ``previous`` links of a limit-offset page."""
-    following = (
-        page_link(req, limit=limit, offset=offset + limit) if offset + limit < count else None
-    )
-    if offset <= 0:
-        preceding = None
-    else:
-        # Past the end, "previous" goes to the last page that has results.
-        start = min(offset - limit, max(0, count - limit)) if count else 0
-        preceding = page_link(req, limit=limit, offset=max(0, start) or None)
+    """The ``next`` (older jobs) and ``previous`` (newer jobs) links of a job-list page.
+
+    Both are keyset links (``cursor=...``), whatever the request used: a cursor is a
+    position, so the next page costs the same however deep it is, and jobs created
+    meanwhile do not shift it. ``offset`` is dropped from them.
+    """
+    results = page.results
+    older = cursor is None or cursor.older
+    following = preceding = None
+
+    def link(direction_older: bool, job: dict[str, Any]) -> str:
+        position = JobCursor(direction_older, job["created_at"], job["id"])
+        return page_link(req, cursor=encode_job_cursor(position), offset=None, limit=limit)
+
+    if results:
+        if older:
+            if page.more:
+                following = link(True, results[-1])
+            if cursor is not None or offset > 0:
+                preceding = link(False, results[0])
+        else:
+            if page.more:
+                preceding = link(False, results[0])
+            following = link(True, results[-1])
+    elif cursor is not None:
+        # An empty page past either end: back the other way from the cursor itself.
+        back = {"created_at": cursor.created_at, "id": cursor.id}
+        if cursor.older:
+            preceding = link(False, back)
+        else:
+            following = link(True, back)
     return following, preceding
+
+
+def encode_job_cursor(cursor: JobCursor) -> str:
+    text = f"{'o' if cursor.older else 'n'}|{cursor.created_at.isoformat()}|{cursor.id}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode_job_cursor(raw: str) -> JobCursor:
+    """Read a cursor made by :func:`encode_job_cursor`.
+
+    Raises:
+      ApiError: 400 when it is not one.
+    """
+    try:
+        text = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii")
+        direction, created_at, job_id = text.split("|")
+        when = dt.datetime.fromisoformat(created_at)
+        if direction not in ("o", "n") or when.tzinfo is None or len(raw) > 200:
+            raise ValueError(text)
+        return JobCursor(direction == "o", when, str(uuid.UUID(job_id)))
+    except (binascii.Error, ValueError, UnicodeDecodeError):
+        raise bad_request(
+            "cursor is not one this API made: use the 'next' or 'previous' link of a "
+            "response, or leave cursor out for the newest jobs"
+        ) from None
 
 
 def encode_cursor(cursor: Cursor) -> str:

@@ -22,15 +22,18 @@ from dramatiq_pg_broker.messages import (
 from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
-from ..pagination import link_to, offset_links
-from ..queries import JOB_COLUMNS, JobFilters, JobQueries
+from ..pagination import decode_job_cursor, job_links, link_to
+from ..queries import JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
 from ..validation import Field, Query, parse_uuid, read_object
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
 DEFAULT_LIMIT = 25
 MAX_LIMIT = 100
-#: The deepest ``offset`` accepted (beyond it, narrow the filters instead).
-MAX_OFFSET = 10_000_000
+#: The deepest ``offset`` accepted: deeper, follow the ``next`` links (keyset cursors),
+#: which cost the same at any depth.
+MAX_OFFSET = 10_000
+#: The longest ``queue`` or ``actor`` filter (Dramatiq's names are shorter).
+MAX_FILTER_LENGTH = 255
 #: Dramatiq's own rule for queue names.
 QUEUE_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9._-]*$"
 
@@ -73,7 +76,16 @@ JOB_FIELDS = {
     ),
 }  # fmt: skip
 
-LIST_PARAMS = ("limit", "offset", "status", "queue", "actor", "created_after", "created_before")
+LIST_PARAMS = (
+    "limit",
+    "offset",
+    "cursor",
+    "status",
+    "queue",
+    "actor",
+    "created_after",
+    "created_before",
+)
 
 
 def member_scope(user: User) -> str:
@@ -87,12 +99,23 @@ def member_scope(user: User) -> str:
     return idempotency_scope(f"member:{user.id}")
 
 
+def _bounded(query: Query, name: str) -> str | None:
+    """A text filter of at most :data:`MAX_FILTER_LENGTH` characters (None when empty)."""
+    value = query.text(name)
+    if not value:
+        return None
+    if len(value) > MAX_FILTER_LENGTH:
+        raise bad_request(f"{name} must be at most {MAX_FILTER_LENGTH} characters long")
+    return value
+
+
 def job_id_param(raw: str) -> str:
     return parse_uuid(raw, "job id")
 
 
 class JobList:
-    """``GET /api/jobs`` (filters, limit-offset pages) and ``POST /api/jobs``."""
+    """``GET /api/jobs`` (filters; keyset pages, or an offset up to :data:`MAX_OFFSET`)
+    and ``POST /api/jobs``."""
 
     permissions = {"GET": READERS, "POST": CREATORS}
 
@@ -108,18 +131,35 @@ class JobList:
         query = Query(req, LIST_PARAMS)
         limit = query.integer("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
         offset = query.integer("offset", 0, 0, MAX_OFFSET)
+        raw_cursor = query.text("cursor")
+        cursor = decode_job_cursor(raw_cursor) if raw_cursor else None
+        if cursor is not None and offset:
+            raise bad_request("give cursor or offset, not both")
         filters = JobFilters(
             status=query.choice("status", STATUSES),
-            queue=query.text("queue") or None,
-            actor=query.text("actor") or None,
+            queue=_bounded(query, "queue"),
+            actor=_bounded(query, "actor"),
             created_after=query.datetime("created_after"),
             created_before=query.datetime("created_before"),
         )
-        count, results = self.queries.list_jobs(
-            filters, limit=limit, offset=offset, owner_id=owner_scope(req.context.user)
-        )
-        following, preceding = offset_links(req, count=count, limit=limit, offset=offset)
-        resp.media = {"count": count, "next": following, "previous": preceding, "results": results}
+        try:
+            page = self.queries.list_jobs(
+                filters,
+                limit=limit,
+                offset=offset,
+                cursor=cursor,
+                owner_id=owner_scope(req.context.user),
+            )
+        except TooManyActors as e:
+            raise bad_request(str(e)) from None
+        following, preceding = job_links(req, page, limit=limit, offset=offset, cursor=cursor)
+        resp.media = {
+            "count": page.count,
+            "count_exact": page.count_exact,
+            "next": following,
+            "previous": preceding,
+            "results": page.results,
+        }
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         values = read_object(req, JOB_FIELDS)

@@ -40,14 +40,16 @@ def test_list_is_newest_first_with_default_page_size(env):
     queue = unique()
     ids = [env.enqueue(queue=queue) for _ in range(30)]
     page = env.get(f"/api/jobs?queue={queue}").json
-    assert page["count"] == 30
+    assert page["count"] == 30 and page["count_exact"] is True
     assert [job["id"] for job in page["results"]] == list(reversed(ids))[:25]
     assert page["previous"] is None
-    assert query_of(page["next"]) == {"queue": [queue], "limit": ["25"], "offset": ["25"]}
+    assert set(query_of(page["next"])) == {"queue", "limit", "cursor"}
     last = env.get(page["next"]).json
     assert [job["id"] for job in last["results"]] == list(reversed(ids))[25:]
     assert last["next"] is None
-    assert query_of(last["previous"]) == {"queue": [queue], "limit": ["25"]}
+    back = env.get(last["previous"]).json
+    assert [job["id"] for job in back["results"]] == list(reversed(ids))[:25]
+    assert back["previous"] is None
 
 
 def test_list_pagination_edges(env):
@@ -63,16 +65,48 @@ def test_list_pagination_edges(env):
     assert [j["id"] for j in exact["results"]] == ids and exact["next"] is None
     middle = page("limit=2&offset=2")
     assert [j["id"] for j in middle["results"]] == ids[2:4]
-    assert query_of(middle["next"])["offset"] == ["4"]
-    assert "offset" not in query_of(middle["previous"])
+    following = env.get(middle["next"]).json
+    assert [j["id"] for j in following["results"]] == ids[4:] and following["next"] is None
+    preceding = env.get(middle["previous"]).json
+    assert [j["id"] for j in preceding["results"]] == ids[:2] and preceding["previous"] is None
+    assert [j["id"] for j in env.get(preceding["next"]).json["results"]] == ids[2:4]
     tail = page("limit=2&offset=4")
     assert [j["id"] for j in tail["results"]] == ids[4:] and tail["next"] is None
     beyond = page("limit=2&offset=50")
     assert beyond["results"] == [] and beyond["count"] == 5 and beyond["next"] is None
-    assert query_of(beyond["previous"])["offset"] == ["3"]
     assert len(page("limit=100")["results"]) == 5
     assert len(page("limit=1")["results"]) == 1
     assert page("offset=")["count"] == 5  # an empty value means the default
+    # Walking the whole list by cursor, one job a page, visits every job once.
+    seen, link = [], f"/api/jobs?queue={queue}&limit=1"
+    while link:
+        step = env.get(link).json
+        seen += [j["id"] for j in step["results"]]
+        link = step["next"]
+    assert seen == ids
+
+
+def test_deep_pages_are_cursor_pages_and_counts_are_capped(env, monkeypatch):
+    from admin_api import queries
+
+    monkeypatch.setattr(queries, "COUNT_CAP", 3)
+    queue = unique()
+    ids = list(reversed([env.enqueue(queue=queue) for _ in range(5)]))
+    page = env.get(f"/api/jobs?queue={queue}&limit=2").json
+    assert page["count"] == 3 and page["count_exact"] is False
+    assert env.get(f"/api/jobs?queue={queue}&offset=10001").status_code == 400
+    bad = env.get(f"/api/jobs?queue={queue}&cursor=bm9wZQ")
+    assert bad.status_code == 400 and "cursor" in bad.json["message"]
+    both = env.get(page["next"] + "&offset=1")
+    assert both.status_code == 400
+    assert [j["id"] for j in env.get(page["next"]).json["results"]] == ids[2:4]
+    too_long = env.get("/api/jobs?actor=" + "a" * 256)
+    assert too_long.status_code == 400 and "at most 255" in too_long.json["message"]
+    monkeypatch.setattr(queries, "MAX_ACTOR_MATCHES", 1)
+    env.enqueue(actor="tests.one_of_two")
+    env.enqueue(actor="tests.two_of_two")
+    many = env.get("/api/jobs?actor=of_two")
+    assert many.status_code == 400 and "matches 2 actor names" in many.json["message"]
 
 
 @pytest.mark.parametrize(

@@ -201,11 +201,13 @@ class JobQueries:
             conditions.append(jobs.c.id.in_(owned))
         with self.engine.connect() as conn:
             branches: list[list[Any]] = [[]]
+            names_condition: list[Any] = []
             if filters.actor is not None:
                 names = self._matching_actors(conn, filters.actor)
                 if not names:
                     return JobPage(0, True, [], False)
                 branches = [[jobs.c.actor_name == name] for name in names]
+                names_condition = [jobs.c.actor_name.in_(names)]
             older = cursor is None or cursor.older
             order = (
                 (jobs.c.created_at.desc(), jobs.c.id.desc())
@@ -263,18 +265,14 @@ class JobQueries:
                 rows = conn.execute(
                     _job_select().where(jobs.c.id.in_(ids)).order_by(*newest_first)
                 ).all()
-            count = 0
-            for branch in branches:
-                capped = (
-                    sa.select(sa.literal(1))
-                    .select_from(jobs)
-                    .where(*conditions, *branch)
-                    .limit(COUNT_CAP + 1 - count)
-                    .subquery()
-                )
-                count += conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
-                if count > COUNT_CAP:
-                    break
+            capped = (
+                sa.select(sa.literal(1))
+                .select_from(jobs)
+                .where(*conditions, *names_condition)
+                .limit(COUNT_CAP + 1)
+                .subquery()
+            )
+            count = conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
         exact = count <= COUNT_CAP
         return JobPage(min(count, COUNT_CAP), exact, [job_dict(row) for row in rows], more)
 

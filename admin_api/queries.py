@@ -203,11 +203,12 @@ class JobQueries:
             branches: list[list[Any]] = [[]]
             names_condition: list[Any] = []
             if filters.actor is not None:
-                names = self._matching_actors(conn, filters.actor)
+                names, every_actor = self._matching_actors(conn, filters.actor)
                 if not names:
                     return JobPage(0, True, [], False)
-                branches = [[jobs.c.actor_name == name] for name in names]
-                names_condition = [jobs.c.actor_name.in_(names)]
+                if not every_actor:  # a filter every job passes is left out
+                    branches = [[jobs.c.actor_name == name] for name in names]
+                    names_condition = [jobs.c.actor_name.in_(names)]
             older = cursor is None or cursor.older
             order = (
                 (jobs.c.created_at.desc(), jobs.c.id.desc())
@@ -221,8 +222,9 @@ class JobQueries:
                     sa.literal(cursor.created_at, Timestamp), sa.literal(cursor.id, jobs.c.id.type)
                 )
                 position.append(key < mark if cursor.older else key > mark)
-            # One index walk per branch, each fetching what the page could need, then the
-            # page of the merged ids.
+            # One index walk per branch, each fetching what the page could need (the rows
+            # skipped by the offset, the page, and one more to tell whether more follow),
+            # then the page of the merged ids.
             wanted = offset + limit + 1
             selects = [
                 sa.select(jobs.c.id, jobs.c.created_at)
@@ -232,8 +234,7 @@ class JobQueries:
                 for branch in branches
             ]
             if len(selects) == 1:
-                ids_query = selects[0].offset(offset)
-                merged = ids_query.subquery("page")
+                merged = selects[0].limit(limit + 1).offset(offset).subquery("page")
             else:
                 merged_all = sa.union_all(*(q.subquery().select() for q in selects)).subquery("b")
                 merged_order = (
@@ -244,7 +245,7 @@ class JobQueries:
                 merged = (
                     sa.select(merged_all.c.id, merged_all.c.created_at)
                     .order_by(*merged_order)
-                    .limit(wanted)
+                    .limit(limit + 1)
                     .offset(offset)
                     .subquery("page")
                 )
@@ -276,8 +277,9 @@ class JobQueries:
         exact = count <= COUNT_CAP
         return JobPage(min(count, COUNT_CAP), exact, [job_dict(row) for row in rows], more)
 
-    def _matching_actors(self, conn, fragment: str) -> list[str]:
-        """The distinct actor names containing ``fragment`` (case-insensitive).
+    def _matching_actors(self, conn, fragment: str) -> tuple[list[str], bool]:
+        """The distinct actor names containing ``fragment`` (case-insensitive), and whether
+        they are every actor name of the table.
 
         A loose index scan of ``jobs_actor_created_idx``: each step of the recursive query
         jumps to the next distinct name, so it costs one index probe per actor, not one row
@@ -297,15 +299,19 @@ class JobQueries:
             .scalar_subquery()
         )
         actors = actors.union_all(sa.select(following).where(actors.c.name.is_not(None)))
-        names = conn.execute(sa.select(actors.c.name).where(actors.c.name.is_not(None))).scalars()
+        names = list(
+            conn.execute(sa.select(actors.c.name).where(actors.c.name.is_not(None))).scalars()
+        )
         needle = fragment.casefold()
         matching = [name for name in names if needle in name.casefold()]
+        if len(matching) == len(names):
+            return matching, True
         if len(matching) > MAX_ACTOR_MATCHES:
             raise TooManyActors(
                 f"actor {fragment!r} matches {len(matching)} actor names; give more of the name "
                 f"(at most {MAX_ACTOR_MATCHES} may match)"
             )
-        return matching
+        return matching, False
 
     @staticmethod
     def _conditions(filters: JobFilters) -> list[Any]:

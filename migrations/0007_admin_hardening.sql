@@ -28,6 +28,15 @@ CREATE INDEX login_throttle_window_start_idx ON login_throttle (window_start);
 CREATE INDEX jobs_queue_created_idx ON jobs (queue_name, created_at, id);
 CREATE INDEX jobs_actor_created_idx ON jobs (actor_name, created_at, id);
 
+-- The same filters on the dead letters (?status=failed&queue=... or &actor=...). Partial,
+-- like jobs_dead_idx: a row enters them only when it fails or is cancelled, so they cost
+-- nothing on the hot path, and a queue or an actor with no failures answers at once
+-- instead of walking every failed job.
+CREATE INDEX jobs_dead_queue_idx ON jobs (queue_name, created_at, id)
+    WHERE status IN ('failed', 'cancelled');
+CREATE INDEX jobs_dead_actor_idx ON jobs (actor_name, created_at, id)
+    WHERE status IN ('failed', 'cancelled');
+
 -- The event feed filtered by type, newest first. Three event types make up almost every
 -- row (each job has one created, one claimed per attempt and usually one succeeded): a
 -- filter on them finds a page at once walking the primary key. The others are rare, and

@@ -314,8 +314,15 @@ class Scheduler:
             timezone=UTC,
         )
         for schedule in schedules:
+            # A first firing at once: a tick that fell between the registration above and
+            # the scheduler's start is enqueued now, not one period late.
             scheduler.add_job(
-                self.fire, schedule.trigger(), args=[schedule], id=schedule.name, name=schedule.name
+                self.fire,
+                schedule.trigger(),
+                args=[schedule],
+                id=schedule.name,
+                name=schedule.name,
+                next_run_time=dt.datetime.now(UTC),
             )
         if self.settings.retention:
             scheduler.add_job(

@@ -247,3 +247,22 @@ def test_a_registration_the_database_refused_is_retried_at_the_next_tick(make_br
         (at(6).isoformat(), 1),
         (at(7).isoformat(), 1),
     ]
+
+
+def test_a_tick_between_registration_and_the_scheduler_start_is_not_a_period_late(make_broker):
+    import time
+
+    broker = make_broker(retention=False)
+    declare(broker, every=3600)
+    scheduler = Scheduler(broker)
+    # Registered "two hours ago": the hourly ticks since then fell before the scheduler's
+    # own first fire time, an hour from now; its first firing at start enqueues them.
+    scheduler.start(now=dt.datetime.now(UTC) - dt.timedelta(hours=2))
+    try:
+        deadline = time.monotonic() + 20
+        while not tick_jobs(broker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ticks = [j["periodic"]["tick"] for j in tick_jobs(broker)]
+        assert len(ticks) == 2, f"the ticks since the registration were not enqueued: {ticks}"
+    finally:
+        scheduler.stop()

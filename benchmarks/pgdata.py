@@ -240,3 +240,15 @@ def table_sizes(url: str, schema: str) -> dict[str, int]:
             ).fetchone()[0]
             for table in ("jobs", "job_events")
         }
+
+
+def autovacuum_on(url: str) -> bool:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SHOW autovacuum").fetchone()[0] == "on"
+
+
+def vacuum(url: str, schema: str) -> None:
+    """A plain VACUUM of the job tables (no lock that blocks reads or writes)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(_q("VACUUM {schema}.jobs", schema))
+        conn.execute(_q("VACUUM {schema}.job_events", schema))

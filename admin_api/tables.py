@@ -50,6 +50,10 @@ jobs = Table(
     Column("updated_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
+    # Whether the current claim's actor started; failed attempts; interrupted attempts.
+    Column("started", Boolean, nullable=False),
+    Column("failures", Integer, nullable=False),
+    Column("interruptions", Integer, nullable=False),
     Column("idempotency_scope", Text, nullable=False),
 )
 

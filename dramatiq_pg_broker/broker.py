@@ -26,12 +26,14 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import messages, sending
 from .config import Settings
-from .consumer import OutcomeWriter, PgMessageProxy, PostgresConsumer
+from .consumer import PgMessageProxy, PostgresConsumer, describe_error
 from .current import JobContext, current_job
 from .db import ProcessPool
 from .errors import InvalidMessage, PgBrokerError, TransactionError
-from .jobs import JobStore, NewJob
+from .inflight import Ledger, State
+from .jobs import JobStore, NewJob, clean_text
 from .leases import LeaseKeeper
+from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
 
@@ -104,7 +106,10 @@ class PostgresBroker(dramatiq.Broker):
         for m in self.middleware:
             if isinstance(m, Retries):
                 m.configure(settings.backoff_base_ms, settings.backoff_max_ms)
-        self.add_middleware(JobContext())
+        # First, so that a message this process no longer owns is skipped before any
+        # other middleware sees it start.
+        first = type(self.middleware[0]) if self.middleware else None
+        self.add_middleware(JobContext(), before=first)
         self.schedules: list[Schedule] = []
         self.periodic = Periodic()
         self.add_middleware(self.periodic)
@@ -114,6 +119,8 @@ class PostgresBroker(dramatiq.Broker):
         self.store = JobStore(self.pool, settings.schema, events=settings.events)
         self.leases = LeaseKeeper(self)
         self.outcomes = OutcomeWriter(self)
+        #: Every attempt this process holds: the one owner of their states.
+        self.ledger = Ledger(self)
         self._consumers_lock = threading.Lock()
         self._sends = sending.SendContext()
         self._identity: tuple | None = None
@@ -191,11 +198,20 @@ class PostgresBroker(dramatiq.Broker):
             ``enqueue_retries`` attempts.
         """
         self.emit_before("enqueue", message, delay)
+        proxy = self._in_flight(message)
+        if proxy is not None and isinstance(proxy.options.get("traceback"), str):
+            # Dramatiq's formatted traceback repeats the error text, which may hold
+            # characters a stored message cannot (NUL, lone surrogates).
+            proxy.options["traceback"] = clean_text(proxy.options["traceback"])
         job, stored = self.job_for(message, delay)
 
-        proxy = self._in_flight(message)
         if proxy is not None:
-            self.reschedule(proxy, job.delay_ms, None, replace_message=True, new_message=stored)
+            delay_ms = job.delay_ms
+            if message is proxy and proxy.backoff_ms is not None:
+                # A retry by this package's Retries: its deterministic backoff.
+                delay_ms = proxy.backoff_ms
+            error = describe_error(proxy) if proxy._exception is not None else None
+            self.reschedule(proxy, delay_ms, error, replace_message=True, new_message=stored)
             self.emit_after("enqueue", message, delay)
             return message
 
@@ -359,9 +375,13 @@ class PostgresBroker(dramatiq.Broker):
     def _in_flight(self, message: dramatiq.Message) -> PgMessageProxy | None:
         """The unsettled attempt of this message that this thread is running, if any."""
         if isinstance(message, PgMessageProxy):
-            return message if not message._settled else None
+            return message if self.ledger.state_of(message.attempt) is State.STARTED else None
         job = current_job()
-        if job is not None and job.id == message.message_id and not job.message._settled:
+        if (
+            job is not None
+            and job.id == message.message_id
+            and self.ledger.state_of(job.message.attempt) is State.STARTED
+        ):
             return job.message
         return None
 
@@ -405,18 +425,21 @@ class PostgresBroker(dramatiq.Broker):
             data = stored.view
             if data is None and stored.view_from_bytes:
                 data = messages.display_view(data_bytes)
-        # Settled whatever happens: a failed attempt whose retry could not be written must
-        # not be acked as a success by the ack Dramatiq sends next.
-        message._settled = True
-        owned = self._with_retries(
-            lambda: self.store.reschedule(
-                message.attempt,
-                message.queue_name,
-                delay_ms,
-                error,
-                message=data,
-                message_bytes=data_bytes,
-            )
+        # The ledger settles the attempt whatever happens: a failed attempt whose retry
+        # could not be written must not be acked as a success by the ack Dramatiq sends
+        # next.
+        owned = self.ledger.reschedule(
+            message.attempt,
+            lambda: self._with_retries(
+                lambda: self.store.reschedule(
+                    message.attempt,
+                    message.queue_name,
+                    delay_ms,
+                    error,
+                    message=data,
+                    message_bytes=data_bytes,
+                )
+            ),
         )
         if not owned:
             logger.warning(

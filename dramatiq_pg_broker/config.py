@@ -53,6 +53,12 @@ class Settings:
       max_attempts(int): attempts of a job whose actor sets no ``max_retries``
         (``max_retries + 1``).
       pool_min_size(int), pool_max_size(int): the per-process connection pool bounds.
+      pool_timeout(float): the longest a caller (a ``send()``, say) waits for a pooled
+        connection before it gets a connection error; while the server is unreachable the
+        pool tries to reconnect at least twice a second.
+      max_interruptions(int): how often a job's attempts may be interrupted (its worker
+        died, hung or lost its lease) before the reaper fails it. Interruptions are not
+        failures: ``max_retries`` does not count them.
       enqueue_retries(int): how often a send is retried after a connection error.
       log_level(str): level for the ``dramatiq_pg_broker`` loggers, or None to leave them.
       cors_origins(tuple[str, ...]): origins the admin API allows cross-site requests from.
@@ -94,6 +100,8 @@ class Settings:
     max_attempts: int = 21
     pool_min_size: int = 1
     pool_max_size: int = 10
+    pool_timeout: float = 30.0
+    max_interruptions: int = 10
     enqueue_retries: int = 3
     log_level: str | None = None
     cors_origins: tuple[str, ...] = ()
@@ -124,6 +132,7 @@ class Settings:
             "session_hours",
             "retention_interval",
             "statement_timeout",
+            "pool_timeout",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -139,6 +148,7 @@ class Settings:
             "pool_max_size",
             "retention_batch",
             "login_concurrency",
+            "max_interruptions",
         )
         for name in minimum_one:
             if getattr(self, name) < 1:

@@ -1,36 +1,34 @@
-"""PostgresConsumer: claims batches of job rows, hands them to Dramatiq, and writes outcomes.
+"""PostgresConsumer: claims batches of job rows and hands them to Dramatiq.
 
-Claiming: a consumer claims up to ``prefetch - outstanding`` rows in one statement once
-its outstanding messages fall to half the prefetch, so a busy worker pays one round trip
-per batch, not per message. An idle consumer waits on LISTEN (its own connection) for a
-payload-free NOTIFY from an enqueue, at most until its poll interval or the moment the
-earliest delayed job becomes runnable, whichever comes first.
+Claiming: a consumer claims up to its free prefetch slots in one statement once its
+outstanding messages fall to half the prefetch, so a busy worker pays one round trip per
+batch, not per message. A slot stays taken until the attempt's outcome is written (see
+:mod:`.inflight`). An idle consumer claims once, then waits on LISTEN (its own connection)
+for a payload-free NOTIFY from an enqueue, a retry or a release, and claims again only when
+one arrives, when its poll interval has passed, or when the earliest delayed job becomes
+runnable.
 
-Outcomes: Dramatiq calls ``ack``/``nack`` from its worker threads. They are handed to one
-:class:`OutcomeWriter` thread per process, which writes everything that accumulated while
-its previous statement ran as one guarded statement per kind (group commit). An outcome is
-durable one round trip after the actor returns; a crash before that loses no job: the
-attempt is still ``running`` and runs again once its lease expires (at-least-once).
+Outcomes: ``ack``/``nack``/``requeue`` only tell the in-flight ledger, which owns every
+attempt's state; the :class:`~.outcomes.OutcomeWriter` writes them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import socket
 import threading
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import dramatiq
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError
 
 from .db import connect, translate_errors
-from .jobs import Attempt, ClaimedJob
+from .jobs import Attempt, ClaimedJob, clean_text
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -46,28 +44,35 @@ def new_owner_id() -> str:
     )
 
 
+def describe_exception(exc: BaseException) -> str:
+    """``Type: text`` for an exception, even one whose ``str()`` raises."""
+    try:
+        name = type(exc).__name__
+    except Exception:  # pragma: no cover - a type without a name
+        name = "Exception"
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<exception str() failed>"
+    return clean_text(f"{name}: {text}" if text else name)
+
+
 def describe_error(message: MessageProxy) -> str:
     """The text kept in ``last_error`` for a failed attempt."""
     exc = getattr(message, "_exception", None)
     if exc is None:
         return "message rejected"
-    text = str(exc)
-    error = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    # PostgreSQL text cannot hold NUL characters: one in an exception's text would make the
-    # outcome (or the retry) impossible to write.
-    return error.replace("\x00", "\\x00")
+    return describe_exception(exc)
 
 
 class PgMessageProxy(MessageProxy):
     """A Dramatiq message proxy that remembers which attempt of which job row it is."""
 
-    def __init__(self, message: dramatiq.Message, attempt: Attempt, consumer: PostgresConsumer):
+    def __init__(self, message: dramatiq.Message, attempt: Attempt):
         super().__init__(message)
         self._attempt = attempt
-        self._consumer = consumer
-        #: True once the attempt's outcome was decided elsewhere (a retry rescheduled the
-        #: row), so the ack or nack that Dramatiq sends next must not write anything.
-        self._settled = False
+        #: The retry delay this package's Retries middleware chose, if it chose one.
+        self.backoff_ms: int | None = None
 
     @property
     def attempt(self) -> Attempt:
@@ -81,18 +86,20 @@ class PostgresConsumer(Consumer):
         self.broker = broker
         self.store = broker.store
         self.settings = broker.settings
+        self.ledger = broker.ledger
         self.queue_name = queue_name
         self.prefetch = max(1, prefetch)
+        self.slots = self.ledger.slots(self.prefetch)
         # Claim again once outstanding messages fall to this many: batches, not trickles.
         self.low_water = self.prefetch // 2
         self.timeout = max(0.0, timeout / 1000)
         self.owner = new_owner_id()
         self._buffer: deque[PgMessageProxy] = deque()
-        self._outstanding = 0
-        self._lock = threading.Lock()
-        self._settled = threading.Event()
         self._listen_conn = None
         self._next_due: float | None = None
+        #: When the last claim came back empty (None: claim without waiting).
+        self._last_empty: float | None = None
+        self._notified = False
 
     # -- claiming ------------------------------------------------------------------------
 
@@ -101,26 +108,42 @@ class PostgresConsumer(Consumer):
             return self._buffer.popleft()
         deadline = time.monotonic() + self.timeout
         while True:
+            if self.ledger.closing:
+                # Shutdown began: claim nothing more; Dramatiq stops this consumer soon.
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                return None
             self._drain_notifications()
-            if self._outstanding <= self.low_water:
+            if self.slots.in_use <= self.low_water and self._claim_due():
                 if self._claim():
                     return self._buffer.popleft()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            if self._outstanding > self.low_water:
+            if self.slots.in_use > self.low_water:
                 # Enough work in hand: wait for an outcome to free a slot.
-                self._settled.wait(remaining)
-                self._settled.clear()
+                self.slots.wait(remaining)
             else:
                 self._wait_for_work(remaining)
 
+    def _claim_due(self) -> bool:
+        """Whether to claim now: something announced work, the last claim was not empty,
+        a delayed job became runnable, or the poll interval passed."""
+        if self._notified or self._last_empty is None:
+            return True
+        now = time.monotonic()
+        if self._next_due is not None and now >= self._next_due:
+            return True
+        return now - self._last_empty >= self.settings.poll_interval
+
     def _claim(self) -> bool:
-        limit = self.prefetch - self._outstanding
+        self._notified = False
+        limit = self.slots.free
         jobs = self.store.claim(self.queue_name, limit, self.owner, self.settings.lease_seconds)
         if not jobs:
+            self._last_empty = time.monotonic()
             self._refresh_next_due()
             return False
+        self._last_empty = None
         for job in jobs:
             proxy = self._proxy(job)
             if proxy is not None:
@@ -134,26 +157,29 @@ class PostgresConsumer(Consumer):
         except Exception as e:
             # A message nobody can decode is dead-lettered with the reason, never dropped.
             logger.error("Job %s has a message that cannot be decoded: %s", job.id, e)
-            self.store.fail([attempt], [f"cannot decode message: {type(e).__name__}: {e}"])
+            self.store.fail([attempt], [f"cannot decode message: {describe_exception(e)}"])
             return None
-        if job.attempts > 1:
-            # Dramatiq's convention: options["retries"] counts the earlier attempts.
-            message.options["retries"] = job.attempts - 1
+        # Dramatiq's convention: options["retries"] counts the earlier failed attempts
+        # (its Retries middleware decides with it). Interruptions are not retries.
+        if job.failures:
+            message.options["retries"] = job.failures
+        else:
+            message.options.pop("retries", None)
         # The row's available_at already did the waiting. An eta left in a stored message
         # (one written by other means than enqueue, which strips it) would send the message
         # to Dramatiq's in-memory delay queue, which re-enqueues and acks the original.
         message.options.pop("eta", None)
-        with self._lock:
-            self._outstanding += 1
-        self.broker.leases.track(attempt)
-        return PgMessageProxy(message, attempt, self)
+        self.ledger.claimed(self.slots, attempt)
+        return PgMessageProxy(message, attempt)
 
     def _refresh_next_due(self) -> None:
         seconds = self.store.seconds_until_available(self.queue_name)
         self._next_due = None if seconds is None else time.monotonic() + max(0.0, seconds)
 
     def _wait_for_work(self, remaining: float) -> None:
-        wait = min(remaining, self.settings.poll_interval)
+        wait = remaining
+        if self._last_empty is not None:
+            wait = min(wait, self._last_empty + self.settings.poll_interval - time.monotonic())
         if self._next_due is not None:
             # At least a few milliseconds, so that a job due right now but claimed by
             # another consumer can never make this one spin on empty claims.
@@ -166,7 +192,7 @@ class PostgresConsumer(Consumer):
             return
         with translate_errors():
             for _ in conn.notifies(timeout=wait, stop_after=1):
-                pass
+                self._notified = True
 
     def _listener(self):
         if not self.settings.listen:
@@ -183,49 +209,35 @@ class PostgresConsumer(Consumer):
         return self._listen_conn
 
     def _drain_notifications(self) -> None:
-        # Notifications that arrived while we were busy are stale: the claim that follows
-        # sees every row they announced. Draining before the claim (never after) means a
-        # notification for a row committed after the claim's snapshot is never lost. For
-        # the same reason the LISTEN starts here, before the first claim, not when the
-        # consumer first goes idle.
+        # Notifications that arrived while we were busy only say "look": the claim that
+        # follows sees every row they announced. Draining before the claim (never after)
+        # means a notification for a row committed after the claim's snapshot is never
+        # lost. For the same reason the LISTEN starts here, before the first claim, not
+        # when the consumer first goes idle.
         conn = self._listener()
         if conn is not None:
             with translate_errors():
                 for _ in conn.notifies(timeout=0):
-                    pass
+                    self._notified = True
 
     # -- outcomes ------------------------------------------------------------------------
 
     def ack(self, message: PgMessageProxy) -> None:
-        self.broker.outcomes.complete(message)
+        self.ledger.settle(message.attempt, "complete")
 
     def nack(self, message: PgMessageProxy) -> None:
-        self.broker.outcomes.fail(message, describe_error(message))
+        self.ledger.settle(message.attempt, "fail", describe_error(message))
 
     def requeue(self, messages) -> None:
         """Give prefetched, unstarted messages back to the queue at once, uncharged."""
-        proxies = [m for m in messages if isinstance(m, PgMessageProxy) and not m._settled]
-        if not proxies:
+        attempts = [m.attempt for m in messages if isinstance(m, PgMessageProxy)]
+        if not attempts:
             return
-        try:
-            released = self.store.release([p.attempt for p in proxies])
-        finally:
-            # Returned or not, this worker is done with them: one that could not be returned
-            # is no longer renewed, so its lease expires and the reaper gives it back.
-            for proxy in proxies:
-                proxy._settled = True
-                proxy._consumer._done(proxy)
-        logger.info("Returned %d unstarted message(s) to queue %r.", len(released), self.queue_name)
-
-    def _done(self, proxy: PgMessageProxy) -> None:
-        """An outstanding message of this consumer is finished with: free its slot."""
-        self.broker.leases.untrack(proxy.attempt)
-        self._release_slot()
-
-    def _release_slot(self) -> None:
-        with self._lock:
-            self._outstanding -= 1
-        self._settled.set()
+        released = self.ledger.release(attempts)
+        if released:
+            logger.info(
+                "Returned %d unstarted message(s) to queue %r.", len(released), self.queue_name
+            )
 
     def close(self) -> None:
         buffered = list(self._buffer)
@@ -235,7 +247,8 @@ class PostgresConsumer(Consumer):
                 self.requeue(buffered)
         except BrokerConnectionError:
             logger.warning(
-                "Could not return %d claimed message(s); their leases will expire.",
+                "Could not return %d claimed message(s); their leases will expire and they "
+                "go back uncharged.",
                 len(buffered),
             )
         finally:
@@ -249,122 +262,3 @@ class PostgresConsumer(Consumer):
 
 def _quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
-
-
-class OutcomeWriter:
-    """Writes acks and nacks in batches from one thread per process.
-
-    Worker threads only enqueue their outcome; the writer takes everything that is
-    waiting, writes it as one ``complete_jobs`` and one ``fail_jobs`` statement, and
-    repeats. If the database is unreachable it keeps the outcomes and retries with backoff;
-    none is dropped.
-    """
-
-    def __init__(self, broker: PostgresBroker, max_batch: int = 1000) -> None:
-        self.broker = broker
-        self.store = broker.store
-        self.max_batch = max_batch
-        self._queue: queue.Queue[tuple[str, PgMessageProxy, Any]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._pid: int | None = None
-        self._lock = threading.Lock()
-
-    def complete(self, proxy: PgMessageProxy) -> None:
-        self._submit("complete", proxy, None)
-
-    def fail(self, proxy: PgMessageProxy, error: str) -> None:
-        self._submit("fail", proxy, error)
-
-    def _submit(self, kind: str, proxy: PgMessageProxy, error: Any) -> None:
-        if proxy._settled:
-            proxy._consumer._done(proxy)
-            return
-        self._ensure_thread()
-        self._queue.put((kind, proxy, error))
-        # The actor is done with the message, so its prefetch slot is free at once: the
-        # consumer claims more while the outcome is being written, instead of waiting one
-        # more round trip. The lease stays tracked (and renewed) until the write.
-        proxy._consumer._release_slot()
-
-    def _ensure_thread(self) -> None:
-        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
-            return
-        with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                if self._pid != os.getpid():
-                    # A forked child must not write (or wait on) its parent's outcomes.
-                    self._queue = queue.Queue()
-                self._pid = os.getpid()
-                self._thread = threading.Thread(
-                    target=self._run, name="dramatiq-pg-outcomes", daemon=True
-                )
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            batch = [item]
-            while len(batch) < self.max_batch:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._write(batch)
-            except Exception:
-                # Not a connection error (those are retried): these outcomes cannot be
-                # written. Stop renewing their attempts, so that the leases expire and the
-                # reaper runs the jobs again, and keep this thread alive for the others.
-                logger.exception(
-                    "Could not write %d outcome(s); their jobs run again once their leases expire.",
-                    len(batch),
-                )
-                for _, proxy, _ in batch:
-                    proxy._settled = True
-                    self.broker.leases.untrack(proxy.attempt)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-
-    def _write(self, batch: list[tuple[str, PgMessageProxy, Any]]) -> None:
-        completed = [p.attempt for kind, p, _ in batch if kind == "complete"]
-        failed = [(p.attempt, e) for kind, p, e in batch if kind == "fail"]
-        # Each statement is retried on its own: one that committed is never sent again (a
-        # second run would find its rows no longer running and report them as lost).
-        owned = self._until_written(lambda: self.store.complete(completed))
-        owned |= self._until_written(
-            lambda: self.store.fail([a for a, _ in failed], [e for _, e in failed])
-        )
-        for _, proxy, _ in batch:
-            if proxy.attempt.id not in owned:
-                logger.warning(
-                    "Lost job %s attempt %d before its outcome was written: its lease expired "
-                    "and it was requeued or claimed again; this outcome is discarded.",
-                    proxy.attempt.id,
-                    proxy.attempt.attempt,
-                )
-            proxy._settled = True
-            self.broker.leases.untrack(proxy.attempt)
-
-    @staticmethod
-    def _until_written(write) -> set[str]:
-        """Run a write until the database takes it, backing off on connection errors."""
-        delay = 0.2
-        while True:
-            try:
-                return write()
-            except BrokerConnectionError as e:
-                logger.warning("Could not write outcomes, retrying in %.1fs: %s", delay, e)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted outcome is written. Returns False on timeout."""
-        if self._thread is None or self._pid != os.getpid():
-            return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        return True

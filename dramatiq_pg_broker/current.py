@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextvars
 from typing import TYPE_CHECKING, Any
 
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import Middleware, SkipMessage
+from dramatiq.middleware.retries import Retries as DramatiqRetries
 
-from .consumer import PgMessageProxy
+from .consumer import PgMessageProxy, describe_exception
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -55,8 +56,7 @@ class CurrentJob:
         """Extend this attempt's lease (default: the broker's lease length) and record a
         ``lease_renewed`` event. Returns False if the attempt is no longer owned."""
         seconds = lease_seconds or self.broker.settings.lease_seconds
-        owned = self.broker.store.renew([self.message.attempt], seconds, record=True)
-        return self.id in owned
+        return self.broker.ledger.renew(self.message.attempt, seconds, record=True)
 
     def progress(self, data: Any, *, lease_seconds: float | None = None) -> bool:
         """Record a ``progress`` event with ``data`` (anything JSON can hold) and renew the
@@ -72,21 +72,49 @@ def current_job() -> CurrentJob | None:
 
 
 class JobContext(Middleware):
-    """Makes :func:`current_job` work, and declares the ``heartbeat`` actor option
-    (``heartbeat=False`` turns automatic lease renewal off for an actor)."""
+    """Connects Dramatiq's worker to the in-flight ledger, and makes :func:`current_job`
+    work. It declares the ``heartbeat`` actor option (``heartbeat=False`` turns automatic
+    lease renewal off for an actor).
+
+    - before a message runs: the ledger records its start, or the message is skipped when
+      this process no longer owns it (released at shutdown, or its lease was lost while
+      it waited);
+    - when shutdown begins: prefetched messages that have not started go back at once;
+    - when an actor raises: the ledger remembers it, so no ack can record a success.
+
+    The broker puts it first in its middleware list, so a skipped message reaches no other
+    middleware's ``before_process_message``.
+    """
 
     @property
     def actor_options(self) -> set[str]:
         return {"heartbeat"}
 
+    def before_worker_boot(self, broker, worker) -> None:
+        broker.ledger.open()
+
+    def before_worker_shutdown(self, broker, worker) -> None:
+        broker.ledger.begin_shutdown()
+
     def before_process_message(self, broker, message) -> None:
-        if isinstance(message, PgMessageProxy):
-            _current.set(CurrentJob(broker, message))
-            actor = broker.actors.get(message.actor_name)
-            if actor is not None and actor.options.get("heartbeat") is False:
-                broker.leases.started_without_heartbeat(message.attempt)
+        if not isinstance(message, PgMessageProxy):
+            return
+        if not broker.ledger.start(message.attempt):
+            raise SkipMessage(f"job {message.attempt.id} is no longer owned by this worker")
+        _current.set(CurrentJob(broker, message))
+        actor = broker.actors.get(message.actor_name)
+        if actor is not None and actor.options.get("heartbeat") is False:
+            # The start gave it a full lease; from here on only the actor renews it.
+            broker.ledger.stop_renewing(message.attempt)
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         _current.set(None)
+        if (
+            exception is not None
+            and isinstance(message, PgMessageProxy)
+            and any(isinstance(m, DramatiqRetries) for m in broker.middleware)
+        ):
+            broker.ledger.failed_with(message.attempt, describe_exception(exception))
 
-    after_skip_message = after_process_message
+    def after_skip_message(self, broker, message) -> None:
+        _current.set(None)

@@ -16,11 +16,15 @@ import psycopg
 from dramatiq.errors import ConnectionClosed, ConnectionFailed
 from psycopg import sql
 from psycopg_pool import ConnectionPool
+from psycopg_pool.base import AttemptWithBackoff
 
 from .config import Settings
 from .errors import ConfigurationError, SchemaMissing
 
 logger = logging.getLogger(__name__)
+
+#: The longest wait between two reconnection tries of the pool.
+RECONNECT_CAP_SECONDS = 0.5
 
 _BLOCK_RE = re.compile(r"^-- (\w+) --\s*$", re.MULTILINE)
 
@@ -101,6 +105,44 @@ def connection_kwargs(settings: Settings) -> dict:
     return kwargs
 
 
+#: SQLSTATEs that mean the session is gone: the server shut down, crashed or is starting.
+_SESSION_LOST = {"57P01", "57P02", "57P03"}
+
+
+def is_connection_error(error: psycopg.Error) -> bool:
+    """Whether a psycopg error means the connection is lost or could not be made (class
+    08, a server shutdown, or an error raised by the client with no SQLSTATE), rather than
+    an error the server reported on a working connection."""
+    if isinstance(error, psycopg.InterfaceError):
+        return True
+    state = getattr(error, "sqlstate", None)
+    if state is None:
+        return isinstance(error, psycopg.OperationalError)
+    return state.startswith("08") or state in _SESSION_LOST
+
+
+class _CappedAttempt(AttemptWithBackoff):
+    """psycopg_pool's reconnection backoff, with the wait between two tries capped, so that
+    a pool resumes within about a second of the server's return however long it was gone
+    (the stock delay doubles without a bound)."""
+
+    INITIAL_DELAY = 0.1
+
+    def update_delay(self, now: float) -> None:
+        super().update_delay(now)
+        self.delay = min(self.delay, RECONNECT_CAP_SECONDS)
+
+
+class ReconnectingPool(ConnectionPool):
+    """A psycopg ConnectionPool whose reconnection attempts are at most
+    :data:`RECONNECT_CAP_SECONDS` apart."""
+
+    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        if attempt is None:
+            attempt = _CappedAttempt(timeout=self.reconnect_timeout)
+        super()._add_connection(attempt, growing)
+
+
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
     """Turn psycopg's connection failures into Dramatiq's connection errors.
@@ -117,6 +159,11 @@ def translate_errors() -> Iterator[None]:
             "`dramatiq-pg-broker migrate` with the same DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA"
         ) from e
     except psycopg.OperationalError as e:
+        if not is_connection_error(e):
+            # A deadlock, a cancelled statement, a lock timeout...: the database answered.
+            # Reporting it as a lost connection would make callers wait for a server that
+            # is there, and hide the real error.
+            raise
         # The server went away mid-statement, or could not be reached at all.
         raise ConnectionClosed(e) from e
     except psycopg.InterfaceError as e:
@@ -166,7 +213,7 @@ class ProcessPool:
             if self._pool is None or self._pid != os.getpid():
                 if self._given is not None and self._pid is not None:
                     logger.warning("A pool passed to the broker is used after a fork.")
-                self._pool = ConnectionPool(
+                self._pool = ReconnectingPool(
                     self.url,
                     min_size=self.settings.pool_min_size,
                     max_size=self.settings.pool_max_size,
@@ -174,7 +221,7 @@ class ProcessPool:
                     configure=self.configure,
                     name=f"dramatiq-pg-broker-{os.getpid()}",
                     open=False,
-                    timeout=30.0,
+                    timeout=self.settings.pool_timeout,
                 )
                 with translate_errors():
                     self._pool.open(wait=False)

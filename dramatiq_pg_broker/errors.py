@@ -58,3 +58,8 @@ class JobAlreadyFinished(PgBrokerError):
 
 class TransactionError(PgBrokerError):
     """``broker.transaction()`` was given a connection it cannot write jobs on."""
+
+
+class JobInterrupted(PgBrokerError):
+    """The job's attempts were interrupted too often (its worker died, hung or lost its
+    lease each time), so it failed without its actor raising."""

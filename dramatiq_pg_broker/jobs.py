@@ -10,8 +10,9 @@ worker claimed the job), never an exception.
 
     queued  -> running      claim
     running -> succeeded    complete
+    running -> running      start (the claimed message's actor is about to run)
     running -> queued       reschedule (retry), reap (lease expired), release (shutdown)
-    running -> failed       fail, or reap with attempts exhausted
+    running -> failed       fail, or reap with interruptions exhausted
     failed  -> queued       retry_failed (operator)
     queued  -> cancelled    cancel (operator)
 """
@@ -49,6 +50,8 @@ class ClaimedJob:
     max_attempts: int
     message: dict[str, Any] | None
     message_bytes: bytes | None
+    #: Earlier attempts of this job that failed (exception or time limit).
+    failures: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +90,27 @@ class EnqueueResult(NamedTuple):
     rescheduled: bool = False
 
 
+class ReapedJob(NamedTuple):
+    """A job the reaper failed: its interruptions reached the bound."""
+
+    id: str
+    queue_name: str
+    actor_name: str
+    message: dict[str, Any] | None
+    message_bytes: bytes | None
+    failures: int
+    interruptions: int
+    error: str
+
+
 class ReapResult(NamedTuple):
+    """What one reaper run did: ``requeued`` interrupted attempts, ``released`` claims that
+    never started (uncharged), ``failed`` jobs whose interruptions reached the bound."""
+
     requeued: list[str]
     failed: list[str]
+    released: list[str] = []
+    failed_jobs: list[ReapedJob] = []
 
 
 def channel_name(schema: str, queue_name: str) -> str:
@@ -100,6 +121,20 @@ def channel_name(schema: str, queue_name: str) -> str:
         return name
     digest = hashlib.sha1(queue_name.encode()).hexdigest()
     return f"{schema}.{digest}"[:63]
+
+
+def clean_text(text: str | None) -> str | None:
+    """Text PostgreSQL can store: a NUL character or a lone surrogate (``os.listdir``
+    returns those for names that are not UTF-8) would make the whole statement fail, so
+    they are written as backslash escapes."""
+    if text is None:
+        return None
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _ms(seconds: float) -> int:
@@ -356,7 +391,7 @@ class JobStore:
             },
             conn,
         )
-        return [ClaimedJob(str(r[0]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        return [ClaimedJob(str(r[0]), r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows]
 
     def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:
         """When the earliest waiting job of a queue becomes runnable, or None."""
@@ -366,6 +401,17 @@ class JobStore:
         """Seconds, by the server's clock, until the earliest waiting job of a queue
         becomes runnable (0 or less: it is runnable now), or None if none waits."""
         return self._fetch("next_available_at", {"queue_name": queue_name}, conn)[0][1]
+
+    def start(
+        self, attempts: Sequence[Attempt], lease_seconds: float, *, conn=None, now=None
+    ) -> set[str]:
+        """Claimed attempts whose actors are about to run: from now on each is charged as an
+        attempt, and its lease starts afresh. Returns the ids still owned; a message whose
+        id is missing must not run."""
+        if not attempts:
+            return set()
+        params = {**self._attempt_params(attempts), "lease_ms": _ms(lease_seconds), "now": now}
+        return {str(r[0]) for r in self._fetch("start_jobs", params, conn)}
 
     def complete(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
         """running -> succeeded. Returns the ids changed (the attempts still owned)."""
@@ -383,7 +429,7 @@ class JobStore:
         pairs = sorted(zip(attempts, errors), key=lambda pair: pair[0].id)
         params = {
             **self._attempt_params([attempt for attempt, _ in pairs]),
-            "errors": [error for _, error in pairs],
+            "errors": [clean_text(error) for _, error in pairs],
             "now": now,
         }
         return {str(r[0]) for r in self._fetch("fail_jobs", params, conn)}
@@ -410,7 +456,7 @@ class JobStore:
                 "owner": attempt.owner,
                 "attempt": attempt.attempt,
                 "delay_ms": max(0, int(delay_ms)),
-                "error": error,
+                "error": clean_text(error),
                 "replace_message": replace,
                 "message": Jsonb(message) if message is not None else None,
                 "message_bytes": message_bytes,
@@ -423,11 +469,19 @@ class JobStore:
 
     def release(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
         """running -> queued at once for claimed messages that never started; the attempt
-        is given back. Used at worker shutdown."""
+        is given back and the queues' consumers are woken. Used at worker shutdown."""
         if not attempts:
             return set()
         rows = self._fetch("release_jobs", {**self._attempt_params(attempts), "now": now}, conn)
+        self._notify({r[1] for r in rows}, conn)
         return {str(r[0]) for r in rows}
+
+    def _notify(self, queue_names, conn=None) -> None:
+        if not queue_names:
+            return
+        with self.pool.use(conn) as c:
+            for queue_name in sorted(queue_names):
+                c.execute(self.queries["notify_queue"], {"channel": self.channel(queue_name)})
 
     def renew(
         self,
@@ -469,31 +523,41 @@ class JobStore:
         self,
         *,
         batch: int,
-        backoff_base_ms: int,
-        backoff_max_ms: int,
+        backoff_ms: Sequence[int],
+        max_interruptions: int,
+        lease_seconds: float,
         conn=None,
         now=None,
     ) -> ReapResult:
-        """Requeue (with backoff) or fail (attempts exhausted) running jobs whose lease
-        expired, at most ``batch`` of them."""
+        """Give back running jobs whose lease expired, at most ``batch`` of them.
+
+        A claim that never started is released uncharged. A started attempt was interrupted:
+        the job is requeued after ``backoff_ms[interruptions - 1]`` (the last entry for
+        later ones), or failed once its interruptions reach ``max_interruptions``. A lease
+        only counts as expired once the server has been up for ``lease_seconds``.
+        """
+        if not backoff_ms:
+            raise ValueError("backoff_ms needs at least one delay")
         rows = self._fetch(
             "reap_expired",
             {
                 "batch": batch,
-                "backoff_base_ms": backoff_base_ms,
-                "backoff_max_ms": backoff_max_ms,
+                "backoff_ms": [int(ms) for ms in backoff_ms],
+                "max_interruptions": max_interruptions,
+                "lease_ms": _ms(lease_seconds),
                 "now": now,
             },
             conn,
         )
-        requeued = [str(r[0]) for r in rows if r[1] == "queued"]
-        failed = [str(r[0]) for r in rows if r[1] == "failed"]
-        if requeued:
-            queues = {r[2] for r in rows if r[1] == "queued"}
-            with self.pool.use(conn) as c:
-                for queue_name in queues:
-                    c.execute(self.queries["notify_queue"], {"channel": self.channel(queue_name)})
-        return ReapResult(requeued, failed)
+        requeued = [str(r[0]) for r in rows if r[1] == "queued" and r[3]]
+        released = [str(r[0]) for r in rows if r[1] == "queued" and not r[3]]
+        failed_jobs = [
+            ReapedJob(str(r[0]), r[2], r[4], r[5], r[6], r[7], r[8], r[9])
+            for r in rows
+            if r[1] == "failed"
+        ]
+        self._notify({r[2] for r in rows if r[1] == "queued"}, conn)
+        return ReapResult(requeued, [j.id for j in failed_jobs], released, failed_jobs)
 
     def retry_failed(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
         """failed -> queued by an operator; attempts start again from zero.

@@ -2,11 +2,13 @@
 requeues attempts whose worker stopped renewing.
 
 One :class:`LeaseKeeper` thread runs in each worker process (it starts with the first
-consumer). Every ``heartbeat_interval`` (a third of the lease by default) it renews, in one
-statement, the leases of every outstanding message of the process, prefetched and running,
-except those of running actors declared with ``heartbeat=False``. Every ``reaper_interval`` it runs
-the reaper: a bounded, ``SKIP LOCKED`` statement, so every process can run it at once and
-an idle run costs one index probe.
+claim). Every ``heartbeat_interval`` (a third of the lease by default) it renews, in one
+statement, the leases of every attempt the in-flight ledger holds (prefetched, running, or
+waiting for its outcome to be written), except those of running actors declared with
+``heartbeat=False``. Every ``reaper_interval`` it runs the reaper: a bounded, ``SKIP
+LOCKED`` statement, so every process can run it at once and an idle run costs one index
+probe. After the database was unreachable, a process renews as soon as it is back and
+waits a whole lease before reaping, so that no owner loses a live attempt to an outage.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
-from .jobs import Attempt
+from .backoff import backoff_table
+from .inflight import RETRY_CAP_SECONDS
+from .jobs import ReapResult
+from .retries import end_reaped_job
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -33,41 +39,13 @@ class LeaseKeeper:
         self.broker = broker
         self.store = broker.store
         self.settings = broker.settings
-        self._attempts: dict[str, tuple[Attempt, bool]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
-
-    # -- tracking ------------------------------------------------------------------------
-
-    def track(self, attempt: Attempt) -> None:
-        """Start renewing an attempt (a claimed message, prefetched or running)."""
-        self.start()
-        with self._lock:
-            self._attempts[attempt.id] = (attempt, True)
-
-    def started_without_heartbeat(self, attempt: Attempt) -> None:
-        """An actor declared with ``heartbeat=False`` starts: give it one full lease from
-        now and stop renewing it, so the lease expires ``lease_seconds`` after the start
-        unless the actor renews it itself. (While the message waited in the worker's queue
-        it was renewed like any other, so waiting never costs it its lease.)"""
-        with self._lock:
-            current = self._attempts.get(attempt.id)
-            if current is None or current[0] != attempt:
-                return
-            self._attempts[attempt.id] = (attempt, False)
-        self.store.renew([attempt], self.settings.lease_seconds)
-
-    def untrack(self, attempt: Attempt) -> None:
-        with self._lock:
-            current = self._attempts.get(attempt.id)
-            if current is not None and current[0] == attempt:
-                del self._attempts[attempt.id]
-
-    def tracked(self) -> list[Attempt]:
-        with self._lock:
-            return [attempt for attempt, renew in self._attempts.values() if renew]
+        #: Monotonic time before which this process does not reap: set after the database
+        #: was unreachable, so that the owners of live attempts renew them first.
+        self._reap_after = 0.0
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -76,9 +54,6 @@ class LeaseKeeper:
             return
         with self._lock:
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                if self._pid != os.getpid():
-                    # A forked child owns none of its parent's attempts.
-                    self._attempts.clear()
                 self._pid = os.getpid()
                 self._stop.clear()
                 self._thread = threading.Thread(
@@ -94,8 +69,6 @@ class LeaseKeeper:
         self._thread = None
 
     def _run(self) -> None:
-        import time
-
         heartbeat = self.settings.heartbeat_interval
         reaper = self.settings.reaper_interval
         next_heartbeat = time.monotonic() + heartbeat
@@ -104,47 +77,65 @@ class LeaseKeeper:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_heartbeat:
-                self._guard(self.renew)
-                next_heartbeat = now + heartbeat
+                if self._guard(self.renew):
+                    next_heartbeat = now + heartbeat
+                else:
+                    # Unreachable: try again soon, so that leases are renewed within a
+                    # moment of the server's return.
+                    next_heartbeat = now + min(heartbeat, RETRY_CAP_SECONDS)
             if now >= next_reap:
                 self._guard(self.reap)
                 next_reap = now + reaper
             self._stop.wait(max(0.0, min(next_heartbeat, next_reap) - time.monotonic()))
 
-    def _guard(self, fn) -> None:
+    def _guard(self, fn) -> bool:
         try:
             fn()
+            return True
         except BrokerConnectionError as e:
             logger.warning("Lease maintenance could not reach the database: %s", e)
+            # The leases of this process's attempts (and maybe others') could not be
+            # renewed: give every owner a whole lease to come back before reaping.
+            self._reap_after = time.monotonic() + self.settings.lease_seconds
+            return False
         except Exception:
             logger.exception("Lease maintenance failed.")
+            return False
 
     # -- the work ------------------------------------------------------------------------
 
     def renew(self) -> set[str]:
-        """Renew every tracked attempt; forget (and log) the ones no longer owned."""
-        attempts = self.tracked()
+        """Renew every attempt the ledger holds; the ledger lets go of those no longer
+        owned."""
+        ledger = self.broker.ledger
+        attempts = ledger.renewable()
         if not attempts:
             return set()
+        since = time.monotonic()
         owned = self.store.renew(attempts, self.settings.lease_seconds)
-        for attempt in attempts:
-            if attempt.id not in owned:
-                # Either its outcome was just written, or the lease expired and another
-                # worker owns the job now: stop renewing it in both cases.
-                self.untrack(attempt)
+        ledger.renewed(attempts, owned, since)
         return owned
 
-    def reap(self):
-        """Requeue or fail running jobs whose lease expired (any worker's)."""
+    def reap(self) -> ReapResult | None:
+        """Give back running jobs whose lease expired (any worker's); run Dramatiq's
+        failure hooks for those that failed (interruptions exhausted)."""
+        if time.monotonic() < self._reap_after:
+            return None
+        settings = self.settings
         result = self.store.reap(
-            batch=self.settings.reaper_batch,
-            backoff_base_ms=self.settings.backoff_base_ms,
-            backoff_max_ms=self.settings.backoff_max_ms,
+            batch=settings.reaper_batch,
+            backoff_ms=backoff_table(settings.backoff_base_ms, settings.backoff_max_ms),
+            max_interruptions=settings.max_interruptions,
+            lease_seconds=settings.lease_seconds,
         )
-        if result.requeued or result.failed:
+        if result.requeued or result.failed or result.released:
             logger.warning(
-                "Reaper: %d job(s) with expired leases requeued, %d failed (attempts exhausted).",
+                "Reaper: of the jobs with expired leases, %d interrupted attempt(s) requeued, "
+                "%d unstarted claim(s) given back, %d failed (interruptions exhausted).",
                 len(result.requeued),
+                len(result.released),
                 len(result.failed),
             )
+        for job in result.failed_jobs:
+            end_reaped_job(self.broker, job)
         return result

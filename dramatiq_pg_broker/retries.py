@@ -1,34 +1,40 @@
 """Retries that reschedule the same job row.
 
-:class:`Retries` replaces Dramatiq's middleware of the same name and honours the same actor
-and message options (``max_retries``, ``min_backoff``, ``max_backoff``, ``retry_when``,
-``throws``, ``on_retry_exhausted``) and the :class:`dramatiq.Retry` exception's ``delay``.
-Instead of enqueueing a copy, a failure with attempts left moves the row back to
-``queued`` with ``available_at = now + backoff`` and a ``retry_scheduled`` event.
+:class:`Retries` is Dramatiq's own middleware of the same name, extended: Dramatiq's
+``after_process_message`` decides (``max_retries``, ``retry_when``, ``throws``,
+``on_retry_exhausted``, ``Retry(delay=...)``) and sets ``options["retries"]``,
+``options["traceback"]`` and ``options["requeue_timestamp"]`` as it always does; its
+re-enqueue of the message reaches :meth:`PostgresBroker.enqueue`, which moves the same row
+back to ``queued`` with ``available_at = now + backoff`` and a ``retry_scheduled`` event,
+instead of adding a copy.
 
-The attempt count comes from the row (``attempts``), so a lease expiry counts as an attempt
-too. Backoff is deterministic: ``min(min_backoff * 2 ** (attempt - 1), max_backoff)``
-milliseconds; set ``jitter=True`` for Dramatiq's randomised backoff instead.
+``options["retries"]`` counts the job's failed attempts (an exception or a time limit),
+from the row; interruptions (a worker that died, a lost lease, a shutdown) are not retries.
+Backoff is deterministic, from :func:`~.backoff.backoff_ms`:
+``min(min_backoff * 2 ** (failures - 1), max_backoff)`` milliseconds; set ``jitter=True``
+for Dramatiq's randomised backoff instead.
 """
 
 from __future__ import annotations
 
 import logging
 
-from dramatiq.common import compute_backoff
+import dramatiq
+from dramatiq.broker import MessageProxy
 from dramatiq.errors import Retry
+from dramatiq.middleware import Callbacks
 from dramatiq.middleware.retries import DEFAULT_MAX_BACKOFF
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 
-from .consumer import PgMessageProxy, describe_error
+from .backoff import backoff_ms
+from .consumer import PgMessageProxy
+from .errors import JobInterrupted
+from .jobs import ReapedJob
 from .messages import max_retries_of
 
+__all__ = ["Retries", "backoff_ms", "end_reaped_job"]
+
 logger = logging.getLogger(__name__)
-
-
-def backoff_ms(attempt: int, min_backoff: int, max_backoff: int) -> int:
-    """The delay before the attempt after ``attempt`` (1-based): doubles every attempt."""
-    return int(min(min_backoff * 2 ** min(max(attempt - 1, 0), 60), max_backoff))
 
 
 class Retries(DramatiqRetries):
@@ -67,56 +73,67 @@ class Retries(DramatiqRetries):
         if self._explicit_backoff[1] is None:
             self.max_backoff = backoff_max_ms
 
-    def max_retries_for(self, actor, options: dict) -> int | None:
-        return max_retries_of(options, actor.options, self.max_retries)
-
     def after_process_message(self, broker, message, *, result=None, exception=None):
-        if exception is None:
-            return
-        if not isinstance(message, PgMessageProxy):
-            # Not a job row (another broker's message): behave exactly like Dramatiq.
-            return super().after_process_message(
-                broker, message, result=result, exception=exception
-            )
-        actor = broker.get_actor(message.actor_name)
-        throws = message.options.get("throws") or actor.options.get("throws")
-        if throws and isinstance(exception, throws):
-            logger.info("Aborting message %r.", message.message_id)
-            message.fail()
-            return
-
-        attempt = message.attempt.attempt
-        retries = attempt - 1
-        message.options["retries"] = attempt
-        max_retries = self.max_retries_for(actor, message.options)
-        retry_when = actor.options.get("retry_when", self.retry_when)
-        if (retry_when is not None and not retry_when(retries, exception)) or (
-            retry_when is None and max_retries is not None and retries >= max_retries
+        if (
+            exception is not None
+            and isinstance(message, PgMessageProxy)
+            and not self.jitter
+            and not (isinstance(exception, Retry) and exception.delay is not None)
         ):
-            logger.warning("Retries exceeded for message %r.", message.message_id)
-            message.fail()
-            target = message.options.get("on_retry_exhausted") or actor.options.get(
-                "on_retry_exhausted"
-            )
-            if target:
-                broker.get_actor(target).send(
-                    message.asdict(), {"retries": retries, "max_retries": max_retries}
-                )
-            return
+            # Dramatiq decides whether to retry; the delay of a retry comes from the one
+            # backoff function (Dramatiq's own is randomised).
+            message.backoff_ms = self._backoff_ms(broker, message)
+        super().after_process_message(broker, message, result=result, exception=exception)
 
-        if isinstance(exception, Retry) and exception.delay is not None:
-            delay = exception.delay
-        else:
-            min_backoff = message.options.get(
-                "min_backoff", actor.options.get("min_backoff", self.min_backoff)
-            )
-            max_backoff = message.options.get(
-                "max_backoff", actor.options.get("max_backoff", self.max_backoff)
-            )
-            max_backoff = min(max_backoff, DEFAULT_MAX_BACKOFF)
-            if self.jitter:
-                _, delay = compute_backoff(retries, factor=min_backoff, max_backoff=max_backoff)
-            else:
-                delay = backoff_ms(attempt, min_backoff, max_backoff)
-        logger.info("Retrying message %r in %d milliseconds.", message.message_id, delay)
-        broker.reschedule(message, delay, describe_error(message))
+    def _backoff_ms(self, broker, message) -> int:
+        actor = broker.get_actor(message.actor_name)
+        options = message.options
+        min_backoff = options.get("min_backoff", actor.options.get("min_backoff", self.min_backoff))
+        max_backoff = options.get("max_backoff", actor.options.get("max_backoff", self.max_backoff))
+        failures = options.get("retries", 0) + 1
+        return backoff_ms(failures, min_backoff, min(max_backoff, DEFAULT_MAX_BACKOFF))
+
+
+def retries_exhausted(
+    retries_middleware: DramatiqRetries, broker, message: MessageProxy, retries: int
+) -> None:
+    """A job ended failed without its actor's exception deciding it (the reaper failed
+    it): send ``on_retry_exhausted`` as Dramatiq's Retries does after the last retry."""
+    actor = broker.get_actor(message.actor_name)
+    target = message.options.get("on_retry_exhausted") or actor.options.get("on_retry_exhausted")
+    if target:
+        max_retries = max_retries_of(message.options, actor.options, retries_middleware.max_retries)
+        broker.get_actor(target).send(
+            message.asdict(), {"retries": retries, "max_retries": max_retries}
+        )
+
+
+def end_reaped_job(broker: dramatiq.Broker, job: ReapedJob) -> None:
+    """A job the reaper failed ends, for its callers, like one whose actor raised: in this
+    (the reaping) process, Dramatiq's ``on_retry_exhausted``, the ``on_failure`` callbacks
+    and the ``after_nack`` hooks (the Results middleware stores the failure, so a waiting
+    ``get_result(block=True)`` raises) run through the broker's middleware."""
+    if job.actor_name not in broker.actors:
+        logger.warning(
+            "Job %s failed (%s); its actor %r is not declared in this process, so no "
+            "failure hooks ran here.",
+            job.id,
+            job.error,
+            job.actor_name,
+        )
+        return
+    try:
+        message = MessageProxy(broker.decode_message(job.message, job.message_bytes))
+        message.options["retries"] = job.failures
+        exception = JobInterrupted(job.error)
+        message.stuff_exception(exception)
+        message.fail()
+        for middleware in broker.middleware:
+            if isinstance(middleware, DramatiqRetries):
+                retries_exhausted(middleware, broker, message, job.failures)
+            elif isinstance(middleware, Callbacks):
+                middleware.after_process_message(broker, message, exception=exception)
+        broker.emit_before("nack", message)
+        broker.emit_after("nack", message)
+    except Exception:
+        logger.exception("The failure hooks of job %s could not run.", job.id)

@@ -70,6 +70,10 @@ WITH moved AS (
         priority = %(priority)s,
         available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         max_attempts = greatest(%(max_attempts)s, j.attempts + 1),
+        -- A claim whose actor never started gives its attempt back.
+        attempts = CASE WHEN j.status = 'running' AND NOT j.started THEN j.attempts - 1
+                        ELSE j.attempts END,
+        started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())
     WHERE j.id = %(id)s AND j.status IN ('queued', 'running')
     RETURNING j.id, j.attempts, j.available_at
@@ -203,7 +207,7 @@ WITH picked AS (
     FROM picked
     WHERE j.id = picked.id
     RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
-              j.message, j.message_bytes
+              j.message, j.message_bytes, j.failures
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'claimed', attempts, %(owner)s FROM claimed WHERE %(events)s
@@ -212,7 +216,8 @@ WITH picked AS (
 -- the worker starts a batch's jobs in the order they were chosen.
 -- The jsonb view travels only for an older row without bytes: workers decode the bytes.
 SELECT id, priority, attempts, max_attempts,
-       CASE WHEN message_bytes IS NULL THEN message END, message_bytes
+       CASE WHEN message_bytes IS NULL THEN message END, message_bytes,
+       failures
 FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
 ORDER BY priority, available_at, created_at, id
 
@@ -247,18 +252,56 @@ WITH RECURSIVE first_per_priority AS (
 SELECT min(available_at), extract(epoch FROM min(available_at) - now())::float8
 FROM first_per_priority
 
+-- start_jobs --
+-- Claimed attempts whose actors are about to run: from here on each is an attempt (a worker
+-- that dies later has interrupted it; before this, its claim is given back uncharged). The
+-- lease starts afresh. Returns the attempts still owned: a message whose claim was lost
+-- while it waited in the worker is not run. Like a claim, this commits without waiting for
+-- its WAL flush: a start lost in a server crash only makes the attempt look unstarted, and
+-- the next durable commit flushes it.
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    SELECT j.id, o.owner
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
+        AS o (id, owner, attempt) ON j.id = o.id
+    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    ORDER BY j.id
+    FOR UPDATE OF j
+), marked AS (
+    UPDATE {schema}.jobs AS j
+    SET started = true,
+        locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
+    FROM owned
+    WHERE j.id = owned.id
+    RETURNING j.id
+)
+SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
+
 -- complete_jobs --
 -- running -> succeeded for many attempts at once (acks are written in batches).
-WITH done AS (
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    SELECT j.id, o.owner
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
+        AS o (id, owner, attempt) ON j.id = o.id
+    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    ORDER BY j.id
+    FOR UPDATE OF j
+), done AS (
     UPDATE {schema}.jobs AS j
     SET status = 'succeeded',
+        started = false,
         locked_by = NULL,
         locked_until = NULL,
         finished_at = coalesce(%(now)s::timestamptz, now()),
         updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]) AS o (id, owner, attempt)
-    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    RETURNING j.id, j.attempts, o.owner
+    FROM owned
+    WHERE j.id = owned.id
+    RETURNING j.id, j.attempts, owned.owner
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'succeeded', attempts, owner FROM done WHERE %(events)s
@@ -267,18 +310,30 @@ SELECT id FROM done
 
 -- fail_jobs --
 -- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
-WITH done AS (
+-- The attempt counts as a failure.
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    SELECT j.id, o.owner, o.error
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(errors)s::text[])
+        AS o (id, owner, attempt, error) ON j.id = o.id
+    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    ORDER BY j.id
+    FOR UPDATE OF j
+), done AS (
     UPDATE {schema}.jobs AS j
     SET status = 'failed',
+        started = false,
+        failures = j.failures + 1,
         locked_by = NULL,
         locked_until = NULL,
-        last_error = o.error,
+        last_error = owned.error,
         finished_at = coalesce(%(now)s::timestamptz, now()),
         updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(errors)s::text[])
-        AS o (id, owner, attempt, error)
-    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    RETURNING j.id, j.attempts, o.owner, o.error
+    FROM owned
+    WHERE j.id = owned.id
+    RETURNING j.id, j.attempts, owned.owner, owned.error
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'failed', attempts, owner, jsonb_build_object('error', error)
@@ -288,7 +343,7 @@ SELECT id FROM done
 
 -- reschedule_job --
 -- running -> queued to run again after %(delay_ms)s (a retry with backoff). The attempt is
--- charged. %(message)s / %(message_bytes)s replace the stored message when given (Dramatiq's
+-- charged as a failure. %(message)s / %(message_bytes)s replace the stored message when given (Dramatiq's
 -- own Retries middleware re-enqueues the message with updated options). max_attempts grows
 -- if a caller with its own retry policy asks for more attempts than the row allowed.
 WITH moved AS (
@@ -300,7 +355,9 @@ WITH moved AS (
         last_error = coalesce(%(error)s, j.last_error),
         message = CASE WHEN %(replace_message)s THEN %(message)s ELSE j.message END,
         message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE j.message_bytes END,
-        max_attempts = greatest(j.max_attempts, j.attempts + 1),
+        max_attempts = greatest(j.max_attempts, j.failures + 2),
+        failures = j.failures + 1,
+        started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())
     WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
     RETURNING j.id, j.attempts, j.available_at, j.queue_name
@@ -314,18 +371,28 @@ WITH moved AS (
 SELECT id, pg_notify(%(channel)s, '') FROM moved
 
 -- release_jobs --
--- running -> queued for claimed messages that never started (worker shutdown): they go back
--- at once, and the attempt they were charged is given back.
-WITH released AS (
+-- running -> queued at once for claimed messages that never started (worker shutdown): the
+-- attempt their claim added is given back. The caller wakes the queues' consumers.
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    SELECT j.id, o.owner
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
+        AS o (id, owner, attempt) ON j.id = o.id
+    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt AND NOT j.started
+    ORDER BY j.id
+    FOR UPDATE OF j
+), released AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
         attempts = j.attempts - 1,
         locked_by = NULL,
         locked_until = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]) AS o (id, owner, attempt)
-    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    RETURNING j.id, j.attempts, o.owner, j.queue_name
+    FROM owned
+    WHERE j.id = owned.id
+    RETURNING j.id, j.attempts, owned.owner, j.queue_name
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'released', attempts, owner FROM released WHERE %(events)s
@@ -336,12 +403,22 @@ SELECT id, queue_name FROM released
 -- Extend the leases of attempts a worker still owns; returns the ones it still owns.
 -- %(record)s writes a lease_renewed event (explicit renewals by an actor; the background
 -- heartbeat renews silently so that the timeline is not flooded).
-WITH renewed AS (
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    SELECT j.id, o.owner
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
+        AS o (id, owner, attempt) ON j.id = o.id
+    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    ORDER BY j.id
+    FOR UPDATE OF j
+), renewed AS (
     UPDATE {schema}.jobs AS j
     SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
-    FROM unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]) AS o (id, owner, attempt)
-    WHERE j.id = o.id AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    RETURNING j.id, j.attempts, j.locked_until, o.owner
+    FROM owned
+    WHERE j.id = owned.id
+    RETURNING j.id, j.attempts, j.locked_until, owned.owner
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'lease_renewed', attempts, owner, jsonb_build_object('locked_until', locked_until)
@@ -365,45 +442,78 @@ WITH owned AS (
 SELECT id FROM owned
 
 -- reap_expired --
--- Requeue (with backoff) or fail (attempts exhausted) running jobs whose lease expired: their
--- worker died or hung. Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at
--- once, each taking different rows, and an idle run costs one index probe.
-WITH expired AS (
-    SELECT id, locked_by
+-- Give back running jobs whose lease expired: their worker died, hung or lost the database.
+-- A claim that never started goes back at once, uncharged. A started attempt was
+-- interrupted: the job is requeued after %(backoff_ms)s[interruptions] (the delays come
+-- from the worker's one backoff function), or failed once interruptions reach
+-- %(max_interruptions)s. Failures are not counted here: only an attempt's own outcome is one.
+-- A lease that ran out while the server was down could not be renewed, so a lease counts as
+-- expired only once the server has been up for a whole lease (%(lease_ms)s): the owners of
+-- live attempts renew them, or write their outcomes, first.
+-- Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at once, each taking
+-- different rows, and an idle run costs one index probe.
+WITH expired AS MATERIALIZED (
+    SELECT id, locked_by, started
     FROM {schema}.jobs
     WHERE status = 'running' AND locked_until < coalesce(%(now)s::timestamptz, now())
+      AND pg_postmaster_start_time() + %(lease_ms)s * interval '1 millisecond'
+          < coalesce(%(now)s::timestamptz, now())
     ORDER BY locked_until
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 ), moved AS (
     UPDATE {schema}.jobs AS j
-    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'queued' END,
+    SET status = CASE
+            WHEN expired.started AND j.interruptions + 1 >= %(max_interruptions)s THEN 'failed'
+            ELSE 'queued'
+        END,
+        attempts = CASE WHEN expired.started THEN j.attempts ELSE j.attempts - 1 END,
+        interruptions = j.interruptions + CASE WHEN expired.started THEN 1 ELSE 0 END,
+        started = false,
         available_at = CASE
-            WHEN j.attempts >= j.max_attempts THEN j.available_at
-            ELSE coalesce(%(now)s::timestamptz, now()) + least(
-                %(backoff_base_ms)s::float8 * power(2, least(j.attempts - 1, 40)),
-                %(backoff_max_ms)s::float8) * interval '1 millisecond'
+            WHEN NOT expired.started THEN coalesce(%(now)s::timestamptz, now())
+            WHEN j.interruptions + 1 >= %(max_interruptions)s THEN j.available_at
+            ELSE coalesce(%(now)s::timestamptz, now())
+                 + (%(backoff_ms)s::bigint[])[least(j.interruptions + 1, cardinality(%(backoff_ms)s::bigint[]))]
+                   * interval '1 millisecond'
         END,
         finished_at = CASE
-            WHEN j.attempts >= j.max_attempts THEN coalesce(%(now)s::timestamptz, now())
+            WHEN expired.started AND j.interruptions + 1 >= %(max_interruptions)s
+            THEN coalesce(%(now)s::timestamptz, now())
         END,
-        last_error = 'lease expired: ' || expired.locked_by || ' stopped renewing attempt '
-                     || j.attempts,
+        last_error = CASE
+            WHEN NOT expired.started THEN j.last_error
+            WHEN j.interruptions + 1 >= %(max_interruptions)s
+            THEN 'interrupted ' || (j.interruptions + 1) || ' times (the limit): its worker died, '
+                 || 'hung or lost its lease each time; last: ' || expired.locked_by
+                 || ' stopped renewing attempt ' || j.attempts
+            ELSE 'interrupted: lease expired: ' || expired.locked_by
+                 || ' stopped renewing attempt ' || j.attempts
+        END,
         locked_by = NULL,
         locked_until = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM expired
     WHERE j.id = expired.id
     RETURNING j.id, j.status, j.attempts, j.available_at, j.last_error, j.queue_name,
-              expired.locked_by AS previous_owner
+              j.actor_name, j.message, j.message_bytes, j.failures, j.interruptions,
+              expired.locked_by AS previous_owner, expired.started
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
-    SELECT id, CASE status WHEN 'failed' THEN 'failed' ELSE 'timeout_requeued' END,
+    SELECT id,
+           CASE WHEN status = 'failed' THEN 'failed'
+                WHEN started THEN 'timeout_requeued'
+                ELSE 'released' END,
            attempts, previous_owner,
-           jsonb_build_object('error', last_error, 'available_at', available_at)
+           CASE WHEN started
+                THEN jsonb_build_object('error', last_error, 'available_at', available_at,
+                                        'interruptions', interruptions)
+           END
     FROM moved WHERE %(events)s
 )
-SELECT id, status, queue_name FROM moved
+SELECT id, status, queue_name, started, actor_name, message, message_bytes, failures,
+       interruptions, last_error
+FROM moved
 
 -- retry_failed --
 -- failed -> queued by an operator: attempts start again from zero, runnable at once.
@@ -411,6 +521,8 @@ WITH moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
         attempts = 0,
+        failures = 0,
+        interruptions = 0,
         available_at = coalesce(%(now)s::timestamptz, now()),
         finished_at = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
@@ -440,7 +552,7 @@ SELECT id FROM moved
 -- get_job --
 -- One job row.
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-       attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+       attempts, max_attempts, failures, interruptions, started, idempotency_key, locked_by, locked_until, last_error, result,
        created_at, updated_at, started_at, finished_at
 FROM {schema}.jobs
 WHERE id = %(id)s

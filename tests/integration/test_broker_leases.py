@@ -1,4 +1,5 @@
-"""Leases: the reaper requeues or fails expired attempts, and a stale worker changes nothing.
+"""Leases: the reaper gives back unstarted claims, requeues or fails interrupted attempts,
+and a stale worker changes nothing.
 
 Time is injected with ``now=`` (a clock far ahead of the server's), never slept.
 """
@@ -11,6 +12,7 @@ import uuid
 import pytest
 
 from dramatiq_pg_broker import Attempt, JobStore, Settings
+from dramatiq_pg_broker.backoff import backoff_table
 from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import NewJob
 
@@ -52,14 +54,24 @@ def new_job(store, *, max_attempts=3):
     return job_id, queue
 
 
-def claim(store, queue, owner, now):
+def claim(store, queue, owner, now, *, start=True):
+    """Claim the queue's job; ``start`` also records that its actor started."""
     jobs = store.claim(queue, 1, owner, LEASE, now=now)
     assert len(jobs) == 1, f"{owner} could not claim at {now}"
-    return Attempt(jobs[0].id, owner, jobs[0].attempts)
+    attempt = Attempt(jobs[0].id, owner, jobs[0].attempts)
+    if start:
+        assert store.start([attempt], LEASE, now=now) == {attempt.id}
+    return attempt
 
 
-def reap(store, now):
-    return store.reap(batch=100, backoff_base_ms=BASE_MS, backoff_max_ms=MAX_MS, now=now)
+def reap(store, now, max_interruptions=10):
+    return store.reap(
+        batch=100,
+        backoff_ms=backoff_table(BASE_MS, MAX_MS),
+        max_interruptions=max_interruptions,
+        lease_seconds=LEASE,
+        now=now,
+    )
 
 
 def test_reaper_leaves_live_leases_alone(store, clock):
@@ -70,15 +82,33 @@ def test_reaper_leaves_live_leases_alone(store, clock):
     assert store.get(job_id)["status"] == "running"
 
 
-def test_reaper_requeues_an_expired_lease_with_backoff(store, clock):
-    job_id, queue = new_job(store, max_attempts=3)
+def test_reaper_gives_back_an_unstarted_claim_uncharged_at_once(store, clock):
+    job_id, queue = new_job(store, max_attempts=1)
+    claim(store, queue, "A", clock, start=False)
+    reap_at = at(clock, LEASE + 1)
+    result = reap(store, reap_at)
+    assert job_id in result.released and job_id not in result.requeued + result.failed
+    row = store.get(job_id)
+    assert (row["status"], row["attempts"], row["failures"], row["interruptions"]) == (
+        "queued",
+        0,
+        0,
+        0,
+    ), "a claim that never started was charged"
+    assert row["available_at"] == reap_at
+    assert row["last_error"] is None
+    assert store.events_of(job_id)[-1]["type"] == "released"
+
+
+def test_reaper_requeues_an_interrupted_attempt_with_backoff(store, clock):
+    job_id, queue = new_job(store, max_attempts=1)
     claim(store, queue, "A", clock)
     reap_at = at(clock, LEASE + 1)
     result = reap(store, reap_at)
     assert job_id in result.requeued
     row = store.get(job_id)
-    assert row["status"] == "queued"
-    assert row["attempts"] == 1, "an expired lease is a charged attempt"
+    assert row["status"] == "queued", "an interruption was taken for a failure"
+    assert (row["attempts"], row["failures"], row["interruptions"]) == (1, 0, 1)
     assert row["locked_by"] is None and row["locked_until"] is None
     assert row["available_at"] == reap_at + dt.timedelta(milliseconds=BASE_MS)
     assert "lease expired" in row["last_error"] and "A" in row["last_error"]
@@ -95,16 +125,19 @@ def test_reaper_requeues_an_expired_lease_with_backoff(store, clock):
     assert store.get(job_id)["available_at"] == reap_again + dt.timedelta(milliseconds=2 * BASE_MS)
 
 
-def test_reaper_fails_the_job_when_attempts_are_exhausted(store, clock):
+def test_reaper_fails_the_job_when_interruptions_are_exhausted(store, clock):
     job_id, queue = new_job(store, max_attempts=2)
     claim(store, queue, "A", clock)
-    reap(store, at(clock, LEASE + 1))
+    reap(store, at(clock, LEASE + 1), max_interruptions=2)
     claim(store, queue, "B", at(clock, LEASE + 10))
     finish = at(clock, 2 * LEASE + 20)
-    result = reap(store, finish)
+    result = reap(store, finish, max_interruptions=2)
     assert job_id in result.failed
+    assert [j.id for j in result.failed_jobs] == [job_id]
+    assert result.failed_jobs[0].actor_name == "a"
     row = store.get(job_id)
-    assert (row["status"], row["attempts"]) == ("failed", 2)
+    assert (row["status"], row["attempts"], row["interruptions"]) == ("failed", 2, 2)
+    assert row["last_error"].startswith("interrupted 2 times"), row["last_error"]
     assert row["finished_at"] == finish
     assert row["locked_by"] is None
     types = [e["type"] for e in store.events_of(job_id)]

@@ -246,6 +246,9 @@ def test_concurrent_reapers_requeue_each_expired_job_exactly_once(pg_url, schema
                 conn=conn,
             )
         claimed = store.claim(queue_name, EXPIRED, "dead-worker", 1, conn=conn, now=clock)
+        # Started: each is an interrupted attempt once its lease expires.
+        attempts = [Attempt(job.id, "dead-worker", job.attempts) for job in claimed]
+        assert len(store.start(attempts, 1, conn=conn, now=clock)) == EXPIRED
     assert len(claimed) == EXPIRED
 
     barrier = threading.Barrier(REAPERS)
@@ -259,7 +262,12 @@ def test_concurrent_reapers_requeue_each_expired_job_exactly_once(pg_url, schema
                 barrier.wait(timeout=30)
                 while True:
                     result = store.reap(
-                        batch=25, backoff_base_ms=0, backoff_max_ms=0, conn=conn, now=later
+                        batch=25,
+                        backoff_ms=[0],
+                        max_interruptions=10,
+                        lease_seconds=1,
+                        conn=conn,
+                        now=later,
                     )
                     if not result.requeued and not result.failed:
                         return

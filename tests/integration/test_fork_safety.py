@@ -12,13 +12,13 @@ from dramatiq_pg_broker.jobs import Attempt
 def test_a_forked_child_renews_none_of_its_parents_attempts(pg_url, schema):
     broker = PostgresBroker(url=pg_url, schema=schema)
     attempt = Attempt(str(uuid.uuid4()), "parent-owner", 1)
-    broker.leases.track(attempt)
+    broker.ledger.claimed(broker.ledger.slots(1), attempt)
     context = multiprocessing.get_context("fork")
     results = context.Queue()
 
     def child() -> None:
         broker.leases.start()
-        results.put(broker.leases.tracked())
+        results.put(broker.ledger.renewable())
 
     process = context.Process(target=child)
     process.start()
@@ -28,6 +28,5 @@ def test_a_forked_child_renews_none_of_its_parents_attempts(pg_url, schema):
         process.join(20)
 
     assert seen_by_child == [], "the child took over its parent's attempts"
-    assert broker.leases.tracked() == [attempt], "the parent lost its own attempts"
-    broker.leases.untrack(attempt)
+    assert broker.ledger.renewable() == [attempt], "the parent lost its own attempts"
     broker.close()

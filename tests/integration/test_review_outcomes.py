@@ -88,7 +88,7 @@ def test_an_unexpected_write_error_does_not_stop_the_outcome_writer(h):
     # The batch that could not be written is given up (its lease expires; it runs again),
     # and the writer neither hangs nor keeps renewing the lost attempt.
     assert broker.outcomes.flush(timeout=5)
-    assert first.message_id not in {a.id for a in broker.leases.tracked()}
+    assert first.message_id not in {a.id for a in broker.ledger.renewable()}
     second = ok.send(2)
     assert wait_for_status(broker, second.message_id, "succeeded")["status"] == "succeeded"
 
@@ -105,7 +105,7 @@ def test_claimed_messages_that_cannot_be_returned_are_no_longer_renewed(h):
     consumer = broker.consume(h.queue, prefetch=3, timeout=1000)
     first = next(consumer)
     assert first is not None
-    buffered = [p.attempt for p in consumer._buffer]
+    buffered = [a for a in broker.ledger.renewable() if a != first.attempt]
     assert len(buffered) == 2
 
     def unreachable(attempts, **kwargs):
@@ -113,7 +113,7 @@ def test_claimed_messages_that_cannot_be_returned_are_no_longer_renewed(h):
 
     broker.store.release = unreachable
     consumer.close()
-    tracked = set(broker.leases.tracked())
+    tracked = set(broker.ledger.renewable())
     # Their leases must be allowed to expire so that the reaper gives them back.
     assert not tracked.intersection(buffered)
     assert first.attempt in tracked

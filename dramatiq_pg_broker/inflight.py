@@ -1,0 +1,463 @@
+"""The in-flight ledger: every attempt this worker process holds, and the one place where
+an attempt moves from one state to the next.
+
+::
+
+    claimed ──start──> started ──settle──> outcome queued ──written──> done
+       │                  │ └──reschedule (a retry, written at once)──> done
+       └──release─────────┴──lost (the heartbeat found another owner)──> done
+
+- *claimed*: the row is ``running`` for this process, the message waits in the worker. It
+  is not an attempt yet: giving it back costs the job nothing.
+- *started*: its actor is about to run or runs; the database knows (``start_jobs``), so a
+  worker that dies from here on has interrupted an attempt.
+- *outcome queued*: Dramatiq acked or nacked it; the :class:`~.outcomes.OutcomeWriter`
+  writes it in a batch.
+- *done*: written, rescheduled, released or lost. The ledger forgets it.
+
+Every attempt that is not done holds a prefetch slot of its consumer and has its lease
+renewed by the heartbeat, so an outcome not yet written still counts against the prefetch
+(backpressure: a slow or unreachable database cannot let the process run ahead of what it
+has recorded). A move the state does not allow (an ack after a reschedule, a second outcome,
+starting a released message) is refused here, and only here.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from dramatiq.errors import BrokerConnectionError
+
+from .jobs import Attempt
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+
+logger = logging.getLogger(__name__)
+
+#: Longest pause between two tries of a write the database refused on a connection error,
+#: so that work resumes within about this long of the server's return.
+RETRY_CAP_SECONDS = 0.5
+
+
+class State(enum.Enum):
+    CLAIMED = "claimed"
+    STARTED = "started"
+    RESCHEDULING = "rescheduling"
+    OUTCOME_QUEUED = "outcome queued"
+    DONE = "done"
+
+
+class Slots:
+    """The prefetch slots of one consumer: attempts it claimed that are not done yet."""
+
+    def __init__(self, prefetch: int) -> None:
+        self.prefetch = prefetch
+        self._in_use = 0
+        self._cond = threading.Condition()
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def free(self) -> int:
+        return max(0, self.prefetch - self._in_use)
+
+    def wait(self, timeout: float) -> None:
+        """Wait until a slot is freed, at most ``timeout`` seconds."""
+        with self._cond:
+            self._cond.wait(timeout)
+
+    def _take(self) -> None:
+        with self._cond:
+            self._in_use += 1
+
+    def _give(self) -> None:
+        with self._cond:
+            self._in_use -= 1
+            self._cond.notify_all()
+
+
+class _Entry:
+    __slots__ = ("attempt", "slots", "state", "renew", "lease_deadline", "error")
+
+    def __init__(self, attempt: Attempt, slots: Slots, lease_deadline: float) -> None:
+        self.attempt = attempt
+        self.slots = slots
+        self.state = State.CLAIMED
+        self.renew = True
+        self.lease_deadline = lease_deadline
+        #: The text of an exception the actor raised, kept so that an ack of a failed
+        #: attempt (a broken retry hook) is written as a failure, never as a success.
+        self.error: str | None = None
+
+
+class _GroupCommit:
+    """Callers hand in one item each; whoever finds no write in progress writes everything
+    waiting as one statement, so concurrent callers share a round trip."""
+
+    def __init__(self, write: Callable[[list[Any]], set[str]]) -> None:
+        self._write = write
+        self._cond = threading.Condition()
+        self._open: dict[str, Any] = {"items": [], "done": False}
+        self._busy = False
+
+    def submit(self, item: Any) -> set[str]:
+        with self._cond:
+            batch = self._open
+            batch["items"].append(item)
+            while not batch["done"]:
+                if not self._busy:
+                    self._busy = True
+                    self._open = {"items": [], "done": False}
+                    break
+                self._cond.wait()
+            else:
+                return self._result(batch)
+        try:
+            batch["result"] = self._write(batch["items"])
+        except BaseException as e:
+            batch["error"] = e
+        with self._cond:
+            batch["done"] = True
+            self._busy = False
+            self._cond.notify_all()
+        return self._result(batch)
+
+    @staticmethod
+    def _result(batch: dict[str, Any]) -> set[str]:
+        if "error" in batch:
+            raise batch["error"]
+        return batch["result"]
+
+
+class Ledger:
+    """The attempts of one process. See the module docstring.
+
+    Parameters:
+      broker(PostgresBroker): whose job store, settings and outcome writer it uses.
+    """
+
+    def __init__(self, broker: PostgresBroker) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.settings = broker.settings
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._closing = False
+        self._starts = _GroupCommit(self._write_starts)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    # A forked child holds none of its parent's attempts.
+                    self._entries = {}
+                    self._closing = False
+                    self._starts = _GroupCommit(self._write_starts)
+                    self._pid = os.getpid()
+
+    def _get(self, attempt: Attempt, *states: State) -> _Entry | None:
+        entry = self._entries.get(attempt.id)
+        if entry is None or entry.attempt != attempt or entry.state not in states:
+            return None
+        return entry
+
+    def _finish(self, entry: _Entry) -> None:
+        """Move an entry to done: forget it and free its slot. Call with the lock held."""
+        if entry.state is State.DONE:
+            return
+        entry.state = State.DONE
+        if self._entries.get(entry.attempt.id) is entry:
+            del self._entries[entry.attempt.id]
+        entry.slots._give()
+
+    def _refuse(self, move: str, attempt: Attempt) -> None:
+        entry = self._entries.get(attempt.id)
+        state = "not held" if entry is None or entry.attempt != attempt else entry.state.value
+        logger.debug(
+            "Refused to %s job %s attempt %d: it is %s.", move, attempt.id, attempt.attempt, state
+        )
+
+    def state_of(self, attempt: Attempt) -> State:
+        """The state of an attempt (``DONE`` for one this process does not hold)."""
+        self._check_fork()
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is None or entry.attempt != attempt:
+                return State.DONE
+            return entry.state
+
+    def holds(self, attempt: Attempt) -> bool:
+        return self.state_of(attempt) is not State.DONE
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- claiming ------------------------------------------------------------------------
+
+    @property
+    def closing(self) -> bool:
+        """True once worker shutdown began: consumers claim nothing more."""
+        self._check_fork()
+        return self._closing
+
+    def open(self) -> None:
+        """A worker boots: claiming is allowed (again)."""
+        self._check_fork()
+        self._closing = False
+
+    def slots(self, prefetch: int) -> Slots:
+        """Prefetch slots for a new consumer."""
+        return Slots(max(1, prefetch))
+
+    def claimed(self, slots: Slots, attempt: Attempt) -> None:
+        """A consumer claimed an attempt: it holds a slot and its lease is renewed."""
+        self._check_fork()
+        self.broker.leases.start()
+        deadline = time.monotonic() + self.settings.lease_seconds
+        with self._lock:
+            previous = self._entries.get(attempt.id)
+            if previous is not None:
+                # An earlier claim of the same job that this process lost track of.
+                self._finish(previous)
+            slots._take()
+            self._entries[attempt.id] = _Entry(attempt, slots, deadline)
+
+    def release(self, attempts: Iterable[Attempt]) -> set[str]:
+        """Give claimed attempts that never started back to the queue, uncharged. Those
+        already started or done are left alone. Returns the ids given back.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database is unreachable. The attempts are
+            done for this process anyway: no longer renewed, their leases expire and the
+            reaper gives them back, still uncharged.
+        """
+        self._check_fork()
+        with self._lock:
+            entries = [e for a in attempts if (e := self._get(a, State.CLAIMED)) is not None]
+            for entry in entries:
+                self._finish(entry)
+        if not entries:
+            return set()
+        return self.store.release([e.attempt for e in entries])
+
+    def begin_shutdown(self) -> set[str]:
+        """Shutdown began: claim nothing more and give back every claimed message that has
+        not started, at once."""
+        self._check_fork()
+        self._closing = True
+        with self._lock:
+            claimed = [e.attempt for e in self._entries.values() if e.state is State.CLAIMED]
+        try:
+            released = self.release(claimed)
+        except BrokerConnectionError:
+            logger.warning(
+                "Could not return %d unstarted message(s) at shutdown; their leases will "
+                "expire and they go back uncharged.",
+                len(claimed),
+            )
+            return set()
+        if released:
+            logger.info("Returned %d unstarted message(s) at shutdown.", len(released))
+        return released
+
+    # -- starting ------------------------------------------------------------------------
+
+    def start(self, attempt: Attempt) -> bool:
+        """claimed -> started, recorded in the database before the actor runs. Returns
+        False (the message must not run) if this process no longer holds the attempt: it
+        was released, its lease was lost, or it expired while the database was unreachable.
+        """
+        self._check_fork()
+        with self._lock:
+            if self._get(attempt, State.CLAIMED) is None:
+                self._refuse("start", attempt)
+                return False
+        delay = 0.05
+        while True:
+            with self._lock:
+                entry = self._get(attempt, State.CLAIMED)
+                if entry is None:
+                    return False
+                if self._closing:
+                    # Shutdown began after the worker took it: it goes back instead.
+                    pass
+                elif time.monotonic() >= entry.lease_deadline:
+                    logger.warning(
+                        "Job %s attempt %d: its lease ran out before it could start; it is "
+                        "not run here.",
+                        attempt.id,
+                        attempt.attempt,
+                    )
+                    self._finish(entry)
+                    return False
+            if self._closing:
+                try:
+                    self.release([attempt])
+                except BrokerConnectionError:
+                    pass
+                return False
+            try:
+                owned = self._starts.submit(attempt)
+                break
+            except BrokerConnectionError as e:
+                logger.warning("Could not record the start of job %s, retrying: %s", attempt.id, e)
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_CAP_SECONDS)
+        with self._lock:
+            entry = self._get(attempt, State.CLAIMED)
+            if entry is None:
+                return False
+            if attempt.id not in owned:
+                logger.warning(
+                    "Job %s attempt %d was lost before it started (its lease expired and the "
+                    "job went to another worker); it is not run here.",
+                    attempt.id,
+                    attempt.attempt,
+                )
+                self._finish(entry)
+                return False
+            entry.state = State.STARTED
+            entry.lease_deadline = time.monotonic() + self.settings.lease_seconds
+            return True
+
+    def _write_starts(self, attempts: list[Attempt]) -> set[str]:
+        return self.store.start(attempts, self.settings.lease_seconds)
+
+    def stop_renewing(self, attempt: Attempt) -> None:
+        """An actor declared with ``heartbeat=False`` starts: its lease (fresh from the
+        start) is no longer renewed by the heartbeat."""
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is not None:
+                entry.renew = False
+
+    def failed_with(self, attempt: Attempt, error: str) -> None:
+        """The actor raised: remember it, so that no ack can write this attempt as a
+        success."""
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is not None:
+                entry.error = error
+
+    # -- outcomes ------------------------------------------------------------------------
+
+    def settle(self, attempt: Attempt, kind: str, error: str | None = None) -> bool:
+        """Dramatiq acked (``kind="complete"``) or nacked (``"fail"``) a message: queue its
+        outcome for the writer. Refused (False) for an attempt with an outcome already, one
+        that was rescheduled, released or lost.
+
+        An ack of an attempt whose actor raised is written as a failure: a failed attempt
+        is never recorded as a success.
+        """
+        self._check_fork()
+        with self._lock:
+            entry = self._get(attempt, State.CLAIMED, State.STARTED)
+            if entry is None:
+                self._refuse(kind, attempt)
+                return False
+            if kind == "complete" and entry.error is not None:
+                logger.error(
+                    "Job %s attempt %d raised but was acked (a retry hook failed?); it is "
+                    "recorded as failed.",
+                    attempt.id,
+                    attempt.attempt,
+                )
+                kind, error = "fail", entry.error
+            entry.state = State.OUTCOME_QUEUED
+        self.broker.outcomes.submit(kind, attempt, error)
+        return True
+
+    def written(self, attempt: Attempt, owned: bool) -> None:
+        """The outcome writer is done with an attempt: written (``owned``), or found to be
+        lost (another worker owns the job since its lease expired)."""
+        with self._lock:
+            entry = self._get(attempt, State.OUTCOME_QUEUED)
+            if entry is None:
+                return
+            if not owned:
+                logger.warning(
+                    "Lost job %s attempt %d before its outcome was written: its lease expired "
+                    "and it was requeued or claimed again; this outcome is discarded.",
+                    attempt.id,
+                    attempt.attempt,
+                )
+            self._finish(entry)
+
+    def unwritable(self, attempt: Attempt) -> None:
+        """An outcome cannot be written (not a connection problem): stop renewing the
+        attempt, so that its lease expires and the job runs again."""
+        with self._lock:
+            entry = self._get(attempt, State.OUTCOME_QUEUED)
+            if entry is not None:
+                self._finish(entry)
+
+    def reschedule(self, attempt: Attempt, write: Callable[[], bool]) -> bool:
+        """started -> done through ``write`` (the retry's guarded statement). The attempt
+        is done whatever ``write`` does: a failed attempt whose retry could not be written
+        is left to its lease, never acked as a success. Returns what ``write`` returned, or
+        False if the move was refused (the attempt already has an outcome or is lost)."""
+        self._check_fork()
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is None:
+                self._refuse("reschedule", attempt)
+                return False
+            entry.state = State.RESCHEDULING
+        try:
+            return write()
+        finally:
+            with self._lock:
+                self._finish(entry)
+
+    # -- leases --------------------------------------------------------------------------
+
+    def renewable(self) -> list[Attempt]:
+        """Attempts whose leases the heartbeat renews."""
+        self._check_fork()
+        with self._lock:
+            return [e.attempt for e in self._entries.values() if e.renew]
+
+    def renewed(self, attempts: Sequence[Attempt], owned: set[str], since: float) -> None:
+        """A renewal that started at ``since`` (monotonic) returned ``owned``: extend the
+        local lease estimate of those, and let go of the others (lost)."""
+        deadline = since + self.settings.lease_seconds
+        with self._lock:
+            for attempt in attempts:
+                entry = self._entries.get(attempt.id)
+                if entry is None or entry.attempt != attempt or entry.state is State.DONE:
+                    continue
+                if attempt.id in owned:
+                    entry.lease_deadline = max(entry.lease_deadline, deadline)
+                elif entry.state is not State.RESCHEDULING:
+                    # Its outcome was just written, or the lease expired and another
+                    # worker owns the job now.
+                    if entry.state is not State.OUTCOME_QUEUED:
+                        logger.warning(
+                            "Lost job %s attempt %d: its lease expired and another worker "
+                            "may run it.",
+                            attempt.id,
+                            attempt.attempt,
+                        )
+                    self._finish(entry)
+
+    def renew(self, attempt: Attempt, lease_seconds: float, *, record: bool = False) -> bool:
+        """An explicit renewal by the running actor. Returns False if no longer owned."""
+        since = time.monotonic()
+        owned = self.store.renew([attempt], lease_seconds, record=record)
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is not None and attempt.id in owned:
+                entry.lease_deadline = max(entry.lease_deadline, since + lease_seconds)
+        return attempt.id in owned

@@ -1,0 +1,171 @@
+"""The outcome writer: acks and nacks written in batches from one thread per process.
+
+Worker threads only hand their outcome over (through the :class:`~.inflight.Ledger`); the
+writer takes everything that accumulated while its previous statement ran and writes it as
+one guarded statement per kind (group commit). An outcome is durable one round trip after
+the actor returns; a crash before that loses no job: the attempt is still ``running`` and
+runs again once its lease expires (at-least-once). Until an outcome is written its attempt
+keeps its prefetch slot and its lease is renewed, so the queue of outcomes is bounded by the
+process's prefetch, and an owner that is merely waiting for the database keeps its jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dramatiq.errors import BrokerConnectionError
+
+from .inflight import RETRY_CAP_SECONDS
+from .jobs import Attempt
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+
+logger = logging.getLogger(__name__)
+
+#: The most outcomes one statement writes.
+MAX_BATCH = 1000
+
+#: The most outcomes waiting for the writer; a worker thread handing in one more waits.
+MAX_QUEUED = 10_000
+
+Outcome = tuple[str, Attempt, "str | None"]
+
+
+class OutcomeWriter:
+    """Writes acks and nacks in batches. See the module docstring."""
+
+    def __init__(self, broker: PostgresBroker, max_batch: int = MAX_BATCH) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.max_batch = max_batch
+        self._queue: queue.Queue[Outcome] = queue.Queue(MAX_QUEUED)
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, kind: str, attempt: Attempt, error: str | None) -> None:
+        """Queue one outcome (``complete`` or ``fail``). Only the ledger calls this."""
+        self._ensure_thread()
+        self._queue.put((kind, attempt, error))
+
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+            return
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                if self._pid != os.getpid():
+                    # A forked child must not write (or wait on) its parent's outcomes.
+                    self._queue = queue.Queue(MAX_QUEUED)
+                self._pid = os.getpid()
+                self._thread = threading.Thread(
+                    target=self._run, name="dramatiq-pg-outcomes", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write(batch)
+            except Exception:  # pragma: no cover - _write handles its own errors
+                logger.exception("The outcome writer failed on %d outcome(s).", len(batch))
+                for _, attempt, _ in batch:
+                    self.broker.ledger.unwritable(attempt)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    def _write(self, batch: list[Outcome]) -> None:
+        completed = [(attempt, None) for kind, attempt, _ in batch if kind == "complete"]
+        failed = [(attempt, error) for kind, attempt, error in batch if kind == "fail"]
+        ledger = self.broker.ledger
+        # Each statement is retried on its own: one that committed is never sent again (a
+        # second run would find its rows no longer running and report them as lost).
+        for items, write in (
+            (completed, lambda items: self.store.complete([a for a, _ in items])),
+            (failed, lambda items: self.store.fail([a for a, _ in items], [e for _, e in items])),
+        ):
+            if not items:
+                continue
+            owned, unwritten = self._write_batch(items, write)
+            for attempt, _ in items:
+                if attempt.id in unwritten:
+                    ledger.unwritable(attempt)
+                else:
+                    ledger.written(attempt, attempt.id in owned)
+
+    def _write_batch(
+        self, items: list[tuple[Attempt, str | None]], write: Callable[[list], set[str]]
+    ) -> tuple[set[str], set[str]]:
+        """Write ``items`` as one statement; returns the ids still owned and the ids that
+        could not be written. If the statement fails for a reason other than the
+        connection (a row the database refuses), each item is written on its own, so that
+        one bad outcome affects only itself."""
+        try:
+            return self._until_written(lambda: write(items)), set()
+        except Exception as e:
+            if len(items) == 1:
+                return set(), self._give_up(items, e)
+            logger.warning(
+                "Writing %d outcome(s) at once failed (%s); writing them one by one.",
+                len(items),
+                e,
+            )
+        owned: set[str] = set()
+        unwritten: set[str] = set()
+        for item in items:
+            try:
+                owned |= self._until_written(lambda item=item: write([item]))
+            except Exception as e:
+                unwritten |= self._give_up([item], e)
+        return owned, unwritten
+
+    @staticmethod
+    def _give_up(items: list[tuple[Attempt, str | None]], error: Exception) -> set[str]:
+        for attempt, _ in items:
+            logger.error(
+                "Could not write the outcome of job %s attempt %d (%s: %s); it runs again "
+                "once its lease expires.",
+                attempt.id,
+                attempt.attempt,
+                type(error).__name__,
+                error,
+            )
+        return {attempt.id for attempt, _ in items}
+
+    @staticmethod
+    def _until_written(write: Callable[[], set[str]]) -> set[str]:
+        """Run a write until the database takes it, retrying connection errors with a
+        short, capped pause (the writer resumes within a fraction of a second of the
+        server's return)."""
+        delay = 0.05
+        while True:
+            try:
+                return write()
+            except BrokerConnectionError as e:
+                logger.warning("Could not write outcomes, retrying in %.2fs: %s", delay, e)
+                time.sleep(delay)
+                delay = min(delay * 2, RETRY_CAP_SECONDS)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted outcome is written. Returns False on timeout."""
+        if self._thread is None or self._pid != os.getpid():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True

@@ -1,0 +1,512 @@
+"""An attempt's life in a worker process: the in-flight ledger, what counts as an attempt,
+a failure or an interruption, and the outcomes Dramatiq's hooks see."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+import uuid
+
+import dramatiq
+import psycopg
+import pytest
+from dramatiq.results import ResultFailure, Results
+from dramatiq.results.backends import StubBackend
+
+from dramatiq_pg_broker import Attempt
+from dramatiq_pg_broker.db import _CappedAttempt, translate_errors
+from dramatiq_pg_broker.inflight import State
+from dramatiq_pg_broker.jobs import NewJob
+
+from .test_broker_retries import Harness
+
+
+@pytest.fixture
+def h(pg_url, schema):
+    harness = Harness(pg_url, schema)
+    yield harness
+    harness.close()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def row(broker, message):
+    return broker.store.get(message.message_id)
+
+
+def events(broker, message):
+    return [e["type"] for e in broker.store.events_of(message.message_id)]
+
+
+class Unprintable(Exception):
+    """An exception whose str() raises, as some API clients' do."""
+
+    def __str__(self):
+        raise KeyError("body has no 'detail'")
+
+
+# -- 1: an exception whose str() raises ---------------------------------------------------
+
+
+def test_an_exception_whose_str_raises_is_a_failure_with_or_without_retries_left(h):
+    broker = h.broker()
+    ran = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=1, min_backoff=10)
+    def flaky():
+        ran.append("flaky")
+        raise Unprintable()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
+    def hopeless(n):
+        ran.append(n)
+        raise Unprintable()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0, priority=100)
+    def after():
+        ran.append("after")
+
+    first = flaky.send()
+    others = [hopeless.send(n) for n in range(2)]
+    last = after.send()
+    h.start(broker, threads=1)
+    broker.join(h.queue, timeout=20_000)
+    assert broker.outcomes.flush(timeout=5)
+
+    retried = row(broker, first)
+    assert (retried["status"], retried["failures"]) == ("failed", 2), (
+        "an attempt that raised was recorded as a success"
+    )
+    assert "retry_scheduled" in events(broker, first)
+    assert "<exception str() failed>" in retried["last_error"]
+    for message in others:
+        assert row(broker, message)["status"] == "failed"
+    assert row(broker, last)["status"] == "succeeded", "two such jobs stalled the queue"
+    assert len(broker.ledger) == 0, "an attempt is still held (renewed, slot taken)"
+
+
+# -- 3: an error text that cannot be encoded -----------------------------------------------
+
+
+def test_an_unencodable_error_text_loses_no_other_outcome(h):
+    broker = h.broker()
+    runs = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
+    def bad_name():
+        runs.append("bad")
+        raise FileNotFoundError("no such file: report-\udcff.csv")
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, throws=(ValueError,))
+    def never_retry(n):
+        runs.append(n)
+        raise ValueError(f"refused {n}")
+
+    bad = bad_name.send()
+    plain = [never_retry.send(n) for n in range(5)]
+    h.start(broker, threads=4)
+    broker.join(h.queue, timeout=15_000)
+    assert broker.outcomes.flush(timeout=5)
+
+    stored = row(broker, bad)
+    assert stored["status"] == "failed"
+    assert "report-\\udcff.csv" in stored["last_error"]
+    for n, message in enumerate(plain):
+        assert (row(broker, message)["status"], row(broker, message)["last_error"]) == (
+            "failed",
+            f"ValueError: refused {n}",
+        )
+    assert sorted(r for r in runs if r != "bad") == list(range(5)), "a throws= job ran again"
+
+
+def test_a_batch_the_database_refuses_is_written_one_outcome_at_a_time(h):
+    broker = h.broker()
+    real_fail = broker.store.fail
+    poisoned: set[str] = set()
+
+    def fail_refusing_the_poisoned(attempts, errors, **kwargs):
+        if poisoned & {a.id for a in attempts}:
+            raise psycopg.errors.DataError("value refused")
+        return real_fail(attempts, errors, **kwargs)
+
+    broker.store.fail = fail_refusing_the_poisoned
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
+    def boom(n):
+        raise RuntimeError(f"boom {n}")
+
+    messages = [boom.send(n) for n in range(6)]
+    poisoned.add(messages[2].message_id)
+    # Every outcome is queued before the writer starts, so they share one batch.
+    consumer = broker.consume(h.queue, prefetch=6, timeout=1000)
+    proxies = [next(consumer) for _ in messages]
+    for proxy in proxies:
+        assert broker.ledger.start(proxy.attempt)
+        proxy.fail()
+        consumer.nack(proxy)
+    assert broker.outcomes.flush(timeout=10)
+    statuses = {m.message_id: row(broker, m)["status"] for m in messages}
+    assert statuses.pop(messages[2].message_id) == "running"
+    assert set(statuses.values()) == {"failed"}, statuses
+    assert len(broker.ledger) == 0
+    consumer.close()
+
+
+# -- the ledger refuses illegal moves, and unwritten outcomes hold their slots ------------------
+
+
+def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def noop(n):
+        pass
+
+    first, second = noop.send(1), noop.send(2)
+    consumer = broker.consume(h.queue, prefetch=2, timeout=1000)
+    a, b = next(consumer), next(consumer)
+    assert broker.ledger.start(a.attempt) and broker.ledger.start(b.attempt)
+    assert broker.reschedule(a, 60_000, "later")
+    assert broker.ledger.settle(a.attempt, "complete") is False, "ack after a reschedule"
+    assert broker.ledger.settle(b.attempt, "fail", "no") is True
+    assert broker.ledger.settle(b.attempt, "complete") is False, "a second outcome"
+    assert broker.outcomes.flush(timeout=5)
+    assert row(broker, first)["status"] == "queued"
+    assert row(broker, second)["status"] == "failed"
+    assert broker.ledger.start(a.attempt) is False, "a rescheduled attempt started"
+    consumer.close()
+
+
+def test_unwritten_outcomes_count_against_the_prefetch(h):
+    broker = h.broker()
+    gate = threading.Event()
+    real_complete = broker.store.complete
+
+    def slow_complete(attempts, **kwargs):
+        gate.wait(10)
+        return real_complete(attempts, **kwargs)
+
+    broker.store.complete = slow_complete
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def noop(n):
+        pass
+
+    for n in range(4):
+        noop.send(n)
+    consumer = broker.consume(h.queue, prefetch=2, timeout=300)
+    for _ in range(2):
+        proxy = next(consumer)
+        assert broker.ledger.start(proxy.attempt)
+        consumer.ack(proxy)
+    assert consumer.slots.in_use == 2, "an unwritten outcome freed its slot"
+    assert next(consumer) is None, "claimed past the prefetch while outcomes were unwritten"
+    gate.set()
+    assert broker.outcomes.flush(timeout=5)
+    assert next(consumer) is not None
+    consumer.close()
+
+
+# -- 4: a job the reaper fails ends like one whose actor raised -----------------------------
+
+
+def test_a_job_failed_by_the_reaper_runs_dramatiqs_failure_hooks(h):
+    backend = StubBackend()
+    broker = h.broker(lease_seconds=1, reaper_interval=0.2, max_interruptions=1)
+    broker.add_middleware(Results(backend=backend))
+    seen = {}
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def exhausted(message_data, retry_info):
+        seen["exhausted"] = (message_data["message_id"], retry_info)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def on_failure_callback(message_data, exception_data):
+        seen["on_failure"] = (message_data["message_id"], exception_data["type"])
+
+    @dramatiq.actor(
+        broker=broker,
+        queue_name=h.queue,
+        max_retries=0,
+        store_results=True,
+        on_retry_exhausted="exhausted",
+        priority=-10,
+    )
+    def victim():
+        return "never"
+
+    message = victim.send_with_options(on_failure="on_failure_callback")
+    # A worker that started it, then died: its lease runs out.
+    (claimed,) = broker.store.claim(h.queue, 1, "dead-worker", 1)
+    attempt = Attempt(claimed.id, "dead-worker", claimed.attempts)
+    assert broker.store.start([attempt], 1) == {message.message_id}
+    h.start(broker, threads=2)
+    wait_for(lambda: {"exhausted", "on_failure"} <= set(seen), 20, "both hooks")
+    assert seen["exhausted"][0] == message.message_id
+    assert seen["on_failure"] == (message.message_id, "JobInterrupted")
+    with pytest.raises(ResultFailure) as failure:
+        message.get_result(backend=backend, block=True, timeout=5_000)
+    assert "interrupted 1 times" in str(failure.value)
+    assert row(broker, message)["status"] == "failed"
+
+
+# -- 7: shutdown returns unstarted messages at once -----------------------------------------
+
+
+def test_shutdown_returns_unstarted_messages_at_once(h):
+    broker = h.broker()
+    started = threading.Event()
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=0)
+    def long():
+        started.set()
+        release.wait(20)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=10)
+    def quick(n):
+        pass
+
+    long.send()
+    waiting = [quick.send(n) for n in range(3)]
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.queue_prefetch = 4
+    worker.start()
+    h.workers.append(worker)
+    assert started.wait(10)
+    wait_for(lambda: len(broker.ledger) == 4, 10, "the prefetch to fill")
+    stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 30_000})
+    stopper.start()
+    try:
+        wait_for(
+            lambda: all(row(broker, m)["status"] == "queued" for m in waiting),
+            5,
+            "the unstarted messages to go back while the long actor still runs",
+        )
+        for message in waiting:
+            stored = row(broker, message)
+            assert (stored["attempts"], stored["failures"]) == (0, 0)
+            assert "released" in events(broker, message)
+    finally:
+        release.set()
+        stopper.join(30)
+    h.workers.remove(worker)
+
+
+# -- 8: Dramatiq's retry options -------------------------------------------------------------
+
+
+def test_retries_set_dramatiqs_traceback_and_requeue_timestamp(h):
+    broker = h.broker()
+    seen = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def exhausted(message_data, retry_info):
+        seen.append((message_data["options"], retry_info))
+
+    @dramatiq.actor(
+        broker=broker,
+        queue_name=h.queue,
+        max_retries=1,
+        min_backoff=10,
+        on_retry_exhausted="exhausted",
+    )
+    def boom():
+        raise RuntimeError("boom")
+
+    before = int(time.time() * 1000)
+    message = boom.send()
+    h.start(broker)
+    wait_for(lambda: seen, 15, "on_retry_exhausted")
+    options, retry_info = seen[0]
+    assert "RuntimeError: boom" in options["traceback"]
+    assert options["requeue_timestamp"] >= before
+    assert retry_info == {"retries": 1, "max_retries": 1}
+    assert row(broker, message)["failures"] == 2
+
+
+# -- 11: an idle consumer claims once per poll interval; a release wakes consumers -----------
+
+
+def test_an_idle_consumer_claims_once_per_poll_interval(h):
+    broker = h.broker(poll_interval=1.0)
+    broker.declare_queue(h.queue)
+    claims = []
+    real_claim = broker.store.claim
+
+    def counting_claim(*args, **kwargs):
+        claims.append(time.monotonic())
+        return real_claim(*args, **kwargs)
+
+    broker.store.claim = counting_claim
+    consumer = broker.consume(h.queue, prefetch=1, timeout=500)
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0:
+        assert next(consumer) is None
+    consumer.close()
+    # One claim at the start and one per poll interval after it: 3 or 4, never ~6.
+    assert len(claims) <= 4, f"{len(claims)} claims in 3 s with a 1 s poll interval"
+
+
+def test_a_release_wakes_idle_consumers(h):
+    broker = h.broker(poll_interval=30.0)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def noop():
+        pass
+
+    noop.send()
+    holder = broker.consume(h.queue, prefetch=1, timeout=1000)
+    held = next(holder)
+    assert held is not None
+    waiter = broker.consume(h.queue, prefetch=1, timeout=5000)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(next(waiter)))
+    thread.start()
+    time.sleep(0.3)  # let the waiter claim nothing and go idle on LISTEN
+    released_at = time.monotonic()
+    holder.requeue([held])
+    thread.join(10)
+    assert got and got[0] is not None, "the released job was not claimed"
+    assert time.monotonic() - released_at < 2.0, "the release sent no notification"
+    waiter.close()
+    holder.close()
+
+
+# -- 14: leases that ran out during an outage are not reaped --------------------------------
+
+
+def test_the_reaper_waits_a_lease_after_the_server_started(h, conn):
+    broker = h.broker()
+    (boot,) = conn.execute("SELECT pg_postmaster_start_time()").fetchone()
+    job_id = str(uuid.uuid4())
+    # Claimed and started before the server (re)started; its lease ran out while it was
+    # down, so its owner never had a chance to renew it.
+    before = boot - dt.timedelta(seconds=10)
+    job = NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={})
+    broker.store.enqueue(job, now=before)
+    (claimed,) = broker.store.claim(h.queue, 1, "owner", 1, now=before)
+    attempt = Attempt(job_id, "owner", claimed.attempts)
+    assert broker.store.start([attempt], 1, now=before) == {job_id}
+    args = {"batch": 10, "backoff_ms": [0], "max_interruptions": 10, "lease_seconds": 30}
+    soon = boot + dt.timedelta(seconds=10)
+    assert job_id not in broker.store.reap(now=soon, **args).requeued
+    later = boot + dt.timedelta(seconds=31)
+    assert broker.store.reap(now=later, **args).requeued == [job_id]
+
+
+def test_a_process_that_lost_the_database_waits_a_lease_before_reaping(h):
+    broker = h.broker(lease_seconds=5)
+
+    def unreachable():
+        raise dramatiq.errors.ConnectionClosed(OSError("gone"))
+
+    assert broker.leases._guard(unreachable) is False
+    assert broker.leases.reap() is None, "reaped right after an outage"
+
+
+# -- 15: the pool's reconnection wait is capped; its timeout is a setting --------------------
+
+
+def test_the_pool_retries_connecting_at_least_twice_a_second():
+    attempt = _CappedAttempt(timeout=300)
+    now = 0.0
+    delays = []
+    for _ in range(12):
+        attempt.update_delay(now)
+        delays.append(attempt.delay)
+        now += attempt.delay
+    assert max(delays) <= 0.5, delays
+
+
+def test_the_pool_timeout_is_a_setting(h):
+    broker = h.broker(pool_timeout=2.5)
+    assert broker.pool.get().timeout == 2.5
+
+
+# -- 16: lock order, and a deadlock is not a lost connection ---------------------------------
+
+
+def test_a_deadlock_is_not_reported_as_a_lost_connection():
+    with pytest.raises(psycopg.errors.DeadlockDetected):
+        with translate_errors():
+            raise psycopg.errors.DeadlockDetected("deadlock detected")
+
+
+def test_batch_statements_lock_rows_in_id_order(h, pg_url):
+    broker = h.broker()
+    broker.declare_queue(h.queue)
+    ids = sorted(str(uuid.uuid4()) for _ in range(2))
+    # Inserted highest id first, so that neither the heap nor the leases are in id order.
+    for job_id in reversed(ids):
+        broker.store.enqueue(NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}))
+    claimed = broker.store.claim(h.queue, 2, "w", 30)
+    attempts = [Attempt(c.id, "w", c.attempts) for c in claimed]
+    table = f'"{h.schema}".jobs'
+    with psycopg.connect(pg_url) as holder, psycopg.connect(pg_url, autocommit=True) as probe:
+        # Another transaction holds the higher id: the statement must lock the lower one
+        # first, then wait.
+        holder.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR UPDATE", (ids[1],))
+        done = []
+        thread = threading.Thread(target=lambda: done.append(broker.store.renew(attempts, 30)))
+        thread.start()
+
+        def lower_is_locked():
+            try:
+                probe.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR UPDATE NOWAIT", (ids[0],))
+                return False
+            except psycopg.errors.LockNotAvailable:
+                return True
+
+        wait_for(lower_is_locked, 5, "the renewal to lock the lower id while it waits")
+        holder.rollback()
+        thread.join(10)
+    assert done and done[0] == set(ids)
+
+
+# -- 17: a message whose claim was lost while it waited is not run ---------------------------
+
+
+def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
+    broker = h.broker()
+    blocker_started = threading.Event()
+    release = threading.Event()
+    ran = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=0)
+    def blocker():
+        blocker_started.set()
+        release.wait(20)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=10)
+    def waiting():
+        ran.append("waiting")
+
+    blocker.send()
+    stolen = waiting.send()
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.queue_prefetch = 2
+    worker.start()
+    h.workers.append(worker)
+    assert blocker_started.wait(10)
+    wait_for(lambda: len(broker.ledger) == 2, 10, "the second message to be prefetched")
+    # Its lease expired and another worker claimed it, while it waited here.
+    conn.execute(
+        f'UPDATE "{h.schema}".jobs SET locked_by = %s WHERE id = %s',
+        ("another-worker", stolen.message_id),
+    )
+    release.set()
+    wait_for(lambda: len(broker.ledger) == 0, 10, "this worker to let go of both")
+    assert ran == [], "a message this worker no longer owned was run"
+    assert row(broker, stolen)["locked_by"] == "another-worker"
+    assert broker.ledger.state_of(Attempt(stolen.message_id, "x", 1)) is State.DONE

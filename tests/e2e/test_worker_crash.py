@@ -122,6 +122,91 @@ def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(
     broker.close()
 
 
+PREFETCH = 10
+
+
+def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
+    pg_url, schema, conn, start_worker
+):
+    """One thread busy with a hanging job, the rest of the prefetch claimed and waiting:
+    kill -9. The waiting messages never started, so they go back uncharged; only the job
+    that was running counts an interruption (not a failure)."""
+    # The module's schema may hold another test's jobs and executions.
+    conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
+    conn.execute(f'TRUNCATE "{schema}".jobs CASCADE')
+    create_executions_table(conn, schema)
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    actors = declare(broker)
+    hung = actors["hang_first"].send(120)
+    waiting = [actors["quick"].send(0.0) for _ in range(PREFETCH - 1)]
+    waiting_ids = {m.message_id for m in waiting}
+
+    def rows():
+        return {
+            r[0]: r[1:]
+            for r in conn.execute(
+                f"""SELECT id::text, status, locked_by, attempts, failures, interruptions
+                    FROM "{schema}".jobs WHERE queue_name = %s""",
+                (QUEUE,),
+            ).fetchall()
+        }
+
+    def starts():
+        return conn.execute(
+            f"""SELECT job_id::text, attempt, pid FROM "{schema}".executions
+                WHERE phase = 'start' ORDER BY id"""
+        ).fetchall()
+
+    first = start_worker(threads=1, dramatiq_queue_prefetch=str(PREFETCH))
+    started = wait_for(
+        lambda: [e for e in starts() if e[0] == hung.message_id],
+        60,
+        "the hanging job to start",
+        on_timeout=first.log_tail,
+    )
+    victim_pid = started[0][2]
+    wait_for(
+        lambda: all(
+            r[0] == "running" and r[1].split(":")[1] == str(victim_pid)
+            for job_id, r in rows().items()
+            if job_id in waiting_ids
+        ),
+        30,
+        "the whole prefetch to be claimed by the worker process",
+        on_timeout=first.log_tail,
+    )
+    assert not waiting_ids & {e[0] for e in starts()}, "a waiting message started"
+
+    os.kill(victim_pid, signal.SIGKILL)
+    wait_for(lambda: _gone(victim_pid), 10, "the killed process to disappear")
+    first.wait(20)
+
+    second = start_worker(threads=2)
+    wait_for(
+        lambda: all(r[0] == "succeeded" for r in rows().values()),
+        60,
+        "every job to succeed after the crash",
+        on_timeout=second.log_tail,
+    )
+    second.signal(signal.SIGTERM)
+    assert second.wait(30) == 0, second.log_tail()
+
+    final = rows()
+    for job_id in waiting_ids:
+        status, _, attempts, failures, interruptions = final[job_id]
+        assert (attempts, failures, interruptions) == (1, 0, 0), (
+            f"job {job_id}, claimed but never started by the killed worker, was charged: "
+            f"attempts={attempts} failures={failures} interruptions={interruptions}"
+        )
+        types = [e["type"] for e in broker.store.events_of(job_id)]
+        assert types == ["created", "claimed", "released", "claimed", "succeeded"], types
+    ran = collections.Counter(e[0] for e in starts())
+    assert all(ran[job_id] == 1 for job_id in waiting_ids), ran
+    _, _, attempts, failures, interruptions = final[hung.message_id]
+    assert (attempts, failures, interruptions) == (2, 0, 1), "the running job is an interruption"
+    broker.close()
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)

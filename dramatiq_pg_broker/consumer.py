@@ -28,6 +28,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError
 
 from .db import connect, translate_errors
+from .inflight import RETRY_CAP_SECONDS
 from .jobs import Attempt, ClaimedJob, clean_text
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class PostgresConsumer(Consumer):
         #: When the last claim came back empty (None: claim without waiting).
         self._last_empty: float | None = None
         self._notified = False
+        self._last_warning = 0.0
 
     # -- claiming ------------------------------------------------------------------------
 
@@ -112,18 +114,47 @@ class PostgresConsumer(Consumer):
                 # Shutdown began: claim nothing more; Dramatiq stops this consumer soon.
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
                 return None
-            self._drain_notifications()
-            if self.slots.in_use <= self.low_water and self._claim_due():
-                if self._claim():
+            try:
+                if self._step(deadline):
                     return self._buffer.popleft()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            except BrokerConnectionError as e:
+                # Stay alive and try again shortly: Dramatiq would restart the consumer only
+                # after several seconds, and claiming must resume within about a second of
+                # the server's return.
+                self._lost_connection(e)
+                time.sleep(max(0.0, min(RETRY_CAP_SECONDS, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
                 return None
-            if self.slots.in_use > self.low_water:
-                # Enough work in hand: wait for an outcome to free a slot.
-                self.slots.wait(remaining)
-            else:
-                self._wait_for_work(remaining)
+
+    def _step(self, deadline: float) -> bool:
+        """Claim if due, else wait for work or a free slot. True when a batch came in."""
+        self._drain_notifications()
+        if self.slots.in_use <= self.low_water and self._claim_due():
+            if self._claim():
+                return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        if self.slots.in_use > self.low_water:
+            # Enough work in hand: wait for an outcome to free a slot.
+            self.slots.wait(remaining)
+        else:
+            self._wait_for_work(remaining)
+        return False
+
+    def _lost_connection(self, error: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= 5.0:
+            logger.warning("Queue %r cannot reach the database: %s", self.queue_name, error)
+            self._last_warning = now
+        # Notifications sent while the connection was down are lost: claim once it is back.
+        self._notified = True
+        if self._listen_conn is not None:
+            try:
+                self._listen_conn.close()
+            except Exception:  # pragma: no cover - closing a broken connection
+                pass
+            self._listen_conn = None
 
     def _claim_due(self) -> bool:
         """Whether to claim now: something announced work, the last claim was not empty,

@@ -277,7 +277,10 @@ class Ledger:
     def start(self, attempt: Attempt) -> bool:
         """claimed -> started, recorded in the database before the actor runs. Returns
         False (the message must not run) if this process no longer holds the attempt: it
-        was released, its lease was lost, or it expired while the database was unreachable.
+        was released at shutdown, or its lease was lost (the guarded start found another
+        owner). While the database is unreachable the start is retried, at least twice a
+        second: its guard, not a local clock, says whether the claim is still this
+        process's.
         """
         self._check_fork()
         with self._lock:
@@ -287,22 +290,10 @@ class Ledger:
         delay = 0.05
         while True:
             with self._lock:
-                entry = self._get(attempt, State.CLAIMED)
-                if entry is None:
-                    return False
-                if self._closing:
-                    # Shutdown began after the worker took it: it goes back instead.
-                    pass
-                elif time.monotonic() >= entry.lease_deadline:
-                    logger.warning(
-                        "Job %s attempt %d: its lease ran out before it could start; it is "
-                        "not run here.",
-                        attempt.id,
-                        attempt.attempt,
-                    )
-                    self._finish(entry)
+                if self._get(attempt, State.CLAIMED) is None:
                     return False
             if self._closing:
+                # Shutdown began after the worker took it: it goes back instead.
                 try:
                     self.release([attempt])
                 except BrokerConnectionError:

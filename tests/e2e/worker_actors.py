@@ -45,6 +45,18 @@ def record(phase: str) -> None:
         conn.execute(statement, (job.id, job.attempt, os.getpid(), phase))
 
 
+def record_patiently(phase: str, timeout: float = 120.0) -> None:
+    """:func:`record`, retried while the database is unreachable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return record(phase)
+        except dramatiq.errors.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
     """Declare the test actors on ``broker``; returns them by name."""
 
@@ -68,4 +80,12 @@ def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
         time.sleep(seconds)
         record("finish")
 
-    return {"hang_first": hang_first, "slow": slow, "quick": quick}
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=0)
+    def steady(seconds: float = 0.0) -> None:
+        """No retries: a failure of any kind would leave the job failed. Its records wait
+        out a database outage, so that only the broker's own handling is on trial."""
+        record_patiently("start")
+        time.sleep(seconds)
+        record_patiently("finish")
+
+    return {"hang_first": hang_first, "slow": slow, "quick": quick, "steady": steady}

@@ -510,3 +510,37 @@ def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
     assert ran == [], "a message this worker no longer owned was run"
     assert row(broker, stolen)["locked_by"] == "another-worker"
     assert broker.ledger.state_of(Attempt(stolen.message_id, "x", 1)) is State.DONE
+
+
+# -- 13: priority order across a prefetched batch --------------------------------------------
+
+
+@pytest.mark.parametrize("by", ["actor", "message"])
+def test_messages_sent_while_paused_run_in_priority_order(h, by):
+    broker = h.broker()
+    order = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=10)
+    def low(n):
+        order.append(("low", n))
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=0 if by == "actor" else 10)
+    def high(n):
+        order.append(("high", n))
+
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.queue_prefetch = 20
+    worker.start()
+    h.workers.append(worker)
+    broker.declare_queue(h.queue)
+    worker.pause()
+    for n in range(10):
+        low.send(n)
+    for n in range(10):
+        if by == "actor":
+            high.send(n)
+        else:
+            high.send_with_options(args=(n,), priority=0)
+    worker.resume()
+    wait_for(lambda: len(order) == 20, 20, "every message to run")
+    assert [kind for kind, _ in order] == ["high"] * 10 + ["low"] * 10, order

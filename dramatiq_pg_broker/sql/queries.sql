@@ -484,10 +484,10 @@ WITH expired AS MATERIALIZED (
         last_error = CASE
             WHEN NOT expired.started THEN j.last_error
             WHEN j.interruptions + 1 >= %(max_interruptions)s
-            THEN 'interrupted ' || (j.interruptions + 1) || ' times (the limit): its worker died, '
-                 || 'hung or lost its lease each time; last: ' || expired.locked_by
-                 || ' stopped renewing attempt ' || j.attempts
-            ELSE 'interrupted: lease expired: ' || expired.locked_by
+            THEN 'lease expired: ' || expired.locked_by || ' stopped renewing attempt '
+                 || j.attempts || '; interrupted ' || (j.interruptions + 1)
+                 || ' times (the limit): its worker died, hung or lost its lease each time'
+            ELSE 'lease expired: ' || expired.locked_by
                  || ' stopped renewing attempt ' || j.attempts
         END,
         locked_by = NULL,

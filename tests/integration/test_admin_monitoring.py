@@ -16,6 +16,7 @@ from psycopg import sql
 from admin_api.metrics import Metrics
 from admin_api.monitoring import Monitor
 from admin_api.resources import dashboard as dashboard_resource
+from dramatiq_pg_broker import Attempt
 
 from .admin_support import CSRF, AdminEnv
 
@@ -148,21 +149,25 @@ def test_metrics_gauges_and_counters_match_the_table(env, pg_url, schema):
     retried = env.enqueue(queue=queue + "_retry")
     assert env.store.reschedule(env.claim(retried), queue + "_retry", 60_000, "flaky")
     expiring = env.enqueue(queue=queue + "_lease")
-    env.claim(expiring, lease_seconds=0.001)
+    attempt = env.claim(expiring, lease_seconds=0.001)
+    assert env.store.start([attempt], 0.001) == {expiring}
     future = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=5)
-    reaped = env.store.reap(batch=100, backoff_base_ms=60_000, backoff_max_ms=60_000, now=future)
+    reap = {"batch": 100, "max_interruptions": 2, "lease_seconds": 0.001, "now": future}
+    reaped = env.store.reap(backoff_ms=[60_000], **reap)
     assert expiring in reaped.requeued
-    # Its last attempt: the lease expires again and the job fails.
+    # Its last allowed interruption: the lease expires again and the job fails.
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(
-            sql.SQL(
-                "UPDATE {}.jobs SET max_attempts = attempts + 1, available_at = now() WHERE id = %s"
-            ).format(sql.Identifier(schema)),
+            sql.SQL("UPDATE {}.jobs SET available_at = now() WHERE id = %s").format(
+                sql.Identifier(schema)
+            ),
             (expiring,),
         )
     claimed = env.store.claim(queue + "_lease", 1, "tests-worker", 0.001)
     assert [c.id for c in claimed] == [expiring]
-    reaped = env.store.reap(batch=100, backoff_base_ms=1, backoff_max_ms=1, now=future)
+    again = Attempt(expiring, "tests-worker", claimed[0].attempts)
+    assert env.store.start([again], 0.001) == {expiring}
+    reaped = env.store.reap(backoff_ms=[1], **reap)
     assert expiring in reaped.failed
     manual = env.failed(queue=queue + "_manual")
     assert env.post(f"/api/jobs/{manual}/retry", "operator", headers=CSRF).status_code == 200

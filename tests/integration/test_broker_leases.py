@@ -137,7 +137,7 @@ def test_reaper_fails_the_job_when_interruptions_are_exhausted(store, clock):
     assert result.failed_jobs[0].actor_name == "a"
     row = store.get(job_id)
     assert (row["status"], row["attempts"], row["interruptions"]) == ("failed", 2, 2)
-    assert row["last_error"].startswith("interrupted 2 times"), row["last_error"]
+    assert "interrupted 2 times (the limit)" in row["last_error"], row["last_error"]
     assert row["finished_at"] == finish
     assert row["locked_by"] is None
     types = [e["type"] for e in store.events_of(job_id)]

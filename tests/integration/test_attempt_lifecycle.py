@@ -332,6 +332,8 @@ def test_retries_set_dramatiqs_traceback_and_requeue_timestamp(h):
     assert "RuntimeError: boom" in options["traceback"]
     assert options["requeue_timestamp"] >= before
     assert retry_info == {"retries": 1, "max_retries": 1}
+    # The hook is sent before the last failure's outcome is written: wait for that.
+    wait_for(lambda: row(broker, message)["status"] == "failed", 10, "the job to be failed")
     assert row(broker, message)["failures"] == 2
 
 

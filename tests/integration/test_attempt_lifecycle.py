@@ -290,7 +290,7 @@ def test_shutdown_returns_unstarted_messages_at_once(h):
     try:
         wait_for(
             lambda: all(row(broker, m)["status"] == "queued" for m in waiting),
-            5,
+            10,
             "the unstarted messages to go back while the long actor still runs",
         )
         for message in waiting:
@@ -380,7 +380,8 @@ def test_a_release_wakes_idle_consumers(h):
     holder.requeue([held])
     thread.join(10)
     assert got and got[0] is not None, "the released job was not claimed"
-    assert time.monotonic() - released_at < 2.0, "the release sent no notification"
+    # Far below the 30 s poll interval: only a notification explains it.
+    assert time.monotonic() - released_at < 10.0, "the release sent no notification"
     waiter.close()
     holder.close()
 

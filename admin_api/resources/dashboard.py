@@ -22,6 +22,7 @@ import falcon
 
 from ..auth import OBSERVERS
 from ..monitoring import Monitor
+from ..pagination import link_to
 from ..validation import Query
 
 #: The dashboard's files, read once: name -> (content type, bytes).
@@ -58,7 +59,8 @@ class Root:
     public = True
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        raise falcon.HTTPFound(f"{req.prefix}/dashboard")
+        # Relative (or under DRAMATIQ_PG_PUBLIC_URL): never built from the Host header.
+        raise falcon.HTTPFound(link_to(req, "/dashboard"))
 
 
 class DashboardPage:

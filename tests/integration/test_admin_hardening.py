@@ -33,6 +33,12 @@ def test_links_are_relative_whatever_the_host_header(env):
     assert created.headers["location"] == f"/api/jobs/{created.json['id']}"
 
 
+def test_the_dashboard_redirect_is_relative_whatever_the_host_header(env):
+    result = env.get("/", None, headers={"Host": "evil.example"})
+    assert result.status_code == 302
+    assert result.headers["location"] == "/dashboard"
+
+
 def test_links_use_the_configured_public_url(pg_url, schema):
     env = AdminEnv(pg_url, schema, public_url="https://ops.example.com/queue/")
     try:

@@ -563,6 +563,7 @@ def _paths() -> dict[str, Any]:
                     "responses": {
                         "201": _json(_ref("User"), "The new user."),
                         "409": _error("The email is taken."),
+                        "429": _error("Too many password hashes at once; Retry-After: 1."),
                     },
                 },
                 "admin",
@@ -589,6 +590,7 @@ def _paths() -> dict[str, Any]:
                         "200": _json(_ref("User"), "The user."),
                         "404": _error("No such user."),
                         "409": _error("It would leave no active admin."),
+                        "429": _error("Too many password hashes at once; Retry-After: 1."),
                     },
                 },
                 "admin",

@@ -383,7 +383,9 @@ async function jobsPage() {
     if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No job matches." })));
     table.tBodies[0].replaceChildren(...rows);
     const first = page.count ? offset + 1 : 0;
-    summary.textContent = `${first}–${offset + page.results.length} of ${page.count} jobs`;
+    // Above 10,000 matches the API stops counting (count_exact is false).
+    const total = page.count_exact === false ? `more than ${page.count.toLocaleString("en")}` : page.count;
+    summary.textContent = `${first}–${offset + page.results.length} of ${total} jobs`;
     const pageLink = (label, to, rel) => {
       const next = new URLSearchParams(params);
       if (to > 0) next.set("offset", to); else next.delete("offset");

@@ -5,6 +5,8 @@ client processes import this module, so every broker runs the very same actors:
 
 - ``BENCH_BROKER``: ``postgres`` (configured by the ``DRAMATIQ_PG_*`` variables),
   ``redis`` or ``rabbitmq`` (the local servers, under names only the benchmark uses);
+- ``BENCH_QUEUES``: how many queues the worker consumes (default 1: the benchmark queue;
+  more adds idle queues ``dramatiq_bench_2``, ..., for the idle-cost workload);
 - ``BENCH_STATE_DIR``: where the worker reports to the harness (a ready file when it has
   booted, ``drain.json`` once ``BENCH_EXPECT`` messages are done, latency samples).
 """
@@ -27,6 +29,7 @@ RABBITMQ_URL = os.environ.get("BENCH_RABBITMQ_URL", "amqp://guest:guest@127.0.0.
 KIND = os.environ.get("BENCH_BROKER", "postgres")
 STATE_DIR = os.environ.get("BENCH_STATE_DIR")
 EXPECT = int(os.environ.get("BENCH_EXPECT", "0"))
+QUEUES = int(os.environ.get("BENCH_QUEUES", "1"))
 
 
 def make_broker(kind: str) -> dramatiq.Broker:
@@ -123,3 +126,13 @@ def stamp(sent_at: float) -> None:
         if _latency_fd is None:
             _latency_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(_latency_fd, f"{started - sent_at:.6f}\n".encode())
+
+
+def _idle_actor(n: int) -> dramatiq.Actor:
+    def idle() -> None:
+        """Never sent: its queue only makes the worker consume one more queue."""
+
+    return dramatiq.actor(idle, actor_name=f"idle_{n}", queue_name=f"{QUEUE}_{n}")
+
+
+IDLE_ACTORS = [_idle_actor(n) for n in range(2, QUEUES + 1)]

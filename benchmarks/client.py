@@ -1,5 +1,5 @@
 """Client-side steps, each run in its own process so that brokers never share one:
-``python -m benchmarks.client {enqueue,bulk,send,delayed,latency,flush} ...``.
+``python -m benchmarks.client {enqueue,enqueue-threads,bulk,send,delayed,latency,flush} ...``.
 
 The broker is the one ``benchmarks.actors`` builds from ``BENCH_BROKER``. Each step prints
 one JSON object on stdout.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 
 
@@ -24,9 +25,44 @@ def _send_many(actor, count: int, **options) -> float:
     return time.perf_counter() - started
 
 
+def _send_from_threads(actor, count: int, threads: int, warmup: int) -> float:
+    """``count`` sends split over ``threads`` threads released together (a web app's
+    request threads); returns the seconds from the release to the last send returning."""
+    barrier = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+
+    def run(share: int) -> None:
+        try:
+            for i in range(warmup // threads):
+                actor.send(i)
+            barrier.wait()
+            for i in range(share):
+                actor.send(i)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            barrier.abort()
+
+    shares = [count // threads + (1 if t < count % threads else 0) for t in range(threads)]
+    workers = [threading.Thread(target=run, args=(share,)) for share in shares]
+    for t in workers:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in workers:
+        t.join()
+    seconds = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.client")
-    parser.add_argument("step", choices=["enqueue", "bulk", "send", "delayed", "latency", "flush"])
+    parser.add_argument(
+        "step",
+        choices=["enqueue", "enqueue-threads", "bulk", "send", "delayed", "latency", "flush"],
+    )
+    parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--count", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--gap", type=float, default=0.01, help="seconds between two sends")
@@ -43,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.step == "enqueue":
             # Warm up connections, prepared statements and scripts first; not timed.
             _send_many(actors.noop, args.warmup)
+            cpu = time.process_time()
             seconds = _send_many(actors.noop, args.count)
-            out.update(seconds=seconds, rate=args.count / seconds)
+            out.update(seconds=seconds, rate=args.count / seconds, cpu_s=time.process_time() - cpu)
+        elif args.step == "enqueue-threads":
+            seconds = _send_from_threads(actors.noop, args.count, args.threads, args.warmup)
+            out.update(seconds=seconds, rate=args.count / seconds, threads=args.threads)
         elif args.step == "bulk":
             # One broker.enqueue_many() of `count` messages (built first, not timed), after
             # an untimed warm-up batch.

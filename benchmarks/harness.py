@@ -12,6 +12,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,10 @@ from .actors import QUEUE, RABBITMQ_URL, REDIS_NAMESPACE, REDIS_URL
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_THREADS = 8
+#: Where the benchmark's own PgBouncer listens (the first free one).
+PGBOUNCER_PORTS = range(6430, 6440)
+#: A worker log line that counts as an error.
+ERROR_RE = re.compile(r"\b(ERROR|CRITICAL|Traceback)\b|Lost job|deadlock detected")
 
 
 class BenchError(RuntimeError):
@@ -80,22 +85,30 @@ def reachable(kind: str) -> bool:
 
 
 class Harness:
-    def __init__(self, url: str, schema: str, out_dir: Path, verbose: bool = False) -> None:
+    """Runs the workloads against one PostgreSQL server (``url``), named ``server`` in the
+    results (``embedded`` or ``tcp``); Redis and RabbitMQ are the same for every server."""
+
+    def __init__(
+        self, url: str, schema: str, out_dir: Path, verbose: bool = False, server: str = "tcp"
+    ) -> None:
         self.url = url
         self.schema = schema
         self.out_dir = out_dir
         self.verbose = verbose
+        self.server = server
         self.log_dir = out_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- environment ---------------------------------------------------------------------
 
-    def env(self, variant: Variant, schema: str | None = None, **extra: str) -> dict[str, str]:
+    def env(
+        self, variant: Variant, schema: str | None = None, *, url: str | None = None, **extra: str
+    ) -> dict[str, str]:
         env = dict(os.environ)
         env.update(variant.env)
         env.update(
             BENCH_BROKER=variant.kind,
-            DRAMATIQ_PG_URL=self.url,
+            DRAMATIQ_PG_URL=url or self.url,
             DRAMATIQ_PG_SCHEMA=schema or self.schema,
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         )
@@ -154,6 +167,10 @@ class Harness:
 
     # -- workers -------------------------------------------------------------------------
 
+    def log_path(self, variant: Variant, tag: str) -> Path:
+        server = f"-{self.server}" if variant.kind == "postgres" else ""
+        return self.log_dir / f"worker-{variant.name}{server}-{tag}.log"
+
     @contextlib.contextmanager
     def worker(
         self,
@@ -162,16 +179,22 @@ class Harness:
         *,
         schema: str | None = None,
         expect: int = 0,
+        processes: int = 1,
+        threads: int = WORKER_THREADS,
+        url: str | None = None,
         extra_env: dict[str, str] | None = None,
+        **extra: str,
     ) -> Iterator[tuple[subprocess.Popen, str]]:
         """A running worker process group and its state directory; stopped on exit."""
         state = tempfile.mkdtemp(prefix="bench-state-")
-        env = self.env(variant, schema, BENCH_STATE_DIR=state, BENCH_EXPECT=str(expect))
+        env = self.env(
+            variant, schema, url=url, BENCH_STATE_DIR=state, BENCH_EXPECT=str(expect), **extra
+        )
         env.update(extra_env or {})
-        log_path = self.log_dir / f"worker-{variant.name}-{tag}.log"
+        log_path = self.log_path(variant, tag)
         args = [
             sys.executable, "-m", "dramatiq", "benchmarks.actors",
-            "--processes", "1", "--threads", str(WORKER_THREADS),
+            "--processes", str(processes), "--threads", str(threads),
         ]  # fmt: skip
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
@@ -214,6 +237,18 @@ class Harness:
         raise BenchError(f"worker did not boot within {timeout:.0f}s")
 
     @staticmethod
+    def wait_all_ready(proc: subprocess.Popen, state: str, count: int, timeout: float) -> None:
+        """Wait for ``count`` worker processes of one ``dramatiq`` command to boot."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(glob.glob(os.path.join(state, "ready-*.json"))) >= count:
+                return
+            if proc.poll() is not None:
+                raise BenchError(f"worker exited with code {proc.returncode} before booting")
+            time.sleep(0.05)
+        raise BenchError(f"{count} worker processes did not boot within {timeout:.0f}s")
+
+    @staticmethod
     def wait_file(proc: subprocess.Popen, path: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -232,6 +267,16 @@ class Harness:
         try:
             result = self.client(variant, "enqueue", timeout=count / 100 + 60, count=count,
                                  warmup=200)  # fmt: skip
+        finally:
+            self.flush(variant)
+        return {"rate": result["rate"]}
+
+    def enqueue_threads(self, variant: Variant, count: int, threads: int = 8) -> dict:
+        """``count`` sends from ``threads`` threads of one process at once."""
+        self.flush(variant)
+        try:
+            result = self.client(variant, "enqueue-threads", timeout=count / 100 + 60,
+                                 count=count, threads=threads, warmup=200)  # fmt: skip
         finally:
             self.flush(variant)
         return {"rate": result["rate"]}
@@ -338,3 +383,149 @@ def percentile(sorted_values: list[float], pct: float) -> float:
         return float("nan")
     rank = max(1, min(len(sorted_values), math.ceil(pct / 100 * len(sorted_values))))
     return sorted_values[rank - 1]
+
+
+# -- many processes, a pooler, an idle worker (this broker only) ---------------------------
+
+
+def group_drain(
+    harness: Harness,
+    variant: Variant,
+    count: int,
+    processes: int,
+    threads: int = 2,
+    pool_size: int | None = None,
+) -> dict:
+    """Time ``processes`` worker processes x ``threads`` draining ``count`` queued messages,
+    directly or, with ``pool_size``, through a PgBouncer in transaction mode started for
+    this step (``pool_size`` server connections; the workers in ``listen=False`` mode
+    without prepared statements, as the README says).
+
+    The clock is the server's: from the first claim (``min(started_at)``) to the last
+    outcome written (``max(finished_at)``). While the workers run, a sampler reads
+    ``pg_locks`` (lock waits of the workers' backends) and ``pg_stat_activity`` (their
+    server-side connections). Deadlocks: the ``pg_stat_database`` delta of the database
+    (any session of it, so on a shared server other work counts too) and the worker logs'
+    ``deadlock detected`` lines.
+    """
+    from . import pgbouncer
+
+    url = harness.url
+    tag = f"{'pgbouncer' if pool_size else 'direct'}-{processes}p"
+    if pool_size is None:
+        free = pgdata.free_connections(url)
+        need = processes * pgdata.CONNECTIONS_PER_PROCESS
+        if need + pgdata.CONNECTIONS_LEFT > free:
+            raise BenchError(
+                f"skipped: {processes} processes open ~{need} connections and the server has "
+                f"{free} free; not run, to leave {pgdata.CONNECTIONS_LEFT} to other sessions"
+            )
+    elif pgbouncer.binary() is None:
+        raise BenchError("skipped: pgbouncer is not installed (apt-get install pgbouncer)")
+    harness.flush(variant)
+    harness.fill(variant, count)
+    pooler = None
+    sampler = None
+    log_path = harness.log_path(variant, tag)
+    try:
+        if pool_size:
+            pooler = pgbouncer.PgBouncer(
+                url, pool_size=pool_size, port=pgbouncer.free_port(PGBOUNCER_PORTS)
+            ).start()
+            app = pooler.tag
+            extra = {"DRAMATIQ_PG_LISTEN": "false", "DRAMATIQ_PG_PREPARED_STATEMENTS": "false"}
+        else:
+            # libpq's PGAPPNAME marks the workers' own connections for the sampler (through
+            # the pooler, the server connections carry the pooler's name instead).
+            app = f"dramatiq-bench-{os.getpid()}-{tag}"
+            extra = {"PGAPPNAME": app}
+        deadlocks_before = pgdata.deadlocks(url)
+        sampler = pgdata.Sampler(url, harness.schema, app, pooler=pooler)
+        worker_url = pooler.url if pooler else None
+        with harness.worker(
+            variant, tag, processes=processes, threads=threads, url=worker_url, **extra
+        ) as (proc, state):
+            harness.wait_all_ready(proc, state, processes, timeout=60 + 10 * processes)
+            sampler.start()
+            deadline = time.monotonic() + count / 50 + 120
+            while sampler.unfinished != 0:
+                if proc.poll() is not None:
+                    raise BenchError(f"worker exited with code {proc.returncode}")
+                if sampler.error:
+                    raise BenchError(f"sampling failed: {sampler.error}")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{sampler.unfinished} of {count} jobs left at the timeout")
+                time.sleep(0.05)
+            sampler.stop()
+        if pooler is not None:
+            pooler.stop()
+        outcome = pgdata.drain_outcome(url, harness.schema)
+        # A backend reports its counters when it exits: wait for the workers' to be gone.
+        deadlocks = pgdata.deadlocks(url, settle_app=app) - deadlocks_before
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        if pooler is not None:
+            pooler.stop()
+            pooler.cleanup()
+        harness.flush(variant)
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    error_lines = [line for line in log.splitlines() if ERROR_RE.search(line)]
+    if error_lines:
+        harness.log(f"{len(error_lines)} error line(s) in {log_path}: {error_lines[0][:200]}")
+    seconds = outcome["seconds"] or float("nan")
+    result = {
+        "rate": outcome["succeeded"] / seconds,
+        "seconds": seconds,
+        "lost": float(count - outcome["succeeded"]),
+        "extra_claims": float(max(0, outcome["claims"] - count)) if variant.events else 0.0,
+        "deadlocks": float(deadlocks),
+        "deadlocks_logged": float(log.count("deadlock detected")),
+        "lock_wait_share": sampler.lock_wait_share,
+        "max_lock_waiters": float(sampler.max_waiters),
+        "max_server_connections": float(sampler.max_connections),
+        "log_errors": float(len(error_lines)),
+    }
+    if pooler is not None:
+        result["max_client_connections"] = float(sampler.max_clients)
+        result["pool_size"] = float(pool_size)
+    return result
+
+
+def idle_cost(
+    harness: Harness, variant: Variant, queues: int, seconds: float, database: str
+) -> dict:
+    """Statements an idle worker with ``queues`` queues issues per queue per poll interval.
+
+    The worker runs alone in a database of its own (created for the measurement and
+    dropped after), so the server's per-database transaction counter counts only it; each
+    of the broker's statements is its own transaction (autocommit). The counters are read
+    once every connection of the database has closed (a backend reports them on exit).
+    """
+    from dramatiq_pg_broker.config import Settings
+
+    poll = Settings.load().poll_interval
+    url = pgdata.create_database(harness.url, database)
+    try:
+        from dramatiq_pg_broker.migrate import migrate
+
+        migrate(url, harness.schema)
+        before = pgdata.settled_transactions(harness.url, database)
+        started = time.monotonic()
+        with harness.worker(variant, "idle", url=url, threads=2,
+                            BENCH_QUEUES=str(queues)) as (proc, state):  # fmt: skip
+            harness.wait_ready(proc, state)
+            time.sleep(seconds)  # the idle period being measured
+            if proc.poll() is not None:
+                raise BenchError("the idle worker died")
+        elapsed = time.monotonic() - started
+        issued = pgdata.settled_transactions(harness.url, database) - before
+    finally:
+        pgdata.drop_database(harness.url, database)
+    intervals = elapsed / poll
+    return {
+        "statements": float(issued),
+        "seconds": elapsed,
+        "poll_interval_s": poll,
+        "per_queue_per_poll": issued / queues / intervals,
+    }

@@ -141,7 +141,7 @@ class PgBouncer:
         args = [exe]
         if os.geteuid() == 0:
             # PgBouncer refuses to run as root; it drops to this user after reading its files.
-            args += ["-u", _unprivileged_user()]
+            args += ["-u", _unprivileged_user(self._server["host"])]
         args.append(str(ini))
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -219,7 +219,13 @@ class PgBouncer:
         self.cleanup()
 
 
-def _unprivileged_user() -> str:
+def _unprivileged_user(host: str) -> str:
+    if host.startswith("/"):
+        # A Unix socket: its directory's owner (the server's own user) can reach it.
+        with contextlib.suppress(OSError, KeyError):
+            owner = os.stat(host).st_uid
+            if owner != 0:
+                return pwd.getpwuid(owner).pw_name
     for name in ("postgres", "nobody"):
         with contextlib.suppress(KeyError):
             pwd.getpwnam(name)

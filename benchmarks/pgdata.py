@@ -7,11 +7,13 @@ events are on), so a worker cannot tell them from sent messages.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_broker.migrate import migrate
 
@@ -229,6 +231,170 @@ def raw_copy_rate(url: str, schema: str, count: int) -> float:
 def server_version(url: str) -> str:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute("SHOW server_version").fetchone()[0]
+
+
+# -- watching the server while workers run --------------------------------------------------
+
+#: Connections one worker process of the benchmark opens (measured: its pool's claims,
+#: outcomes and leases, and one LISTEN connection), and connections left to other sessions:
+#: a step that would leave fewer is not run, so as not to exhaust a shared server.
+CONNECTIONS_PER_PROCESS = 4
+CONNECTIONS_LEFT = 20
+
+
+def free_connections(url: str) -> int:
+    """Connections the server can still accept from ordinary roles."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT current_setting('max_connections')::int "
+            "- current_setting('superuser_reserved_connections')::int "
+            "- (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')"
+        ).fetchone()[0]
+
+
+def deadlocks(url: str, *, settle_app: str | None = None, timeout: float = 30.0) -> int:
+    """The database's deadlock counter. With ``settle_app``, first wait until no backend
+    with that application name is left (a backend reports its counters on exit)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        deadline = time.monotonic() + timeout
+        while settle_app is not None and time.monotonic() < deadline:
+            left = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                (settle_app,),
+            ).fetchone()[0]
+            if not left:
+                break
+            time.sleep(0.1)
+        return conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()[0]
+
+
+_SAMPLE = """
+SELECT
+    (SELECT count(*) FROM {schema}.jobs WHERE queue_name = %(queue)s
+        AND status IN ('queued', 'running')),
+    (SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE NOT l.granted AND a.application_name = %(app)s),
+    (SELECT count(*) FROM pg_stat_activity WHERE application_name = %(app)s)
+"""
+
+
+class Sampler(threading.Thread):
+    """Samples, every 50 ms until stopped: the unfinished jobs of the benchmark queue, the
+    workers' backends waiting for a lock (``pg_locks``), their server-side connections
+    (``pg_stat_activity``, by application name) and, through a pooler, its client
+    connections (every 0.5 s, from PgBouncer's ``SHOW CLIENTS``)."""
+
+    def __init__(self, url: str, schema: str, app: str, *, pooler=None) -> None:
+        super().__init__(daemon=True, name="bench-sampler")
+        self.url = url
+        self.schema = schema
+        self.app = app
+        self.pooler = pooler
+        self.unfinished: int | None = None
+        self.samples = 0
+        self.waiting_samples = 0
+        self.max_waiters = 0
+        self.max_connections = 0
+        self.max_clients = 0
+        self.error: str | None = None
+        self._halt = threading.Event()
+
+    @property
+    def lock_wait_share(self) -> float:
+        """The share of samples in which at least one worker backend waited for a lock."""
+        return self.waiting_samples / self.samples if self.samples else 0.0
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                stmt = _q(_SAMPLE, self.schema)
+                last_clients = 0.0
+                while not self._halt.is_set():
+                    unfinished, waiting, connections = conn.execute(
+                        stmt, {"queue": QUEUE, "app": self.app}
+                    ).fetchone()
+                    self.samples += 1
+                    self.waiting_samples += 1 if waiting else 0
+                    self.max_waiters = max(self.max_waiters, waiting)
+                    self.max_connections = max(self.max_connections, connections)
+                    if self.pooler is not None and time.monotonic() - last_clients > 0.5:
+                        last_clients = time.monotonic()
+                        self.max_clients = max(self.max_clients, self.pooler.client_connections())
+                    self.unfinished = unfinished
+                    self._halt.wait(0.05)
+        except Exception as e:  # reported by the harness
+            self.error = f"{type(e).__name__}: {e}"
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(10)
+
+
+def drain_outcome(url: str, schema: str, queue: str = QUEUE) -> dict:
+    """Succeeded jobs of the queue, claims made (``claimed`` events), and the server's
+    time from the first claim to the last outcome."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        succeeded, seconds = conn.execute(
+            _q(
+                "SELECT count(*) FILTER (WHERE status = 'succeeded'), "
+                "extract(epoch FROM max(finished_at) - min(started_at))::float8 "
+                "FROM {schema}.jobs WHERE queue_name = %s",
+                schema,
+            ),
+            (queue,),
+        ).fetchone()
+        claims = conn.execute(
+            _q("SELECT count(*) FROM {schema}.job_events WHERE type = 'claimed'", schema)
+        ).fetchone()[0]
+    return {"succeeded": succeeded, "seconds": seconds, "claims": claims}
+
+
+# -- a database of its own (the idle-cost workload) ------------------------------------------
+
+
+def create_database(url: str, name: str) -> str:
+    """Create the database ``name`` afresh on the server of ``url``; returns its URL."""
+    drop_database(url, name)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(name)))
+    return make_conninfo(url, dbname=name)
+
+
+def drop_database(url: str, name: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+def settled_transactions(url: str, name: str, timeout: float = 30.0) -> int:
+    """Committed plus rolled-back transactions of database ``name``, read once no backend is
+    connected to it (a backend reports its counters when it exits)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        deadline = time.monotonic() + timeout
+        while True:
+            count, backends = conn.execute(
+                "SELECT xact_commit + xact_rollback, numbackends FROM pg_stat_database "
+                "WHERE datname = %s",
+                (name,),
+            ).fetchone()
+            if backends == 0 or time.monotonic() > deadline:
+                return int(count)
+            time.sleep(0.05)
+
+
+def server_settings(url: str, names) -> dict[str, str]:
+    """The server's values of ``names`` (``SHOW``), recorded with the results."""
+    with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+        return {
+            name: conn.execute(
+                "SELECT setting || coalesce(unit, '') FROM pg_settings WHERE name = %s", (name,)
+            ).fetchone()[0]
+            for name in names
+        }
 
 
 def table_sizes(url: str, schema: str) -> dict[str, int]:

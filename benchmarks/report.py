@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 # (target id, description, numerator, denominator, comparison, bound)
-# A figure is (workload, broker, metric); ratios are taken between medians.
+# A figure is (workload, broker, metric); ratios are taken between medians, on each server
+# set-up (this broker's figures) against Redis and RabbitMQ measured in the same run.
 TARGETS = (
     ("drain-vs-rabbitmq", "drain ≥ 2 × RabbitMQ (events on)",
      ("drain", "postgres", "rate"), ("drain", "rabbitmq", "rate"), ">=", 2.0),
@@ -15,8 +16,14 @@ TARGETS = (
      ("enqueue", "postgres", "rate"), ("enqueue", "raw-insert", "rate"), ">=", 0.9),
     ("bulk-vs-copy", "bulk enqueue ≥ 0.4 × raw COPY into a plain table (events on)",
      ("bulk", "postgres", "rate"), ("bulk", "raw-copy", "rate"), ">=", 0.4),
+    ("enqueue-vs-raw-autocommit", "enqueue ≥ 0.9 × raw autocommit INSERT",
+     ("enqueue", "postgres", "rate"), ("enqueue", "raw-insert-autocommit", "rate"), ">=", 0.9),
+    ("enqueue8-vs-redis", "sends from 8 threads ≥ Redis from 8 threads",
+     ("enqueue8", "postgres", "rate"), ("enqueue8", "redis", "rate"), ">=", 1.0),
     ("latency-p50-vs-rabbitmq", "latency p50 ≤ 1.5 × RabbitMQ's",
      ("latency", "postgres", "p50_ms"), ("latency", "rabbitmq", "p50_ms"), "<=", 1.5),
+    ("latency-p99-vs-rabbitmq", "latency p99 ≤ 3 × RabbitMQ's",
+     ("latency", "postgres", "p99_ms"), ("latency", "rabbitmq", "p99_ms"), "<=", 3.0),
     ("latency-p50-vs-redis", "latency p50 ≤ 0.5 × Redis's",
      ("latency", "postgres", "p50_ms"), ("latency", "redis", "p50_ms"), "<=", 0.5),
     ("latency-p99-vs-redis", "latency p99 < Redis's",
@@ -29,7 +36,13 @@ TARGETS = (
      ("churn", "postgres", "end_mb"), ("churn", "postgres", "mid_mb"), "<=", 1.2),
     ("delayed-memory", "worker memory with delayed messages ≤ 1.1 × idle",
      ("memory", "postgres", "delayed_mb"), ("memory", "postgres", "idle_mb"), "<=", 1.1),
+    ("idle-statements", "idle worker: ≤ 1 statement per queue per poll interval",
+     ("idle", "postgres", "per_queue_per_poll"), None, "<=", 1.0),
 )  # fmt: skip
+
+#: No collapse: a step of the scaling workload may fall at most this far below the best
+#: drain measured with fewer processes.
+SCALING_FLOOR = 0.8
 
 LABELS = {
     "raw-insert": "raw INSERT+COMMIT",
@@ -40,19 +53,29 @@ LABELS = {
     "redis": "redis (dramatiq)",
     "rabbitmq": "rabbitmq (dramatiq)",
 }
+SERVER_LABELS = {"embedded": "embedded server", "tcp": "standalone server (TCP)"}
+#: Figures that depend on the PostgreSQL server set-up (the rest are Redis and RabbitMQ).
+PG_NAMES = ("raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents")
+
+
+def _label(name: str) -> str:
+    base, _, server = name.partition("@")
+    label = LABELS.get(base, base)
+    return f"{label} [{server}]" if server else label
 
 
 def _chart_label(name: str) -> str:
     """A label short enough for a bar: one phrase a line."""
-    label = LABELS.get(name, name)
+    label = _label(name)
     if label.startswith("raw "):
         return label.replace(" ", "\n").replace("+", "\n+")
-    return label.replace(" (", "\n(").replace(", ", ",\n")
+    return label.replace(" (", "\n(").replace(", ", ",\n").replace(" [", "\n[")
 
 
 # (title, workload, metric, unit, higher is better)
 ROWS = (
     ("enqueue", "enqueue", "rate", "msg/s", True),
+    ("enqueue, 8 threads", "enqueue8", "rate", "msg/s", True),
     ("bulk enqueue", "bulk", "rate", "msg/s", True),
     ("drain", "drain", "rate", "msg/s", True),
     ("latency p50", "latency", "p50_ms", "ms", False),
@@ -67,31 +90,89 @@ ROWS = (
     ("job tables, churn end", "churn", "end_mb", "MiB", False),
     ("worker RSS, idle", "memory", "idle_mb", "MiB", False),
     ("worker RSS, delayed msgs", "memory", "delayed_mb", "MiB", False),
+    ("idle: statements per queue per poll interval", "idle", "per_queue_per_poll", "", False),
 )
 
 
-def _fig(data: dict, workload: str, broker: str, metric: str) -> dict | None:
-    return data.get("results", {}).get(workload, {}).get(broker, {}).get(metric)
+def servers(data: dict) -> list[str]:
+    return list(data.get("servers", {})) or ["tcp"]
+
+
+def _fig(data: dict, workload: str, broker: str, metric: str, server: str | None = None):
+    key = f"{broker}@{server}" if server and broker in PG_NAMES else broker
+    return data.get("results", {}).get(workload, {}).get(key, {}).get(metric)
+
+
+def _status(ratio: float, op: str, bound: float) -> str:
+    met = {">=": ratio >= bound, "<=": ratio <= bound, "<": ratio < bound}[op]
+    return "met" if met else "missed"
 
 
 def targets(data: dict) -> list[dict]:
     out = []
-    for tid, text, num, den, op, bound in TARGETS:
-        a, b = _fig(data, *num), _fig(data, *den)
-        if a is None or b is None or not b["median"]:
-            out.append({"id": tid, "target": text, "ratio": None, "status": "not measured"})
-            continue
-        ratio = a["median"] / b["median"]
-        met = {">=": ratio >= bound, "<=": ratio <= bound, "<": ratio < bound}[op]
-        out.append(
-            {
-                "id": tid,
-                "target": text,
-                "ratio": ratio,
-                "required": f"{op} {bound:g}",
-                "status": "met" if met else "missed",
-            }
-        )
+    for server in servers(data):
+        for tid, text, num, den, op, bound in TARGETS:
+            a = _fig(data, *num, server=server)
+            b = _fig(data, *den, server=server) if den else {"median": 1.0}
+            base = {"id": tid, "target": text, "server": server, "required": f"{op} {bound:g}"}
+            if a is None or b is None or not b["median"]:
+                out.append({**base, "ratio": None, "status": "not measured"})
+                continue
+            ratio = a["median"] / b["median"]
+            out.append({**base, "ratio": ratio, "status": _status(ratio, op, bound)})
+        out.extend(_group_targets(data, server))
+    return out
+
+
+def _steps(data: dict, workload: str, server: str) -> list[tuple[int, dict]]:
+    per = data.get("results", {}).get(workload, {})
+    steps = []
+    for key, figs in per.items():
+        name, _, where = key.partition("@")
+        if where == server and name.endswith("p") and name[:-1].isdigit():
+            steps.append((int(name[:-1]), figs))
+    return sorted(steps, key=lambda step: step[0])
+
+
+def _med(figs: dict, metric: str) -> float | None:
+    fig = figs.get(metric)
+    return None if fig is None else fig["median"]
+
+
+def _group_targets(data: dict, server: str) -> list[dict]:
+    out = []
+    steps = _steps(data, "scaling", server)
+    if steps:
+        worst, best = None, 0.0
+        for _, figs in steps:
+            rate = _med(figs, "rate") or 0.0
+            if best:
+                ratio = rate / best
+                worst = ratio if worst is None else min(worst, ratio)
+            best = max(best, rate)
+        deadlocks = sum(max(f["deadlocks_logged"]["max"], 0) for _, f in steps)
+        out.append({"id": "scaling-no-collapse", "server": server,
+                    "target": f"scaling: no step below {SCALING_FLOOR:g} × the best drain "
+                              "with fewer processes",
+                    "ratio": worst, "required": f">= {SCALING_FLOOR:g}",
+                    "status": "not measured" if worst is None
+                    else _status(worst, ">=", SCALING_FLOOR)})  # fmt: skip
+        out.append({"id": "scaling-no-deadlock", "server": server,
+                    "target": "scaling: no deadlock in the worker logs",
+                    "ratio": float(deadlocks), "required": "= 0",
+                    "status": "met" if deadlocks == 0 else "missed"})  # fmt: skip
+    steps = _steps(data, "pgbouncer", server)
+    if steps:
+        lost = sum(f["lost"]["max"] for _, f in steps)
+        errors = sum(f["log_errors"]["max"] for _, f in steps)
+        over = max(f["max_server_connections"]["max"] - f["pool_size"]["max"] for _, f in steps)
+        ok = lost == 0 and errors == 0 and over <= 0
+        out.append({"id": "pgbouncer", "server": server,
+                    "target": "through PgBouncer: no lost job, no error, server connections ≤ "
+                              "pool size",
+                    "ratio": None, "required": "all", "status": "met" if ok else "missed",
+                    "detail": f"lost {lost:g}, error lines {errors:g}, "
+                              f"connections over the pool size {max(over, 0):g}"})  # fmt: skip
     return out
 
 
@@ -103,104 +184,206 @@ def _num(value: float) -> str:
     return f"{value:.2f}"
 
 
+def _cell(fig: dict | None, unit: str) -> str:
+    if fig is None:
+        return ""
+    n = len(fig["samples"])
+    spread = f" ({_num(fig['min'])}–{_num(fig['max'])}, n={n})" if n > 1 else ""
+    return f"{_num(fig['median'])} {unit}".strip() + spread
+
+
 def _rows(data: dict) -> list[list[str]]:
     rows = []
     results = data.get("results", {})
+    where = servers(data)
     brokers = ["raw-insert", "raw-insert-autocommit", "raw-copy", *data.get("brokers", {})]
+    skipped = data.get("skipped", {})
     for title, workload, metric, unit, _ in ROWS:
+        if workload not in results and workload not in data.get("errors", {}):
+            continue
         for broker in brokers:
-            if broker in data.get("skipped", {}) and workload in results:
-                if broker in {"redis", "rabbitmq"} and not (
-                    workload in ("backlog", "retention", "churn")
-                    or (workload == "memory" and "noevents" in broker)
+            if broker in skipped:
+                if (
+                    broker in {"redis", "rabbitmq"}
+                    and workload in results
+                    and (workload not in {"backlog", "idle", "retention", "churn"})
                 ):
-                    rows.append([title, LABELS.get(broker, broker), "skipped: not reachable",
-                                 "", "", ""])  # fmt: skip
+                    rows.append([title, _label(broker), *["skipped: not reachable"] * len(where),
+                                 *[""] * 2])  # fmt: skip
                 continue
-            fig = _fig(data, workload, broker, metric)
-            err = data.get("errors", {}).get(workload, {}).get(broker)
-            if fig is None:
-                if err:
-                    rows.append([title, LABELS.get(broker, broker), f"failed: {err[:60]}",
-                                 "", "", ""])  # fmt: skip
+            cells, ratios = [], {"redis": [], "rabbitmq": []}
+            seen = False
+            for server in where:
+                fig = _fig(data, workload, broker, metric, server=server)
+                key = f"{broker}@{server}" if broker in PG_NAMES else broker
+                err = data.get("errors", {}).get(workload, {}).get(key)
+                if fig is None:
+                    cells.append(f"failed: {err[:60]}" if err else "")
+                    seen = seen or bool(err)
+                    for other in ratios:
+                        ratios[other].append("–")
+                    continue
+                seen = True
+                cells.append(_cell(fig, unit))
+                for other in ratios:
+                    ref = _fig(data, workload, other, metric)
+                    if broker.startswith("postgres") and ref and ref["median"]:
+                        ratios[other].append(f"{fig['median'] / ref['median']:.2f}×")
+                    else:
+                        ratios[other].append("")
+            if not seen:
                 continue
-            n = len(fig["samples"])
-            spread = f"{_num(fig['min'])}–{_num(fig['max'])} (n={n})"
-            ratios = []
-            for other in ("redis", "rabbitmq"):
-                ref = _fig(data, workload, other, metric)
-                if broker.startswith("postgres") and ref and ref["median"]:
-                    ratios.append(f"{fig['median'] / ref['median']:.2f}×")
-                else:
-                    ratios.append("")
-            rows.append([title, LABELS.get(broker, broker), f"{_num(fig['median'])} {unit}",
-                         spread, *ratios])  # fmt: skip
+            ratio_cells = [" / ".join(r) if any(r) else "" for r in ratios.values()]
+            rows.append([title, _label(broker), *cells, *ratio_cells])
     return rows
 
 
-HEADER = ["workload", "broker", "median", "spread (min–max)", "vs redis", "vs rabbitmq"]
+def header(data: dict) -> list[str]:
+    where = servers(data)
+    per = " / ".join(where)
+    return ["workload", "broker", *[SERVER_LABELS.get(s, s) for s in where],
+            f"vs redis ({per})", f"vs rabbitmq ({per})"]  # fmt: skip
 
 
-def _target_rows(data: dict) -> list[list[str]]:
+GROUP_HEADER = ["processes × 2 threads", "server", "drain msg/s", "lock waits (share of "
+                "samples, most waiters)", "deadlocks (server / logs)", "server connections",
+                "lost / extra claims / error lines"]  # fmt: skip
+POOL_HEADER = ["processes × 2 threads", "server", "direct drain msg/s", "via PgBouncer msg/s",
+               "server connections via PgBouncer (pool size)", "client connections",
+               "lost / extra claims / error lines"]  # fmt: skip
+
+
+def _group_rows(data: dict) -> list[list[str]]:
     rows = []
-    for t in data.get("targets", []):
-        ratio = "" if t["ratio"] is None else f"{t['ratio']:.2f}"
-        rows.append([t["target"], ratio, t.get("required", ""), t["status"]])
+    for server in servers(data):
+        for p, f in _steps(data, "scaling", server):
+            rows.append([str(p), server, _cell(f.get("rate"), ""),
+                         f"{_med(f, 'lock_wait_share') * 100:.0f} %, "
+                         f"{_med(f, 'max_lock_waiters'):g}",
+                         f"{_med(f, 'deadlocks'):g} / {_med(f, 'deadlocks_logged'):g}",
+                         f"{_med(f, 'max_server_connections'):g}",
+                         f"{_med(f, 'lost'):g} / {_med(f, 'extra_claims'):g} / "
+                         f"{_med(f, 'log_errors'):g}"])  # fmt: skip
     return rows
+
+
+def _pool_rows(data: dict) -> list[list[str]]:
+    rows = []
+    for server in servers(data):
+        direct = dict(_steps(data, "scaling", server))
+        for p, f in _steps(data, "pgbouncer", server):
+            d = direct.get(p, {})
+            rows.append([str(p), server, _cell(d.get("rate"), ""), _cell(f.get("rate"), ""),
+                         f"{_med(f, 'max_server_connections'):g} ({_med(f, 'pool_size'):g})",
+                         f"{_med(f, 'max_client_connections'):g}",
+                         f"{_med(f, 'lost'):g} / {_med(f, 'extra_claims'):g} / "
+                         f"{_med(f, 'log_errors'):g}"])  # fmt: skip
+    return rows
+
+
+def _group_errors(data: dict) -> list[str]:
+    lines = []
+    for workload in ("scaling", "pgbouncer"):
+        for key, err in data.get("errors", {}).get(workload, {}).items():
+            lines.append(f"{workload} {key}: {err}")
+    return lines
+
+
+TARGET_HEADER_BASE = ["target", "required"]
+
+
+def _target_table(data: dict) -> tuple[list[str], list[list[str]]]:
+    where = servers(data)
+    by_id: dict[str, dict] = {}
+    for t in data.get("targets", []):
+        row = by_id.setdefault(t["id"], {"target": t["target"], "required": t["required"]})
+        if t["ratio"] is None and t["status"] == "not measured":
+            row[t["server"]] = "not measured"
+        else:
+            value = "" if t["ratio"] is None else f"{t['ratio']:.2f} "
+            detail = f" ({t['detail']})" if t.get("detail") else ""
+            row[t["server"]] = f"{value}{t['status']}{detail}"
+    head = [*TARGET_HEADER_BASE, *[SERVER_LABELS.get(s, s) for s in where]]
+    rows = [[r["target"], r["required"], *[r.get(s, "") for s in where]] for r in by_id.values()]
+    return head, rows
 
 
 def _extra_lines(data: dict) -> list[str]:
     lines = []
-    enq = data.get("results", {}).get("enqueue", {})
-    for base in ("raw-insert", "raw-insert-autocommit"):
-        raw = enq.get(base, {}).get("rate")
-        if not raw:
-            continue
-        for b in ("postgres", "postgres-noevents"):
-            fig = enq.get(b, {}).get("rate")
-            if fig:
-                lines.append(
-                    f"enqueue, {LABELS[b]}: {fig['median'] / raw['median']:.2f} × the "
-                    f"{LABELS[base]} rate"
-                )
-    drain = data.get("results", {}).get("drain", {})
-    on, off = drain.get("postgres", {}).get("rate"), drain.get("postgres-noevents", {}).get("rate")
-    if on and off:
-        lines.append(
-            f"drain, events on / events off: {on['median'] / off['median']:.2f} "
-            "(what the audit trail costs)"
-        )
-    mem = data.get("results", {}).get("memory", {})
-    for b, figs in mem.items():
-        if "idle_mb" in figs and "delayed_mb" in figs:
-            growth = figs["delayed_mb"]["median"] / figs["idle_mb"]["median"] - 1
+    for server in servers(data):
+        for base in ("raw-insert", "raw-insert-autocommit"):
+            raw = _fig(data, "enqueue", base, "rate", server)
+            if not raw:
+                continue
+            for b in ("postgres", "postgres-noevents"):
+                fig = _fig(data, "enqueue", b, "rate", server)
+                if fig:
+                    lines.append(
+                        f"{server}: enqueue, {LABELS[b]}: "
+                        f"{fig['median'] / raw['median']:.2f} × the {LABELS[base]} rate"
+                    )
+        on = _fig(data, "drain", "postgres", "rate", server)
+        off = _fig(data, "drain", "postgres-noevents", "rate", server)
+        if on and off:
             lines.append(
-                f"memory, {LABELS.get(b, b)}: {growth * 100:+.0f} % with "
+                f"{server}: drain, events on / events off: "
+                f"{on['median'] / off['median']:.2f} (what the audit trail costs)"
+            )
+        on, off = (
+            _fig(data, "memory", "postgres", "idle_mb", server),
+            _fig(data, "memory", "postgres", "delayed_mb", server),
+        )
+        if on and off:
+            lines.append(
+                f"{server}: memory: {off['median'] / on['median'] * 100 - 100:+.0f} % with "
                 f"{data['config']['delayed']:,} delayed messages"
+            )
+    for b in ("redis", "rabbitmq"):
+        on, off = _fig(data, "memory", b, "idle_mb"), _fig(data, "memory", b, "delayed_mb")
+        if on and off:
+            lines.append(
+                f"memory, {LABELS[b]}: {off['median'] / on['median'] * 100 - 100:+.0f} % "
+                f"with {data['config']['delayed']:,} delayed messages"
             )
     return lines
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = [" | ".join(h.ljust(w) for h, w in zip(header, widths))]
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines.append("-+-".join("-" * w for w in widths))
     lines += [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
 
-TARGET_HEADER = ["target", "measured ratio", "required", "status"]
+def _server_lines(data: dict) -> list[str]:
+    lines = []
+    for server, info in data.get("servers", {}).items():
+        settings = ", ".join(f"{k} {v}" for k, v in info.get("settings", {}).items())
+        lines.append(f"{SERVER_LABELS.get(server, server)} ({server}): {info.get('url')}; "
+                     f"{settings}")  # fmt: skip
+    return lines
 
 
 def terminal(data: dict) -> str:
-    parts = [_table(HEADER, _rows(data)), "", *_extra_lines(data), ""]
-    parts.append(_table(TARGET_HEADER, _target_rows(data)))
+    parts = [*_server_lines(data), ""]
+    if _rows(data):
+        parts += [_table(header(data), _rows(data)), "", *_extra_lines(data)]
+    if _group_rows(data):
+        parts += ["", "Scaling (drain by N worker processes):", _table(GROUP_HEADER,
+                  _group_rows(data))]  # fmt: skip
+    if _pool_rows(data):
+        parts += ["", "Through PgBouncer in transaction mode:", _table(POOL_HEADER,
+                  _pool_rows(data))]  # fmt: skip
+    parts += _group_errors(data)
+    head, rows = _target_table(data)
+    parts += ["", _table(head, rows)]
     return "\n".join(parts)
 
 
@@ -211,18 +394,23 @@ def markdown(data: dict) -> str:
         "# Benchmark results",
         "",
         f"- date: {data['date']}",
-        f"- machine: {m['cores']} CPU cores, {m['platform']}, Python {m['python']}, "
-        f"PostgreSQL {m['postgresql']}",
+        f"- machine: {m['cores']} CPU cores, {m['platform']}, Python {m['python']}",
+        *[f"- {line}" for line in _server_lines(data)],
         f"- command: `{data['command']}` ({data['elapsed_s'] / 60:.1f} min)",
         f"- repetitions: {cfg['repeat']}; median and spread (min–max) over them; ratios are "
-        "between medians",
-        f"- workloads: enqueue {cfg['enqueue']:,} sends from one thread; drain "
+        "between medians. Redis and RabbitMQ do not depend on the PostgreSQL set-up: "
+        "measured once a round, they are the reference for both columns",
+        f"- workloads: enqueue {cfg['enqueue']:,} sends from one thread, and "
+        f"{cfg.get('enqueue8', 0):,} from 8 threads at once; drain "
         f"{cfg['drain']:,} queued messages by one worker process with 8 threads; latency "
         f"{cfg['latency']:,} sends {cfg['latency_gap'] * 1000:g} ms apart to an idle worker "
         f"(send() to actor start); backlog: the drain with {cfg['backlog_finished']:,} "
         f"finished and {cfg['backlog_queued']:,} queued rows in the table; memory: worker "
         f"RSS {cfg['settle']:g} s after boot, idle and with {cfg['delayed']:,} messages "
-        "delayed by an hour"
+        f"delayed by an hour; scaling: {cfg.get('scaling', 0):,} messages drained by "
+        f"{', '.join(str(p) for p in cfg.get('processes', ()))} worker processes × 2 "
+        f"threads, directly and through PgBouncer (pool size {cfg.get('pool_size')}); idle: "
+        f"a worker with {cfg.get('idle_queues')} queues left idle {cfg.get('idle_seconds')} s"
         + (
             f"; retention: the drain with {cfg['retention_finished']:,} finished jobs past "
             "their retention age in the table, without and then with retention deleting them; "
@@ -232,15 +420,18 @@ def markdown(data: dict) -> str:
             else ""
         ),
         "",
-        _md_table(HEADER, _rows(data)),
-        "",
-        *[f"- {line}" for line in _extra_lines(data)],
-        "",
-        "## Targets",
-        "",
-        _md_table(TARGET_HEADER, _target_rows(data)),
-        "",
     ]
+    if _rows(data):
+        lines += [_md_table(header(data), _rows(data)), ""]
+        lines += [*[f"- {line}" for line in _extra_lines(data)], ""]
+    if _group_rows(data):
+        lines += ["## Scaling", "", _md_table(GROUP_HEADER, _group_rows(data)), ""]
+    if _pool_rows(data):
+        lines += ["## Through PgBouncer (transaction mode)", "",
+                  _md_table(POOL_HEADER, _pool_rows(data)), ""]  # fmt: skip
+    lines += [f"- {line}" for line in _group_errors(data)]
+    head, rows = _target_table(data)
+    lines += ["", "## Targets", "", _md_table(head, rows), ""]
     return "\n".join(lines)
 
 
@@ -257,7 +448,7 @@ def chart(data: dict, path: Path) -> None:
         ("drain, empty vs backlog table (msg/s)", None, None),
         ("worker RSS (MiB)", "memory", ["idle_mb", "delayed_mb"]),
     ]
-    fig, grid = plt.subplots(2, 3, figsize=(15, 9))
+    fig, grid = plt.subplots(2, 3, figsize=(18, 10))
     axes = list(grid.flat)
     for ax, (title, workload, metrics) in zip(axes, panels):
         ax.set_title(title, fontsize=10)
@@ -265,24 +456,22 @@ def chart(data: dict, path: Path) -> None:
             ax.set_yscale("log")
         if workload is None:
             bars = [
-                ("empty", _fig(data, "drain", "postgres", "rate")),
-                ("backlog", _fig(data, "backlog", "postgres", "rate")),
+                (f"{label}\n[{server}]", _fig(data, wl, "postgres", "rate", server))
+                for server in servers(data)
+                for label, wl in (("empty", "drain"), ("backlog", "backlog"))
             ]
             _bars(ax, [(n, [f]) for n, f in bars if f is not None], [""])
             continue
         per = data.get("results", {}).get(workload, {})
-        groups = [
-            (_chart_label(b), [per[b].get(m) for m in metrics])
-            for b in ["raw-insert", "raw-insert-autocommit", *data.get("brokers", {})]
-            if b in per
-        ]
+        groups = [(_chart_label(key), [figs.get(m) for m in metrics]) for key, figs in per.items()]
         _bars(ax, groups, metrics)
     axes[-1].axis("off")
     lines = [
-        f"{t['status']:>12}  {t['target']}" + ("" if t["ratio"] is None else f": {t['ratio']:.2f}")
+        f"{t['status']:>12}  [{t['server']}] {t['target']}"
+        + ("" if t["ratio"] is None else f": {t['ratio']:.2f}")
         for t in data.get("targets", [])
     ]
-    axes[-1].text(0, 1, "Targets\n\n" + "\n".join(lines), va="top", fontsize=8, family="monospace")
+    axes[-1].text(0, 1, "Targets\n\n" + "\n".join(lines), va="top", fontsize=6, family="monospace")
     fig.suptitle(f"dramatiq-pg-broker benchmarks, {data['date']} ({data['command']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -4,10 +4,16 @@ Runs each workload on each broker, taking turns within one run and repeating the
 round, then prints a table (median and spread), and writes a JSON file and a PNG chart
 under ``benchmarks/results/``. A full run also rewrites ``benchmarks/RESULTS.md``.
 
-PostgreSQL: ``DRAMATIQ_PG_URL``, else the embedded local server. The benchmark uses its own
-schemas (``bench`` and ``bench_backlog``), dropped and migrated afresh at the start and
-dropped at the end. Redis (127.0.0.1:6379) and RabbitMQ (127.0.0.1:5672) take part when
-they answer; their benchmark queues are deleted before and after every step.
+PostgreSQL: every workload of this broker runs on two server set-ups, reported as two
+columns: ``embedded`` (the local pgserver PostgreSQL a newcomer gets) and ``tcp`` (a standalone
+server over TCP, as production runs it: ``BENCH_TCP_URL``, else ``DRAMATIQ_PG_URL``, else
+``postgresql://postgres@127.0.0.1:5432/postgres``). Server settings are used as they are;
+the run records the ones that matter (``synchronous_commit`` and others) per server. The
+benchmark uses its own schemas (``bench`` and ``bench_backlog``), dropped and migrated
+afresh at the start and dropped at the end, and for the idle-cost workload a database of
+its own (``dramatiq_bench_idle``), dropped after. Redis (127.0.0.1:6379) and RabbitMQ
+(127.0.0.1:5672) take part when they answer; their benchmark queues are deleted before and
+after every step.
 """
 
 from __future__ import annotations
@@ -24,10 +30,17 @@ import time
 import traceback
 from pathlib import Path
 
-from . import pgdata, report, retention
-from .harness import VARIANTS, BenchError, Harness, reachable
+from dramatiq_pg_broker.config import mask_url
 
-WORKLOADS = ("enqueue", "bulk", "drain", "latency", "backlog", "memory", "retention", "churn")
+from . import pgdata, report, retention
+from .harness import VARIANTS, BenchError, Harness, group_drain, idle_cost, reachable
+
+WORKLOADS = (
+    "enqueue", "enqueue8", "bulk", "drain", "latency", "backlog", "memory", "retention", "churn",
+    "scaling", "pgbouncer", "idle",
+)  # fmt: skip
+SERVERS = ("embedded", "tcp")
+DEFAULT_TCP_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 FULL = {
     "repeat": 3,
@@ -41,6 +54,12 @@ FULL = {
     "backlog_queued": 100_000,
     "delayed": 100_000,
     "settle": 10.0,
+    "enqueue8": 10_000,
+    "scaling": 20_000,
+    "processes": (1, 2, 4, 8, 16),
+    "pool_size": 4,
+    "idle_queues": 3,
+    "idle_seconds": 20.0,
     "retention_finished": 1_000_000,
     "churn_seconds": 600,
     "churn_rate": 500,
@@ -57,6 +76,12 @@ QUICK = {
     "backlog_queued": 20_000,
     "delayed": 20_000,
     "settle": 10.0,
+    "enqueue8": 2_000,
+    "scaling": 3_000,
+    "processes": (1, 2, 4, 8, 16),
+    "pool_size": 4,
+    "idle_queues": 3,
+    "idle_seconds": 5.0,
     "retention_finished": 100_000,
     "churn_seconds": 60,
     "churn_rate": 300,
@@ -65,16 +90,26 @@ QUICK = {
 #: Which variants each workload runs on.
 APPLIES = {
     "enqueue": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
-    "bulk": ("postgres",),
     "drain": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "latency": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "backlog": ("postgres",),
     "memory": ("postgres", "redis", "rabbitmq"),
+    "enqueue8": ("postgres", "redis", "rabbitmq"),
+    "bulk": ("postgres",),
+    "scaling": ("postgres",),
+    "pgbouncer": ("postgres",),
+    "idle": ("postgres",),
     "retention": ("postgres",),
     "churn": ("postgres",),
 }
+#: Server settings recorded with the results (never changed by the benchmark).
+SERVER_SETTINGS = (
+    "server_version", "synchronous_commit", "fsync", "wal_writer_delay", "commit_delay",
+    "shared_buffers", "max_connections", "deadlock_timeout",
+)  # fmt: skip
 
 SCHEMA = "bench"
+IDLE_DATABASE = "dramatiq_bench_idle"
 BACKLOG_SCHEMA = "bench_backlog"
 HERE = Path(__file__).resolve().parent
 
@@ -96,6 +131,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--workloads",
         default=",".join(WORKLOADS),
         help=f"comma-separated subset of: {', '.join(WORKLOADS)}",
+    )
+    p.add_argument(
+        "--servers",
+        default=",".join(SERVERS),
+        help="PostgreSQL set-ups, comma-separated: embedded (local pgserver), tcp "
+        "(BENCH_TCP_URL, else DRAMATIQ_PG_URL, else 127.0.0.1:5432)",
+    )
+    p.add_argument(
+        "--processes",
+        help="worker process counts of the scaling and pgbouncer workloads (default 1,2,4,8,16)",
     )
     p.add_argument(
         "--retention-finished",
@@ -120,17 +165,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r}")
+    args.servers = [x.strip() for x in args.servers.split(",") if x.strip()]
+    for x in args.servers:
+        if x not in SERVERS:
+            p.error(f"unknown server {x!r}: expected embedded or tcp")
+    if args.processes:
+        try:
+            args.processes = tuple(int(x) for x in args.processes.split(",") if x.strip())
+        except ValueError:
+            p.error("--processes takes comma-separated whole numbers, e.g. 1,2,4")
     return args
 
 
-def database_url() -> str:
-    url = os.environ.get("DRAMATIQ_PG_URL")
-    if url:
-        return url
-    from dramatiq_pg_broker.config import Settings
-    from dramatiq_pg_broker.db import resolve_url
+def server_url(server: str) -> str:
+    """The URL of a server set-up (see the module docstring)."""
+    if server == "embedded":
+        from dramatiq_pg_broker.embedded import embedded_url
 
-    return resolve_url(Settings.load())
+        return embedded_url()
+    return os.environ.get("BENCH_TCP_URL") or os.environ.get("DRAMATIQ_PG_URL") or DEFAULT_TCP_URL
+
+
+def pg_key(name: str, server: str) -> str:
+    """Results key of a PostgreSQL figure on one server set-up: ``postgres@tcp``."""
+    return f"{name}@{server}"
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -154,23 +212,44 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeat:
         cfg["repeat"] = args.repeat
+    if args.processes:
+        cfg["processes"] = args.processes
     if args.retention_finished:
         cfg["retention_finished"] = args.retention_finished
     if args.churn_seconds:
         cfg["churn_seconds"] = args.churn_seconds
     started = time.monotonic()
-    url = database_url()
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
-    harness = Harness(url, SCHEMA, out_dir, verbose=args.verbose)
+
+    harnesses: dict[str, Harness] = {}
+    servers: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    for server in args.servers:
+        try:
+            url = server_url(server)
+            settings = pgdata.server_settings(url, SERVER_SETTINGS)
+        except Exception as e:
+            skipped[f"server:{server}"] = f"not reachable: {type(e).__name__}: {e}"
+            print(f"PostgreSQL {server}: skipped: not reachable ({e})")
+            continue
+        harnesses[server] = Harness(url, SCHEMA, out_dir, verbose=args.verbose, server=server)
+        servers[server] = {"url": mask_url(url), "settings": settings}
+        print(f"PostgreSQL {server}: {mask_url(url)}, " + ", ".join(
+            f"{k}={v}" for k, v in settings.items()))  # fmt: skip
+    if not harnesses:
+        print("No PostgreSQL server answered.")
+        return 1
+    first = next(iter(harnesses.values()))
 
     available = {}
     for name in args.brokers:
         kind = VARIANTS[name].kind
         available[name] = kind == "postgres" or reachable(kind)
-    skipped = [n for n in args.brokers if not available[n]]
-    for name in skipped:
-        print(f"{VARIANTS[name].label}: skipped: not reachable")
+    for name in args.brokers:
+        if not available[name]:
+            skipped[name] = "not reachable"
+            print(f"{VARIANTS[name].label}: skipped: not reachable")
 
     samples: dict[str, dict[str, list[dict]]] = {w: {} for w in WORKLOADS}
     errors: dict[str, dict[str, str]] = {w: {} for w in WORKLOADS}
@@ -181,87 +260,46 @@ def main(argv: list[str] | None = None) -> int:
             result = fn()
         except (BenchError, Exception) as e:  # keep going: one failure is one cell
             errors[workload][name] = f"{type(e).__name__}: {e}"
-            print(f"  {workload:8} {name:18} FAILED: {e}", flush=True)
+            print(f"  {workload:9} {name:24} FAILED: {e}", flush=True)
             if args.verbose:
                 traceback.print_exc()
             return
         samples[workload].setdefault(name, []).append(result)
-        shown = ", ".join(f"{k}={v:,.1f}" for k, v in result.items() if isinstance(v, float))
-        print(f"  {workload:8} {name:18} {shown}  ({time.monotonic() - t0:.0f}s)", flush=True)
+        shown = ", ".join(f"{k}={v:,.2f}" for k, v in result.items() if isinstance(v, float))
+        print(f"  {workload:9} {name:24} {shown}  ({time.monotonic() - t0:.0f}s)", flush=True)
 
-    pgdata.reset_schema(url, SCHEMA)
+    for h in harnesses.values():
+        pgdata.reset_schema(h.url, SCHEMA)
     try:
         if "backlog" in args.workloads and "postgres" in args.brokers:
-            print(
-                f"Loading the backlog table: {cfg['backlog_finished']:,} finished rows "
-                "(with their events)...",
-                flush=True,
-            )
-            pgdata.reset_schema(url, BACKLOG_SCHEMA)
-            seconds = pgdata.load(url, BACKLOG_SCHEMA, cfg["backlog_finished"], status="succeeded")
-            print(f"  loaded in {seconds:.0f}s", flush=True)
+            for server, h in harnesses.items():
+                print(
+                    f"Loading the backlog table ({server}): {cfg['backlog_finished']:,} "
+                    "finished rows (with their events)...",
+                    flush=True,
+                )
+                pgdata.reset_schema(h.url, BACKLOG_SCHEMA)
+                seconds = pgdata.load(h.url, BACKLOG_SCHEMA, cfg["backlog_finished"],
+                                      status="succeeded")  # fmt: skip
+                print(f"  loaded in {seconds:.0f}s", flush=True)
 
         for rep in range(cfg["repeat"]):
             print(f"Round {rep + 1} of {cfg['repeat']}", flush=True)
-            # Brokers take turns; the order rotates every round.
+            # Brokers and servers take turns; the order rotates every round.
             order = [n for n in args.brokers if available[n]]
             shift = rep % len(order) if order else 0
             order = order[shift:] + order[:shift]
+            server_order = list(harnesses)
+            if rep % 2:
+                server_order.reverse()
             for workload in args.workloads:
                 names = [n for n in order if n in APPLIES[workload]]
-                if workload == "enqueue":
-                    if "postgres" in args.brokers:
-                        measure("enqueue", "raw-insert", lambda: harness.raw_insert(cfg["raw"]))
-                        measure(
-                            "enqueue",
-                            "raw-insert-autocommit",
-                            lambda: harness.raw_insert(cfg["raw"], autocommit=True),
-                        )
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure("enqueue", n, lambda v=v: harness.enqueue(v, cfg["enqueue"]))
-                elif workload == "bulk":
-                    if names:
-                        measure("bulk", "raw-copy", lambda: harness.raw_copy(cfg["bulk"]))
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure("bulk", n, lambda v=v: harness.bulk(v, cfg["bulk"]))
-                elif workload == "drain":
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure("drain", n, lambda v=v: harness.drain(v, cfg["drain"]))
-                elif workload == "latency":
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure(
-                            "latency",
-                            n,
-                            lambda v=v: harness.latency(v, cfg["latency"], cfg["latency_gap"]),
-                        )
-                elif workload == "backlog":
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure("backlog", n, lambda v=v: backlog_round(harness, v, cfg))
-                elif workload in ("retention", "churn"):
-                    step = (
-                        retention.retention_round
-                        if workload == "retention"
-                        else (retention.churn_round)
-                    )
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure(workload, n, lambda v=v, step=step: step(harness, v, cfg))
-                elif workload == "memory":
-                    for n in names:
-                        v = VARIANTS[n]
-                        measure(
-                            "memory",
-                            n,
-                            lambda v=v: harness.memory(v, cfg["delayed"], cfg["settle"]),
-                        )
+                run_workload(workload, names, server_order, harnesses, first, cfg, measure,
+                             args.brokers)  # fmt: skip
     finally:
-        pgdata.drop_schema(url, BACKLOG_SCHEMA)
-        pgdata.drop_schema(url, SCHEMA)
+        for h in harnesses.values():
+            pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
+            pgdata.drop_schema(h.url, SCHEMA)
 
     command = "python -m benchmarks.run" + (
         " " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -275,12 +313,12 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "platform": platform.platform(terse=True),
             "python": platform.python_version(),
-            "postgresql": pgdata.server_version(url),
         },
+        "servers": servers,
         "config": cfg,
         "quick": args.quick,
         "brokers": {n: VARIANTS[n].label for n in args.brokers},
-        "skipped": {n: "not reachable" for n in skipped},
+        "skipped": skipped,
         "errors": {w: e for w, e in errors.items() if e},
         "results": {
             w: {n: summarize(s) for n, s in per.items()} for w, per in samples.items() if per
@@ -293,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(data, indent=2))
     (out_dir / "latest.json").write_text(json.dumps(data, indent=2))
     png_path = out_dir / f"bench-{stamp}.png"
-    report.chart(data, png_path)
+    try:
+        report.chart(data, png_path)
+    except Exception as e:  # the numbers matter more than the picture
+        print(f"Chart not drawn: {type(e).__name__}: {e}")
     table = report.markdown(data)
     (out_dir / "latest.md").write_text(table)
     print()
@@ -310,6 +351,75 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Table: {HERE / 'RESULTS.md'}")
     print(f"Finished in {data['elapsed_s'] / 60:.1f} min.")
     return 0
+
+
+def run_workload(workload, names, server_order, harnesses, first, cfg, measure, brokers):
+    """One workload of one round: this broker on every server, the others once."""
+
+    def each(name: str, fn) -> None:
+        """``fn(harness)`` on every server for this broker's variants, once for the others."""
+        if VARIANTS[name].kind == "postgres":
+            for server in server_order:
+                measure(workload, pg_key(name, server), lambda h=harnesses[server]: fn(h))
+        else:
+            measure(workload, name, lambda: fn(first))
+
+    if workload == "enqueue":
+        if "postgres" in brokers:
+            for server in server_order:
+                h = harnesses[server]
+                measure("enqueue", pg_key("raw-insert", server),
+                        lambda h=h: h.raw_insert(cfg["raw"]))  # fmt: skip
+                measure("enqueue", pg_key("raw-insert-autocommit", server),
+                        lambda h=h: h.raw_insert(cfg["raw"], autocommit=True))  # fmt: skip
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: h.enqueue(v, cfg["enqueue"]))
+    elif workload == "enqueue8":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: h.enqueue_threads(v, cfg["enqueue8"], threads=8))
+    elif workload == "bulk":
+        for n in names:
+            for server in server_order:
+                h = harnesses[server]
+                measure("bulk", pg_key("raw-copy", server), lambda h=h: h.raw_copy(cfg["bulk"]))
+                measure("bulk", pg_key(n, server),
+                        lambda h=h, v=VARIANTS[n]: h.bulk(v, cfg["bulk"]))  # fmt: skip
+    elif workload == "drain":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: h.drain(v, cfg["drain"]))
+    elif workload == "latency":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: h.latency(v, cfg["latency"], cfg["latency_gap"]))
+    elif workload == "backlog":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: backlog_round(h, v, cfg))
+    elif workload == "memory":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: h.memory(v, cfg["delayed"], cfg["settle"]))
+    elif workload in ("retention", "churn"):
+        step = retention.retention_round if workload == "retention" else retention.churn_round
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n], step=step: step(h, v, cfg))
+    elif workload in ("scaling", "pgbouncer"):
+        pool = cfg["pool_size"] if workload == "pgbouncer" else None
+        for n in names:
+            for server in server_order:
+                for p in cfg["processes"]:
+                    measure(
+                        workload,
+                        pg_key(f"{p}p", server),
+                        lambda h=harnesses[server], v=VARIANTS[n], p=p: group_drain(
+                            h, v, cfg["scaling"], p, threads=2, pool_size=pool
+                        ),
+                    )
+    elif workload == "idle":
+        for n in names:
+            each(
+                n,
+                lambda h, v=VARIANTS[n]: idle_cost(
+                    h, v, cfg["idle_queues"], cfg["idle_seconds"], IDLE_DATABASE
+                ),
+            )
 
 
 def backlog_round(harness: Harness, variant, cfg: dict) -> dict:

@@ -1,0 +1,324 @@
+"""Where a message's time goes: ``python -m benchmarks.profile``.
+
+Starts a private PostgreSQL cluster of its own (``initdb`` into a temporary directory, on
+port 55441 or the next free one) with ``pg_stat_statements`` preloaded and I/O timing on,
+settings no shared server is asked to change, and measures two things on it:
+
+- send: ``--count`` ``actor.send()`` from one thread of a client process;
+- drain: ``--count`` queued messages drained by one worker process x 8 threads.
+
+For each it prints a table per message: wall time, statements (each one round trip: the
+broker runs every statement in autocommit), server execution time
+(``pg_stat_statements.total_exec_time``), WAL writes and flushes (``pg_stat_wal``, with
+``track_wal_io_timing``), lock waits (``pg_locks`` sampled every 50 ms) and the client
+process's CPU time; then the statements themselves, and, when ``py-spy`` is installed
+(``pip install py-spy``; not a dependency of the project), the functions in which the
+client process held the GIL (``py-spy record --gil``: the Python it ran, not its waits).
+``--json`` writes everything to a file.
+
+The cluster's other settings are PostgreSQL's defaults (``synchronous_commit = on``), so
+the WAL flush of every durable commit is in the numbers. The cluster is stopped and
+deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psycopg
+
+from . import pgdata
+from .harness import ROOT, VARIANTS, Harness
+
+SCHEMA = "bench"
+PORTS = range(55441, 55450)
+CLUSTER_SETTINGS = {
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track": "all",
+    "track_io_timing": "on",
+    "track_wal_io_timing": "on",
+    "listen_addresses": "127.0.0.1",
+    "unix_socket_directories": "",
+}
+
+
+def _bindir() -> Path:
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(os.path.realpath(found)).parent
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+    if not candidates:
+        raise SystemExit("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
+    return Path(candidates[-1]).parent
+
+
+class Cluster:
+    """A throwaway PostgreSQL cluster in a temporary directory, owned by an unprivileged
+    user when run as root (PostgreSQL refuses to run as root)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+        self.data = self.dir / "data"
+        self.bindir = _bindir()
+        self.user = None
+        if os.geteuid() == 0:
+            self.user = "postgres"
+            pw = pwd.getpwnam(self.user)
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str) -> None:
+        cmd = [str(self.bindir / args[0]), *args[1:]]
+        if self.user:
+            cmd = ["runuser", "-u", self.user, "--", *cmd]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+
+    def start(self) -> Cluster:
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        options = " ".join(f"-c {k}={v!r}" if v == "" else f"-c {k}={v}"
+                           for k, v in CLUSTER_SETTINGS.items())  # fmt: skip
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-w",
+                  "-o", f"-p {self.port} {options}", "start")  # fmt: skip
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION pg_stat_statements")
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- reading the server's counters -----------------------------------------------------------
+
+_NOT_OURS = ("pg_stat", "pg_locks", "pg_settings", "pg_stat_statements", "pg_backend_pid")
+
+
+def reset(url: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_statements_reset()")
+        conn.execute("SELECT pg_stat_reset_shared('wal')")
+
+
+def counters(url: str) -> dict:
+    """Top-level statements of the broker (not the profiler's own: a statement's nested
+    ones, such as foreign-key checks, are inside its time) and the WAL counters."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
+            "WHERE toplevel AND dbid = (SELECT oid FROM pg_database "
+            "WHERE datname = current_database()) "
+            "ORDER BY total_exec_time DESC"
+        ).fetchall()
+        wal = conn.execute(
+            "SELECT wal_records, wal_bytes, wal_write, wal_sync, wal_write_time, wal_sync_time "
+            "FROM pg_stat_wal"
+        ).fetchone()
+    statements = [
+        {"query": " ".join(q.split())[:90], "calls": c, "total_ms": t, "rows": r}
+        for q, c, t, r in rows
+        if not any(word in q for word in _NOT_OURS)
+    ]
+    keys = ("wal_records", "wal_bytes", "wal_write", "wal_sync", "wal_write_ms", "wal_sync_ms")
+    return {"statements": statements, "wal": dict(zip(keys, (float(v) for v in wal)))}
+
+
+# -- py-spy ----------------------------------------------------------------------------------
+
+
+def py_spy() -> str | None:
+    return shutil.which("py-spy") or (
+        str(Path(sys.executable).parent / "py-spy")
+        if (Path(sys.executable).parent / "py-spy").exists()
+        else None
+    )
+
+
+def top_functions(
+    raw_path: Path, limit: int = 12, within: str | None = None
+) -> list[tuple[str, float]]:
+    """The leaf functions of py-spy's raw samples, as shares of all samples (of those whose
+    stack passes through a function named ``within``, when given)."""
+    if not raw_path.exists():
+        return []
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw_path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        if within and not any(f.startswith(within + " ") for f in frames):
+            continue
+        leaf = frames[-1]
+        leaves[leaf] += int(count)
+        total += int(count)
+    return [(name, n / total) for name, n in leaves.most_common(limit)] if total else []
+
+
+# -- the two measurements --------------------------------------------------------------------
+
+
+def profile_send(harness: Harness, count: int, out_dir: Path) -> dict:
+    variant = VARIANTS["postgres"]
+    pgdata.empty(harness.url, SCHEMA)
+    reset(harness.url)
+    raw = out_dir / "send.pyspy.txt"
+    args = [sys.executable, "-m", "benchmarks.client", "enqueue", "--count", str(count)]
+    spy = py_spy()
+    if spy:
+        args = [
+            spy,
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "200",
+            "--gil",
+            "-o",
+            str(raw),
+            "--",
+            *args,
+        ]
+    done = subprocess.run(
+        args, cwd=ROOT, env=harness.env(variant), capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the send client failed:\n{done.stderr[-2000:]}")
+    result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    stats = counters(harness.url)
+    return {
+        "messages": count,
+        "seconds": result["seconds"],
+        "cpu_s": result.get("cpu_s"),
+        "lock_wait_share": None,
+        **stats,
+        # Only the timed sends, not the interpreter's start-up and imports.
+        "py_spy": top_functions(raw, within="_send_many") if spy else None,
+    }
+
+
+def profile_drain(harness: Harness, count: int, out_dir: Path) -> dict:
+    import psutil
+
+    variant = VARIANTS["postgres"]
+    pgdata.empty(harness.url, SCHEMA)
+    pgdata.load(harness.url, SCHEMA, count, events=True)
+    app = f"bench-profile-{os.getpid()}"
+    sampler = pgdata.Sampler(harness.url, SCHEMA, app)
+    raw = out_dir / "drain.pyspy.txt"
+    spy = py_spy()
+    spy_proc = None
+    reset(harness.url)
+    with harness.worker(variant, "profile", expect=count, PGAPPNAME=app) as (proc, state):
+        pid = harness.wait_ready(proc, state)
+        worker = psutil.Process(pid)
+        cpu0 = sum(worker.cpu_times()[:2])
+        if spy:
+            spy_proc = subprocess.Popen(
+                [spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                 "--gil", "--nonblocking", "-o", str(raw)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        sampler.start()
+        result = harness.wait_file(proc, os.path.join(state, "drain.json"),
+                                   timeout=count / 50 + 120)  # fmt: skip
+        cpu = sum(worker.cpu_times()[:2]) - cpu0
+        sampler.stop()
+        if spy_proc is not None:
+            spy_proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy_proc.wait(30)
+    stats = counters(harness.url)
+    return {
+        "messages": count,
+        "seconds": result["done"] - result["first_start"],
+        "cpu_s": cpu,
+        "lock_wait_share": sampler.lock_wait_share,
+        **stats,
+        "py_spy": top_functions(raw) if spy else None,
+    }
+
+
+def per_message_table(name: str, r: dict) -> str:
+    n = r["messages"]
+    calls = sum(s["calls"] for s in r["statements"])
+    exec_ms = sum(s["total_ms"] for s in r["statements"])
+    wal = r["wal"]
+    us = 1000.0  # ms -> µs
+    rows = [
+        ("wall time (1 / rate)", f"{r['seconds'] / n * 1e6:,.0f} µs",
+         f"{n / r['seconds']:,.0f} msg/s"),
+        ("statements = round trips", f"{calls / n:.2f}", f"{calls:,} in all"),
+        ("server execution (pg_stat_statements)", f"{exec_ms / n * us:,.0f} µs",
+         "sum of total_exec_time"),
+        ("WAL flushes (pg_stat_wal.wal_sync)", f"{wal['wal_sync'] / n:.2f}",
+         f"{wal['wal_sync_ms'] / n * us:,.0f} µs flushing a message"),
+        ("WAL writes", f"{wal['wal_write'] / n:.2f}", f"{wal['wal_write_ms'] / n * us:,.0f} µs"),
+        ("WAL bytes", f"{wal['wal_bytes'] / n:,.0f} B", f"{wal['wal_records'] / n:.1f} records"),
+        ("lock waits (share of 50 ms samples)",
+         "" if r["lock_wait_share"] is None else f"{r['lock_wait_share'] * 100:.0f} %", ""),
+        ("client process CPU (Python and libpq)",
+         "" if r["cpu_s"] is None else f"{r['cpu_s'] / n * 1e6:,.0f} µs", ""),
+    ]  # fmt: skip
+    lines = [f"### {name}: per message ({n:,} messages)", "",
+             "| per message | value | note |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines += ["", "| statement | calls per message | mean µs | rows per call |",
+              "|---|---|---|---|"]  # fmt: skip
+    for s in r["statements"][:8]:
+        per_call = max(1, s["calls"])
+        lines.append(
+            f"| `{s['query'][:70]}` | {s['calls'] / n:.3f} | "
+            f"{s['total_ms'] / per_call * us:,.0f} | {s['rows'] / per_call:.1f} |"
+        )
+    if r.get("py_spy"):
+        lines += ["", "| client function holding the GIL (py-spy --gil) | share |", "|---|---|"]
+        lines += [f"| `{f[:80]}` | {share * 100:.0f} % |" for f, share in r["py_spy"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
+    p.add_argument("--count", type=int, default=5000, help="messages per measurement")
+    p.add_argument("--what", default="send,drain", help="send, drain or both")
+    p.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = p.parse_args(argv)
+    from .pgbouncer import free_port
+
+    cluster = Cluster(free_port(PORTS)).start()
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
+    try:
+        pgdata.reset_schema(cluster.url, SCHEMA)
+        harness = Harness(cluster.url, SCHEMA, out_dir, server="private")
+        results = {}
+        for what in [w.strip() for w in args.what.split(",") if w.strip()]:
+            fn = {"send": profile_send, "drain": profile_drain}[what]
+            results[what] = fn(harness, args.count, out_dir)
+            print(per_message_table(what, results[what]), "\n", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        cluster.stop()
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

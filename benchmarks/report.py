@@ -442,18 +442,37 @@ def chart(data: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [
-        ("enqueue (msg/s)", "enqueue", ["rate"]),
+        ("enqueue, one thread (msg/s)", "enqueue", ["rate"]),
+        ("enqueue, 8 threads (msg/s)", "enqueue8", ["rate"]),
         ("drain (msg/s)", "drain", ["rate"]),
         ("latency (ms)", "latency", ["p50_ms", "p99_ms"]),
         ("drain, empty vs backlog table (msg/s)", None, None),
         ("worker RSS (MiB)", "memory", ["idle_mb", "delayed_mb"]),
+        ("drain by N processes × 2 threads (msg/s)", "scaling", None),
+        ("idle: statements per queue per poll interval", "idle", ["per_queue_per_poll"]),
     ]
-    fig, grid = plt.subplots(2, 3, figsize=(18, 10))
+    fig, grid = plt.subplots(3, 3, figsize=(18, 15))
     axes = list(grid.flat)
     for ax, (title, workload, metrics) in zip(axes, panels):
         ax.set_title(title, fontsize=10)
         if workload == "latency":
             ax.set_yscale("log")
+        if workload == "scaling":
+            for server in servers(data):
+                for wl, style in (("scaling", "-o"), ("pgbouncer", "--s")):
+                    steps = _steps(data, wl, server)
+                    if steps:
+                        label = f"{server}{', via PgBouncer' if wl == 'pgbouncer' else ''}"
+                        ax.plot([p for p, _ in steps], [_med(f, "rate") for _, f in steps],
+                                style, label=label)  # fmt: skip
+            ax.set_xscale("log", base=2)
+            counts = sorted(
+                {p for server in servers(data) for p, _ in _steps(data, "scaling", server)}
+            )
+            ax.set_xticks(counts, [str(p) for p in counts])
+            ax.set_xlabel("worker processes", fontsize=8)
+            ax.legend(fontsize=7)
+            continue
         if workload is None:
             bars = [
                 (f"{label}\n[{server}]", _fig(data, wl, "postgres", "rate", server))
@@ -492,6 +511,9 @@ def _bars(ax, groups, metrics) -> None:
             hi.append(f["max"] - f["median"])
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=metric if len(metrics) > 1 else None)
     ax.set_xticks([x + width * (len(metrics) - 1) / 2 for x in range(len(groups))])
-    ax.set_xticklabels([name for name, _ in groups], fontsize=7)
+    crowded = len(groups) > 6
+    ax.set_xticklabels([name.replace("\n", " ") if crowded else name for name, _ in groups],
+                       fontsize=6 if crowded else 7, rotation=35 if crowded else 0,
+                       ha="right" if crowded else "center")  # fmt: skip
     if len(metrics) > 1:
         ax.legend(fontsize=7)

@@ -406,6 +406,26 @@ def test_binary_messages_are_opaque(env):
     assert job["message"] is None and job["message_encoding"] == "binary"
 
 
+def test_a_message_jsonb_cannot_hold_is_shown_with_a_safe_view(env, pg_url, schema):
+    """The broker stores the encoder's bytes; the API shows the display view of a message
+    jsonb cannot hold as it is (NaN, Infinity, NUL), never a 500."""
+    import dramatiq
+
+    from dramatiq_pg_broker import PostgresBroker
+
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    try:
+        actor = dramatiq.actor(lambda *a: None, actor_name="tests.odd", broker=broker)
+        message = actor.send(float("nan"), float("inf"), "a\u0000b", 1e20)
+    finally:
+        broker.close()
+    job = env.get(f"/api/jobs/{message.message_id}").json
+    assert job["message_encoding"] == "json"
+    assert job["message"]["args"] == ["NaN", "Infinity", "a\ufffdb", 1e20]
+    listed = env.get("/api/jobs?actor=tests.odd").json["results"]
+    assert [j["id"] for j in listed] == [message.message_id]
+
+
 @pytest.mark.parametrize("suffix", ["", "/events", "/retry", "/cancel"])
 def test_unknown_and_malformed_ids(env, suffix):
     method = "POST" if suffix in ("/retry", "/cancel") else "GET"

@@ -11,6 +11,7 @@ and run workers with the standard CLI (``dramatiq your_module``).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import threading
 import time
@@ -491,8 +492,9 @@ class PostgresBroker(dramatiq.Broker):
           QueueJoinTimeout: the timeout elapsed.
           JobFailed: with ``fail_fast``, a job failed.
         """
-        # The server's clock, which also wrote finished_at: this host's may differ.
-        started = self.store.server_now() if fail_fast else None
+        # The server's clock, which also wrote finished_at: this host's may differ. A
+        # failure up to a second before the call counts (a job sent just before join).
+        started = self.store.server_now() - dt.timedelta(seconds=1) if fail_fast else None
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         while True:
             if fail_fast and self.store.count_failed_since(queue_name, started):

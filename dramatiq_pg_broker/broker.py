@@ -497,9 +497,12 @@ class PostgresBroker(dramatiq.Broker):
         started = self.store.server_now() - dt.timedelta(seconds=1) if fail_fast else None
         deadline = None if timeout is None else time.monotonic() + timeout / 1000
         while True:
+            # Unfinished first: a job that fails between the two counts is then still seen
+            # by the failure count, instead of the queue just looking finished.
+            unfinished = self.store.count_unfinished(queue_name)
             if fail_fast and self.store.count_failed_since(queue_name, started):
                 raise JobFailed(f"a job of queue {queue_name!r} failed")
-            if self.store.count_unfinished(queue_name) == 0:
+            if unfinished == 0:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueJoinTimeout(queue_name)

@@ -100,6 +100,9 @@ class JobContext(Middleware):
         if not isinstance(message, PgMessageProxy):
             return
         if not broker.ledger.start(message.attempt):
+            # Another worker runs (or ran) this job: no hook here may record a result for
+            # it (Dramatiq's Results middleware stores None for a skipped message).
+            message.options["store_results"] = False
             raise SkipMessage(f"job {message.attempt.id} is no longer owned by this worker")
         _current.set(CurrentJob(broker, message))
         actor = broker.actors.get(message.actor_name)

@@ -261,12 +261,14 @@ FROM first_per_priority
 -- the next durable commit flushes it.
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
     SELECT j.id, o.owner
     FROM {schema}.jobs AS j
     JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
         AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
     ORDER BY j.id
     FOR UPDATE OF j
 ), marked AS (
@@ -283,12 +285,14 @@ SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS
 -- running -> succeeded for many attempts at once (acks are written in batches).
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
     SELECT j.id, o.owner
     FROM {schema}.jobs AS j
     JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
         AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
     ORDER BY j.id
     FOR UPDATE OF j
 ), done AS (
@@ -313,12 +317,14 @@ SELECT id FROM done
 -- The attempt counts as a failure.
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
     SELECT j.id, o.owner, o.error
     FROM {schema}.jobs AS j
     JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(errors)s::text[])
         AS o (id, owner, attempt, error) ON j.id = o.id
-    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
     ORDER BY j.id
     FOR UPDATE OF j
 ), done AS (
@@ -375,12 +381,14 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- attempt their claim added is given back. The caller wakes the queues' consumers.
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
     SELECT j.id, o.owner
     FROM {schema}.jobs AS j
     JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
         AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt AND NOT j.started
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt AND NOT j.started
     ORDER BY j.id
     FOR UPDATE OF j
 ), released AS (
@@ -405,12 +413,14 @@ SELECT id, queue_name FROM released
 -- heartbeat renews silently so that the timeline is not flooded).
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock.
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
     SELECT j.id, o.owner
     FROM {schema}.jobs AS j
     JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
         AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
     ORDER BY j.id
     FOR UPDATE OF j
 ), renewed AS (

@@ -11,7 +11,7 @@ import uuid
 import dramatiq
 import psycopg
 import pytest
-from dramatiq.results import ResultFailure, Results
+from dramatiq.results import ResultFailure, ResultMissing, Results
 from dramatiq.results.backends import StubBackend
 
 from dramatiq_pg_broker import Attempt
@@ -481,7 +481,9 @@ def test_batch_statements_lock_rows_in_id_order(h, pg_url):
 
 
 def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
+    backend = StubBackend()
     broker = h.broker()
+    broker.add_middleware(Results(backend=backend))
     blocker_started = threading.Event()
     release = threading.Event()
     ran = []
@@ -491,9 +493,10 @@ def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
         blocker_started.set()
         release.wait(20)
 
-    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=10)
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=10, store_results=True)
     def waiting():
         ran.append("waiting")
+        return "ran here"
 
     blocker.send()
     stolen = waiting.send()
@@ -511,6 +514,9 @@ def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
     release.set()
     wait_for(lambda: len(broker.ledger) == 0, 10, "this worker to let go of both")
     assert ran == [], "a message this worker no longer owned was run"
+    with pytest.raises(ResultMissing):
+        # The job's result is its real owner's to store, not None from this skip.
+        backend.get_result(stolen, block=False)
     assert row(broker, stolen)["locked_by"] == "another-worker"
     assert broker.ledger.state_of(Attempt(stolen.message_id, "x", 1)) is State.DONE
 

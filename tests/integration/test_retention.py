@@ -135,3 +135,38 @@ def test_settings_reject_a_negative_age():
 
     with pytest.raises(ConfigurationError, match="retain_failed_days"):
         Settings(retain_failed_days=-1)
+
+
+def test_reclaimers_of_optional_modules_run_after_the_jobs(store, monkeypatch):
+    """The extension point for expired results and rate-limit keys: a module of the package
+    named in RECLAIMERS with prune_expired(conn, schema, *, limit) is called in batches until
+    a short one; a missing module or table is skipped."""
+    import sys
+    import types
+
+    from dramatiq_pg_broker import retention
+
+    calls = []
+
+    def prune_expired(conn, schema, *, limit):
+        calls.append((schema, limit))
+        conn.execute("SELECT 1")
+        return limit if len(calls) < 3 else 1
+
+    def no_table(conn, schema, *, limit):
+        conn.execute(f"SELECT * FROM {schema}.no_such_table_here")
+        return 0
+
+    for name, fn in (("fake_results", prune_expired), ("fake_limits", no_table)):
+        module = types.ModuleType(f"dramatiq_pg_broker.{name}")
+        module.prune_expired = fn
+        monkeypatch.setitem(sys.modules, f"dramatiq_pg_broker.{name}", module)
+    monkeypatch.setattr(
+        retention, "RECLAIMERS", ("fake_results", "fake_limits", "not_installed_module")
+    )
+
+    report = prune(store.pool, store.schema, RetentionPolicy(), batch=10, now=NOW)
+    assert report.reclaimed == {"fake_results": 21, "fake_limits": 0}
+    assert calls == [(store.schema, 10)] * 3
+    # fake_limits' missing table was skipped, not raised, and the run completed.
+    assert report.complete

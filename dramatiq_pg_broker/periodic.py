@@ -314,15 +314,8 @@ class Scheduler:
             timezone=UTC,
         )
         for schedule in schedules:
-            # A first firing at once: a tick that fell between the registration above and
-            # the scheduler's start is enqueued now, not one period late.
             scheduler.add_job(
-                self.fire,
-                schedule.trigger(),
-                args=[schedule],
-                id=schedule.name,
-                name=schedule.name,
-                next_run_time=dt.datetime.now(UTC),
+                self.fire, schedule.trigger(), args=[schedule], id=schedule.name, name=schedule.name
             )
         if self.settings.retention:
             scheduler.add_job(
@@ -333,6 +326,12 @@ class Scheduler:
             )
         scheduler.start()
         self._scheduler = scheduler
+        # A tick that fell between the registration above and the scheduler's start is
+        # enqueued now, not a period late. Fired here rather than as an immediate first run
+        # of the APScheduler job: an interval trigger counts its next run from the previous
+        # one, which would shift every later run off the aligned ticks.
+        for schedule in schedules:
+            self.fire(schedule)
         logger.info(
             "Scheduler started: %d schedule(s)%s.",
             len(schedules),

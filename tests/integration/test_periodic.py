@@ -11,7 +11,12 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker, Schedule, periodic
 from dramatiq_pg_broker.errors import ConfigurationError
-from dramatiq_pg_broker.periodic import RETENTION_SCHEDULE, Scheduler, list_schedules
+from dramatiq_pg_broker.periodic import (
+    INTERVAL_ORIGIN,
+    RETENTION_SCHEDULE,
+    Scheduler,
+    list_schedules,
+)
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -264,5 +269,22 @@ def test_a_tick_between_registration_and_the_scheduler_start_is_not_a_period_lat
             time.sleep(0.05)
         ticks = [j["periodic"]["tick"] for j in tick_jobs(broker)]
         assert len(ticks) == 2, f"the ticks since the registration were not enqueued: {ticks}"
+    finally:
+        scheduler.stop()
+
+
+def test_the_scheduler_fires_on_the_aligned_ticks(make_broker):
+    broker = make_broker(retention=False)
+    declare(broker, every=7)
+    scheduler = Scheduler(broker)
+    scheduler.start()
+    try:
+        schedule = broker.schedules[0]
+        job = scheduler._scheduler.get_job(schedule.name)
+        expected = schedule.next_run(dt.datetime.now(UTC) - dt.timedelta(seconds=7))
+        # Its next run is a tick of the schedule (a whole multiple of 7 s since the origin),
+        # not the start time plus 7 s.
+        assert (job.next_run_time - INTERVAL_ORIGIN) % dt.timedelta(seconds=7) == dt.timedelta(0)
+        assert job.next_run_time >= expected
     finally:
         scheduler.stop()

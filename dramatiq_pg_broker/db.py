@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 
@@ -202,7 +203,11 @@ class ProcessPool:
     @property
     def url(self) -> str:
         if self._url is None:
-            self._url = resolve_url(self.settings)
+            if self._given is not None and not self.settings.url:
+                # Dedicated connections (LISTEN) go where the given pool goes.
+                self._url = self._given.conninfo
+            else:
+                self._url = resolve_url(self.settings)
         return self._url
 
     def get(self) -> ConnectionPool:
@@ -266,3 +271,74 @@ class ProcessPool:
             if self._pool is not None and self._pid == os.getpid() and self._given is None:
                 self._pool.close()
             self._pool = None if self._given is None else self._given
+
+
+def backend_connections(
+    *,
+    url: str | None,
+    schema: str | None,
+    pool: ConnectionPool | None,
+    broker: object | None,
+    listen: bool | None,
+) -> tuple[ProcessPool, Settings]:
+    """Where a results or rate-limiter backend gets its connections: the broker's pool and
+    schema when a :class:`~dramatiq_pg_broker.PostgresBroker` is given (keyword arguments
+    still win for the schema), else its own pool from ``url``/``schema`` or the
+    ``DRAMATIQ_PG_*`` settings.
+
+    Raises:
+      ConfigurationError: ``broker`` is not a PostgresBroker, or a URL or pool is given
+        together with it.
+    """
+    if broker is not None:
+        broker_pool = getattr(broker, "pool", None)
+        broker_settings = getattr(broker, "settings", None)
+        if not isinstance(broker_pool, ProcessPool) or not isinstance(broker_settings, Settings):
+            raise ConfigurationError(
+                "broker= must be a PostgresBroker; for another broker pass url= (and schema=)"
+            )
+        if url is not None or pool is not None:
+            raise ConfigurationError("give broker= or url=/pool=, not both")
+        import dataclasses
+
+        settings = dataclasses.replace(
+            broker_settings,
+            **{k: v for k, v in {"schema": schema, "listen": listen}.items() if v is not None},
+        )
+        return broker_pool, settings
+    settings = Settings.load(url=url, schema=schema, listen=listen)
+    return ProcessPool(settings, pool=pool), settings
+
+
+class Reclaimer:
+    """Opportunistic, bounded deletion of expired rows by the processes that write them, so a
+    table with expiring rows stays bounded without a retention job.
+
+    :meth:`maybe_run` (called after a write) runs ``prune(batch)`` at most once every
+    ``interval`` seconds, or at every call while passes come back full (expiries outpacing
+    the interval). Never two passes at once in one process; a failed pass is logged, not
+    raised, since the write it follows has succeeded.
+    """
+
+    def __init__(self, prune, *, batch: int, interval: float, what: str) -> None:
+        if batch < 1 or interval <= 0:
+            raise ConfigurationError("prune_batch must be at least 1 and prune_interval above 0")
+        self._prune = prune
+        self.batch = batch
+        self.interval = interval
+        self._what = what
+        self._lock = threading.Lock()
+        self._next = 0.0
+
+    def maybe_run(self) -> None:
+        now = time.monotonic()
+        if now < self._next or not self._lock.acquire(blocking=False):
+            return
+        try:
+            deleted = self._prune(self.batch)
+            self._next = now if deleted >= self.batch else now + self.interval
+        except Exception as e:
+            self._next = now + self.interval
+            logger.warning("Reclaiming expired %s failed: %s", self._what, e)
+        finally:
+            self._lock.release()

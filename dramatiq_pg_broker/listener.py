@@ -1,0 +1,273 @@
+"""One LISTEN connection per process and database, shared by every blocking wait.
+
+A reader blocked on a result (:mod:`.results`) or a rate-limiter waiter (:mod:`.rate_limits`)
+registers the key it waits for, makes sure the process listens on the key's channel, checks
+the table once, and then sleeps until a NOTIFY with that key arrives or its deadline passes.
+No thread polls the table on a timer.
+
+The connection is dedicated (never pooled, since LISTEN is session state) and driven by one
+daemon thread. When it breaks, the thread reconnects, listens again, and wakes every waiter
+so each checks its table once more: a notification sent while the connection was down is
+never waited for in vain.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import psycopg
+from dramatiq.errors import ConnectionClosed
+
+from .db import connect
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: PostgreSQL's limit on a channel name (NAMEDATALEN - 1).
+MAX_CHANNEL_BYTES = 63
+
+#: Keys longer than this travel as their digest: a NOTIFY payload is limited to 8000 bytes.
+MAX_PAYLOAD_BYTES = 200
+
+#: Seconds between two checks that an idle listening connection is still alive.
+HEALTH_CHECK_SECONDS = 30.0
+
+#: Longest pause between two reconnection attempts.
+MAX_RECONNECT_DELAY = 5.0
+
+
+def channel_for(schema: str, name: str) -> str:
+    """The channel of one backend in one schema: ``schema:name``. A colon never occurs in a
+    queue name, so this cannot collide with a queue's channel (``schema.queue``)."""
+    channel = f"{schema}:{name}"
+    if len(channel.encode()) <= MAX_CHANNEL_BYTES:
+        return channel
+    return channel_for(hashlib.sha1(schema.encode()).hexdigest()[:16], name)
+
+
+def payload_for(key: str) -> str:
+    """The NOTIFY payload naming ``key``: the key itself, or its digest when long."""
+    if len(key.encode()) <= MAX_PAYLOAD_BYTES:
+        return key
+    return "#" + hashlib.sha256(key.encode()).hexdigest()
+
+
+class Listener:
+    """The process's LISTEN connection to one database.
+
+    Parameters:
+      url(str): the database URL.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._lock = threading.Lock()
+        # channel -> payload -> events of the threads waiting for it
+        self._waiters: dict[str, dict[str, list[threading.Event]]] = {}
+        # channel -> set once the current connection listens on it
+        self._listening: dict[str, threading.Event] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def wait_for(
+        self,
+        channel: str,
+        key: str,
+        check: Callable[[], T | None],
+        timeout: float | None,
+    ) -> T | None:
+        """Return ``check()`` as soon as it gives something other than None, re-running it
+        only when a notification for ``key`` arrives on ``channel``; None once ``timeout``
+        seconds (None: no limit) have passed without.
+
+        Raises:
+          dramatiq.errors.ConnectionClosed: the listening connection cannot be opened.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        payload = payload_for(key)
+        event = threading.Event()
+        self._register(channel, payload, event)
+        try:
+            while True:
+                # Listen before looking: a result stored between the look and the LISTEN
+                # would otherwise never wake us.
+                if not self._ensure_listening(channel, _remaining(deadline)):
+                    return check()
+                event.clear()
+                value = check()
+                if value is not None:
+                    return value
+                remaining = _remaining(deadline)
+                if remaining is not None and remaining <= 0:
+                    return None
+                if not event.wait(remaining):
+                    return None
+        finally:
+            self._unregister(channel, payload, event)
+
+    def _register(self, channel: str, payload: str, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.setdefault(channel, {}).setdefault(payload, []).append(event)
+
+    def _unregister(self, channel: str, payload: str, event: threading.Event) -> None:
+        with self._lock:
+            by_key = self._waiters.get(channel, {})
+            events = by_key.get(payload, [])
+            if event in events:
+                events.remove(event)
+            if not events:
+                by_key.pop(payload, None)
+
+    def _ensure_listening(self, channel: str, timeout: float | None) -> bool:
+        """Make the thread listen on ``channel``; True once it does, False if that took
+        longer than ``timeout``."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionClosed(RuntimeError("the listener is closed"))
+            ready = self._listening.get(channel)
+            if ready is None:
+                ready = self._listening[channel] = threading.Event()
+                self._poke()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="dramatiq-pg-listener", daemon=True
+                )
+                self._thread.start()
+        if ready.is_set():
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        if ready.wait(timeout):
+            return True
+        error = self._error
+        if error is not None:
+            raise ConnectionClosed(error) from error
+        return False
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # pragma: no cover - closed while poking
+            pass
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = 0.05
+        while not self._closed:
+            conn = None
+            try:
+                conn = connect(self.url)
+                conn.add_notify_handler(self._dispatch)
+                self._error = None
+                delay = 0.05
+                self._serve(conn)
+            except Exception as e:  # a lost server: reconnect with backoff
+                if self._closed:
+                    break
+                self._error = e
+                logger.warning("Result/rate-limit listener lost its connection: %s", e)
+                with self._lock:
+                    for ready in self._listening.values():
+                        ready.clear()
+                self._wake_everyone()
+                time.sleep(delay)
+                delay = min(delay * 2, MAX_RECONNECT_DELAY)
+            finally:
+                if conn is not None:
+                    conn.close()
+
+    def _serve(self, conn: psycopg.Connection) -> None:
+        listened: set[str] = set()
+        first = True
+        while not self._closed:
+            with self._lock:
+                wanted = [c for c in self._listening if c not in listened]
+            for channel in wanted:
+                conn.execute(f"LISTEN {_quote_ident(channel)}")
+                listened.add(channel)
+                with self._lock:
+                    self._listening[channel].set()
+            if first and listened:
+                # A reconnection: whatever was notified while we were away is only in the
+                # tables now, so every waiter looks again.
+                self._wake_everyone()
+            first = False
+            readable, _, _ = select.select(
+                [conn.fileno(), self._wake_r], [], [], HEALTH_CHECK_SECONDS
+            )
+            if self._wake_r in readable:
+                os.read(self._wake_r, 4096)
+            if conn.fileno() in readable:
+                with conn.lock:
+                    conn.pgconn.consume_input()
+                    while (notify := conn.pgconn.notifies()) is not None:
+                        conn.pgconn.notify_handler(notify)
+                if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+                    raise psycopg.OperationalError("the listening connection was closed")
+            elif not readable:
+                conn.execute("SELECT 1")
+
+    def _dispatch(self, notify: psycopg.Notify) -> None:
+        with self._lock:
+            events = list(self._waiters.get(notify.channel, {}).get(notify.payload, ()))
+        for event in events:
+            event.set()
+
+    def _wake_everyone(self) -> None:
+        with self._lock:
+            events = [e for by_key in self._waiters.values() for es in by_key.values() for e in es]
+        for event in events:
+            event.set()
+
+    def close(self) -> None:
+        """Stop the thread and close the connection (waiters get ConnectionClosed)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._poke()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+        self._wake_everyone()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover
+                pass
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+_listeners: dict[tuple[int, str], Listener] = {}
+_listeners_lock = threading.Lock()
+
+
+def listener_for(url: str) -> Listener:
+    """The listener of this process for ``url`` (a forked child gets its own)."""
+    key = (os.getpid(), url)
+    with _listeners_lock:
+        listener = _listeners.get(key)
+        if listener is None or listener._closed:
+            # Entries of a parent process are left alone: their thread does not exist here.
+            listener = _listeners[key] = Listener(url)
+        return listener

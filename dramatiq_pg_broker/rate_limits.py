@@ -1,0 +1,214 @@
+"""PostgresRateLimiterBackend: Dramatiq's rate limiters, barriers and group callbacks on
+PostgreSQL, shared by every process and host that reaches the database.
+
+::
+
+    from dramatiq.rate_limits import ConcurrentRateLimiter
+    from dramatiq_pg_broker.rate_limits import PostgresRateLimiterBackend
+
+    backend = PostgresRateLimiterBackend(broker=broker)
+    mutex = ConcurrentRateLimiter(backend, "send-invoices", limit=1)
+
+Keys live in the unlogged table ``<schema>.rate_limits`` (see the migration for why
+unlogged). Every operation is one atomic statement, except ``incr_and_sum``, a short
+transaction that locks the keys it sums. ``wait`` sleeps on LISTEN/NOTIFY.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psycopg
+from dramatiq.rate_limits import RateLimiterBackend
+from psycopg_pool import ConnectionPool
+
+from .db import Queries, Reclaimer, backend_connections
+from .listener import channel_for, listener_for, payload_for
+
+#: The bounds of a stored value (PostgreSQL's bigint).
+MIN_VALUE = -(2**63)
+MAX_VALUE = 2**63 - 1
+
+#: The most expired keys one reclaiming pass deletes.
+DEFAULT_PRUNE_BATCH = 1000
+
+#: Seconds between two opportunistic reclaiming passes of one backend.
+DEFAULT_PRUNE_INTERVAL = 5.0
+
+_SQL_FILE = "rate_limits.sql"
+
+
+@functools.cache
+def _queries(schema: str) -> Queries:
+    return Queries(schema, _SQL_FILE)
+
+
+def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
+    """Delete at most ``limit`` expired rate-limiter keys of ``schema``, oldest expiry
+    first, through the expiry index. Safe to run from several processes at once.
+
+    Parameters:
+      conn(psycopg.Connection): the connection to run on.
+      schema(str): the schema of the rate_limits table.
+      limit(int): the most rows deleted.
+
+    Returns:
+      int: how many keys were deleted.
+    """
+    cursor = conn.execute(_queries(schema)["prune_rate_limits"], {"limit": int(limit)})
+    return cursor.rowcount
+
+
+class PostgresRateLimiterBackend(RateLimiterBackend):
+    """A Dramatiq rate-limiter backend on PostgreSQL. Works with ``ConcurrentRateLimiter``,
+    ``WindowRateLimiter``, ``BucketRateLimiter``, ``Barrier`` and the ``GroupCallbacks``
+    middleware, with any Dramatiq broker.
+
+    Values and expiries follow Dramatiq's Redis backend: an operation that would pass its
+    bound changes nothing and returns False; a key past its TTL counts as absent.
+
+    Parameters:
+      broker(PostgresBroker): use this broker's connection pool and schema.
+      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
+      schema(str): the schema of the table (default: the broker's, else
+        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
+      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
+        ``url``.
+      listen(bool): wake ``wait`` with LISTEN/NOTIFY (default True); False polls.
+      prune_batch(int): the most expired keys one opportunistic reclaiming pass deletes.
+      prune_interval(float): seconds between two such passes in one process.
+    """
+
+    def __init__(
+        self,
+        *,
+        broker: Any = None,
+        url: str | None = None,
+        schema: str | None = None,
+        pool: ConnectionPool | None = None,
+        listen: bool | None = None,
+        prune_batch: int = DEFAULT_PRUNE_BATCH,
+        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
+    ) -> None:
+        self.pool, self.settings = backend_connections(
+            url=url, schema=schema, pool=pool, broker=broker, listen=listen
+        )
+        self._owns_pool = broker is None
+        self.schema = self.settings.schema
+        self.statements = _queries(self.schema)
+        self.channel = channel_for(self.schema, "rate_limits")
+        self._reclaimer = Reclaimer(
+            lambda limit: self.prune(limit=limit),
+            batch=prune_batch,
+            interval=prune_interval,
+            what="rate-limiter keys",
+        )
+
+    def _run(self, name: str, params: dict[str, Any]) -> list[tuple]:
+        with self.pool.connection() as conn:
+            rows = conn.execute(self.statements[name], params).fetchall()
+        self._reclaimer.maybe_run()
+        return rows
+
+    def add(self, key: str, value: int, ttl: int) -> bool:
+        """Create ``key`` with ``value`` for ``ttl`` milliseconds unless it exists; True if
+        it was created."""
+        rows = self._run("add_key", {"key": key, "value": int(value), "ttl_ms": int(ttl)})
+        return bool(rows)
+
+    def incr(self, key: str, amount: int, maximum: int, ttl: int) -> bool:
+        """Add ``amount`` to ``key`` (0 if absent) unless the result would pass ``maximum``;
+        the key then lives ``ttl`` milliseconds. True if it changed."""
+        return self._adjust(key, int(amount), MIN_VALUE, int(maximum), ttl)
+
+    def decr(self, key: str, amount: int, minimum: int, ttl: int) -> bool:
+        """Subtract ``amount`` from ``key`` (0 if absent) unless the result would fall below
+        ``minimum``; the key then lives ``ttl`` milliseconds. True if it changed."""
+        return self._adjust(key, -int(amount), int(minimum), MAX_VALUE, ttl)
+
+    def _adjust(self, key: str, delta: int, lower: int, upper: int, ttl: int) -> bool:
+        params = {"key": key, "delta": delta, "lower": lower, "upper": upper, "ttl_ms": int(ttl)}
+        return bool(self._run("adjust_key", params))
+
+    def incr_and_sum(
+        self,
+        key: str,
+        keys: Callable[[], Iterable[str]],
+        amount: int,
+        maximum: int,
+        ttl: int,
+    ) -> bool:
+        """Add ``amount`` to ``key`` unless its value, or ``amount`` plus the sum of the
+        values of ``keys()``, would pass ``maximum``. True if it changed.
+
+        Every key of the sum is locked for the length of one short transaction, so two
+        callers summing overlapping windows (WindowRateLimiter at a second boundary) can
+        never both pass the limit.
+        """
+        summed = list(dict.fromkeys(keys()))
+        locked = sorted(set(summed) | {key})
+        ttl_ms = int(ttl)
+        with self.pool.connection() as conn, conn.transaction():
+            conn.execute(self.statements["lock_keys"], {"keys": locked, "ttl_ms": ttl_ms})
+            rows = conn.execute(
+                self.statements["incr_within_sum"],
+                {
+                    "key": key,
+                    "keys": summed,
+                    "amount": int(amount),
+                    "maximum": int(maximum),
+                    "ttl_ms": ttl_ms,
+                },
+            ).fetchall()
+        self._reclaimer.maybe_run()
+        return bool(rows)
+
+    def wait(self, key: str, timeout: int | None) -> bool:
+        """Wait until an event is notified on ``key`` (or one notified earlier is still
+        alive), at most ``timeout`` milliseconds (None: no limit). True if there was one."""
+        seconds = None if timeout is None else max(0, timeout) / 1000
+
+        def check() -> bool | None:
+            with self.pool.connection() as conn:
+                row = conn.execute(self.statements["key_is_live"], {"key": key}).fetchone()
+            return True if row is not None else None
+
+        if not self.settings.listen:
+            return self._poll(check, seconds)
+        return bool(listener_for(self.pool.url).wait_for(self.channel, key, check, seconds))
+
+    @staticmethod
+    def _poll(check: Callable[[], bool | None], seconds: float | None) -> bool:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        delay = 0.01
+        while True:
+            if check():
+                return True
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                delay = min(delay, remaining)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def wait_notify(self, key: str, ttl: int) -> None:
+        """Record an event on ``key`` for ``ttl`` milliseconds and wake its waiters."""
+        self._run(
+            "notify_key",
+            {"key": key, "ttl_ms": int(ttl), "channel": self.channel, "payload": payload_for(key)},
+        )
+
+    def prune(self, *, limit: int | None = None) -> int:
+        """Delete at most ``limit`` (default ``prune_batch``) expired keys now; returns how
+        many."""
+        with self.pool.connection() as conn:
+            return prune_expired(conn, self.schema, limit=limit or self._reclaimer.batch)
+
+    def close(self) -> None:
+        """Close this backend's own pool (a broker's pool is left to the broker)."""
+        if self._owns_pool:
+            self.pool.close()

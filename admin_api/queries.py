@@ -20,8 +20,9 @@ from sqlalchemy.engine import Engine
 
 from dramatiq_pg_broker.errors import JobNotFound
 from dramatiq_pg_broker.events import STATUSES
+from dramatiq_pg_broker.results import describe_stored
 
-from .tables import Timestamp, job_events, job_owners, jobs, users
+from .tables import Timestamp, job_events, job_owners, jobs, results, users
 
 #: Up to this size the ``jobs`` heap is counted exactly by the stats (a sequential scan of
 #: 32 MiB takes a few tens of milliseconds); above it, succeeded jobs are estimated.
@@ -116,6 +117,17 @@ def _job_select() -> sa.Select:
         jobs.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id).outerjoin(
             users, users.c.id == job_owners.c.user_id
         )
+    )
+
+
+def _stored_result(job_id: str) -> sa.Select:
+    """The job's unexpired result from the results backend's table, newest first (an expired
+    one is already gone for every reader)."""
+    return (
+        sa.select(results.c.value, results.c.failed, results.c.expires_at)
+        .where(results.c.message_id == str(job_id), results.c.expires_at > sa.func.now())
+        .order_by(results.c.stored_at.desc())
+        .limit(1)
     )
 
 
@@ -337,9 +349,14 @@ class JobQueries:
             query = query.where(job_owners.c.user_id == owner_id)
         with self.engine.connect() as conn:
             row = conn.execute(query).first()
-        if row is None:
-            raise JobNotFound(f"No job has the id {job_id}")
-        return job_dict(row)
+            if row is None:
+                raise JobNotFound(f"No job has the id {job_id}")
+            stored = conn.execute(_stored_result(job_id)).first()
+        data = job_dict(row)
+        if stored is not None:
+            data["result"] = describe_stored(stored.value, stored.failed)
+            data["result"]["expires_at"] = stored.expires_at
+        return data
 
     def job_events(self, job_id: str, *, owner_id: int | None = None) -> list[dict[str, Any]]:
         """A job's timeline, oldest first.

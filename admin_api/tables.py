@@ -107,3 +107,14 @@ job_owners = Table(
     Column("job_id", UUID(as_uuid=False), ForeignKey("jobs.id"), primary_key=True),
     Column("user_id", BigInteger, ForeignKey("users.id"), nullable=False),
 )
+
+results = Table(
+    "results",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("message_id", Text, nullable=False),
+    Column("value", LargeBinary, nullable=False),
+    Column("failed", Boolean, nullable=False),
+    Column("expires_at", Timestamp, nullable=False),
+    Column("stored_at", Timestamp, nullable=False),
+)

@@ -36,8 +36,8 @@ def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
 
 
 class WorkerProcess:
-    """``python -m dramatiq <app> --processes 1 --threads N`` in its own process group, with
-    its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``."""
+    """``python -m dramatiq <app> --processes P --threads N`` in its own process group, with
+    its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``, P to 1."""
 
     def __init__(
         self,
@@ -47,6 +47,7 @@ class WorkerProcess:
         *,
         threads: int = 2,
         app: str = "tests.e2e.worker_app",
+        processes: int = 1,
         **env,
     ):
         self.log_path = log_path
@@ -63,7 +64,7 @@ class WorkerProcess:
                 "dramatiq",
                 app,
                 "--processes",
-                "1",
+                str(processes),
                 "--threads",
                 str(threads),
             ],

@@ -28,6 +28,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 QUEUE = "limits"
 EXCLUSIVE_JOBS = 16
 
+#: Each process holds at most this many messages (Dramatiq's default is twice the threads),
+#: so that one process cannot take every job while the other is still starting.
+PREFETCH = "4"
+
+
+def start_both(start_worker):
+    """``dramatiq tests.e2e.limits_app --processes 2 --threads 4``, once both processes are
+    ready for action."""
+    worker = start_worker(
+        app="tests.e2e.limits_app", processes=2, threads=4, dramatiq_queue_prefetch=PREFETCH
+    )
+    wait_for(
+        lambda: worker.log_path.read_text(errors="replace").count("ready for action") >= 2,
+        120,
+        "both worker processes to be ready",
+        on_timeout=worker.log_tail,
+    )
+    return worker
+
 
 @pytest.fixture(scope="module")
 def executions(pg_url, schema):
@@ -61,11 +80,11 @@ def rows(conn, schema, job_ids):
 def test_a_mutex_never_has_two_holders_across_processes(
     pg_url, schema, conn, executions, broker, start_worker
 ):
-    worker = start_worker(app="tests.e2e.limits_app", processes=2, threads=4)
+    worker = start_both(start_worker)
     ids = [
         broker.enqueue(
             dramatiq.Message(
-                queue_name=QUEUE, actor_name="exclusive", args=(0.05,), kwargs={}, options={}
+                queue_name=QUEUE, actor_name="exclusive", args=(0.1,), kwargs={}, options={}
             )
         ).message_id
         for _ in range(EXCLUSIVE_JOBS)
@@ -93,10 +112,10 @@ def test_a_mutex_never_has_two_holders_across_processes(
 def test_a_group_completion_callback_runs_once_across_processes(
     pg_url, schema, conn, executions, broker, start_worker
 ):
-    worker = start_worker(app="tests.e2e.limits_app", processes=2, threads=4)
+    worker = start_both(start_worker)
     member = broker.get_actor("member")
     done = broker.get_actor("group_done")
-    group = dramatiq.group([member.message(0.05) for _ in range(12)], broker=broker)
+    group = dramatiq.group([member.message(0.2) for _ in range(16)], broker=broker)
     group.add_completion_callback(done.message())
     group.run()
     member_ids = [m.message_id for m in group.children]
@@ -112,7 +131,7 @@ def test_a_group_completion_callback_runs_once_across_processes(
     wait_for(callback_runs, 120, "the completion callback to run", on_timeout=worker.log_tail)
     broker.join(QUEUE, timeout=120_000)
     finished = [r for r in rows(conn, schema, member_ids) if r[2] == "finish"]
-    assert len({r[0] for r in finished}) == 12
+    assert len({r[0] for r in finished}) == 16
     assert len(callback_runs()) == 1
     assert len({r[1] for r in finished}) >= 2, "the members all ran in one process"
 

@@ -135,11 +135,13 @@ def test_time_limit_interrupts_a_long_actor(h):
 def test_age_limit_fails_an_expired_message_without_running_it(h):
     broker = h.broker()
 
-    @dramatiq.actor(broker=broker, queue_name=h.queue, max_age=100)
+    # A fresh message must be processed well within max_age even on a loaded machine; the
+    # stale one becomes available only after max_age has passed.
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_age=2_000)
     def fresh_only():
         h.record("ran")
 
-    stale = fresh_only.send_with_options(delay=400)
+    stale = fresh_only.send_with_options(delay=2_500)
     fresh = fresh_only.send()
     h.start(broker)
     broker.join(h.queue, timeout=10_000)

@@ -170,3 +170,42 @@ def test_reclaimers_of_optional_modules_run_after_the_jobs(store, monkeypatch):
     assert calls == [(store.schema, 10)] * 3
     # fake_limits' missing table was skipped, not raised, and the run completed.
     assert report.complete
+
+
+def test_a_run_reclaims_expired_results_and_rate_limit_keys(store):
+    """With the real results and rate-limit backends installed, one retention run deletes
+    their expired rows and leaves the live ones."""
+    from dramatiq_pg_broker.rate_limits import PostgresRateLimiterBackend
+    from dramatiq_pg_broker.results import PostgresBackend
+
+    url, schema = store.pool.url, store.schema
+    # Rows live a minute when written (a backend reclaims on its own at its first write),
+    # then are aged on the server's clock, so only the retention run can delete them.
+    results = PostgresBackend(url=url, schema=schema, listen=False, prune_interval=3600)
+    limits = PostgresRateLimiterBackend(url=url, schema=schema, prune_interval=3600)
+    try:
+        results._store("expired-result", "old", 60_000)
+        results._store("live-result", "new", 3_600_000)
+        assert limits.add("expired-key", 1, 60_000)
+        assert limits.add("live-key", 1, 3_600_000)
+        with store.pool.connection() as conn:
+            conn.execute(
+                f"UPDATE {schema}.results SET expires_at = now() - interval '1 minute'"
+                " WHERE key = 'expired-result'"
+            )
+            conn.execute(
+                f"UPDATE {schema}.rate_limits SET expires_at = now() - interval '1 minute'"
+                " WHERE key = 'expired-key'"
+            )
+        report = prune(store.pool, schema, RetentionPolicy(), rest=False)
+        assert report.reclaimed == {"results": 1, "rate_limits": 1}
+        with store.pool.connection() as conn:
+            assert [r[0] for r in conn.execute(f"SELECT key FROM {schema}.results")] == [
+                "live-result"
+            ]
+            assert [r[0] for r in conn.execute(f"SELECT key FROM {schema}.rate_limits")] == [
+                "live-key"
+            ]
+    finally:
+        results.close()
+        limits.close()

@@ -63,8 +63,9 @@ def slow(seconds: float = 3.0, steps: int = 5) -> None:
     actor_name="demo.timeout", queue_name="demo", max_retries=1, heartbeat=False, **DEMO_BACKOFF
 )
 def timeout(seconds: float = 30.0) -> None:
-    """Sleeps past its lease without renewing it: the reaper requeues it (and fails it when
-    its attempts are used up). Its own late outcome is discarded."""
+    """Sleeps past its lease without renewing it: each expiry is an interruption, which the
+    reaper requeues, and it fails once its interruptions reach the bound
+    (``DRAMATIQ_PG_MAX_INTERRUPTIONS``, 2 in the demo). Its own late outcome is discarded."""
     time.sleep(seconds)
 
 

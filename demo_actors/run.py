@@ -12,8 +12,9 @@ Starts everything a newcomer needs to see the broker work, on one machine:
 Ctrl-C stops the workers (gracefully) and the API. ``--exit-when-done`` stops everything
 once the jobs have finished and exits non-zero if any job ended in the wrong state.
 
-The demo shortens the lease (5 s), the reaper interval (1 s) and the retry backoff so that
-timeouts and retries happen within a minute; a deployment keeps the defaults.
+The demo shortens the lease (5 s), the reaper interval (1 s), the retry backoff and the
+bound on interruptions (2) so that timeouts and retries happen within a minute; a
+deployment keeps the defaults.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ DEMO_ENV = {
     "DRAMATIQ_PG_REAPER_INTERVAL": "1",
     "DRAMATIQ_PG_BACKOFF_BASE_MS": "1000",
     "DRAMATIQ_PG_BACKOFF_MAX_MS": "8000",
+    # demo.timeout is interrupted (its lease expires) rather than failed: end it after two
+    # interruptions instead of the default ten, so it fails within the demo's minute.
+    "DRAMATIQ_PG_MAX_INTERRUPTIONS": "2",
 }
 
 #: actor name -> the status its demo jobs must end in.

@@ -204,7 +204,10 @@ def raw_copy_rate(url: str, schema: str, count: int) -> float:
     ]
     with psycopg.connect(url, autocommit=True) as setup:
         setup.execute(_q("DROP TABLE IF EXISTS {schema}.raw_copy", schema))
-        setup.execute(_q("CREATE TABLE {schema}.raw_copy (LIKE {schema}.jobs)", schema))
+        # Defaults included: the job row has NOT NULL columns that this COPY leaves out.
+        setup.execute(
+            _q("CREATE TABLE {schema}.raw_copy (LIKE {schema}.jobs INCLUDING DEFAULTS)", schema)
+        )
     with psycopg.connect(url) as conn:
         stmt = _q(
             "COPY {schema}.raw_copy (id, queue_name, actor_name, message_bytes, status, "

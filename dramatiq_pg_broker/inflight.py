@@ -86,14 +86,13 @@ class Slots:
 
 
 class _Entry:
-    __slots__ = ("attempt", "slots", "state", "renew", "lease_deadline", "error")
+    __slots__ = ("attempt", "slots", "state", "renew", "error")
 
-    def __init__(self, attempt: Attempt, slots: Slots, lease_deadline: float) -> None:
+    def __init__(self, attempt: Attempt, slots: Slots) -> None:
         self.attempt = attempt
         self.slots = slots
         self.state = State.CLAIMED
         self.renew = True
-        self.lease_deadline = lease_deadline
         #: The text of an exception the actor raised, kept so that an ack of a failed
         #: attempt (a broken retry hook) is written as a failure, never as a success.
         self.error: str | None = None
@@ -225,14 +224,13 @@ class Ledger:
         """A consumer claimed an attempt: it holds a slot and its lease is renewed."""
         self._check_fork()
         self.broker.leases.start()
-        deadline = time.monotonic() + self.settings.lease_seconds
         with self._lock:
             previous = self._entries.get(attempt.id)
             if previous is not None:
                 # An earlier claim of the same job that this process lost track of.
                 self._finish(previous)
             slots._take()
-            self._entries[attempt.id] = _Entry(attempt, slots, deadline)
+            self._entries[attempt.id] = _Entry(attempt, slots)
 
     def release(self, attempts: Iterable[Attempt]) -> set[str]:
         """Give claimed attempts that never started back to the queue, uncharged. Those
@@ -320,7 +318,6 @@ class Ledger:
                 self._finish(entry)
                 return False
             entry.state = State.STARTED
-            entry.lease_deadline = time.monotonic() + self.settings.lease_seconds
             return True
 
     def _write_starts(self, attempts: list[Attempt]) -> set[str]:
@@ -420,18 +417,16 @@ class Ledger:
         with self._lock:
             return [e.attempt for e in self._entries.values() if e.renew]
 
-    def renewed(self, attempts: Sequence[Attempt], owned: set[str], since: float) -> None:
-        """A renewal that started at ``since`` (monotonic) returned ``owned``: extend the
-        local lease estimate of those, and let go of the others (lost)."""
-        deadline = since + self.settings.lease_seconds
+    def renewed(self, attempts: Sequence[Attempt], owned: set[str]) -> None:
+        """A renewal returned ``owned``: let go of the attempts it did not renew (lost)."""
         with self._lock:
             for attempt in attempts:
                 entry = self._entries.get(attempt.id)
                 if entry is None or entry.attempt != attempt or entry.state is State.DONE:
                     continue
                 if attempt.id in owned:
-                    entry.lease_deadline = max(entry.lease_deadline, deadline)
-                elif entry.state is not State.RESCHEDULING:
+                    continue
+                if entry.state is not State.RESCHEDULING:
                     # Its outcome was just written, or the lease expired and another
                     # worker owns the job now.
                     if entry.state is not State.OUTCOME_QUEUED:
@@ -445,10 +440,5 @@ class Ledger:
 
     def renew(self, attempt: Attempt, lease_seconds: float, *, record: bool = False) -> bool:
         """An explicit renewal by the running actor. Returns False if no longer owned."""
-        since = time.monotonic()
         owned = self.store.renew([attempt], lease_seconds, record=record)
-        with self._lock:
-            entry = self._get(attempt, State.STARTED)
-            if entry is not None and attempt.id in owned:
-                entry.lease_deadline = max(entry.lease_deadline, since + lease_seconds)
         return attempt.id in owned

@@ -111,9 +111,8 @@ class LeaseKeeper:
         attempts = ledger.renewable()
         if not attempts:
             return set()
-        since = time.monotonic()
         owned = self.store.renew(attempts, self.settings.lease_seconds)
-        ledger.renewed(attempts, owned, since)
+        ledger.renewed(attempts, owned)
         return owned
 
     def reap(self) -> ReapResult | None:

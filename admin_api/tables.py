@@ -50,11 +50,13 @@ jobs = Table(
     Column("updated_at", Timestamp, nullable=False),
     Column("started_at", Timestamp),
     Column("finished_at", Timestamp),
-    # Whether the current claim's actor started; failed attempts; interrupted attempts.
+    # Whether the current claim's actor started; failed attempts; interrupted attempts;
+    # claims whose lease expired before a start was recorded.
     Column("started", Boolean, nullable=False),
     Column("failures", Integer, nullable=False),
     Column("interruptions", Integer, nullable=False),
     Column("idempotency_scope", Text, nullable=False),
+    Column("abandoned_claims", Integer, nullable=False),
 )
 
 job_events = Table(

@@ -3,10 +3,11 @@
 Claiming: a consumer claims up to its free prefetch slots in one statement once its
 outstanding messages fall to half the prefetch, so a busy worker pays one round trip per
 batch, not per message. A slot stays taken until the attempt's outcome is written (see
-:mod:`.inflight`). An idle consumer claims once, then waits on LISTEN (its own connection)
-for a payload-free NOTIFY from an enqueue, a retry or a release, and claims again only when
-one arrives, when its poll interval has passed, or when the earliest delayed job becomes
-runnable.
+:mod:`.inflight`). An idle consumer claims once (a claim that finds nothing reports, in the
+same statement, when the earliest delayed job becomes runnable), then waits on LISTEN (its
+own connection) for a payload-free NOTIFY from an enqueue, a retry or a release, and claims
+again only when one arrives, when its poll interval has passed, or when that delayed job
+becomes runnable: one statement per queue per poll interval.
 
 Outcomes: ``ack``/``nack``/``requeue`` only tell the in-flight ledger, which owns every
 attempt's state; the :class:`~.outcomes.OutcomeWriter` writes them.
@@ -169,19 +170,22 @@ class PostgresConsumer(Consumer):
     def _claim(self) -> bool:
         self._notified = False
         limit = self.slots.free
-        jobs = self.store.claim(self.queue_name, limit, self.owner, self.settings.lease_seconds)
-        if not jobs:
+        lease = self.settings.lease_seconds
+        sent = time.monotonic()
+        claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
+        if not claim.jobs:
             self._last_empty = time.monotonic()
-            self._refresh_next_due()
+            wait = claim.seconds_until_available
+            self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
             return False
         self._last_empty = None
-        for job in jobs:
-            proxy = self._proxy(job)
+        for job in claim.jobs:
+            proxy = self._proxy(job, sent + lease)
             if proxy is not None:
                 self._buffer.append(proxy)
         return bool(self._buffer)
 
-    def _proxy(self, job: ClaimedJob) -> PgMessageProxy | None:
+    def _proxy(self, job: ClaimedJob, leased_until: float) -> PgMessageProxy | None:
         attempt = Attempt(job.id, self.owner, job.attempts)
         try:
             message = self.broker.decode_message(job.message, job.message_bytes)
@@ -200,12 +204,13 @@ class PostgresConsumer(Consumer):
         # (one written by other means than enqueue, which strips it) would send the message
         # to Dramatiq's in-memory delay queue, which re-enqueues and acks the original.
         message.options.pop("eta", None)
-        self.ledger.claimed(self.slots, attempt)
+        self.ledger.claimed(
+            self.slots,
+            attempt,
+            leased_until=leased_until,
+            start_first=job.abandoned_claims > 0,
+        )
         return PgMessageProxy(message, attempt)
-
-    def _refresh_next_due(self) -> None:
-        seconds = self.store.seconds_until_available(self.queue_name)
-        self._next_due = None if seconds is None else time.monotonic() + max(0.0, seconds)
 
     def _wait_for_work(self, remaining: float) -> None:
         wait = remaining

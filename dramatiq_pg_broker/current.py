@@ -76,7 +76,8 @@ class JobContext(Middleware):
     work. It declares the ``heartbeat`` actor option (``heartbeat=False`` turns automatic
     lease renewal off for an actor).
 
-    - before a message runs: the ledger records its start, or the message is skipped when
+    - before a message runs: the ledger marks it started (the database learns it a moment
+      later, or at once for a ``heartbeat=False`` actor), or the message is skipped when
       this process no longer owns it (released at shutdown, or its lease was lost while
       it waited);
     - when shutdown begins: prefetched messages that have not started go back at once;
@@ -99,14 +100,15 @@ class JobContext(Middleware):
     def before_process_message(self, broker, message) -> None:
         if not isinstance(message, PgMessageProxy):
             return
-        if not broker.ledger.start(message.attempt):
+        actor = broker.actors.get(message.actor_name)
+        own_lease = actor is not None and actor.options.get("heartbeat") is False
+        if not broker.ledger.start(message.attempt, record_first=own_lease):
             # Another worker runs (or ran) this job: no hook here may record a result for
             # it (Dramatiq's Results middleware stores None for a skipped message).
             message.options["store_results"] = False
             raise SkipMessage(f"job {message.attempt.id} is no longer owned by this worker")
         _current.set(CurrentJob(broker, message))
-        actor = broker.actors.get(message.actor_name)
-        if actor is not None and actor.options.get("heartbeat") is False:
+        if own_lease:
             # The start gave it a full lease; from here on only the actor renews it.
             broker.ledger.stop_renewing(message.attempt)
 

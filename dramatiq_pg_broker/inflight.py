@@ -9,8 +9,14 @@ an attempt moves from one state to the next.
 
 - *claimed*: the row is ``running`` for this process, the message waits in the worker. It
   is not an attempt yet: giving it back costs the job nothing.
-- *started*: its actor is about to run or runs; the database knows (``start_jobs``), so a
-  worker that dies from here on has interrupted an attempt.
+- *started*: its actor is about to run or runs. The database learns it (``start_jobs``)
+  :data:`START_RECORD_DELAY` after the actor began, in one statement with the other starts
+  of that moment, unless the outcome came first: most short jobs never pay for a start of
+  their own. From then on a worker that dies has interrupted an attempt. The start is
+  written *before* the actor runs when the claim's lease is not surely held any more (the
+  heartbeat fell behind), for ``heartbeat=False`` actors, and for a job with an abandoned
+  claim (a lease that expired with no start recorded): a message that kills its process as
+  soon as it starts is thus charged from its second claim on.
 - *outcome queued*: Dramatiq acked or nacked it; the :class:`~.outcomes.OutcomeWriter`
   writes it in a batch.
 - *done*: written, rescheduled, released or lost. The ledger forgets it.
@@ -44,6 +50,9 @@ logger = logging.getLogger(__name__)
 #: Longest pause between two tries of a write the database refused on a connection error,
 #: so that work resumes within about this long of the server's return.
 RETRY_CAP_SECONDS = 0.5
+
+#: How long after its actor began an attempt's start is written, if no outcome came first.
+START_RECORD_DELAY = 0.1
 
 
 class State(enum.Enum):
@@ -86,13 +95,33 @@ class Slots:
 
 
 class _Entry:
-    __slots__ = ("attempt", "slots", "state", "renew", "error")
+    __slots__ = (
+        "attempt",
+        "slots",
+        "state",
+        "renew",
+        "error",
+        "leased_until",
+        "start_first",
+        "began",
+        "start_recorded",
+    )
 
-    def __init__(self, attempt: Attempt, slots: Slots) -> None:
+    def __init__(
+        self, attempt: Attempt, slots: Slots, leased_until: float, start_first: bool
+    ) -> None:
         self.attempt = attempt
         self.slots = slots
         self.state = State.CLAIMED
         self.renew = True
+        #: Monotonic time until which the lease is surely held: the moment before the
+        #: statement that claimed or last renewed it was sent, plus the lease.
+        self.leased_until = leased_until
+        #: Record the start before the actor runs (the job has an abandoned claim).
+        self.start_first = start_first
+        #: Monotonic time the actor began (started attempts).
+        self.began = 0.0
+        self.start_recorded = False
         #: The text of an exception the actor raised, kept so that an ack of a failed
         #: attempt (a broken retry hook) is written as a failure, never as a success.
         self.error: str | None = None
@@ -153,6 +182,10 @@ class Ledger:
         self._pid = os.getpid()
         self._closing = False
         self._starts = _GroupCommit(self._write_starts)
+        #: Attempts this process let go of without an outcome (a retry or an outcome that
+        #: could not be written) whose start is not written yet: it is written still, so
+        #: that the reaper counts the attempt as interrupted, not as an abandoned claim.
+        self._orphans: list[Attempt] = []
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -162,6 +195,7 @@ class Ledger:
                 if self._pid != os.getpid():
                     # A forked child holds none of its parent's attempts.
                     self._entries = {}
+                    self._orphans = []
                     self._closing = False
                     self._starts = _GroupCommit(self._write_starts)
                     self._pid = os.getpid()
@@ -220,9 +254,22 @@ class Ledger:
         """Prefetch slots for a new consumer."""
         return Slots(max(1, prefetch))
 
-    def claimed(self, slots: Slots, attempt: Attempt) -> None:
-        """A consumer claimed an attempt: it holds a slot and its lease is renewed."""
+    def claimed(
+        self,
+        slots: Slots,
+        attempt: Attempt,
+        *,
+        leased_until: float | None = None,
+        start_first: bool = False,
+    ) -> None:
+        """A consumer claimed an attempt: it holds a slot and its lease is renewed.
+
+        ``leased_until`` is the monotonic time until which the lease is surely held (by
+        default a whole lease from now); ``start_first`` records the start before the actor
+        runs, for a job with an abandoned claim."""
         self._check_fork()
+        if leased_until is None:
+            leased_until = time.monotonic() + self.settings.lease_seconds
         self.broker.leases.start()
         with self._lock:
             previous = self._entries.get(attempt.id)
@@ -230,7 +277,7 @@ class Ledger:
                 # An earlier claim of the same job that this process lost track of.
                 self._finish(previous)
             slots._take()
-            self._entries[attempt.id] = _Entry(attempt, slots)
+            self._entries[attempt.id] = _Entry(attempt, slots, leased_until, start_first)
 
     def release(self, attempts: Iterable[Attempt]) -> set[str]:
         """Give claimed attempts that never started back to the queue, uncharged. Those
@@ -272,19 +319,37 @@ class Ledger:
 
     # -- starting ------------------------------------------------------------------------
 
-    def start(self, attempt: Attempt) -> bool:
-        """claimed -> started, recorded in the database before the actor runs. Returns
-        False (the message must not run) if this process no longer holds the attempt: it
-        was released at shutdown, or its lease was lost (the guarded start found another
-        owner). While the database is unreachable the start is retried, at least twice a
-        second: its guard, not a local clock, says whether the claim is still this
-        process's.
+    def start(self, attempt: Attempt, *, record_first: bool = False) -> bool:
+        """claimed -> started, just before the actor runs. Returns False (the message must
+        not run) if this process no longer holds the attempt: it was released at shutdown,
+        or its lease was lost.
+
+        The start is written later, by :meth:`record_starts`, while the lease is surely
+        held; otherwise (and with ``record_first``, or for a job with an abandoned claim) it
+        is written now, by one guarded statement group-committed with other threads'
+        starts, and a lost claim is found before the actor runs. While the database is
+        unreachable that write is retried, at least twice a second: its guard, not a local
+        clock, says whether the claim is still this process's.
         """
         self._check_fork()
         with self._lock:
-            if self._get(attempt, State.CLAIMED) is None:
+            entry = self._get(attempt, State.CLAIMED)
+            if entry is None:
                 self._refuse("start", attempt)
                 return False
+            now = time.monotonic()
+            if (
+                not (record_first or entry.start_first or self._closing)
+                and entry.leased_until - now > self.settings.lease_seconds / 2
+            ):
+                entry.state = State.STARTED
+                entry.began = now
+                deferred = True
+            else:
+                deferred = False
+        if deferred:
+            self.broker.leases.starts_pending()
+            return True
         delay = 0.05
         while True:
             with self._lock:
@@ -318,7 +383,55 @@ class Ledger:
                 self._finish(entry)
                 return False
             entry.state = State.STARTED
+            entry.start_recorded = True
             return True
+
+    def record_starts(self) -> float | None:
+        """Write, in one statement, the starts of attempts whose actors began at least
+        :data:`START_RECORD_DELAY` ago and have no outcome yet, and of attempts let go
+        without an outcome before their start was written. A running attempt the statement
+        finds owned by someone else is lost: it is let go (its outcome will be refused).
+        Returns the monotonic time the next unwritten start is due, or None.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database is unreachable; nothing changed.
+        """
+        self._check_fork()
+        now = time.monotonic()
+        later: list[float] = []
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+            due: list[Attempt] = list(orphans)
+            for entry in self._entries.values():
+                if entry.state is not State.STARTED or entry.start_recorded:
+                    continue
+                if entry.began + START_RECORD_DELAY <= now:
+                    due.append(entry.attempt)
+                else:
+                    later.append(entry.began + START_RECORD_DELAY)
+        if due:
+            try:
+                owned = self.store.start(due, None)
+            except BaseException:
+                with self._lock:
+                    self._orphans.extend(orphans)
+                raise
+            with self._lock:
+                for attempt in due[len(orphans) :]:
+                    entry = self._get(attempt, State.STARTED)
+                    if entry is None:
+                        continue  # its outcome came meanwhile
+                    if attempt.id in owned:
+                        entry.start_recorded = True
+                    else:
+                        logger.warning(
+                            "Lost job %s attempt %d while its actor ran: its lease expired "
+                            "and another worker may run it.",
+                            attempt.id,
+                            attempt.attempt,
+                        )
+                        self._finish(entry)
+        return min(later) if later else None
 
     def _write_starts(self, attempts: list[Attempt]) -> set[str]:
         return self.store.start(attempts, self.settings.lease_seconds)
@@ -390,6 +503,14 @@ class Ledger:
             entry = self._get(attempt, State.OUTCOME_QUEUED)
             if entry is not None:
                 self._finish(entry)
+                self._orphan(entry)
+
+    def _orphan(self, entry: _Entry) -> None:
+        """An attempt let go without an outcome: its start is still to be written. Call
+        with the lock held."""
+        if not entry.start_recorded:
+            self._orphans.append(entry.attempt)
+            self.broker.leases.starts_pending()
 
     def reschedule(self, attempt: Attempt, write: Callable[[], bool]) -> bool:
         """started -> done through ``write`` (the retry's guarded statement). The attempt
@@ -403,11 +524,15 @@ class Ledger:
                 self._refuse("reschedule", attempt)
                 return False
             entry.state = State.RESCHEDULING
+        written = False
         try:
-            return write()
+            written = write()
+            return written
         finally:
             with self._lock:
                 self._finish(entry)
+                if not written:
+                    self._orphan(entry)
 
     # -- leases --------------------------------------------------------------------------
 
@@ -417,14 +542,19 @@ class Ledger:
         with self._lock:
             return [e.attempt for e in self._entries.values() if e.renew]
 
-    def renewed(self, attempts: Sequence[Attempt], owned: set[str]) -> None:
-        """A renewal returned ``owned``: let go of the attempts it did not renew (lost)."""
+    def renewed(
+        self, attempts: Sequence[Attempt], owned: set[str], leased_until: float | None = None
+    ) -> None:
+        """A renewal returned ``owned``: let go of the attempts it did not renew (lost).
+        ``leased_until``: the monotonic time until which the renewed leases surely hold."""
         with self._lock:
             for attempt in attempts:
                 entry = self._entries.get(attempt.id)
                 if entry is None or entry.attempt != attempt or entry.state is State.DONE:
                     continue
                 if attempt.id in owned:
+                    if leased_until is not None:
+                        entry.leased_until = max(entry.leased_until, leased_until)
                     continue
                 if entry.state is not State.RESCHEDULING:
                     # Its outcome was just written, or the lease expired and another

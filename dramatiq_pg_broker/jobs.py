@@ -52,6 +52,20 @@ class ClaimedJob:
     message_bytes: bytes | None
     #: Earlier attempts of this job that failed (exception or time limit).
     failures: int = 0
+    #: Earlier claims of this job whose lease expired before a start was recorded.
+    abandoned_claims: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What one claim statement returned: the jobs claimed or, when there were none, when
+    the queue's earliest waiting job becomes runnable."""
+
+    jobs: list[ClaimedJob]
+    #: None unless nothing was claimed and a job waits: its available_at (server clock).
+    next_available_at: dt.datetime | None = None
+    #: Seconds, by the server's clock, until then (0 or less: runnable now).
+    seconds_until_available: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +394,20 @@ class JobStore:
         """queued -> running for up to ``limit`` runnable jobs of a queue, in claim order
         (priority, available_at, created_at, id). Each gets ``attempts + 1``, the owner and
         a lease, and a ``claimed`` event."""
+        return self.claim_or_wait(queue_name, limit, owner, lease_seconds, conn=conn, now=now).jobs
+
+    def claim_or_wait(
+        self,
+        queue_name: str,
+        limit: int,
+        owner: str,
+        lease_seconds: float,
+        *,
+        conn: psycopg.Connection | None = None,
+        now: dt.datetime | None = None,
+    ) -> Claim:
+        """:meth:`claim`, and when it claims nothing, when the queue's earliest waiting job
+        becomes runnable, in the same statement (an idle poll is one round trip)."""
         rows = self._fetch(
             "claim_jobs",
             {
@@ -391,26 +419,34 @@ class JobStore:
             },
             conn,
         )
-        return [ClaimedJob(str(r[0]), r[1], r[2], r[3], r[4], r[5], r[6]) for r in rows]
+        if len(rows) == 1 and rows[0][0] is None:
+            return Claim([], rows[0][9], rows[0][8])
+        return Claim([ClaimedJob(str(r[0]), *r[1:8]) for r in rows])
 
     def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:
         """When the earliest waiting job of a queue becomes runnable, or None."""
-        return self._fetch("next_available_at", {"queue_name": queue_name}, conn)[0][0]
+        return self._peek(queue_name, conn).next_available_at
 
     def seconds_until_available(self, queue_name: str, *, conn=None) -> float | None:
         """Seconds, by the server's clock, until the earliest waiting job of a queue
         becomes runnable (0 or less: it is runnable now), or None if none waits."""
-        return self._fetch("next_available_at", {"queue_name": queue_name}, conn)[0][1]
+        return self._peek(queue_name, conn).seconds_until_available
+
+    def _peek(self, queue_name: str, conn) -> Claim:
+        # The claim statement with no room claims nothing and reports the next due time.
+        return self.claim_or_wait(queue_name, 0, "", 0, conn=conn)
 
     def start(
-        self, attempts: Sequence[Attempt], lease_seconds: float, *, conn=None, now=None
+        self, attempts: Sequence[Attempt], lease_seconds: float | None, *, conn=None, now=None
     ) -> set[str]:
-        """Claimed attempts whose actors are about to run: from now on each is charged as an
-        attempt, and its lease starts afresh. Returns the ids still owned; a message whose
-        id is missing must not run."""
+        """Claimed attempts whose actors run or are about to: from now on each is charged as
+        an attempt. With ``lease_seconds`` its lease starts afresh; with None it is left as
+        it is (a cheaper, HOT update). Returns the ids still owned; a message whose id is
+        missing must not run (or, already running, is no longer this worker's)."""
         if not attempts:
             return set()
-        params = {**self._attempt_params(attempts), "lease_ms": _ms(lease_seconds), "now": now}
+        lease_ms = None if lease_seconds is None else _ms(lease_seconds)
+        params = {**self._attempt_params(attempts), "lease_ms": lease_ms, "now": now}
         return {str(r[0]) for r in self._fetch("start_jobs", params, conn)}
 
     def complete(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:

@@ -5,10 +5,12 @@ One :class:`LeaseKeeper` thread runs in each worker process (it starts with the 
 claim). Every ``heartbeat_interval`` (a third of the lease by default) it renews, in one
 statement, the leases of every attempt the in-flight ledger holds (prefetched, running, or
 waiting for its outcome to be written), except those of running actors declared with
-``heartbeat=False``. Every ``reaper_interval`` it runs the reaper: a bounded, ``SKIP
-LOCKED`` statement, so every process can run it at once and an idle run costs one index
-probe. After the database was unreachable, a process renews as soon as it is back and
-waits a whole lease before reaping, so that no owner loses a live attempt to an outage.
+``heartbeat=False``. It writes the starts the ledger deferred, a moment after their actors
+began (:meth:`.Ledger.record_starts`). Every ``reaper_interval`` it runs the reaper: a
+bounded, ``SKIP LOCKED`` statement, so every process can run it at once and an idle run
+costs one index probe. After the database was unreachable, a process renews as soon as it
+is back and waits a whole lease before reaping, so that no owner loses a live attempt to
+an outage.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 from dramatiq.errors import BrokerConnectionError
 
 from .backoff import backoff_table
-from .inflight import RETRY_CAP_SECONDS
+from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY
 from .jobs import ReapResult
 from .retries import end_reaped_job
 
@@ -41,6 +43,10 @@ class LeaseKeeper:
         self.settings = broker.settings
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        #: Set to wake the thread early: a start was deferred, or the keeper stops.
+        self._wake = threading.Event()
+        #: Whether the thread knows of deferred starts (it sets a timer for them).
+        self._starts_armed = False
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
         #: Monotonic time before which this process does not reap: set after the database
@@ -61,8 +67,15 @@ class LeaseKeeper:
                 )
                 self._thread.start()
 
+    def starts_pending(self) -> None:
+        """The ledger deferred a start: write it within :data:`START_RECORD_DELAY` or so."""
+        if not self._starts_armed:
+            self._starts_armed = True
+            self._wake.set()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         if thread is not None and self._pid == os.getpid() and thread.is_alive():
             thread.join(timeout)
@@ -74,8 +87,24 @@ class LeaseKeeper:
         next_heartbeat = time.monotonic() + heartbeat
         # Reap soon after start: a restarted worker recovers what its predecessor left.
         next_reap = time.monotonic() + min(reaper, 1.0)
+        next_starts: float | None = None
         while not self._stop.is_set():
             now = time.monotonic()
+            if self._starts_armed and next_starts is None:
+                next_starts = now + START_RECORD_DELAY
+            if next_starts is not None and now >= next_starts:
+                # Disarm before looking, so that a start deferred meanwhile arms it again.
+                self._starts_armed = False
+                try:
+                    next_starts = self.broker.ledger.record_starts()
+                except BrokerConnectionError as e:
+                    logger.warning("Could not record started attempts, retrying: %s", e)
+                    next_starts = now + RETRY_CAP_SECONDS
+                except Exception:
+                    logger.exception("Recording started attempts failed.")
+                    next_starts = now + RETRY_CAP_SECONDS
+                if next_starts is not None:
+                    self._starts_armed = True
             if now >= next_heartbeat:
                 if self._guard(self.renew):
                     next_heartbeat = now + heartbeat
@@ -86,7 +115,9 @@ class LeaseKeeper:
             if now >= next_reap:
                 self._guard(self.reap)
                 next_reap = now + reaper
-            self._stop.wait(max(0.0, min(next_heartbeat, next_reap) - time.monotonic()))
+            wake_at = min(next_heartbeat, next_reap, next_starts or next_reap)
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake.clear()
 
     def _guard(self, fn) -> bool:
         try:
@@ -111,8 +142,9 @@ class LeaseKeeper:
         attempts = ledger.renewable()
         if not attempts:
             return set()
+        sent = time.monotonic()
         owned = self.store.renew(attempts, self.settings.lease_seconds)
-        ledger.renewed(attempts, owned)
+        ledger.renewed(attempts, owned, sent + self.settings.lease_seconds)
         return owned
 
     def reap(self) -> ReapResult | None:

@@ -187,7 +187,15 @@ SELECT now()
 -- lost to a server crash only puts the row back to queued with its previous attempt count,
 -- so the job runs again (at-least-once holds), and any outcome written later is a
 -- synchronous commit whose WAL flush covers this claim too. Sends and outcomes stay durable.
-WITH picked AS (
+-- A claim that finds nothing returns one row instead, whose id is NULL, with the wait in
+-- seconds until the queue's earliest delayed job becomes runnable by the server's clock
+-- and that job's available_at (both NULL: nothing waits), so an idle poll is one statement
+-- and a worker whose clock differs from the server's still wakes when the server will
+-- hand the job out. The wait hops from one priority to the next through the claim index
+-- (a loose index scan, one probe per distinct priority in use): a plain min(available_at)
+-- would read every waiting entry of the queue, 100,000 index entries for 100,000 delayed
+-- jobs, on every idle poll.
+WITH RECURSIVE picked AS (
     SELECT id
     FROM {schema}.jobs
     WHERE queue_name = %(queue_name)s
@@ -207,27 +215,11 @@ WITH picked AS (
     FROM picked
     WHERE j.id = picked.id
     RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
-              j.message, j.message_bytes, j.failures
+              j.message, j.message_bytes, j.failures, j.abandoned_claims
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'claimed', attempts, %(owner)s FROM claimed WHERE %(events)s
-)
--- UPDATE ... RETURNING does not keep the selection's order: restore the claim order, so
--- the worker starts a batch's jobs in the order they were chosen.
--- The jsonb view travels only for an older row without bytes: workers decode the bytes.
-SELECT id, priority, attempts, max_attempts,
-       CASE WHEN message_bytes IS NULL THEN message END, message_bytes,
-       failures
-FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
-ORDER BY priority, available_at, created_at, id
-
--- next_available_at --
--- When the earliest queued job of a queue becomes runnable (an idle consumer sleeps until
--- then at most). A plain min(available_at) would read every queued entry of the queue in
--- jobs_claim_order_idx (ordered by priority first): 100,000 delayed jobs would cost every
--- idle poll 100,000 index entries. Instead, hop from one priority to the next through the
--- same index (a loose index scan): one probe per distinct priority in use.
-WITH RECURSIVE first_per_priority AS (
+), first_per_priority AS (
     (
         SELECT priority, available_at
         FROM {schema}.jobs
@@ -247,18 +239,31 @@ WITH RECURSIVE first_per_priority AS (
         LIMIT 1
     ) AS next
 )
--- The second column is the wait in seconds by the server's clock, so a worker whose clock
--- differs from the server's still wakes when the server will hand the job out.
-SELECT min(available_at), extract(epoch FROM min(available_at) - now())::float8
-FROM first_per_priority
+-- UPDATE ... RETURNING does not keep the selection's order: restore the claim order, so
+-- the worker starts a batch's jobs in the order they were chosen.
+-- The jsonb view travels only for an older row without bytes: workers decode the bytes.
+SELECT id, priority, attempts, max_attempts,
+       CASE WHEN message_bytes IS NULL THEN message END, message_bytes,
+       failures, abandoned_claims, NULL::float8 AS wait_seconds,
+       available_at, created_at
+FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       (SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8
+        FROM first_per_priority),
+       (SELECT min(available_at) FROM first_per_priority), NULL
+WHERE NOT EXISTS (SELECT 1 FROM claimed)
+ORDER BY 2, 10, 11, 1
 
 -- start_jobs --
--- Claimed attempts whose actors are about to run: from here on each is an attempt (a worker
--- that dies later has interrupted it; before this, its claim is given back uncharged). The
--- lease starts afresh. Returns the attempts still owned: a message whose claim was lost
--- while it waited in the worker is not run. Like a claim, this commits without waiting for
--- its WAL flush: a start lost in a server crash only makes the attempt look unstarted, and
--- the next durable commit flushes it.
+-- Claimed attempts whose actors run or are about to: from here on each is an attempt (a
+-- worker that dies later has interrupted it; before this, its claim is given back
+-- uncharged). Returns the attempts still owned. With %(lease_ms)s the lease starts afresh
+-- (a start recorded before its actor runs); with NULL it is left as it is, so the update
+-- changes no indexed column and is a HOT update (a start recorded after its actor began,
+-- whose lease the heartbeat keeps). Like a claim, this commits without waiting for its WAL
+-- flush: a start lost in a server crash only makes the attempt look unstarted, and the
+-- next durable commit flushes it.
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
     -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
@@ -274,7 +279,9 @@ WITH owned AS MATERIALIZED (
 ), marked AS (
     UPDATE {schema}.jobs AS j
     SET started = true,
-        locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
+        locked_until = coalesce(
+            coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond',
+            j.locked_until)
     FROM owned
     WHERE j.id = owned.id
     RETURNING j.id
@@ -479,6 +486,7 @@ WITH expired AS MATERIALIZED (
         END,
         attempts = CASE WHEN expired.started THEN j.attempts ELSE j.attempts - 1 END,
         interruptions = j.interruptions + CASE WHEN expired.started THEN 1 ELSE 0 END,
+        abandoned_claims = j.abandoned_claims + CASE WHEN expired.started THEN 0 ELSE 1 END,
         started = false,
         available_at = CASE
             WHEN NOT expired.started THEN coalesce(%(now)s::timestamptz, now())
@@ -533,6 +541,7 @@ WITH moved AS (
         attempts = 0,
         failures = 0,
         interruptions = 0,
+        abandoned_claims = 0,
         available_at = coalesce(%(now)s::timestamptz, now()),
         finished_at = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
@@ -562,7 +571,7 @@ SELECT id FROM moved
 -- get_job --
 -- One job row.
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-       attempts, max_attempts, failures, interruptions, started, idempotency_key, locked_by, locked_until, last_error, result,
+       attempts, max_attempts, failures, interruptions, abandoned_claims, started, idempotency_key, locked_by, locked_until, last_error, result,
        created_at, updated_at, started_at, finished_at
 FROM {schema}.jobs
 WHERE id = %(id)s

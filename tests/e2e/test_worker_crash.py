@@ -53,6 +53,7 @@ def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(
     )
     victim_pid = started[0][2]
     assert victim_pid != first.pid, "the job should run in the forked worker process"
+    _wait_for_recorded_start(conn, schema, hung.message_id, first)
     # Wait for recorded outcomes, not just finished actors: an ack is written one round
     # trip after its actor returns, and the kill must land after a few of them.
     wait_for(
@@ -165,6 +166,7 @@ def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
         on_timeout=first.log_tail,
     )
     victim_pid = started[0][2]
+    _wait_for_recorded_start(conn, schema, hung.message_id, first)
     wait_for(
         lambda: all(
             r[0] == "running" and r[1].split(":")[1] == str(victim_pid)
@@ -205,6 +207,66 @@ def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
     _, _, attempts, failures, interruptions = final[hung.message_id]
     assert (attempts, failures, interruptions) == (2, 0, 1), "the running job is an interruption"
     broker.close()
+
+
+def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, conn, start_worker):
+    """A poison message kills its worker process the moment it starts, before the worker
+    has written the start. That first death leaves an abandoned claim, given back
+    uncharged; from then on the start is written before the actor runs, so every later
+    death is an interruption, and the job fails once they reach the bound (2 here)."""
+    conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
+    conn.execute(f'TRUNCATE "{schema}".jobs CASCADE')
+    create_executions_table(conn, schema)
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    poison = declare(broker)["die_at_once"].send()
+
+    def job():
+        return conn.execute(
+            f"""SELECT status, attempts, failures, interruptions, abandoned_claims, last_error
+                FROM "{schema}".jobs WHERE id = %s""",
+            (poison.message_id,),
+        ).fetchone()
+
+    deaths = 0
+    while job()[0] != "failed":
+        assert deaths < 4, f"the poison message is still {job()} after {deaths} deaths"
+        worker = start_worker(threads=1, DRAMATIQ_PG_MAX_INTERRUPTIONS="2")
+        # Each worker either dies running the message, or (the last one) reaps the job
+        # that the previous death left at its bound and stays up.
+        wait_for(
+            lambda w=worker: w.proc.poll() is not None or job()[0] == "failed",
+            60,
+            "the worker to die of the poison message, or the job to fail",
+            on_timeout=worker.log_tail,
+        )
+        if job()[0] == "failed":
+            worker.signal(signal.SIGTERM)
+            assert worker.wait(30) == 0, worker.log_tail()
+            break
+        worker.wait(20)
+        deaths += 1
+    status, attempts, failures, interruptions, abandoned, error = job()
+    runs = conn.execute(
+        f'SELECT count(*) FROM "{schema}".executions WHERE job_id = %s', (poison.message_id,)
+    ).fetchone()[0]
+    assert (status, failures, interruptions) == ("failed", 0, 2), job()
+    # Only the first death can come before the start was written (usually it does).
+    assert abandoned <= 1 and runs == deaths == interruptions + abandoned, (job(), runs, deaths)
+    assert "interrupted 2 times (the limit)" in error
+    broker.close()
+
+
+def _wait_for_recorded_start(conn, schema: str, job_id: str, worker) -> None:
+    """A worker writes an attempt's start a moment after its actor began; only from then
+    on does its death count as an interruption."""
+    wait_for(
+        lambda: conn.execute(
+            f'SELECT started FROM "{schema}".jobs WHERE id = %s', (job_id,)
+        ).fetchone()[0],
+        30,
+        "the worker to record the start",
+        on_timeout=worker.log_tail,
+    )
 
 
 def _gone(pid: int) -> bool:

@@ -10,6 +10,7 @@ in which process and attempt, even when a process is killed.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import dramatiq
@@ -88,4 +89,16 @@ def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
         time.sleep(seconds)
         record_patiently("finish")
 
-    return {"hang_first": hang_first, "slow": slow, "quick": quick, "steady": steady}
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=0)
+    def die_at_once() -> None:
+        """A poison message: kills its own worker process as soon as it starts."""
+        record("start")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return {
+        "hang_first": hang_first,
+        "slow": slow,
+        "quick": quick,
+        "steady": steady,
+        "die_at_once": die_at_once,
+    }

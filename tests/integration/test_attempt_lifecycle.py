@@ -14,7 +14,7 @@ import pytest
 from dramatiq.results import ResultFailure, ResultMissing, Results
 from dramatiq.results.backends import StubBackend
 
-from dramatiq_pg_broker import Attempt
+from dramatiq_pg_broker import Attempt, current_job
 from dramatiq_pg_broker.db import _CappedAttempt, translate_errors
 from dramatiq_pg_broker.inflight import State
 from dramatiq_pg_broker.jobs import NewJob
@@ -481,8 +481,12 @@ def test_batch_statements_lock_rows_in_id_order(h, pg_url):
 
 
 def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
+    """A lease is lost only after the heartbeat failed to renew it for a whole lease. The
+    worker then no longer trusts it, and records the start before running the message: the
+    guarded start finds another owner. The lease is four seconds; neither the heartbeat nor
+    the reaper runs before the message's turn comes."""
     backend = StubBackend()
-    broker = h.broker()
+    broker = h.broker(lease_seconds=4, heartbeat_seconds=3.9, reaper_interval=60)
     broker.add_middleware(Results(backend=backend))
     blocker_started = threading.Event()
     release = threading.Event()
@@ -511,6 +515,9 @@ def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
         f'UPDATE "{h.schema}".jobs SET locked_by = %s WHERE id = %s',
         ("another-worker", stolen.message_id),
     )
+    # Past half the lease since the claim, with no renewal: the lease is no longer surely
+    # held (a monotonic-clock fact, not a hope that something happened meanwhile).
+    time.sleep(2.1)
     release.set()
     wait_for(lambda: len(broker.ledger) == 0, 10, "this worker to let go of both")
     assert ran == [], "a message this worker no longer owned was run"
@@ -553,3 +560,79 @@ def test_messages_sent_while_paused_run_in_priority_order(h, by):
     worker.resume()
     wait_for(lambda: len(order) == 20, 20, "every message to run")
     assert [kind for kind, _ in order] == ["high"] * 10 + ["low"] * 10, order
+
+
+# -- starts are written a moment after the actor began, or before it for a suspect job ----
+
+
+def test_a_running_attempts_start_is_written_while_it_runs(h):
+    broker = h.broker()
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def long_job():
+        release.wait(20)
+
+    message = long_job.send()
+    h.start(broker, threads=1)
+    try:
+        wait_for(lambda: row(broker, message)["started"], 10, "the start to be written")
+    finally:
+        release.set()
+    broker.join(h.queue, timeout=10_000)
+    assert (row(broker, message)["status"], row(broker, message)["attempts"]) == ("succeeded", 1)
+
+
+def test_a_job_with_an_abandoned_claim_has_its_start_written_before_it_runs(h, conn):
+    broker = h.broker()
+    seen = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
+    def suspect():
+        # What the database says while the actor runs, read on a connection of its own.
+        seen.append(row(broker, message)["started"])
+
+    message = suspect.send()
+    # A worker claimed it and died before its start was written; the reaper gave it back.
+    (claimed,) = broker.store.claim(h.queue, 1, "dead-worker", 30)
+    conn.execute(
+        f"UPDATE \"{h.schema}\".jobs SET locked_until = now() - interval '1 minute' WHERE id = %s",
+        (message.message_id,),
+    )
+    result = broker.store.reap(batch=10, backoff_ms=[0], max_interruptions=10, lease_seconds=0)
+    assert result.released == [message.message_id]
+    assert row(broker, message)["abandoned_claims"] == 1
+    h.start(broker, threads=1)
+    broker.join(h.queue, timeout=10_000)
+    assert seen == [True], "the start was not written before the actor ran"
+    final = row(broker, message)
+    assert (final["status"], final["attempts"], final["interruptions"]) == ("succeeded", 1, 0)
+
+
+def test_an_attempt_let_go_before_its_start_was_written_counts_as_interrupted(h, monkeypatch):
+    """A failed attempt whose retry cannot be written is let go at once, before the
+    worker wrote its start: the start is written still, so that the reaper counts an
+    interruption (and the next attempt is number 2), not an abandoned claim."""
+    broker = h.broker(lease_seconds=1.0, reaper_interval=0.2, backoff_base_ms=50, backoff_max_ms=50)
+    real_reschedule = broker.store.reschedule
+
+    def refuse_the_first(attempt, *args, **kwargs):
+        if attempt.attempt == 1:
+            raise dramatiq.errors.ConnectionClosed(OSError("server went away"))
+        return real_reschedule(attempt, *args, **kwargs)
+
+    monkeypatch.setattr(broker.store, "reschedule", refuse_the_first)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=3, min_backoff=50)
+    def fails_at_once():
+        h.record(current_job().attempt)
+        if current_job().attempt == 1:
+            raise ValueError("first attempt fails")
+
+    message = fails_at_once.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+    final = row(broker, message)
+    assert (final["status"], final["attempts"], final["interruptions"]) == ("succeeded", 2, 1)
+    assert final["abandoned_claims"] == 0
+    assert [attempt for (attempt,) in h.runs] == [1, 2]

@@ -100,6 +100,39 @@ def test_reaper_gives_back_an_unstarted_claim_uncharged_at_once(store, clock):
     assert store.events_of(job_id)[-1]["type"] == "released"
 
 
+def test_an_abandoned_claim_is_counted_and_the_next_claim_carries_the_count(store, clock):
+    """A lease that expired with no start recorded: uncharged, but counted, so that the
+    next worker records the start before the actor runs."""
+    job_id, queue = new_job(store, max_attempts=1)
+    claim(store, queue, "A", clock, start=False)
+    reap(store, at(clock, LEASE + 1))
+    assert store.get(job_id)["abandoned_claims"] == 1
+    (again,) = store.claim(queue, 1, "B", LEASE, now=at(clock, LEASE + 2))
+    assert (again.attempts, again.abandoned_claims) == (1, 1)
+    attempt = Attempt(job_id, "B", again.attempts)
+    # A start recorded after the actor began leaves the lease as it was.
+    assert store.start([attempt], None, now=at(clock, LEASE + 3)) == {job_id}
+    row = store.get(job_id)
+    assert row["started"] and row["locked_until"] == at(clock, 2 * LEASE + 2)
+    reap(store, at(clock, 2 * LEASE + 3))
+    row = store.get(job_id)
+    assert (row["interruptions"], row["abandoned_claims"]) == (1, 1), "a started attempt died"
+
+
+def test_a_claim_that_finds_nothing_says_when_the_next_job_is_due(store, clock):
+    job_id, queue = new_job(store)
+    claim(store, queue, "A", clock)
+    empty = store.claim_or_wait(queue, 5, "B", LEASE, now=clock)
+    assert empty.jobs == [] and empty.next_available_at is None
+    store.enqueue(NewJob(id=str(uuid.uuid4()), queue_name=queue, actor_name="a",
+                         message={}, delay_ms=60_000), now=clock)  # fmt: skip
+    due = store.claim_or_wait(queue, 5, "B", LEASE, now=clock)
+    assert due.jobs == [] and due.next_available_at is not None
+    assert due.seconds_until_available == pytest.approx(
+        (due.next_available_at - clock).total_seconds()
+    )
+
+
 def test_reaper_requeues_an_interrupted_attempt_with_backoff(store, clock):
     job_id, queue = new_job(store, max_attempts=1)
     claim(store, queue, "A", clock)

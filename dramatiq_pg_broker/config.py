@@ -59,6 +59,11 @@ class Settings:
       max_interruptions(int): how often a job's attempts may be interrupted (its worker
         died, hung or lost its lease) before the reaper fails it. Interruptions are not
         failures: ``max_retries`` does not count them.
+      prefetch_growth(int): how far a consumer's claim window may grow beyond the
+        prefetch Dramatiq gives it, as a multiple (1: never). It grows only while the
+        workers finish whole batches faster than a few claims take (short jobs), so that
+        a claim's round trip does not leave them idle, and falls back when jobs take
+        longer or the queue runs dry.
       enqueue_retries(int): how often a send is retried after a connection error.
       log_level(str): level for the ``dramatiq_pg_broker`` loggers, or None to leave them.
       cors_origins(tuple[str, ...]): origins the admin API allows cross-site requests from.
@@ -102,6 +107,7 @@ class Settings:
     pool_max_size: int = 10
     pool_timeout: float = 30.0
     max_interruptions: int = 10
+    prefetch_growth: int = 4
     enqueue_retries: int = 3
     log_level: str | None = None
     cors_origins: tuple[str, ...] = ()
@@ -149,6 +155,7 @@ class Settings:
             "retention_batch",
             "login_concurrency",
             "max_interruptions",
+            "prefetch_growth",
         )
         for name in minimum_one:
             if getattr(self, name) < 1:

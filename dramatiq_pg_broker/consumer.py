@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: How often a consumer whose last claim found work reads its notifications.
+BUSY_DRAIN_INTERVAL = 0.1
+
+#: The window grows when a whole batch was done in less time than this many claims take.
+WINDOW_GROWTH_CLAIMS = 4
+
 
 def new_owner_id() -> str:
     """A lease owner id: ``host:pid:thread:random``, unique per consumer instance."""
@@ -92,8 +98,12 @@ class PostgresConsumer(Consumer):
         self.queue_name = queue_name
         self.prefetch = max(1, prefetch)
         self.slots = self.ledger.slots(self.prefetch)
-        # Claim again once outstanding messages fall to this many: batches, not trickles.
-        self.low_water = self.prefetch // 2
+        #: How many messages this consumer may hold: the prefetch, grown while jobs are
+        #: short (see :meth:`_adapt_window`).
+        self.window = self.prefetch
+        self._claim_returned: float | None = None
+        self._claim_seconds = 0.0
+        self._claim_was_full = False
         self.timeout = max(0.0, timeout / 1000)
         self.owner = new_owner_id()
         self._buffer: deque[PgMessageProxy] = deque()
@@ -102,6 +112,7 @@ class PostgresConsumer(Consumer):
         #: When the last claim came back empty (None: claim without waiting).
         self._last_empty: float | None = None
         self._notified = False
+        self._last_drain = 0.0
         self._last_warning = 0.0
 
     # -- claiming ------------------------------------------------------------------------
@@ -129,14 +140,27 @@ class PostgresConsumer(Consumer):
 
     def _step(self, deadline: float) -> bool:
         """Claim if due, else wait for work or a free slot. True when a batch came in."""
-        self._drain_notifications()
-        if self.slots.in_use <= self.low_water and self._claim_due():
+        now = time.monotonic()
+        if (
+            self._last_empty is not None
+            or self._listen_conn is None
+            or now - self._last_drain >= BUSY_DRAIN_INTERVAL
+        ):
+            # While the last claim found work, the next claim is due whatever was
+            # announced: reading the notifications can wait (each read is a blocking
+            # call, which costs a busy process a GIL hand-over).
+            self._drain_notifications()
+            self._last_drain = now
+        # Claim again once outstanding messages fall to half the window: batches, not
+        # trickles.
+        low_water = self.window // 2
+        if self.slots.in_use <= low_water and self._claim_due():
             if self._claim():
                 return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        if self.slots.in_use > self.low_water:
+        if self.slots.in_use > low_water:
             # Enough work in hand: wait for an outcome to free a slot.
             self.slots.wait(remaining)
         else:
@@ -169,10 +193,14 @@ class PostgresConsumer(Consumer):
 
     def _claim(self) -> bool:
         self._notified = False
-        limit = self.slots.free
         lease = self.settings.lease_seconds
         sent = time.monotonic()
+        self._adapt_window(sent)
+        limit = max(0, self.window - self.slots.in_use)
         claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
+        self._claim_returned = time.monotonic()
+        self._claim_seconds = self._claim_returned - sent
+        self._claim_was_full = len(claim.jobs) >= limit
         if not claim.jobs:
             self._last_empty = time.monotonic()
             wait = claim.seconds_until_available
@@ -184,6 +212,22 @@ class PostgresConsumer(Consumer):
             if proxy is not None:
                 self._buffer.append(proxy)
         return bool(self._buffer)
+
+    def _adapt_window(self, now: float) -> None:
+        """Grow the claim window while the workers finish whole batches faster than a few
+        claims take (short jobs: each claim's round trip would otherwise leave them idle),
+        up to ``prefetch_growth`` times the prefetch; fall back towards the prefetch when
+        jobs take longer or the queue runs dry."""
+        if self._claim_returned is None:
+            return
+        since = now - self._claim_returned
+        quick = since < WINDOW_GROWTH_CLAIMS * self._claim_seconds
+        if not self._claim_was_full:
+            self.window = self.prefetch
+        elif quick and self.slots.in_use == 0:
+            self.window = min(self.window * 2, self.prefetch * self.settings.prefetch_growth)
+        elif not quick:
+            self.window = max(self.prefetch, self.window // 2)
 
     def _proxy(self, job: ClaimedJob, leased_until: float) -> PgMessageProxy | None:
         attempt = Attempt(job.id, self.owner, job.attempts)

@@ -21,11 +21,13 @@ an attempt moves from one state to the next.
   writes it in a batch.
 - *done*: written, rescheduled, released or lost. The ledger forgets it.
 
-Every attempt that is not done holds a prefetch slot of its consumer and has its lease
-renewed by the heartbeat, so an outcome not yet written still counts against the prefetch
-(backpressure: a slow or unreachable database cannot let the process run ahead of what it
-has recorded). A move the state does not allow (an ack after a reschedule, a second outcome,
-starting a released message) is refused here, and only here.
+Every attempt that is not done has its lease renewed by the heartbeat and holds a prefetch
+slot of its consumer, except that a consumer's first ``prefetch`` unwritten outcomes give
+their slots back as soon as they are queued (:class:`Slots`): the next claim then overlaps
+the writing of the last batch, while a slow or unreachable database still cannot let the
+process run more than its prefetch ahead of what it has recorded (backpressure). A move
+the state does not allow (an ack after a reschedule, a second outcome, starting a released
+message) is refused here, and only here.
 """
 
 from __future__ import annotations
@@ -64,11 +66,21 @@ class State(enum.Enum):
 
 
 class Slots:
-    """The prefetch slots of one consumer: attempts it claimed that are not done yet."""
+    """The prefetch slots of one consumer: attempts it claimed that are not done yet.
+
+    An attempt whose outcome is queued gives its slot back at once while fewer than
+    ``prefetch`` of the consumer's outcomes wait for the writer (the write-behind
+    allowance), so the next claim overlaps the writing of the last batch's outcomes. Past
+    that, an outcome keeps its slot until it is written: a consumer never holds more than
+    ``prefetch`` messages, nor more than ``2 * prefetch`` attempts the database has not
+    recorded an outcome for.
+    """
 
     def __init__(self, prefetch: int) -> None:
         self.prefetch = prefetch
         self._in_use = 0
+        #: Outcomes waiting for the writer whose slots were given back early.
+        self._behind = 0
         self._cond = threading.Condition()
 
     @property
@@ -93,11 +105,27 @@ class Slots:
             self._in_use -= 1
             self._cond.notify_all()
 
+    def _settle(self) -> bool:
+        """An outcome was queued: give its slot back now if the allowance permits.
+        Returns True if it did (the outcome is then owed, :meth:`_written` settles it)."""
+        with self._cond:
+            if self._behind >= self.prefetch:
+                return False
+            self._behind += 1
+            self._in_use -= 1
+            self._cond.notify_all()
+            return True
+
+    def _written(self) -> None:
+        with self._cond:
+            self._behind -= 1
+
 
 class _Entry:
     __slots__ = (
         "attempt",
         "slots",
+        "slot_given",
         "state",
         "renew",
         "error",
@@ -112,6 +140,8 @@ class _Entry:
     ) -> None:
         self.attempt = attempt
         self.slots = slots
+        #: Its slot went back when its outcome was queued (:meth:`Slots._settle`).
+        self.slot_given = False
         self.state = State.CLAIMED
         self.renew = True
         #: Monotonic time until which the lease is surely held: the moment before the
@@ -213,7 +243,10 @@ class Ledger:
         entry.state = State.DONE
         if self._entries.get(entry.attempt.id) is entry:
             del self._entries[entry.attempt.id]
-        entry.slots._give()
+        if entry.slot_given:
+            entry.slots._written()
+        else:
+            entry.slots._give()
 
     def _refuse(self, move: str, attempt: Attempt) -> None:
         entry = self._entries.get(attempt.id)
@@ -477,6 +510,7 @@ class Ledger:
                 )
                 kind, error = "fail", entry.error
             entry.state = State.OUTCOME_QUEUED
+            entry.slot_given = entry.slots._settle()
         self.broker.outcomes.submit(kind, attempt, error)
         return True
 

@@ -187,8 +187,11 @@ def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
     consumer.close()
 
 
-def test_unwritten_outcomes_count_against_the_prefetch(h):
-    broker = h.broker()
+def test_unwritten_outcomes_are_bounded_by_the_prefetch(h):
+    """With the writer stuck, a consumer with prefetch 2 may run 2 more messages on the
+    write-behind allowance, then no more: 4 unwritten outcomes at most, 2 of them holding
+    their slots. (The claim window stays at the prefetch: prefetch_growth=1.)"""
+    broker = h.broker(prefetch_growth=1)
     gate = threading.Event()
     real_complete = broker.store.complete
 
@@ -202,17 +205,21 @@ def test_unwritten_outcomes_count_against_the_prefetch(h):
     def noop(n):
         pass
 
-    for n in range(4):
+    for n in range(6):
         noop.send(n)
     consumer = broker.consume(h.queue, prefetch=2, timeout=300)
-    for _ in range(2):
-        proxy = next(consumer)
-        assert broker.ledger.start(proxy.attempt)
-        consumer.ack(proxy)
-    assert consumer.slots.in_use == 2, "an unwritten outcome freed its slot"
-    assert next(consumer) is None, "claimed past the prefetch while outcomes were unwritten"
+    for expected_in_use in (0, 2):
+        for _ in range(2):
+            proxy = next(consumer)
+            assert proxy is not None, "the allowance did not let the next claim through"
+            assert broker.ledger.start(proxy.attempt)
+            consumer.ack(proxy)
+        assert consumer.slots.in_use == expected_in_use
+    assert next(consumer) is None, "ran past twice the prefetch while outcomes were unwritten"
+    assert len(broker.ledger) == 4
     gate.set()
     assert broker.outcomes.flush(timeout=5)
+    assert consumer.slots.in_use == 0 and len(broker.ledger) == 0
     assert next(consumer) is not None
     consumer.close()
 
@@ -636,3 +643,51 @@ def test_an_attempt_let_go_before_its_start_was_written_counts_as_interrupted(h,
     assert (final["status"], final["attempts"], final["interruptions"]) == ("succeeded", 2, 1)
     assert final["abandoned_claims"] == 0
     assert [attempt for (attempt,) in h.runs] == [1, 2]
+
+
+# -- the claim window grows for short jobs, and only for them -------------------------------
+
+
+def test_the_claim_window_grows_only_while_whole_batches_finish_quickly(h):
+    broker = h.broker(prefetch_growth=4)
+    broker.declare_queue(h.queue)
+    consumer = broker.consume(h.queue, prefetch=4, timeout=100)
+    try:
+        assert consumer.window == 4
+        # The last claim took 10 ms, came back full, and everything it brought is done.
+        consumer._claim_returned, consumer._claim_seconds = 100.0, 0.010
+        consumer._claim_was_full = True
+        consumer._adapt_window(100.005)  # done within a claim's time: the threads idled
+        assert consumer.window == 8
+        consumer._adapt_window(100.005)
+        consumer._adapt_window(100.005)
+        assert consumer.window == 16, "the window grew past prefetch_growth times the prefetch"
+        consumer._adapt_window(100.5)  # a batch took 50 claims' time: long jobs
+        assert consumer.window == 8
+        consumer._claim_was_full = False  # the queue ran dry
+        consumer._adapt_window(100.005)
+        assert consumer.window == 4
+    finally:
+        consumer.close()
+
+
+def test_a_consumer_with_short_jobs_claims_more_than_its_prefetch_and_only_then(h):
+    broker = h.broker(prefetch_growth=4)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def short(n):
+        pass
+
+    broker.enqueue_many([short.message(n) for n in range(200)])
+    consumer = broker.consume(h.queue, prefetch=2, timeout=1000)
+    biggest = 0
+    try:
+        for _ in range(200):
+            proxy = next(consumer)
+            assert proxy is not None
+            biggest = max(biggest, consumer.slots.in_use)
+            assert broker.ledger.start(proxy.attempt)
+            consumer.ack(proxy)
+        assert 2 < biggest <= 8, f"held {biggest} messages at most with a prefetch of 2"
+    finally:
+        consumer.close()

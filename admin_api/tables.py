@@ -63,7 +63,8 @@ job_events = Table(
     "job_events",
     metadata,
     Column("id", BigInteger, primary_key=True),
-    Column("job_id", UUID(as_uuid=False), ForeignKey("jobs.id"), nullable=False),
+    # No foreign key: a statement-level trigger deletes a job's events with it (0009).
+    Column("job_id", UUID(as_uuid=False), nullable=False),
     Column("type", Text, nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("actor", Text),

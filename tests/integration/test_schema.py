@@ -117,14 +117,29 @@ def test_deleting_a_job_deletes_its_events(insert, conn, schema):
     assert left == 0
 
 
-def test_an_event_for_a_missing_job_is_rejected(conn, schema):
-    with pytest.raises(psycopg.errors.ForeignKeyViolation):
+def test_one_statement_deleting_many_jobs_deletes_their_events_and_no_others(insert, conn, schema):
+    """The events follow their jobs through a statement-level trigger (no foreign key
+    checks every event row): whatever statement deletes jobs, their events go with them."""
+    s = sql.Identifier(schema)
+    doomed = f"doomed_{uuid.uuid4().hex[:8]}"
+    gone = [insert(queue_name=doomed) for _ in range(3)]
+    kept = insert(queue_name="kept")
+    for job_id in [*gone, kept]:
         conn.execute(
-            sql.SQL("INSERT INTO {}.job_events (job_id, type) VALUES (%s, 'created')").format(
-                sql.Identifier(schema)
-            ),
-            (str(uuid.uuid4()),),
+            sql.SQL("INSERT INTO {}.job_events (job_id, type) VALUES (%s, 'created')").format(s),
+            (job_id,),
         )
+    conn.execute(sql.SQL("DELETE FROM {}.jobs WHERE queue_name = %s").format(s), (doomed,))
+    counts = dict(
+        conn.execute(
+            sql.SQL(
+                "SELECT job_id::text, count(*) FROM {}.job_events "
+                "WHERE job_id = ANY(%s::uuid[]) GROUP BY 1"
+            ).format(s),
+            ([*gone, kept],),
+        ).fetchall()
+    )
+    assert counts == {kept: 1}
 
 
 def test_the_claim_and_reaper_indexes_are_partial(conn, schema):

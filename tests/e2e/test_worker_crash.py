@@ -235,7 +235,7 @@ def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, con
         # that the previous death left at its bound and stays up.
         wait_for(
             lambda w=worker: w.proc.poll() is not None or job()[0] == "failed",
-            60,
+            90,
             "the worker to die of the poison message, or the job to fail",
             on_timeout=worker.log_tail,
         )

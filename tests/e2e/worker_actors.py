@@ -91,8 +91,12 @@ def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
 
     @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=0)
     def die_at_once() -> None:
-        """A poison message: kills its own worker process as soon as it starts."""
+        """A poison message: kills its own worker process as soon as it starts. (50 ms
+        after: a process killed before it told the ``dramatiq`` main process it booted
+        leaves that process waiting 30 s, its ``--worker-fork-timeout``. The worker writes
+        a start 100 ms after the actor began at the earliest.)"""
         record("start")
+        time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
 
     return {

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
+import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -68,7 +70,9 @@ class Claim:
     seconds_until_available: float | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+# Not frozen: a frozen dataclass's __init__ costs three times as much, which a bulk enqueue
+# of 100,000 messages pays 100,000 times. Nothing changes a NewJob once built.
+@dataclasses.dataclass(slots=True)
 class NewJob:
     """What :meth:`JobStore.enqueue` stores: one encoded message and its scheduling.
 
@@ -153,6 +157,40 @@ def clean_text(text: str | None) -> str | None:
 
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
+
+
+# -- binary COPY rows (PostgreSQL's documented COPY BINARY format) ---------------------------
+
+#: The header of a binary COPY: signature, flags, header extension length.
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00\x00\x00\x00" * 2
+#: The end of a binary COPY: a field count of -1.
+_COPY_TRAILER = b"\xff\xff"
+_NULL_FIELD = b"\xff\xff\xff\xff"
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
+_LENGTH = struct.Struct(">i")
+#: 12 fields, then the 16 bytes of the uuid.
+_JOB_ROW_START = struct.Struct(">hi").pack(12, 16)
+#: priority, available_at, max_attempts.
+_JOB_ROW_MIDDLE = struct.Struct(">iiiqii")
+_TIMESTAMP = struct.Struct(">iq")
+#: 4 fields, then the 16 bytes of the uuid.
+_EVENT_ROW_START = struct.Struct(">hi").pack(4, 16)
+#: type 'created', attempt 0, then created_at.
+_CREATED_EVENT_MIDDLE = _LENGTH.pack(7) + b"created" + struct.Struct(">ii").pack(4, 0)
+
+
+def _text_field(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return _LENGTH.pack(len(data)) + data
+
+
+def _timestamp_us(value: dt.datetime) -> int:
+    """A timestamptz as binary COPY holds it: microseconds since 2000-01-01 UTC."""
+    return (value - _PG_EPOCH) // dt.timedelta(microseconds=1)
+
+
+class _RepeatedId(Exception):
+    """Two jobs of one bulk enqueue share an id: the staged path resolves it."""
 
 
 class JobStore:
@@ -272,46 +310,177 @@ class JobStore:
         ``conn``): all of them or, if anything fails, none. Each job is handled as
         :meth:`enqueue` handles one; results are in the order of ``jobs``.
 
+        From :attr:`BULK_COPY_MIN` jobs on, the rows are first copied straight into the
+        tables (:meth:`_copy_new`); a batch with a conflict is then written again by
+        :meth:`_insert_resolving`, as a smaller batch always is.
+
         Raises:
           JobAlreadyFinished: a job's id is a job that already finished (its index is in
             the message); nothing was written.
         """
         if not jobs:
             return []
-        results: list[EnqueueResult | None] = [None] * len(jobs)
         with self.pool.use(conn) as c, c.transaction():
-            queues: set[str] = set()
-            for start in range(0, len(jobs), self.BULK_CHUNK):
-                chunk = jobs[start : start + self.BULK_CHUNK]
-                if len(chunk) >= self.BULK_COPY_MIN:
-                    rows = self._insert_staged(c, chunk, now)
-                else:
-                    rows = c.execute(
-                        self.queries["insert_jobs"], self._bulk_params(chunk, now)
-                    ).fetchall()
-                inserted = {str(r[0]) for r in rows}
-                for offset, job in enumerate(chunk):
-                    if job.id in inserted:
-                        inserted.discard(job.id)  # a repeated id inserts once
-                        results[start + offset] = EnqueueResult(
-                            job.id, True, "queued", job.message, job.message_bytes
-                        )
-                        queues.add(job.queue_name)
-            for index, job in enumerate(jobs):
-                if results[index] is not None:
-                    continue
-                params = self._new_job_params(job, now)
-                try:
-                    results[index] = result = self._not_inserted(c, job, params, again)
-                except JobAlreadyFinished as e:
-                    e.args = (f"message {index} of the batch: {e}",)
-                    raise
-                if result.rescheduled:
-                    queues.add(job.queue_name)
-            if queues:
+            if len(jobs) >= self.BULK_COPY_MIN and self._copy_new(c, jobs, now):
+                queues = {job.queue_name for job in jobs}
                 channels = sorted(self.channel(q) for q in queues)
                 c.execute(self.queries["notify_queues"], {"channels": channels})
+                return [
+                    EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+                    for job in jobs
+                ]
+            return self._insert_resolving(c, jobs, now, again)
+
+    def _insert_resolving(
+        self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None, again: bool
+    ) -> list[EnqueueResult]:
+        """The bulk path that resolves conflicts row by row (ON CONFLICT DO NOTHING, then
+        each job not inserted as :meth:`enqueue` does)."""
+        results: list[EnqueueResult | None] = [None] * len(jobs)
+        queues: set[str] = set()
+        for start in range(0, len(jobs), self.BULK_CHUNK):
+            chunk = jobs[start : start + self.BULK_CHUNK]
+            if len(chunk) >= self.BULK_COPY_MIN:
+                rows = self._insert_staged(c, chunk, now)
+            else:
+                rows = c.execute(
+                    self.queries["insert_jobs"], self._bulk_params(chunk, now)
+                ).fetchall()
+            inserted = {str(r[0]) for r in rows}
+            for offset, job in enumerate(chunk):
+                if job.id in inserted:
+                    inserted.discard(job.id)  # a repeated id inserts once
+                    results[start + offset] = EnqueueResult(
+                        job.id, True, "queued", job.message, job.message_bytes
+                    )
+                    queues.add(job.queue_name)
+        for index, job in enumerate(jobs):
+            if results[index] is not None:
+                continue
+            params = self._new_job_params(job, now)
+            try:
+                results[index] = result = self._not_inserted(c, job, params, again)
+            except JobAlreadyFinished as e:
+                e.args = (f"message {index} of the batch: {e}",)
+                raise
+            if result.rescheduled:
+                queues.add(job.queue_name)
+        if queues:
+            channels = sorted(self.channel(q) for q in queues)
+            c.execute(self.queries["notify_queues"], {"channels": channels})
         return results  # type: ignore[return-value]
+
+    #: Rows per COPY statement of the direct bulk path (measured on 100,000 messages: 2,500
+    #: and 5,000 were alike, 10,000 slower, since the first and last chunks are not
+    #: overlapped with encoding).
+    COPY_CHUNK = 5_000
+    #: How much of the next chunk is encoded while the server inserts the current chunk's
+    #: jobs, in percent; the rest is encoded while it inserts their events. Measured: the
+    #: job rows take longer (five indexes and the jsonb view) than the events.
+    COPY_SPLIT = 80
+
+    def _copy_new(
+        self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None
+    ) -> bool:
+        """Write ``jobs`` with COPY straight into the jobs table and their ``created`` events
+        into job_events, in a savepoint. Returns False, with nothing written, when a job
+        conflicts with a stored one or with another job of the batch (the caller then
+        resolves the conflicts with :meth:`_insert_resolving`).
+
+        This is the cheap path of a bulk enqueue: no staging table, no ON CONFLICT probe,
+        and the server inserts rows while this process is still encoding the next ones.
+        ``jobs`` may build its items on first access (the broker's checks and encoding):
+        each COPY statement is sent first, then the next chunk is built while the server
+        works on it, so the two cores of a small machine are both busy.
+        """
+        now_us = _timestamp_us(c.execute(self.queries["bulk_now"], {"now": now}).fetchone()[0])
+        fields: dict[str, bytes] = {}
+        seen: set[str] = set()
+        total = len(jobs)
+
+        def build(start: int, stop: int, job_rows: list[bytes], event_rows: list[bytes]):
+            updated = _TIMESTAMP.pack(8, now_us)
+            for position in range(start, stop):
+                job = jobs[position]
+                if job.id in seen:
+                    raise _RepeatedId(job.id)
+                seen.add(job.id)
+                uid = bytes.fromhex(job.id.replace("-", ""))
+                queue_field = fields.get(job.queue_name)
+                if queue_field is None:
+                    queue_field = fields[job.queue_name] = _text_field(job.queue_name)
+                actor = fields.get(job.actor_name)
+                if actor is None:
+                    actor = fields[job.actor_name] = _text_field(job.actor_name)
+                scope = fields.get(job.idempotency_scope)
+                if scope is None:
+                    scope = fields[job.idempotency_scope] = _text_field(job.idempotency_scope)
+                data = job.message_bytes
+                if job.message is not None:
+                    view = b"\x01" + json.dumps(job.message).encode()
+                    view = _LENGTH.pack(len(view)) + view
+                elif job.message_view_from_bytes and data is not None:
+                    # The bytes are JSON that jsonb holds as it is (see messages.encode).
+                    view = _LENGTH.pack(len(data) + 1) + b"\x01" + data
+                else:
+                    view = _NULL_FIELD
+                created = _TIMESTAMP.pack(8, now_us + position)
+                job_rows.append(
+                    b"".join(
+                        (
+                            _JOB_ROW_START,
+                            uid,
+                            queue_field,
+                            actor,
+                            view,
+                            _NULL_FIELD if data is None else _LENGTH.pack(len(data)) + data,
+                            _JOB_ROW_MIDDLE.pack(
+                                4,
+                                job.priority,
+                                8,
+                                now_us + max(0, int(job.delay_ms)) * 1000,
+                                4,
+                                job.max_attempts,
+                            ),
+                            _NULL_FIELD
+                            if job.idempotency_key is None
+                            else _text_field(job.idempotency_key),
+                            scope,
+                            created,
+                            updated,
+                        )
+                    )
+                )
+                event_rows.append(_EVENT_ROW_START + uid + _CREATED_EVENT_MIDDLE + created)
+
+        def block(rows: list[bytes]) -> bytes:
+            return b"".join((_COPY_HEADER, *rows, _COPY_TRAILER))
+
+        try:
+            with c.transaction():
+                cur = c.cursor()
+                job_rows: list[bytes] = []
+                event_rows: list[bytes] = []
+                start = 0
+                build(0, min(self.COPY_CHUNK, total), job_rows, event_rows)
+                while job_rows:
+                    stop = min(start + self.COPY_CHUNK, total)
+                    following = min(stop + self.COPY_CHUNK, total)
+                    split = stop + (following - stop) * self.COPY_SPLIT // 100
+                    next_jobs: list[bytes] = []
+                    next_events: list[bytes] = []
+                    with cur.copy(self.queries["copy_jobs"]) as copy:
+                        copy.write(block(job_rows))
+                        # Encoded while the server inserts the rows just sent.
+                        build(stop, split if self.events else following, next_jobs, next_events)
+                    if self.events:
+                        with cur.copy(self.queries["copy_created_events"]) as copy:
+                            copy.write(block(event_rows))
+                            build(split, following, next_jobs, next_events)
+                    job_rows, event_rows, start = next_jobs, next_events, stop
+        except (psycopg.errors.UniqueViolation, _RepeatedId):
+            return False
+        return True
 
     def _insert_staged(
         self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None

@@ -14,8 +14,8 @@ import contextvars
 import dataclasses
 import sys
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
 
 import dramatiq
 import psycopg
@@ -39,6 +39,47 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.jobs)
+
+
+class LazyJobs(Sequence[NewJob]):
+    """The jobs of ``broker.enqueue_many()``, each checked and encoded on first access, in
+    order, and kept.
+
+    The store's COPY path reads them one chunk ahead of what the server is inserting, so
+    this process encodes while the server writes; a retry after a lost connection reads
+    the kept ones again.
+    """
+
+    def __init__(self, count: int, build: Callable[[int], NewJob]) -> None:
+        self._count = count
+        self._build = build
+        self._built: list[NewJob] = []
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> NewJob: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[NewJob]: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        built = self._built
+        while len(built) <= index:
+            built.append(self._build(len(built)))
+        return built[index]
+
+    def __iter__(self) -> Iterator[NewJob]:
+        if len(self._built) == self._count:
+            return iter(self._built)
+        return (self[index] for index in range(self._count))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,6 +125,27 @@ WITH given AS (
 )
 SELECT id FROM inserted
 
+-- bulk_now --
+-- The clock of a bulk enqueue written with COPY (COPY computes nothing): the injected clock,
+-- else the transaction's now(), which every statement of the transaction shares.
+SELECT coalesce(%(now)s::timestamptz, now())
+
+-- copy_jobs --
+-- A bulk enqueue with no conflict to resolve, straight into the jobs table (binary COPY, in
+-- this column order). The rows arrive with available_at and created_at computed from
+-- bulk_now, as insert_jobs computes them, and the jsonb view as the encoder's JSON text
+-- (the binary form of jsonb is a version byte and the text; the server parses it). COPY
+-- has no ON CONFLICT: an existing id or idempotency key aborts it with a unique violation,
+-- and the caller, which ran it in a savepoint, takes the staged path instead.
+COPY {schema}.jobs (
+    id, queue_name, actor_name, message, message_bytes, priority, available_at,
+    max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
+) FROM STDIN (FORMAT BINARY)
+
+-- copy_created_events --
+-- The `created` events of the rows copy_jobs wrote (binary COPY, in this column order).
+COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT BINARY)
+
 -- stage_jobs --
 -- A temporary table for a large bulk enqueue, filled with COPY (much cheaper than one huge
 -- statement's parameters), read by insert_staged_jobs, dropped at once after. Temporary

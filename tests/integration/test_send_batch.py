@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
 
 import dramatiq
@@ -218,3 +219,172 @@ def test_a_large_batch_keeps_the_rules_and_twice_in_one_transaction(
     assert len(stored) == 1 + len(set(keyed.values()) - {existing.message_id}) + len(unkeyed)
     assert all(stored[m.message_id][1] == m.options["priority"] for m in unkeyed)
     assert created_events(conn, schema, queue) == len(stored)
+
+
+# -- the direct COPY path of a large batch ---------------------------------------------------
+
+
+def job_rows(conn, schema, queue) -> list[dict]:
+    cur = conn.execute(
+        sql.SQL(
+            "SELECT id::text, queue_name, actor_name, message, message_bytes, status, priority, "
+            "available_at - updated_at AS wait, max_attempts, idempotency_key, "
+            "idempotency_scope, attempts, created_at, updated_at, available_at "
+            "FROM {} WHERE queue_name = %s ORDER BY created_at, id"
+        ).format(sql.Identifier(schema, "jobs")),
+        (queue,),
+    )
+    names = [d.name for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def event_rows(conn, schema, queue) -> list[tuple]:
+    return conn.execute(
+        sql.SQL(
+            "SELECT e.job_id::text, e.type, e.attempt, e.created_at = j.created_at "
+            "FROM {} e JOIN {} j ON j.id = e.job_id WHERE j.queue_name = %s ORDER BY e.id"
+        ).format(sql.Identifier(schema, "job_events"), sql.Identifier(schema, "jobs")),
+        (queue,),
+    ).fetchall()
+
+
+@pytest.fixture
+def resolving(broker, monkeypatch):
+    """Counts the batches written by the path that resolves conflicts row by row."""
+    calls = []
+    original = broker.store._insert_resolving
+
+    def counted(c, jobs, *args, **kwargs):
+        calls.append(len(jobs))
+        return original(c, jobs, *args, **kwargs)
+
+    monkeypatch.setattr(broker.store, "_insert_resolving", counted)
+    return calls
+
+
+def a_large_batch(task, count):
+    return [
+        task.message_with_options(args=(n,), priority=n % 3, max_retries=n % 5)
+        if n % 2
+        else task.message(n)
+        for n in range(count)
+    ]
+
+
+def test_a_large_batch_without_conflicts_is_copied_as_the_resolving_path_would_write_it(
+    broker, task, queue, schema, conn, resolving, monkeypatch
+):
+    monkeypatch.setattr(broker.store, "COPY_CHUNK", 120)  # several COPY rounds
+    count = broker.store.BULK_COPY_MIN + 101
+    copied = broker.enqueue_many(a_large_batch(task, count), delay=1500)
+    assert resolving == [], "a batch without conflicts took the resolving path"
+
+    other = f"{queue}_r"
+    monkeypatch.setattr(broker.store, "_copy_new", lambda *args: False)
+    resolved = broker.enqueue_many(
+        [m.copy(queue_name=other) for m in a_large_batch(task, count)], delay=1500
+    )
+    assert resolving == [count]
+
+    got, want = job_rows(conn, schema, queue), job_rows(conn, schema, other)
+    assert [r["id"] for r in got] == [m.message_id for m in copied], "claim order = order sent"
+    assert [r["id"] for r in want] == [m.message_id for m in resolved]
+    varying = ("id", "queue_name", "message", "message_bytes", "created_at", "updated_at",
+               "available_at")  # fmt: skip
+    for mine, theirs in zip(got, want):
+        assert {k: v for k, v in mine.items() if k not in varying} == {
+            k: v for k, v in theirs.items() if k not in varying
+        }
+        # The jsonb view is the stored bytes, parsed by the server.
+        assert mine["message"] == json.loads(bytes(mine["message_bytes"]))
+        assert mine["status"] == "queued" and mine["wait"] == dt.timedelta(milliseconds=1500)
+    assert len({r["created_at"] for r in got}) == count, "each row its own created_at"
+    assert got[0]["updated_at"] == got[-1]["updated_at"] == got[0]["created_at"]
+    events = event_rows(conn, schema, queue)
+    assert [e[0] for e in events] == [m.message_id for m in copied]
+    assert all(e[1:] == ("created", 0, True) for e in events)
+    # Claimed in claim order: priority first, then the order sent.
+    first = sorted(got, key=lambda r: (r["priority"], r["created_at"]))[:3]
+    claimed = broker.store.claim(queue, 3, "w", 60, now=got[0]["available_at"])
+    assert [c.id for c in claimed] == [r["id"] for r in first]
+
+
+def test_a_conflict_in_a_large_batch_falls_back_without_writing_twice(
+    broker, task, queue, schema, conn, resolving, monkeypatch
+):
+    monkeypatch.setattr(broker.store, "COPY_CHUNK", 100)
+    existing = task.send_with_options(args=(-1,), idempotency_key="late-key")
+    messages = [task.message(n) for n in range(broker.store.BULK_COPY_MIN + 50)]
+    # Far enough in that earlier chunks were already copied when the conflict shows.
+    messages[230] = task.message_with_options(args=(230,), idempotency_key="late-key")
+    sent = broker.enqueue_many(messages)
+    assert resolving == [len(messages)]
+    assert sent[230].message_id == existing.message_id
+    stored = [r[0] for r in rows(conn, schema, queue)]
+    assert len(stored) == len(messages)  # the existing job and every other message once
+    assert created_events(conn, schema, queue) == len(stored)
+
+
+def test_a_repeated_id_in_a_large_batch_is_stored_once(
+    broker, task, queue, schema, conn, resolving
+):
+    messages = [task.message(n) for n in range(broker.store.BULK_COPY_MIN + 10)]
+    messages.append(messages[7].copy())
+    sent = broker.enqueue_many(messages)
+    assert resolving == [len(messages)]
+    assert sent[-1].message_id == sent[7].message_id
+    assert len(rows(conn, schema, queue)) == len(messages) - 1
+    assert created_events(conn, schema, queue) == len(messages) - 1
+
+
+def test_a_bad_message_late_in_a_large_batch_leaves_nothing_written(
+    broker, task, queue, schema, conn, monkeypatch
+):
+    monkeypatch.setattr(broker.store, "COPY_CHUNK", 100)
+    messages = [task.message(n) for n in range(broker.store.BULK_COPY_MIN + 150)]
+    # Checked and encoded while earlier chunks are already with the server.
+    messages[320] = task.message_with_options(args=(320,), priority=2**31)
+    with pytest.raises(InvalidMessage, match="message 320 of the batch: priority must be"):
+        broker.enqueue_many(messages)
+    assert rows(conn, schema, queue) == []
+    assert created_events(conn, schema, queue) == 0
+
+
+def test_a_large_batch_takes_the_injected_clock_and_stores_other_encoders_bytes(
+    broker, task, queue, schema, conn
+):
+    now = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+    jobs = [
+        broker.job_for(task.message_with_options(args=(n,), idempotency_key=f"clock-{n}"))[0]
+        for n in range(broker.store.BULK_COPY_MIN)
+    ]
+    jobs[0].message = {"shown": "\ufffd"}  # a display-safe view given by the sender
+    jobs[0].message_view_from_bytes = False
+    jobs[1].message_bytes = b"\x80\x04opaque"  # another encoder's bytes: no view
+    jobs[1].message_view_from_bytes = False
+    results = broker.store.enqueue_many(jobs, now=now)
+    assert all(r.created for r in results)
+    got = job_rows(conn, schema, queue)
+    assert got[0]["created_at"] == now and got[-1]["created_at"] == now + dt.timedelta(
+        microseconds=len(jobs) - 1
+    )
+    assert got[0]["message"] == {"shown": "\ufffd"}
+    assert got[1]["message"] is None and bytes(got[1]["message_bytes"]) == b"\x80\x04opaque"
+    assert [r["idempotency_key"] for r in got] == [f"clock-{n}" for n in range(len(jobs))]
+
+
+def test_enqueue_hooks_run_for_every_message_of_a_large_batch(broker, task, queue):
+    seen = {"before": [], "after": []}
+
+    class Watch(dramatiq.Middleware):
+        def before_enqueue(self, broker, message, delay):
+            seen["before"].append((message.message_id, delay))
+
+        def after_enqueue(self, broker, message, delay):
+            seen["after"].append((message.message_id, delay))
+
+    broker.add_middleware(Watch())
+    messages = [task.message(n) for n in range(broker.store.BULK_COPY_MIN + 5)]
+    broker.enqueue_many(messages, delay=10)
+    expected = [(m.message_id, 10) for m in messages]
+    assert seen["before"] == expected and seen["after"] == expected

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,8 +32,8 @@ from .consumer import PgMessageProxy, PostgresConsumer, describe_error
 from .current import JobContext, current_job
 from .db import ProcessPool
 from .errors import InvalidMessage, PgBrokerError, TransactionError
-from .inflight import Ledger, State
-from .jobs import JobStore, NewJob, clean_text
+from .inflight import Ledger, State, _GroupCommit
+from .jobs import EnqueueResult, JobStore, NewJob, clean_text
 from .leases import LeaseKeeper
 from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
@@ -124,6 +125,9 @@ class PostgresBroker(dramatiq.Broker):
         self.ledger = Ledger(self)
         self._consumers_lock = threading.Lock()
         self._sends = sending.SendContext()
+        #: Concurrent sends through the pool share a statement (see _send); per process.
+        self._group = _GroupCommit(self._write_sends)
+        self._group_pid = os.getpid()
         self._identity: tuple | None = None
         for schedule in schedules or ():
             self.add_schedule(schedule)
@@ -174,6 +178,7 @@ class PostgresBroker(dramatiq.Broker):
             actor_priority=actor.priority if actor is not None else 0,
             actor_options=actor.options if actor is not None else None,
             default_max_retries=self.default_max_retries(),
+            durable=self.settings.durable_sends,
         )
 
     def enqueue(self, message: dramatiq.Message, *, delay: int | None = None) -> dramatiq.Message:
@@ -185,6 +190,11 @@ class PostgresBroker(dramatiq.Broker):
         ``priority`` option; lower runs first. The ``idempotency_key`` option makes a second
         send of the same actor with the same key return the first job's message instead of
         a new job.
+
+        The send returns once its row is committed, and flushed to the server's WAL unless
+        the message's ``durable`` option (default: the ``durable_sends`` setting) is False.
+        Sends through the pool from several threads at once share statements and commits
+        (see :meth:`_send`).
 
         Enqueueing a message whose id is already a job (``message.copy()``, as snooze
         patterns and Dramatiq's own Retries do) reschedules that row if it is waiting or
@@ -224,9 +234,7 @@ class PostgresBroker(dramatiq.Broker):
             # The application's transaction: no retry (a failed statement aborts it).
             result = self.store.enqueue(job, conn=block.conn)
         else:
-            result = self._with_retries(
-                self._retried(lambda again: self.store.enqueue(job, again=again))
-            )
+            result = self._with_retries(self._retried(lambda again: self._send(job, again)))
         if not result.created and result.id != job.id:
             logger.debug(
                 "Idempotency key %r already used by job %s.", job.idempotency_key, result.id
@@ -234,6 +242,32 @@ class PostgresBroker(dramatiq.Broker):
             stored = self.decode_message(result.message, result.message_bytes)
         self.emit_after("enqueue", stored, delay)
         return stored
+
+    def _send(self, job: NewJob, again: bool) -> EnqueueResult:
+        """Write one send through the pool, sharing the statement and its commit with the
+        sends other threads are making at the same moment (group commit): a send finding no
+        write in progress writes at once, alone (one round trip); sends arriving while one
+        is written wait for it, then go together in one statement. Each returns once its
+        row is committed, durably unless it asked otherwise."""
+        group = self._group
+        if self._group_pid != os.getpid():
+            with self._consumers_lock:
+                if self._group_pid != os.getpid():
+                    # A forked child shares no write in progress with its parent.
+                    self._group = group = _GroupCommit(self._write_sends)
+                    self._group_pid = os.getpid()
+                group = self._group
+        item = (job, again)
+        result = group.submit(item)[id(item)]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _write_sends(self, items: list[tuple[NewJob, bool]]) -> dict[int, Any]:
+        if len(items) == 1:
+            job, again = items[0]
+            return {id(items[0]): self.store.enqueue(job, again=again)}
+        return {id(item): result for item, result in zip(items, self.store.send_many(items))}
 
     @staticmethod
     def _retried(fn):
@@ -319,6 +353,7 @@ class PostgresBroker(dramatiq.Broker):
     def _job_builder(self):
         """:meth:`job_for`, with what does not change within one batch looked up once."""
         default_max_retries = self.default_max_retries()
+        durable = self.settings.durable_sends
         actors = self.actors
 
         def job_for(message: dramatiq.Message, delay: int | None):
@@ -329,6 +364,7 @@ class PostgresBroker(dramatiq.Broker):
                 actor_priority=actor.priority if actor is not None else 0,
                 actor_options=actor.options if actor is not None else None,
                 default_max_retries=default_max_retries,
+                durable=durable,
             )
 
         return job_for

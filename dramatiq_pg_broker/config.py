@@ -65,6 +65,11 @@ class Settings:
         a claim's round trip does not leave them idle, and falls back when jobs take
         longer or the queue runs dry.
       enqueue_retries(int): how often a send is retried after a connection error.
+      durable_sends(bool): a send returns once its commit is flushed to the server's WAL
+        (the default). False: sends commit without waiting for the flush (PostgreSQL's
+        ``synchronous_commit = off`` for that transaction only), faster, and a server crash
+        can lose the sends of its last moments (see the README). A message's ``durable``
+        option overrides it.
       log_level(str): level for the ``dramatiq_pg_broker`` loggers, or None to leave them.
       cors_origins(tuple[str, ...]): origins the admin API allows cross-site requests from.
       cookie_secure(bool): mark the admin session cookie Secure (HTTPS only).
@@ -109,6 +114,7 @@ class Settings:
     max_interruptions: int = 10
     prefetch_growth: int = 4
     enqueue_retries: int = 3
+    durable_sends: bool = True
     log_level: str | None = None
     cors_origins: tuple[str, ...] = ()
     cookie_secure: bool = False

@@ -93,6 +93,9 @@ class NewJob:
     idempotency_key: str | None = None
     message_view_from_bytes: bool = False
     idempotency_scope: str = ""
+    #: False: the send's own commit does not wait for its WAL flush (see
+    #: ``Settings.durable_sends``); ignored in a transaction the caller holds.
+    durable: bool = True
 
 
 class EnqueueResult(NamedTuple):
@@ -189,6 +192,11 @@ def _timestamp_us(value: dt.datetime) -> int:
     return (value - _PG_EPOCH) // dt.timedelta(microseconds=1)
 
 
+#: What the server raises for a row it refuses (a constraint, a value it cannot store), as
+#: opposed to a lost connection.
+_REFUSED = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
+
+
 class _RepeatedId(Exception):
     """Two jobs of one bulk enqueue share an id: the staged path resolves it."""
 
@@ -260,11 +268,59 @@ class JobStore:
           JobAlreadyFinished: a job with the same id already finished.
         """
         params = self._new_job_params(job, now)
+        if conn is not None:
+            # The caller's transaction: its commit is the caller's to make durable or not.
+            params["durable"] = True
         with self.pool.use(conn) as c:
-            row = c.execute(self.queries["insert_job"], params).fetchone()
-            if row is not None:
-                return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-            return self._not_inserted(c, job, params, again)
+            return self._insert_one(c, job, params, again)
+
+    def _insert_one(
+        self, c: psycopg.Connection, job: NewJob, params: dict[str, Any], again: bool
+    ) -> EnqueueResult:
+        row = c.execute(self.queries["insert_job"], params).fetchone()
+        if row is not None:
+            return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+        return self._not_inserted(c, job, params, again)
+
+    def send_many(self, sends: Sequence[tuple[NewJob, bool]]) -> list[EnqueueResult | Exception]:
+        """Single sends of several threads written together (group commit): one autocommit
+        statement inserts them all, with their ``created`` events, and wakes their queues;
+        a send whose job conflicts with a stored one is then handled alone, as
+        :meth:`enqueue` handles it. ``sends`` pairs each job with its ``again`` (see
+        :meth:`enqueue`). The commit is durable unless no send in the group asked for it.
+
+        Returns:
+          list: in the order of ``sends``, each send's result, or the error that only this
+          send raised (``JobAlreadyFinished``, or the server refusing its row).
+
+        Raises:
+          dramatiq.errors.ConnectionError: the statement could not be written; whether it
+            committed is unknown, so every send of the group is retried as a whole.
+        """
+        jobs = [job for job, _ in sends]
+        params = self._bulk_params(jobs, None)
+        params["channels"] = sorted({self.channel(job.queue_name) for job in jobs})
+        params["durable"] = any(job.durable for job in jobs)
+        results: list[EnqueueResult | Exception] = []
+        with self.pool.use() as c:
+            try:
+                inserted = {str(r[0]) for r in c.execute(self.queries["insert_jobs"], params)}
+            except _REFUSED:
+                # One send's row is refused by the server: none of the group was written
+                # (one statement), and each send now learns its own fate alone.
+                inserted = set()
+            for job, again in sends:
+                if job.id in inserted:
+                    inserted.discard(job.id)  # the same id sent twice at once inserts once
+                    results.append(
+                        EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+                    )
+                    continue
+                try:
+                    results.append(self._insert_one(c, job, self._new_job_params(job, None), again))
+                except (JobAlreadyFinished, *_REFUSED) as e:
+                    results.append(e)
+        return results
 
     def _not_inserted(
         self, c: psycopg.Connection, job: NewJob, params: dict[str, Any], again: bool
@@ -524,6 +580,8 @@ class JobStore:
             "max_attempts": [j.max_attempts for j in jobs],
             "idempotency_keys": [j.idempotency_key for j in jobs],
             "idempotency_scopes": [j.idempotency_scope for j in jobs],
+            "channels": [],
+            "durable": True,
             "now": now,
             "events": self.events,
         }
@@ -542,6 +600,7 @@ class JobStore:
             "idempotency_key": job.idempotency_key,
             "idempotency_scope": job.idempotency_scope,
             "channel": self.channel(job.queue_name),
+            "durable": job.durable,
             "now": now,
             "events": self.events,
         }

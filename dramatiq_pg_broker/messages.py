@@ -244,6 +244,7 @@ def job_from_message(
     actor_options: dict[str, Any] | None = None,
     default_max_retries: int | None = 20,
     scope: str = APPLICATION_SCOPE,
+    durable: bool = True,
 ) -> tuple[NewJob, dramatiq.Message]:
     """The one place a message becomes a job row.
 
@@ -254,6 +255,7 @@ def job_from_message(
       actor_options(dict): the actor's options (``max_retries``), if the actor is known.
       default_max_retries(int): the Retries middleware's default.
       scope(str): the idempotency scope (see :func:`idempotency_scope`).
+      durable(bool): the broker's ``durable_sends``; the message's ``durable`` option wins.
 
     Returns:
       tuple: the :class:`NewJob` to insert, and the message as stored (an ``eta`` option is
@@ -281,6 +283,9 @@ def job_from_message(
     if max_retries is not None:
         _check_int("max_retries", max_retries, 0, UNLIMITED_ATTEMPTS - 1)
     key = _check_key(options.get("idempotency_key"))
+    durable = options.get("durable", durable)
+    if not isinstance(durable, bool):
+        raise InvalidMessage(f"durable must be True or False, got {durable!r}")
     stored = encode(message)
     job = NewJob(
         id=job_id,
@@ -294,5 +299,6 @@ def job_from_message(
         max_attempts=max_attempts_for(max_retries),
         idempotency_key=key,
         idempotency_scope=scope,
+        durable=durable,
     )
     return job, message

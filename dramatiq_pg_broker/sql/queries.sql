@@ -17,6 +17,10 @@
 -- row. message_bytes is what workers decode; the jsonb view is for display only: either
 -- given (a display-safe copy) or parsed here from the bytes when the sender knows jsonb
 -- holds them as they are (%(view_from_bytes)s), so the message crosses the wire once.
+-- A send that is not %(durable)s commits without waiting for its WAL flush: set_config(...,
+-- true) is local to this statement's own transaction (the pool's connections autocommit;
+-- a caller's transaction always passes durable). A server crash can then lose the sends
+-- of its last moments (up to three times wal_writer_delay); nothing else changes.
 WITH inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
@@ -36,8 +40,10 @@ WITH inserted AS (
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
     SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
+), no_flush_wait AS (
+    SELECT set_config('synchronous_commit', 'off', true) WHERE NOT %(durable)s
 )
-SELECT id, pg_notify(%(channel)s, '') FROM inserted
+SELECT id, pg_notify(%(channel)s, '') FROM inserted LEFT JOIN no_flush_wait ON true
 
 -- find_existing --
 -- The job that made an insert a no-op: the same message id, or the same idempotency key
@@ -92,6 +98,9 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- inserts nothing, and the rows that were inserted are returned with their position (from
 -- 1). All the rows get the same now(), so created_at is advanced by one microsecond per
 -- position: jobs of equal priority and availability are then claimed in the order sent.
+-- Concurrent single sends share this statement (group commit, one autocommit transaction):
+-- they pass the %(channels)s to wake, and %(durable)s false when none of them needs the
+-- WAL flush (as insert_job). A bulk enqueue passes no channel (it notifies at its end).
 WITH given AS (
     SELECT *
     FROM unnest(
@@ -122,8 +131,12 @@ WITH given AS (
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
     SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
+), woken AS (
+    SELECT count(pg_notify(channel, '')) FROM unnest(%(channels)s::text[]) AS channel
+), no_flush_wait AS (
+    SELECT set_config('synchronous_commit', 'off', true) WHERE NOT %(durable)s
 )
-SELECT id FROM inserted
+SELECT id FROM inserted LEFT JOIN woken ON true LEFT JOIN no_flush_wait ON true
 
 -- bulk_now --
 -- The clock of a bulk enqueue written with COPY (COPY computes nothing): the injected clock,

@@ -59,6 +59,12 @@ VARIANTS = {
     "postgres-noevents": Variant(
         "postgres-noevents", "postgres, events off", "postgres", {"DRAMATIQ_PG_EVENTS": "0"}
     ),
+    "postgres-nondurable": Variant(
+        "postgres-nondurable",
+        "postgres, durable=False",
+        "postgres",
+        {"DRAMATIQ_PG_EVENTS": "1", "DRAMATIQ_PG_DURABLE_SENDS": "false"},
+    ),
     "redis": Variant("redis", "redis (dramatiq)", "redis"),
     "rabbitmq": Variant("rabbitmq", "rabbitmq (dramatiq)", "rabbitmq"),
 }

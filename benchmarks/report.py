@@ -20,6 +20,8 @@ TARGETS = (
      ("enqueue", "postgres", "rate"), ("enqueue", "raw-insert-autocommit", "rate"), ">=", 0.9),
     ("enqueue8-vs-redis", "sends from 8 threads ≥ Redis from 8 threads",
      ("enqueue8", "postgres", "rate"), ("enqueue8", "redis", "rate"), ">=", 1.0),
+    ("nondurable-vs-redis", "non-durable send (durable=False) ≥ Redis, one thread",
+     ("enqueue", "postgres-nondurable", "rate"), ("enqueue", "redis", "rate"), ">=", 1.0),
     ("latency-p50-vs-rabbitmq", "latency p50 ≤ 1.5 × RabbitMQ's",
      ("latency", "postgres", "p50_ms"), ("latency", "rabbitmq", "p50_ms"), "<=", 1.5),
     ("latency-p99-vs-rabbitmq", "latency p99 ≤ 3 × RabbitMQ's",
@@ -50,12 +52,16 @@ LABELS = {
     "raw-copy": "raw COPY, plain table",
     "postgres": "postgres (this broker)",
     "postgres-noevents": "postgres, events off",
+    "postgres-nondurable": "postgres, durable=False",
     "redis": "redis (dramatiq)",
     "rabbitmq": "rabbitmq (dramatiq)",
 }
 SERVER_LABELS = {"embedded": "embedded server", "tcp": "standalone server (TCP)"}
 #: Figures that depend on the PostgreSQL server set-up (the rest are Redis and RabbitMQ).
-PG_NAMES = ("raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents")
+PG_NAMES = (
+    "raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents",
+    "postgres-nondurable",
+)  # fmt: skip
 
 
 def _label(name: str) -> str:

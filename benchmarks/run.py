@@ -89,7 +89,7 @@ QUICK = {
 
 #: Which variants each workload runs on.
 APPLIES = {
-    "enqueue": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
+    "enqueue": ("postgres", "postgres-noevents", "postgres-nondurable", "redis", "rabbitmq"),
     "drain": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "latency": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "backlog": ("postgres",),

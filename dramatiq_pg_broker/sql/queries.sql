@@ -216,11 +216,10 @@ SELECT now()
 -- statement (no check-then-act), committed at once; no transaction stays open while the
 -- actor runs. The order (priority, available_at, created_at, id) is exactly the partial
 -- index jobs_claim_order_idx, so the scan stops after %(limit)s rows.
--- The claim commits without waiting for its WAL flush (synchronous_commit off for this
--- transaction only; set_config(..., true) is transaction-local, no session state): a claim
--- lost to a server crash only puts the row back to queued with its previous attempt count,
--- so the job runs again (at-least-once holds), and any outcome written later is a
--- synchronous commit whose WAL flush covers this claim too. Sends and outcomes stay durable.
+-- The claim is a durable commit: a worker runs a claimed message without asking the
+-- database again (its start is written after the actor began), so a claim lost in a
+-- server crash would let the job run twice, once here and once for whoever claims the
+-- row after the restart.
 -- A claim that finds nothing returns one row instead, whose id is NULL, with the wait in
 -- seconds until the queue's earliest delayed job becomes runnable by the server's clock
 -- and that job's available_at (both NULL: nothing waits), so an idle poll is one statement
@@ -280,7 +279,7 @@ SELECT id, priority, attempts, max_attempts,
        CASE WHEN message_bytes IS NULL THEN message END, message_bytes,
        failures, abandoned_claims, NULL::float8 AS wait_seconds,
        available_at, created_at
-FROM claimed, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
+FROM claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8

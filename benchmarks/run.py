@@ -91,7 +91,7 @@ QUICK = {
 APPLIES = {
     "enqueue": ("postgres", "postgres-noevents", "postgres-nondurable", "redis", "rabbitmq"),
     "drain": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
-    "latency": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
+    "latency": ("postgres", "postgres-noevents", "postgres-nondurable", "redis", "rabbitmq"),
     "backlog": ("postgres",),
     "memory": ("postgres", "redis", "rabbitmq"),
     "enqueue8": ("postgres", "redis", "rabbitmq"),

@@ -87,10 +87,6 @@ class Slots:
     def in_use(self) -> int:
         return self._in_use
 
-    @property
-    def free(self) -> int:
-        return max(0, self.prefetch - self._in_use)
-
     def wait(self, timeout: float) -> None:
         """Wait until a slot is freed, at most ``timeout`` seconds."""
         with self._cond:

@@ -47,6 +47,8 @@ class LeaseKeeper:
         self._wake = threading.Event()
         #: Whether the thread knows of deferred starts (it sets a timer for them).
         self._starts_armed = False
+        #: When the next deferred start is due (what the last record_starts() found).
+        self._next_start_due: float | None = None
         self._thread: threading.Thread | None = None
         self._pid: int | None = None
         #: Monotonic time before which this process does not reap: set after the database
@@ -95,13 +97,9 @@ class LeaseKeeper:
             if next_starts is not None and now >= next_starts:
                 # Disarm before looking, so that a start deferred meanwhile arms it again.
                 self._starts_armed = False
-                try:
-                    next_starts = self.broker.ledger.record_starts()
-                except BrokerConnectionError as e:
-                    logger.warning("Could not record started attempts, retrying: %s", e)
-                    next_starts = now + RETRY_CAP_SECONDS
-                except Exception:
-                    logger.exception("Recording started attempts failed.")
+                if self._guard(self.record_starts):
+                    next_starts = self._next_start_due
+                else:
                     next_starts = now + RETRY_CAP_SECONDS
                 if next_starts is not None:
                     self._starts_armed = True
@@ -146,6 +144,10 @@ class LeaseKeeper:
         owned = self.store.renew(attempts, self.settings.lease_seconds)
         ledger.renewed(attempts, owned, sent + self.settings.lease_seconds)
         return owned
+
+    def record_starts(self) -> None:
+        """Write the starts the ledger deferred; remember when the next one is due."""
+        self._next_start_due = self.broker.ledger.record_starts()
 
     def reap(self) -> ReapResult | None:
         """Give back running jobs whose lease expired (any worker's); run Dramatiq's

@@ -112,7 +112,7 @@ class Settings:
     pool_max_size: int = 10
     pool_timeout: float = 30.0
     max_interruptions: int = 10
-    prefetch_growth: int = 4
+    prefetch_growth: int = 8
     enqueue_retries: int = 3
     durable_sends: bool = True
     log_level: str | None = None

@@ -1,13 +1,18 @@
 """PostgresConsumer: claims batches of job rows and hands them to Dramatiq.
 
-Claiming: a consumer claims up to its free prefetch slots in one statement once its
-outstanding messages fall to half the prefetch, so a busy worker pays one round trip per
-batch, not per message. A slot stays taken until the attempt's outcome is written (see
-:mod:`.inflight`). An idle consumer claims once (a claim that finds nothing reports, in the
-same statement, when the earliest delayed job becomes runnable), then waits on LISTEN (its
-own connection) for a payload-free NOTIFY from an enqueue, a retry or a release, and claims
-again only when one arrives, when its poll interval has passed, or when that delayed job
-becomes runnable: one statement per queue per poll interval.
+Claiming: a consumer holds at most its window of messages (Dramatiq's prefetch, grown
+while jobs are short, see :meth:`PostgresConsumer._adapt_window`) and claims in batches of
+at most half the window, as soon as its outstanding messages fall to half the window. So a
+busy worker pays one round trip per batch, not per message, and the next batch is claimed
+while the workers still run the last one: right after a batch is handed over, not once it
+is done. A slot stays taken until the attempt's outcome is written, within the
+write-behind allowance (see :mod:`.inflight`).
+
+An idle consumer claims once (a claim that finds nothing reports, in the same statement,
+when the earliest delayed job becomes runnable), then waits on LISTEN (its own connection)
+for a payload-free NOTIFY from an enqueue, a retry or a release, and claims again only when
+one arrives, when its poll interval has passed, or when that delayed job becomes runnable:
+one statement per queue per poll interval.
 
 Outcomes: ``ack``/``nack``/``requeue`` only tell the in-flight ledger, which owns every
 attempt's state; the :class:`~.outcomes.OutcomeWriter` writes them.
@@ -152,7 +157,8 @@ class PostgresConsumer(Consumer):
             self._drain_notifications()
             self._last_drain = now
         # Claim again once outstanding messages fall to half the window: batches, not
-        # trickles.
+        # trickles, and (a batch being at most half the window) the next batch is on its
+        # way while the workers run the last one.
         low_water = self.window // 2
         if self.slots.in_use <= low_water and self._claim_due():
             if self._claim():
@@ -196,7 +202,9 @@ class PostgresConsumer(Consumer):
         lease = self.settings.lease_seconds
         sent = time.monotonic()
         self._adapt_window(sent)
-        limit = max(0, self.window - self.slots.in_use)
+        # At most half the window at once: the claim after this one is due as soon as
+        # this batch is handed over, and overlaps its running.
+        limit = max(0, min(self.window - self.slots.in_use, self.window - self.window // 2))
         claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
         self._claim_returned = time.monotonic()
         self._claim_seconds = self._claim_returned - sent
@@ -228,6 +236,7 @@ class PostgresConsumer(Consumer):
             self.window = min(self.window * 2, self.prefetch * self.settings.prefetch_growth)
         elif not quick:
             self.window = max(self.prefetch, self.window // 2)
+        self.slots.allowance = self.window
 
     def _proxy(self, job: ClaimedJob, leased_until: float) -> PgMessageProxy | None:
         attempt = Attempt(job.id, self.owner, job.attempts)

@@ -21,11 +21,11 @@ an attempt moves from one state to the next.
   writes it in a batch.
 - *done*: written, rescheduled, released or lost. The ledger forgets it.
 
-Every attempt that is not done has its lease renewed by the heartbeat and holds a prefetch
-slot of its consumer, except that a consumer's first ``prefetch`` unwritten outcomes give
-their slots back as soon as they are queued (:class:`Slots`): the next claim then overlaps
-the writing of the last batch, while a slow or unreachable database still cannot let the
-process run more than its prefetch ahead of what it has recorded (backpressure). A move
+Every attempt that is not done has its lease renewed by the heartbeat and holds a slot of
+its consumer's claim window, except that a consumer's first ``window`` unwritten outcomes
+give their slots back as soon as they are queued (:class:`Slots`): the next claim then
+overlaps the writing of the last batch, while a slow or unreachable database still cannot
+let the process run more than a window ahead of what it has recorded (backpressure). A move
 the state does not allow (an ack after a reschedule, a second outcome, starting a released
 message) is refused here, and only here.
 """
@@ -66,14 +66,14 @@ class State(enum.Enum):
 
 
 class Slots:
-    """The prefetch slots of one consumer: attempts it claimed that are not done yet.
+    """The slots of one consumer's claim window: attempts it claimed that are not done yet.
 
     An attempt whose outcome is queued gives its slot back at once while fewer than
-    ``prefetch`` of the consumer's outcomes wait for the writer (the write-behind
-    allowance), so the next claim overlaps the writing of the last batch's outcomes. Past
-    that, an outcome keeps its slot until it is written: a consumer never holds more than
-    ``prefetch`` messages, nor more than ``2 * prefetch`` attempts the database has not
-    recorded an outcome for.
+    ``allowance`` (the consumer's current window) of the consumer's outcomes wait for the
+    writer (the write-behind allowance), so the next claim overlaps the writing of the last
+    batch's outcomes. Past that, an outcome keeps its slot until it is written: a consumer
+    never holds more than its window in messages, nor more than twice its window in
+    attempts the database has not recorded an outcome for.
     """
 
     def __init__(self, prefetch: int) -> None:
@@ -81,6 +81,9 @@ class Slots:
         self._in_use = 0
         #: Outcomes waiting for the writer whose slots were given back early.
         self._behind = 0
+        #: How many outcomes may wait for the writer without holding their slots: the
+        #: consumer's window (see :meth:`~.consumer.PostgresConsumer._adapt_window`).
+        self.allowance = prefetch
         self._cond = threading.Condition()
 
     @property
@@ -105,7 +108,7 @@ class Slots:
         """An outcome was queued: give its slot back now if the allowance permits.
         Returns True if it did (the outcome is then owed, :meth:`_written` settles it)."""
         with self._cond:
-            if self._behind >= self.prefetch:
+            if self._behind >= self.allowance:
                 return False
             self._behind += 1
             self._in_use -= 1

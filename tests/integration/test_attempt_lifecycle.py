@@ -691,3 +691,39 @@ def test_a_consumer_with_short_jobs_claims_more_than_its_prefetch_and_only_then(
         assert 2 < biggest <= 8, f"held {biggest} messages at most with a prefetch of 2"
     finally:
         consumer.close()
+
+
+def test_the_next_batch_is_claimed_while_the_last_one_runs(h):
+    """Claims take at most half the window, and the next one goes out as soon as a batch
+    is handed over: a consumer never waits for its batch to finish before claiming."""
+    broker = h.broker(prefetch_growth=1)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def running(n):
+        pass
+
+    broker.enqueue_many([running.message(n) for n in range(10)])
+    claims = []
+    real_claim = broker.store.claim_or_wait
+
+    def counting_claim(queue_name, limit, *args, **kwargs):
+        claims.append(limit)
+        return real_claim(queue_name, limit, *args, **kwargs)
+
+    broker.store.claim_or_wait = counting_claim
+    consumer = broker.consume(h.queue, prefetch=4, timeout=300)
+    try:
+        held = [next(consumer) for _ in range(4)]
+        assert all(proxy is not None for proxy in held), "the second batch was not claimed"
+        assert claims == [2, 2], f"claims of {claims} rows for a window of 4"
+        assert consumer.slots.in_use == 4
+        # Nothing acked yet: the window is full, and no claim goes out.
+        assert next(consumer) is None
+        assert claims == [2, 2]
+        for proxy in held[:2]:
+            assert broker.ledger.start(proxy.attempt)
+            consumer.ack(proxy)
+        assert next(consumer) is not None
+        assert claims == [2, 2, 2]
+    finally:
+        consumer.close()

@@ -102,7 +102,8 @@ def test_claimed_messages_that_cannot_be_returned_are_no_longer_renewed(h):
 
     for n in range(3):
         ok.send(n)
-    consumer = broker.consume(h.queue, prefetch=3, timeout=1000)
+    # A claim takes at most half the window: a prefetch of 6 claims all three at once.
+    consumer = broker.consume(h.queue, prefetch=6, timeout=1000)
     first = next(consumer)
     assert first is not None
     buffered = [a for a in broker.ledger.renewable() if a != first.attempt]

@@ -60,9 +60,9 @@ class Settings:
         died, hung or lost its lease) before the reaper fails it. Interruptions are not
         failures: ``max_retries`` does not count them.
       prefetch_growth(int): how far a consumer's claim window may grow beyond the
-        prefetch Dramatiq gives it, as a multiple (1: never). It grows only while the
-        workers finish whole batches faster than a few claims take (short jobs), so that
-        a claim's round trip does not leave them idle, and falls back when jobs take
+        prefetch Dramatiq gives it, as a multiple (1: never). It grows only while claims
+        come back full and find the workers out of work (short jobs, whose threads would
+        otherwise idle through each claim's round trip), and falls back when jobs take
         longer or the queue runs dry.
       enqueue_retries(int): how often a send is retried after a connection error.
       durable_sends(bool): a send returns once its commit is flushed to the server's WAL

@@ -109,6 +109,7 @@ class PostgresConsumer(Consumer):
         self._claim_returned: float | None = None
         self._claim_seconds = 0.0
         self._claim_was_full = False
+        self._claim_starved = False
         self.timeout = max(0.0, timeout / 1000)
         self.owner = new_owner_id()
         self._buffer: deque[PgMessageProxy] = deque()
@@ -159,14 +160,14 @@ class PostgresConsumer(Consumer):
         # Claim again once outstanding messages fall to half the window: batches, not
         # trickles, and (a batch being at most half the window) the next batch is on its
         # way while the workers run the last one.
-        low_water = self.window // 2
-        if self.slots.in_use <= low_water and self._claim_due():
+        if self.slots.held <= self.window // 2 and self._claim_due():
             if self._claim():
                 return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        if self.slots.in_use > low_water:
+        # (The window may have shrunk in _claim: compare with its half now.)
+        if self.slots.held > self.window // 2:
             # Enough work in hand: wait for an outcome to free a slot.
             self.slots.wait(remaining)
         else:
@@ -198,54 +199,78 @@ class PostgresConsumer(Consumer):
         return now - self._last_empty >= self.settings.poll_interval
 
     def _claim(self) -> bool:
-        self._notified = False
         lease = self.settings.lease_seconds
         sent = time.monotonic()
         self._adapt_window(sent)
         # At most half the window at once: the claim after this one is due as soon as
         # this batch is handed over, and overlaps its running.
-        limit = max(0, min(self.window - self.slots.in_use, self.window - self.window // 2))
+        limit = min(self.window - self.slots.held, self.window - self.window // 2)
+        if limit <= 0:
+            # The window just shrank below what is held: wait for slots instead.
+            return False
+        self._notified = False
         claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
         self._claim_returned = time.monotonic()
         self._claim_seconds = self._claim_returned - sent
         self._claim_was_full = len(claim.jobs) >= limit
+        # Every message handed over before this claim was done when it came back: the
+        # workers ran dry while it was on its way.
+        self._claim_starved = self.slots.in_use == 0
         if not claim.jobs:
             self._last_empty = time.monotonic()
             wait = claim.seconds_until_available
             self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
             return False
         self._last_empty = None
+        undecodable: list[tuple[Attempt, str]] = []
         for job in claim.jobs:
-            proxy = self._proxy(job, sent + lease)
+            proxy = self._proxy(job, sent + lease, undecodable)
             if proxy is not None:
                 self._buffer.append(proxy)
+        if undecodable:
+            # After the batch is in hand, so that a failure to write these loses none of it.
+            try:
+                self.store.fail([a for a, _ in undecodable], [e for _, e in undecodable])
+            except BrokerConnectionError as e:
+                logger.warning(
+                    "Could not dead-letter %d undecodable message(s) (%s); their leases "
+                    "expire and they are tried again.",
+                    len(undecodable),
+                    e,
+                )
         return bool(self._buffer)
 
     def _adapt_window(self, now: float) -> None:
-        """Grow the claim window while the workers finish whole batches faster than a few
-        claims take (short jobs: each claim's round trip would otherwise leave them idle),
-        up to ``prefetch_growth`` times the prefetch; fall back towards the prefetch when
-        jobs take longer or the queue runs dry."""
+        """Adapt the claim window once per claim, from how the last one went.
+
+        It doubles, up to ``prefetch_growth`` times the prefetch, when the last claim came
+        back full and found the workers out of work (every message handed over before it
+        was done: short jobs, whose threads idle through each claim's round trip); it
+        halves, down to the prefetch, when the next claim became due only after more than
+        a few claims' time (longer jobs), and returns to the prefetch when a claim comes
+        back short (the queue runs dry)."""
         if self._claim_returned is None:
             return
         since = now - self._claim_returned
-        quick = since < WINDOW_GROWTH_CLAIMS * self._claim_seconds
+        self._claim_returned = None  # what the last claim says is used once
         if not self._claim_was_full:
             self.window = self.prefetch
-        elif quick and self.slots.in_use == 0:
-            self.window = min(self.window * 2, self.prefetch * self.settings.prefetch_growth)
-        elif not quick:
+        elif since >= WINDOW_GROWTH_CLAIMS * self._claim_seconds:
             self.window = max(self.prefetch, self.window // 2)
+        elif self._claim_starved:
+            self.window = min(self.window * 2, self.prefetch * self.settings.prefetch_growth)
         self.slots.allowance = self.window
 
-    def _proxy(self, job: ClaimedJob, leased_until: float) -> PgMessageProxy | None:
+    def _proxy(
+        self, job: ClaimedJob, leased_until: float, undecodable: list[tuple[Attempt, str]]
+    ) -> PgMessageProxy | None:
         attempt = Attempt(job.id, self.owner, job.attempts)
         try:
             message = self.broker.decode_message(job.message, job.message_bytes)
         except Exception as e:
             # A message nobody can decode is dead-lettered with the reason, never dropped.
             logger.error("Job %s has a message that cannot be decoded: %s", job.id, e)
-            self.store.fail([attempt], [f"cannot decode message: {describe_exception(e)}"])
+            undecodable.append((attempt, f"cannot decode message: {describe_exception(e)}"))
             return None
         # Dramatiq's convention: options["retries"] counts the earlier failed attempts
         # (its Retries middleware decides with it). Interruptions are not retries.

@@ -25,7 +25,8 @@ Every attempt that is not done has its lease renewed by the heartbeat and holds 
 its consumer's claim window, except that a consumer's first ``window`` unwritten outcomes
 give their slots back as soon as they are queued (:class:`Slots`): the next claim then
 overlaps the writing of the last batch, while a slow or unreachable database still cannot
-let the process run more than a window ahead of what it has recorded (backpressure). A move
+let a consumer run more than about a window ahead of what it has recorded
+(backpressure). A move
 the state does not allow (an ack after a reschedule, a second outcome, starting a released
 message) is refused here, and only here.
 """
@@ -71,13 +72,14 @@ class Slots:
     An attempt whose outcome is queued gives its slot back at once while fewer than
     ``allowance`` (the consumer's current window) of the consumer's outcomes wait for the
     writer (the write-behind allowance), so the next claim overlaps the writing of the last
-    batch's outcomes. Past that, an outcome keeps its slot until it is written: a consumer
+    batch's outcomes. Past that, an outcome keeps its slot until it is written; and when
+    the window shrinks below the outcomes already behind, the excess counts as held
+    (:attr:`held`). A consumer claims only up to its window in :attr:`held` slots, so it
     never holds more than its window in messages, nor more than twice its window in
-    attempts the database has not recorded an outcome for.
+    attempts the database has not recorded an outcome for (the window of its last claim).
     """
 
     def __init__(self, prefetch: int) -> None:
-        self.prefetch = prefetch
         self._in_use = 0
         #: Outcomes waiting for the writer whose slots were given back early.
         self._behind = 0
@@ -89,6 +91,11 @@ class Slots:
     @property
     def in_use(self) -> int:
         return self._in_use
+
+    @property
+    def held(self) -> int:
+        """Slots in use, plus the outcomes waiting for the writer beyond the allowance."""
+        return self._in_use + max(0, self._behind - self.allowance)
 
     def wait(self, timeout: float) -> None:
         """Wait until a slot is freed, at most ``timeout`` seconds."""
@@ -118,6 +125,7 @@ class Slots:
     def _written(self) -> None:
         with self._cond:
             self._behind -= 1
+            self._cond.notify_all()  # it may have counted as held
 
 
 class _Entry:

@@ -648,26 +648,75 @@ def test_an_attempt_let_go_before_its_start_was_written_counts_as_interrupted(h,
 # -- the claim window grows for short jobs, and only for them -------------------------------
 
 
-def test_the_claim_window_grows_only_while_whole_batches_finish_quickly(h):
+def test_the_claim_window_grows_only_while_the_workers_run_dry_during_claims(h):
     broker = h.broker(prefetch_growth=4)
     broker.declare_queue(h.queue)
     consumer = broker.consume(h.queue, prefetch=4, timeout=100)
+
+    def after_claim(*, full=True, starved=True, seconds_later=0.005):
+        # The last claim took 10 ms; the next one is due `seconds_later` after it returned.
+        consumer._claim_returned, consumer._claim_seconds = 100.0, 0.010
+        consumer._claim_was_full, consumer._claim_starved = full, starved
+        consumer._adapt_window(100.0 + seconds_later)
+
     try:
         assert consumer.window == 4
-        # The last claim took 10 ms, came back full, and everything it brought is done.
-        consumer._claim_returned, consumer._claim_seconds = 100.0, 0.010
-        consumer._claim_was_full = True
-        consumer._adapt_window(100.005)  # done within a claim's time: the threads idled
+        after_claim()  # full, and everything handed over before it was done: threads idled
+        assert consumer.window == 8 and consumer.slots.allowance == 8
+        after_claim(starved=False)  # work was still in hand when it came back: enough
         assert consumer.window == 8
-        consumer._adapt_window(100.005)
-        consumer._adapt_window(100.005)
+        after_claim()
+        after_claim()
         assert consumer.window == 16, "the window grew past prefetch_growth times the prefetch"
-        consumer._adapt_window(100.5)  # a batch took 50 claims' time: long jobs
-        assert consumer.window == 8
-        consumer._claim_was_full = False  # the queue ran dry
-        consumer._adapt_window(100.005)
+        consumer._adapt_window(100.5)  # nothing new since the last claim: no second change
+        assert consumer.window == 16
+        after_claim(seconds_later=0.5)  # the next claim was due 50 claims' time later
+        assert consumer.window == 8 and consumer.slots.allowance == 8
+        after_claim(full=False)  # the queue ran dry
         assert consumer.window == 4
     finally:
+        consumer.close()
+
+
+def test_outcomes_behind_a_shrunken_window_count_as_held(h):
+    """When the window shrinks below the outcomes already waiting for the writer, the
+    excess holds slots: the consumer claims nothing until the writer catches up, so it
+    never runs more than twice its window ahead of what the database recorded."""
+    broker = h.broker(prefetch_growth=4)
+    gate = threading.Event()
+    real_complete = broker.store.complete
+
+    def stuck_complete(attempts, **kwargs):
+        gate.wait(10)
+        return real_complete(attempts, **kwargs)
+
+    broker.store.complete = stuck_complete
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def noop(n):
+        pass
+
+    broker.enqueue_many([noop.message(n) for n in range(20)])
+    consumer = broker.consume(h.queue, prefetch=2, timeout=300)
+    try:
+        consumer.window = consumer.slots.allowance = 8
+        for _ in range(8):
+            proxy = next(consumer)
+            assert proxy is not None
+            assert broker.ledger.start(proxy.attempt)
+            consumer.ack(proxy)
+        assert consumer.slots.in_use == 0 and len(broker.ledger) == 8
+        # The queue looks dry to the window logic: it falls back to the prefetch (2), and
+        # 6 of the 8 outcomes behind now count as held.
+        consumer._claim_returned, consumer._claim_was_full = time.monotonic(), False
+        assert next(consumer) is None, "claimed while 8 outcomes were unwritten, window 2"
+        assert consumer.window == 2 and consumer.slots.held == 6
+        gate.set()
+        assert broker.outcomes.flush(timeout=5)
+        assert consumer.slots.held == 0
+        assert next(consumer) is not None
+    finally:
+        gate.set()
         consumer.close()
 
 

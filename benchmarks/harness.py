@@ -394,6 +394,11 @@ def percentile(sorted_values: list[float], pct: float) -> float:
 # -- many processes, a pooler, an idle worker (this broker only) ---------------------------
 
 
+#: Seconds between loading a group drain's messages and their becoming runnable: the load
+#: and its VACUUM, plus a poll interval, plus a margin.
+GROUP_START_DELAY = 4.0
+
+
 def group_drain(
     harness: Harness,
     variant: Variant,
@@ -407,7 +412,9 @@ def group_drain(
     this step (``pool_size`` server connections; the workers in ``listen=False`` mode
     without prepared statements, as the README says).
 
-    The clock is the server's: from the first claim (``min(started_at)``) to the last
+    The messages are loaded once every process has booted, runnable
+    :data:`GROUP_START_DELAY` seconds later, so that the processes start together. The
+    clock is the server's: from the first claim (``min(started_at)``) to the last
     outcome written (``max(finished_at)``). While the workers run, a sampler reads
     ``pg_locks`` (lock waits of the workers' backends) and ``pg_stat_activity`` (their
     server-side connections). Deadlocks: the ``pg_stat_database`` delta of the database
@@ -429,7 +436,6 @@ def group_drain(
     elif pgbouncer.binary() is None:
         raise BenchError("skipped: pgbouncer is not installed (apt-get install pgbouncer)")
     harness.flush(variant)
-    harness.fill(variant, count)
     pooler = None
     sampler = None
     log_path = harness.log_path(variant, tag)
@@ -452,6 +458,11 @@ def group_drain(
             variant, tag, processes=processes, threads=threads, url=worker_url, **extra
         ) as (proc, state):
             harness.wait_all_ready(proc, state, processes, timeout=60 + 10 * processes)
+            # The messages go in once every process has booted, runnable a few seconds
+            # later: each idle consumer polls at least once meanwhile (every poll interval,
+            # through the pooler too) and learns when they become due, so all processes
+            # start together, and no process's boot runs inside the timed drain.
+            harness.fill(variant, count, delay_s=GROUP_START_DELAY)
             sampler.start()
             deadline = time.monotonic() + count / 50 + 120
             while sampler.unfinished != 0:

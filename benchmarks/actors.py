@@ -8,7 +8,11 @@ client processes import this module, so every broker runs the very same actors:
 - ``BENCH_QUEUES``: how many queues the worker consumes (default 1: the benchmark queue;
   more adds idle queues ``dramatiq_bench_2``, ..., for the idle-cost workload);
 - ``BENCH_STATE_DIR``: where the worker reports to the harness (a ready file when it has
-  booted, ``drain.json`` once ``BENCH_EXPECT`` messages are done, latency samples).
+  booted, ``drain.json`` once ``BENCH_EXPECT`` messages are done, latency samples);
+- ``BENCH_COUNT_STATEMENTS``: when set, each worker process counts the SQL statements it
+  sends (every psycopg ``Cursor.execute``: the statements a server's statement log would
+  show) and writes the count, with the time, to ``statements-<pid>.json`` five times a
+  second once it has booted.
 """
 
 from __future__ import annotations
@@ -30,6 +34,32 @@ KIND = os.environ.get("BENCH_BROKER", "postgres")
 STATE_DIR = os.environ.get("BENCH_STATE_DIR")
 EXPECT = int(os.environ.get("BENCH_EXPECT", "0"))
 QUEUES = int(os.environ.get("BENCH_QUEUES", "1"))
+COUNT_STATEMENTS = bool(os.environ.get("BENCH_COUNT_STATEMENTS"))
+_statements = 0
+_statements_lock = threading.Lock()
+
+
+def _count_statements() -> None:
+    """Count every statement this process sends through psycopg (see the module docstring)."""
+    import psycopg
+
+    original = psycopg.Cursor.execute
+
+    def execute(self, *args, **kwargs):
+        global _statements
+        with _statements_lock:
+            _statements += 1
+        return original(self, *args, **kwargs)
+
+    psycopg.Cursor.execute = execute
+
+
+def _report_statements() -> None:
+    while True:
+        _write_json(
+            f"statements-{os.getpid()}.json", {"statements": _statements, "at": time.time()}
+        )
+        time.sleep(0.2)
 
 
 def make_broker(kind: str) -> dramatiq.Broker:
@@ -78,6 +108,9 @@ class BenchReporter(Middleware):
     def after_worker_boot(self, broker, worker) -> None:
         _write_json(f"ready-{os.getpid()}.json", {"pid": os.getpid(), "at": time.time()})
 
+        if COUNT_STATEMENTS:
+            threading.Thread(target=_report_statements, daemon=True).start()
+
     def before_process_message(self, broker, message) -> None:
         if self.first_start is None:
             with self.lock:
@@ -101,6 +134,8 @@ class BenchReporter(Middleware):
         self._settled(broker)
 
 
+if COUNT_STATEMENTS:
+    _count_statements()
 broker = make_broker(KIND)
 broker.add_middleware(BenchReporter())
 dramatiq.set_broker(broker)

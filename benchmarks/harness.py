@@ -514,43 +514,56 @@ def idle_cost(
 ) -> dict:
     """Statements an idle worker with ``queues`` queues issues per queue per poll interval.
 
-    The worker runs alone in a database of its own (created for the measurement and
-    dropped after), so the server's per-database transaction counter counts only it; each
-    of the broker's statements is its own transaction (autocommit). The counters are read
-    once every connection of the database has closed (a backend reports them on exit).
-
-    A worker's start costs a fixed number of statements (schema check, LISTENs, the first
-    reaper run), however long it idles: the worker runs twice, idling a quarter of
-    ``seconds`` and then ``seconds``, and the rate is the difference per poll interval.
+    The worker runs alone, on an empty schema in a database of its own (created for the
+    measurement and dropped after), and counts the statements it sends itself
+    (``BENCH_COUNT_STATEMENTS``: every psycopg ``execute``, the statements the server's log
+    would show), reporting the count five times a second. The start-up statements (schema
+    check, LISTENs, the first reaper run, the first claims) are left out: the count is
+    taken :data:`IDLE_SETTLE` seconds after the worker booted and again ``seconds`` later,
+    and the rate is the difference per poll interval, by the worker's own clock. Every
+    statement counts, the reaper's included.
     """
     from dramatiq_pg_broker.config import Settings
 
     poll = Settings.load().poll_interval
     url = pgdata.create_database(harness.url, database)
-    runs = []
     try:
         from dramatiq_pg_broker.migrate import migrate
 
         migrate(url, harness.schema)
-        for idle in (seconds / 4, seconds):
-            before = pgdata.settled_transactions(harness.url, database)
-            started = time.monotonic()
-            with harness.worker(variant, "idle", url=url, threads=2,
-                                BENCH_QUEUES=str(queues)) as (proc, state):  # fmt: skip
-                harness.wait_ready(proc, state)
-                time.sleep(idle)  # the idle period being measured
-                if proc.poll() is not None:
-                    raise BenchError("the idle worker died")
-            elapsed = time.monotonic() - started
-            runs.append((pgdata.settled_transactions(harness.url, database) - before, elapsed))
+        with harness.worker(variant, "idle", url=url, threads=2, BENCH_QUEUES=str(queues),
+                            BENCH_COUNT_STATEMENTS="1") as (proc, state):  # fmt: skip
+            pid = harness.wait_ready(proc, state)
+            path = os.path.join(state, f"statements-{pid}.json")
+            time.sleep(IDLE_SETTLE)
+            first = _read_count(path)
+            time.sleep(seconds)  # the idle period being measured
+            last = _read_count(path)
+            if proc.poll() is not None:
+                raise BenchError("the idle worker died")
     finally:
         pgdata.drop_database(harness.url, database)
-    (short, short_s), (long, long_s) = runs
-    intervals = (long_s - short_s) / poll
+    sent = last["statements"] - first["statements"]
+    intervals = (last["at"] - first["at"]) / poll
     return {
-        "statements": float(long),
-        "startup_statements": float(short - queues * short_s / poll),
-        "seconds": long_s,
+        "statements": float(sent),
+        "startup_statements": float(first["statements"]),
+        "seconds": last["at"] - first["at"],
         "poll_interval_s": poll,
-        "per_queue_per_poll": (long - short) / queues / intervals,
+        "per_queue_per_poll": sent / queues / intervals,
     }
+
+
+#: Seconds an idle worker runs after booting before its statements are counted.
+IDLE_SETTLE = 3.0
+
+
+def _read_count(path: str) -> dict:
+    """The statement count a worker last reported (see :func:`idle_cost`)."""
+    for _ in range(50):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            time.sleep(0.1)
+    raise BenchError("the idle worker did not report its statement count")

@@ -373,22 +373,6 @@ def drop_database(url: str, name: str) -> None:
         )
 
 
-def settled_transactions(url: str, name: str, timeout: float = 30.0) -> int:
-    """Committed plus rolled-back transactions of database ``name``, read once no backend is
-    connected to it (a backend reports its counters when it exits)."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        deadline = time.monotonic() + timeout
-        while True:
-            count, backends = conn.execute(
-                "SELECT xact_commit + xact_rollback, numbackends FROM pg_stat_database "
-                "WHERE datname = %s",
-                (name,),
-            ).fetchone()
-            if backends == 0 or time.monotonic() > deadline:
-                return int(count)
-            time.sleep(0.05)
-
-
 def server_settings(url: str, names) -> dict[str, str]:
     """The server's values of ``names`` (``SHOW``), recorded with the results."""
     with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:

@@ -25,10 +25,9 @@ Every attempt that is not done has its lease renewed by the heartbeat and holds 
 its consumer's claim window, except that a consumer's first ``window`` unwritten outcomes
 give their slots back as soon as they are queued (:class:`Slots`): the next claim then
 overlaps the writing of the last batch, while a slow or unreachable database still cannot
-let a consumer run more than about a window ahead of what it has recorded
-(backpressure). A move
-the state does not allow (an ack after a reschedule, a second outcome, starting a released
-message) is refused here, and only here.
+let a consumer run more than about a window ahead of what it has recorded (backpressure).
+A move the state does not allow (an ack after a reschedule, a second outcome, starting a
+released message) is refused here, and only here.
 """
 
 from __future__ import annotations
@@ -124,8 +123,11 @@ class Slots:
 
     def _written(self) -> None:
         with self._cond:
+            beyond_allowance = self._behind > self.allowance
             self._behind -= 1
-            self._cond.notify_all()  # it may have counted as held
+            if beyond_allowance:
+                # It counted as held (the window shrank): a slot is free now.
+                self._cond.notify_all()
 
 
 class _Entry:

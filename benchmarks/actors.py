@@ -107,7 +107,6 @@ class BenchReporter(Middleware):
 
     def after_worker_boot(self, broker, worker) -> None:
         _write_json(f"ready-{os.getpid()}.json", {"pid": os.getpid(), "at": time.time()})
-
         if COUNT_STATEMENTS:
             threading.Thread(target=_report_statements, daemon=True).start()
 

@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 #: How often a consumer whose last claim found work reads its notifications.
 BUSY_DRAIN_INTERVAL = 0.1
 
-#: The window grows when a whole batch was done in less time than this many claims take.
-WINDOW_GROWTH_CLAIMS = 4
+#: The window halves when the next claim became due only after this many claims' time.
+WINDOW_SHRINK_CLAIMS = 4
 
 
 def new_owner_id() -> str:
@@ -255,7 +255,7 @@ class PostgresConsumer(Consumer):
         self._claim_returned = None  # what the last claim says is used once
         if not self._claim_was_full:
             self.window = self.prefetch
-        elif since >= WINDOW_GROWTH_CLAIMS * self._claim_seconds:
+        elif since >= WINDOW_SHRINK_CLAIMS * self._claim_seconds:
             self.window = max(self.prefetch, self.window // 2)
         elif self._claim_starved:
             self.window = min(self.window * 2, self.prefetch * self.settings.prefetch_growth)

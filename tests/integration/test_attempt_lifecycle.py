@@ -187,19 +187,26 @@ def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
     consumer.close()
 
 
+def _stall_completes(broker) -> threading.Event:
+    """Make the outcome writer's completes wait (up to 10 s) until the returned event is
+    set: outcomes pile up unwritten."""
+    gate = threading.Event()
+    real_complete = broker.store.complete
+
+    def stalled_complete(attempts, **kwargs):
+        gate.wait(10)
+        return real_complete(attempts, **kwargs)
+
+    broker.store.complete = stalled_complete
+    return gate
+
+
 def test_unwritten_outcomes_are_bounded_by_the_prefetch(h):
     """With the writer stuck, a consumer with prefetch 2 may run 2 more messages on the
     write-behind allowance, then no more: 4 unwritten outcomes at most, 2 of them holding
     their slots. (The claim window stays at the prefetch: prefetch_growth=1.)"""
     broker = h.broker(prefetch_growth=1)
-    gate = threading.Event()
-    real_complete = broker.store.complete
-
-    def slow_complete(attempts, **kwargs):
-        gate.wait(10)
-        return real_complete(attempts, **kwargs)
-
-    broker.store.complete = slow_complete
+    gate = _stall_completes(broker)
 
     @dramatiq.actor(broker=broker, queue_name=h.queue)
     def noop(n):
@@ -683,14 +690,7 @@ def test_outcomes_behind_a_shrunken_window_count_as_held(h):
     excess holds slots: the consumer claims nothing until the writer catches up, so it
     never runs more than twice its window ahead of what the database recorded."""
     broker = h.broker(prefetch_growth=4)
-    gate = threading.Event()
-    real_complete = broker.store.complete
-
-    def stuck_complete(attempts, **kwargs):
-        gate.wait(10)
-        return real_complete(attempts, **kwargs)
-
-    broker.store.complete = stuck_complete
+    gate = _stall_completes(broker)
 
     @dramatiq.actor(broker=broker, queue_name=h.queue)
     def noop(n):

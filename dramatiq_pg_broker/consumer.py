@@ -217,6 +217,8 @@ class PostgresConsumer(Consumer):
         # workers ran dry while it was on its way.
         self._claim_starved = self.slots.in_use == 0
         if not claim.jobs:
+            if claim.lease_seconds_left is not None:
+                self.broker.leases.leases_report(sent, claim.lease_seconds_left)
             self._last_empty = time.monotonic()
             wait = claim.seconds_until_available
             self._next_due = None if wait is None else self._last_empty + max(0.0, wait)

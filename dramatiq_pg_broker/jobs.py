@@ -23,6 +23,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import json
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -68,6 +69,10 @@ class Claim:
     next_available_at: dt.datetime | None = None
     #: Seconds, by the server's clock, until then (0 or less: runnable now).
     seconds_until_available: float | None = None
+    #: None unless nothing was claimed: seconds until the earliest lease of any running job
+    #: (any queue, any worker) expires (0 or less: one has expired; ``math.inf``: no job
+    #: runs). The reaper has nothing to do before then (:meth:`.LeaseKeeper.leases_report`).
+    lease_seconds_left: float | None = None
 
 
 # Not frozen: a frozen dataclass's __init__ costs three times as much, which a bulk enqueue
@@ -648,7 +653,8 @@ class JobStore:
             conn,
         )
         if len(rows) == 1 and rows[0][0] is None:
-            return Claim([], rows[0][9], rows[0][8])
+            left = rows[0][11]
+            return Claim([], rows[0][9], rows[0][8], math.inf if left is None else left)
         return Claim([ClaimedJob(str(r[0]), *r[1:8]) for r in rows])
 
     def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:

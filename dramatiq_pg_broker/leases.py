@@ -11,6 +11,15 @@ bounded, ``SKIP LOCKED`` statement, so every process can run it at once and an i
 costs one index probe. After the database was unreachable, a process renews as soon as it
 is back and waits a whole lease before reaping, so that no owner loses a live attempt to
 an outage.
+
+An idle process sends no reaper statement while no lease can have expired: a claim that
+finds nothing also reports when the earliest lease of any running job expires
+(:meth:`LeaseKeeper.leases_report`), and a reaper run due before then, with a report of
+the last :data:`REPORT_FRESH_POLLS` poll intervals in hand, is skipped. A lease taken
+after the report expires no sooner than a whole lease of this process's length after it,
+so the report holds until then at the latest. A busy process's claims report nothing and
+its reaper runs on its interval. (A lease shortened since the report by an explicit
+``renew(lease_seconds=...)`` shorter than the report's age is reaped one interval late.)
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: How many poll intervals an idle claim's lease report stays usable (see the module
+#: docstring): an idle consumer sends one every poll interval.
+REPORT_FRESH_POLLS = 2
+
 
 class LeaseKeeper:
     """Heartbeat and reaper of one process. See the module docstring."""
@@ -54,6 +67,9 @@ class LeaseKeeper:
         #: Monotonic time before which this process does not reap: set after the database
         #: was unreachable, so that the owners of live attempts renew them first.
         self._reap_after = 0.0
+        #: The last idle claim's lease report: (monotonic time it was sent, monotonic time
+        #: before which no lease can have expired).
+        self._quiet: tuple[float, float] | None = None
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -74,6 +90,19 @@ class LeaseKeeper:
         if not self._starts_armed:
             self._starts_armed = True
             self._wake.set()
+
+    def leases_report(self, sent: float, seconds_left: float) -> None:
+        """A claim sent at ``sent`` (monotonic) found nothing, and the earliest lease of
+        any running job expiring ``seconds_left`` later by the server's clock (``math.inf``:
+        no job ran). A lease taken since expires no sooner than ``lease_seconds`` after
+        ``sent``: until the earlier of the two, a reaper run would find nothing."""
+        self._quiet = (sent, sent + min(seconds_left, self.settings.lease_seconds))
+
+    def _nothing_expired(self, now: float) -> bool:
+        """Whether a fresh lease report says that no lease can have expired yet."""
+        quiet = self._quiet
+        fresh = REPORT_FRESH_POLLS * self.settings.poll_interval
+        return quiet is not None and now - quiet[0] <= fresh and now < quiet[1]
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -152,7 +181,8 @@ class LeaseKeeper:
     def reap(self) -> ReapResult | None:
         """Give back running jobs whose lease expired (any worker's); run Dramatiq's
         failure hooks for those that failed (interruptions exhausted)."""
-        if time.monotonic() < self._reap_after:
+        now = time.monotonic()
+        if now < self._reap_after or self._nothing_expired(now):
             return None
         settings = self.settings
         result = self.store.reap(

@@ -227,7 +227,10 @@ SELECT now()
 -- hand the job out. The wait hops from one priority to the next through the claim index
 -- (a loose index scan, one probe per distinct priority in use): a plain min(available_at)
 -- would read every waiting entry of the queue, 100,000 index entries for 100,000 delayed
--- jobs, on every idle poll.
+-- jobs, on every idle poll. That row also says, in seconds, when the earliest lease of any
+-- running job (of any queue) expires (NULL: no job runs): one probe of jobs_lease_expiry_idx,
+-- which lets an idle worker's reaper skip its runs while no lease can have expired (see
+-- leases.py).
 WITH RECURSIVE picked AS (
     SELECT id
     FROM {schema}.jobs
@@ -278,13 +281,15 @@ WITH RECURSIVE picked AS (
 SELECT id, priority, attempts, max_attempts,
        CASE WHEN message_bytes IS NULL THEN message END, message_bytes,
        failures, abandoned_claims, NULL::float8 AS wait_seconds,
-       available_at, created_at
+       available_at, created_at, NULL::float8 AS lease_seconds_left
 FROM claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8
         FROM first_per_priority),
-       (SELECT min(available_at) FROM first_per_priority), NULL
+       (SELECT min(available_at) FROM first_per_priority), NULL,
+       (SELECT extract(epoch FROM min(locked_until) - coalesce(%(now)s::timestamptz, now()))::float8
+        FROM {schema}.jobs WHERE status = 'running')
 WHERE NOT EXISTS (SELECT 1 FROM claimed)
 ORDER BY 2, 10, 11, 1
 

@@ -46,7 +46,8 @@ class Settings:
         server session, and the pooler hands each transaction to any session.
       events(bool): write job events (the audit trail). On by default.
       reaper_interval(float): seconds between two runs of the expired-lease reaper in each
-        worker process.
+        worker process. A run is skipped while the process's last empty claims report that
+        no lease can have expired yet (see :mod:`.leases`).
       reaper_batch(int): the most rows one reaper run touches.
       backoff_base_ms(int): the first retry delay; doubles at every attempt.
       backoff_max_ms(int): the longest retry delay.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,7 +25,7 @@ from dramatiq.middleware import Middleware, MiddlewareError
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from . import messages, sending
+from . import forks, messages, sending
 from .config import Settings
 from .consumer import PgMessageProxy, PostgresConsumer, describe_error
 from .current import JobContext, current_job
@@ -127,7 +126,7 @@ class PostgresBroker(dramatiq.Broker):
         self._sends = sending.SendContext()
         #: Concurrent sends through the pool share a statement (see _send); per process.
         self._group = _GroupCommit(self._write_sends)
-        self._group_pid = os.getpid()
+        self._group_pid = forks.pid()
         self._identity: tuple | None = None
         for schedule in schedules or ():
             self.add_schedule(schedule)
@@ -250,12 +249,12 @@ class PostgresBroker(dramatiq.Broker):
         is written wait for it, then go together in one statement. Each returns once its
         row is committed, durably unless it asked otherwise."""
         group = self._group
-        if self._group_pid != os.getpid():
+        if self._group_pid != forks.pid():
             with self._consumers_lock:
-                if self._group_pid != os.getpid():
+                if self._group_pid != forks.pid():
                     # A forked child shares no write in progress with its parent.
                     self._group = group = _GroupCommit(self._write_sends)
-                    self._group_pid = os.getpid()
+                    self._group_pid = forks.pid()
                 group = self._group
         item = (job, again)
         result = group.submit(item)[id(item)]

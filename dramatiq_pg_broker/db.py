@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import re
 import threading
 import time
@@ -19,6 +18,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
+from . import forks
 from .config import Settings
 from .errors import ConfigurationError, SchemaMissing
 
@@ -196,7 +196,7 @@ class ProcessPool:
         self.configure = configure
         self._given = pool
         self._pool: ConnectionPool | None = pool
-        self._pid = os.getpid() if pool is not None else None
+        self._pid = forks.pid() if pool is not None else None
         self._lock = threading.Lock()
         self._url: str | None = None
 
@@ -212,10 +212,10 @@ class ProcessPool:
 
     def get(self) -> ConnectionPool:
         pool = self._pool
-        if pool is not None and self._pid == os.getpid():
+        if pool is not None and self._pid == forks.pid():
             return pool
         with self._lock:
-            if self._pool is None or self._pid != os.getpid():
+            if self._pool is None or self._pid != forks.pid():
                 if self._given is not None and self._pid is not None:
                     logger.warning("A pool passed to the broker is used after a fork.")
                 self._pool = ReconnectingPool(
@@ -224,13 +224,13 @@ class ProcessPool:
                     max_size=self.settings.pool_max_size,
                     kwargs=connection_kwargs(self.settings),
                     configure=self.configure,
-                    name=f"dramatiq-pg-broker-{os.getpid()}",
+                    name=f"dramatiq-pg-broker-{forks.pid()}",
                     open=False,
                     timeout=self.settings.pool_timeout,
                 )
                 with translate_errors():
                     self._pool.open(wait=False)
-                self._pid = os.getpid()
+                self._pid = forks.pid()
             return self._pool
 
     @contextlib.contextmanager
@@ -268,7 +268,7 @@ class ProcessPool:
 
     def close(self) -> None:
         with self._lock:
-            if self._pool is not None and self._pid == os.getpid() and self._given is None:
+            if self._pool is not None and self._pid == forks.pid() and self._given is None:
                 self._pool.close()
             self._pool = None if self._given is None else self._given
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
 
+from . import forks
 from .jobs import Attempt
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class Ledger:
         self.settings = broker.settings
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
-        self._pid = os.getpid()
+        self._pid = forks.pid()
         self._closing = False
         self._starts = _GroupCommit(self._write_starts)
         #: Attempts this process let go of without an outcome (a retry or an outcome that
@@ -229,15 +229,15 @@ class Ledger:
     # -- bookkeeping ---------------------------------------------------------------------
 
     def _check_fork(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid != forks.pid():
             with self._lock:
-                if self._pid != os.getpid():
+                if self._pid != forks.pid():
                     # A forked child holds none of its parent's attempts.
                     self._entries = {}
                     self._orphans = []
                     self._closing = False
                     self._starts = _GroupCommit(self._write_starts)
-                    self._pid = os.getpid()
+                    self._pid = forks.pid()
 
     def _get(self, attempt: Attempt, *states: State) -> _Entry | None:
         entry = self._entries.get(attempt.id)

@@ -25,13 +25,13 @@ its reaper runs on its interval. (A lease shortened since the report by an expli
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
+from . import forks
 from .backoff import backoff_table
 from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY
 from .jobs import ReapResult
@@ -74,11 +74,11 @@ class LeaseKeeper:
     # -- the thread ----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+        if self._thread is not None and self._pid == forks.pid() and self._thread.is_alive():
             return
         with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()
+            if self._thread is None or self._pid != forks.pid() or not self._thread.is_alive():
+                self._pid = forks.pid()
                 self._stop.clear()
                 self._thread = threading.Thread(
                     target=self._run, name="dramatiq-pg-leases", daemon=True
@@ -108,7 +108,7 @@ class LeaseKeeper:
         self._stop.set()
         self._wake.set()
         thread = self._thread
-        if thread is not None and self._pid == os.getpid() and thread.is_alive():
+        if thread is not None and self._pid == forks.pid() and thread.is_alive():
             thread.join(timeout)
         self._thread = None
 

@@ -25,6 +25,7 @@ from typing import TypeVar
 import psycopg
 from dramatiq.errors import ConnectionClosed
 
+from . import forks
 from .db import connect
 
 logger = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ _listeners_lock = threading.Lock()
 
 def listener_for(url: str) -> Listener:
     """The listener of this process for ``url`` (a forked child gets its own)."""
-    key = (os.getpid(), url)
+    key = (forks.pid(), url)
     with _listeners_lock:
         listener = _listeners.get(key)
         if listener is None or listener._closed:

@@ -12,7 +12,6 @@ process's prefetch, and an owner that is merely waiting for the database keeps i
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
+from . import forks
 from .inflight import RETRY_CAP_SECONDS
 from .jobs import Attempt
 
@@ -56,14 +56,14 @@ class OutcomeWriter:
         self._queue.put((kind, attempt, error))
 
     def _ensure_thread(self) -> None:
-        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+        if self._thread is not None and self._pid == forks.pid() and self._thread.is_alive():
             return
         with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                if self._pid != os.getpid():
+            if self._thread is None or self._pid != forks.pid() or not self._thread.is_alive():
+                if self._pid != forks.pid():
                     # A forked child must not write (or wait on) its parent's outcomes.
                     self._queue = queue.Queue(MAX_QUEUED)
-                self._pid = os.getpid()
+                self._pid = forks.pid()
                 self._thread = threading.Thread(
                     target=self._run, name="dramatiq-pg-outcomes", daemon=True
                 )
@@ -161,7 +161,7 @@ class OutcomeWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted outcome is written. Returns False on timeout."""
-        if self._thread is None or self._pid != os.getpid():
+        if self._thread is None or self._pid != forks.pid():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._queue.unfinished_tasks:

@@ -5,8 +5,8 @@ child (the ``dramatiq`` CLI forks its worker processes after importing the broke
 the process id on every use, and the busiest of them on every claimed message, start and
 outcome. ``os.getpid()`` is a system call each time (glibc stopped caching it), made with
 the GIL held; :func:`pid` returns the id this module read at import and reads again in a
-child right after ``fork()`` (``os.register_at_fork``, which every fork made through
-Python runs: ``os.fork``, ``multiprocessing``, ``subprocess`` children never run Python).
+child right after ``fork()`` (``os.register_at_fork``: every fork made through Python,
+``os.fork`` and ``multiprocessing`` included, runs it in the child).
 """
 
 from __future__ import annotations

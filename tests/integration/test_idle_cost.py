@@ -40,8 +40,8 @@ SHORT_IDLE, LONG_IDLE = 1.0, 7.0
 
 
 class StatementCounter:
-    """Counts ``psycopg.Cursor.execute`` calls while installed (a context manager), and
-    those of each statement text in ``texts``."""
+    """Counts ``psycopg.Cursor.execute`` calls while installed (a context manager): all of
+    them in ``count``, and per statement text in ``of``."""
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0

@@ -33,6 +33,7 @@ from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
 from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
+from .schema_check import SchemaCheck
 from .throttle import LoginThrottle
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,9 @@ def create_app(
         origins = list(settings.cors_origins)
         middleware.append(falcon.CORSMiddleware(allow_origins=origins, allow_credentials=origins))
     middleware.append(SecurityHeaders(settings))
+    # Before the authentication, which reads accounts: see schema_check.py.
+    schema_check = SchemaCheck(store.pool)
+    middleware.append(schema_check)
     middleware.append(Authentication(accounts, settings))
     app = falcon.App(middleware=middleware)
     media.install(app)
@@ -149,7 +153,9 @@ def create_app(
     # "/api/jobs/" and "/api/jobs" are the same resource.
     app.req_options.strip_url_path_trailing_slash = True
 
-    for path, resource in routes(settings, store, accounts, queries, monitor, throttle):
+    for path, resource in routes(
+        settings, store, accounts, queries, monitor, throttle, schema_check=schema_check
+    ):
         if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
             # HEAD answers what GET would, without the body (Falcon sends none for HEAD).
             resource.on_head = resource.on_get
@@ -168,11 +174,13 @@ def routes(
     queries: JobQueries,
     monitor: Monitor | None = None,
     throttle: LoginThrottle | None = None,
+    *,
+    schema_check: SchemaCheck | None = None,
 ) -> list[tuple[str, object]]:
     """Every route of the API and its resource (the OpenAPI document lists the same)."""
     return [
         *dashboard.api_routes(monitor),
-        ("/api/health", Health(queries)),
+        ("/api/health", Health(queries, schema_check)),
         ("/api/config", Config(settings)),
         ("/api/jobs", JobList(queries, store, accounts, settings)),
         ("/api/jobs/stats", JobStats(queries)),

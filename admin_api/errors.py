@@ -19,7 +19,12 @@ import psycopg
 import psycopg_pool
 import sqlalchemy.exc
 
-from dramatiq_pg_broker.errors import InvalidTransition, JobNotFound, SchemaMissing
+from dramatiq_pg_broker.errors import (
+    InvalidTransition,
+    JobNotFound,
+    SchemaMissing,
+    SchemaVersionError,
+)
 
 from .accounts import (
     EmailTaken,
@@ -168,6 +173,8 @@ def add_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(UserNotFound, _raise(404, "{ex}."))
     app.add_error_handler(TokenNotFound, _raise(404, "{ex}."))
     app.add_error_handler(SchemaMissing, _raise(503, "{ex}."))
+    # The schema handshake's refusals (logged once by schema_check.py).
+    app.add_error_handler(SchemaVersionError, _raise(503, "{ex}."))
     app.add_error_handler(sqlalchemy.exc.ProgrammingError, _programming)
     for error in (
         BrokerConnectionError,

@@ -212,7 +212,10 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "status": {"type": "string", "enum": ["ok", "unavailable"]},
             "database": {"type": "string", "enum": ["ok", "unreachable"]},
-            "schema": {"type": "string", "enum": ["ok", "missing"]},
+            "schema": {
+                "type": "string",
+                "enum": ["ok", "missing", "migrations_pending", "code_too_old"],
+            },
             "detail": {"type": "string"},
         },
     },

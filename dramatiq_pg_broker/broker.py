@@ -31,6 +31,7 @@ from .consumer import PgMessageProxy, PostgresConsumer, describe_error
 from .current import JobContext, current_job
 from .db import ProcessPool
 from .errors import InvalidMessage, PgBrokerError, TransactionError
+from .handshake import SchemaGate
 from .inflight import Ledger, State, _GroupCommit
 from .jobs import EnqueueResult, JobStore, NewJob, clean_text
 from .leases import LeaseKeeper
@@ -111,6 +112,8 @@ class PostgresBroker(dramatiq.Broker):
         # other middleware sees it start.
         first = type(self.middleware[0]) if self.middleware else None
         self.add_middleware(JobContext(), before=first)
+        # Ahead of everything: a worker claims nothing before the schema handshake passes.
+        self.add_middleware(SchemaGate(), before=JobContext)
         self.schedules: list[Schedule] = []
         self.periodic = Periodic()
         self.add_middleware(self.periodic)

@@ -1,8 +1,13 @@
 """``dramatiq-pg-broker`` and ``python -m dramatiq_pg_broker``: operate the database side.
 
 Commands:
-  migrate            apply pending migrations (safe to run twice, or from two hosts at once)
-  status             list applied and pending migrations
+  migrate [--check]  apply pending migrations (safe to run twice, or from two hosts at once);
+                     with --check, apply nothing: exit 1 when migrations are pending
+  status             list applied, pending and unknown (newer) migrations, and whether this
+                     code fits the schema (see :mod:`.handshake`)
+
+Every other command that touches the database passes the schema handshake first: against
+a schema this code does not fit it prints ``error: <why>`` and exits with status 2.
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
   jobs list|show|retry|cancel, stats, prune, schedules
                      the operator's commands (:mod:`.cli_jobs`)
@@ -40,17 +45,84 @@ def database_url(args: argparse.Namespace) -> str:
     return resolve_url(settings_from(args))
 
 
+def _schema_state(args: argparse.Namespace):
+    """This code, and what the database says about its schema (see :mod:`.handshake`)."""
+    from .handshake import read_state, this_code
+
+    settings = settings_from(args)
+    with psycopg.connect(database_url(args), autocommit=True) as conn:
+        return this_code(), read_state(conn, settings.schema)
+
+
+def _verdict(code, state) -> str:
+    """One line on whether this code may use the schema."""
+    from .handshake import newer_message, too_old_message
+
+    if not state.admits(code):
+        return f"this code may not use the schema: {too_old_message(state, code)}"
+    pending = state.pending(code)
+    if pending:
+        return (
+            f"{code.describe()} needs the {len(pending)} pending migration(s): run "
+            "`dramatiq-pg-broker migrate`"
+        )
+    unknown = state.unknown(code)
+    if unknown:
+        return f"the database is newer than this code: {newer_message(state, code, unknown)}"
+    return f"{code.describe()} fits the schema"
+
+
+def _kind(migration) -> str:
+    if migration.compatibility is None:
+        return ""
+    return f" ({migration.compatibility}: {migration.reason})"
+
+
 def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     def run_migrate(args: argparse.Namespace) -> int:
         from .migrate import migrate
 
+        if args.check:
+            return check_migrations(args)
         settings = settings_from(args)
         applied = migrate(database_url(args), settings.schema)
         if applied:
             for migration in applied:
-                print(f"applied {migration.filename}")
+                print(f"applied {migration.filename}{_kind(migration)}")
         else:
             print(f"schema {settings.schema!r} is up to date")
+        code, state = _schema_state(args)
+        if not state.admits(code) or state.unknown(code):
+            print(_verdict(code, state))
+        return 0
+
+    def check_migrations(args: argparse.Namespace) -> int:
+        """``migrate --check``: 0 when nothing is pending, 1 (listing them) when migrations
+        are; an edited migration or code the schema no longer admits is an error (2)."""
+        from .errors import CodeTooOld, MigrationChecksumError
+        from .handshake import too_old_message
+        from .migrate import discover, status
+
+        settings = settings_from(args)
+        states = status(database_url(args), settings.schema)
+        changed = [s for s in states if s.state == "changed"]
+        if changed:
+            names = ", ".join(f"{s.version:04d}_{s.name}" for s in changed)
+            raise MigrationChecksumError(
+                f"applied migration(s) {names} differ from this code's files: released "
+                "migrations must not be edited"
+            )
+        code, state = _schema_state(args)
+        if not state.admits(code):
+            raise CodeTooOld(too_old_message(state, code))
+        by_version = {m.version: m for m in discover()}
+        pending = [by_version[s.version] for s in states if s.state == "pending"]
+        if pending:
+            print(f"{len(pending)} migration(s) pending in schema {settings.schema!r}:")
+            for migration in pending:
+                print(f"  {migration.filename}{_kind(migration)}")
+            return 1
+        print(f"schema {settings.schema!r} is up to date: {_verdict(code, state)}")
         return 0
 
     def run_status(args: argparse.Namespace) -> int:
@@ -58,19 +130,45 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
 
         settings = settings_from(args)
         states = status(database_url(args), settings.schema)
-        print(f"schema {settings.schema!r}")
-        for state in states:
-            when = state.applied_at.isoformat(timespec="seconds") if state.applied_at else ""
-            print(f"  {state.version:04d}_{state.name:<30} {state.state:<8} {when}")
+        code, state = _schema_state(args)
+        kinds = {m.version: m for m in state.applied}
+        print(f"schema {settings.schema!r}; this code: {code.describe()}")
+        for s in states:
+            when = s.applied_at.isoformat(timespec="seconds") if s.applied_at else ""
+            line = f"  {s.version:04d}_{s.name:<30} {s.state:<8} {when}"
+            applied = kinds.get(s.version)
+            if applied is not None and applied.compatibility:
+                line += f"  {applied.compatibility}"
+                if not s.known and applied.code_version:
+                    line += f", applied by {applied.code_version}"
+            print(line.rstrip())
         pending = sum(1 for s in states if s.state == "pending")
         changed = sum(1 for s in states if s.state == "changed")
-        print(f"{len(states) - pending} applied, {pending} pending, {changed} changed")
+        unknown = sum(1 for s in states if s.state == "unknown")
+        summary = f"{len(states) - pending - unknown} applied, {pending} pending, {changed} changed"
+        if unknown:
+            summary += f", {unknown} unknown to this code"
+        print(summary)
+        if state.raised_by is not None:
+            print(
+                f"minimum code level: {state.min_code_level:04d} (set by the breaking "
+                f"migration {state.raised_by.label})"
+            )
+        else:
+            print("minimum code level: none (no breaking migration applied)")
+        print(_verdict(code, state))
         return 1 if changed else 0
 
-    sub.add_parser("migrate", help="apply pending migrations").set_defaults(func=run_migrate)
-    sub.add_parser("status", help="list applied and pending migrations").set_defaults(
-        func=run_status
+    migrate_parser = sub.add_parser("migrate", help="apply pending migrations")
+    migrate_parser.add_argument(
+        "--check",
+        action="store_true",
+        help="apply nothing: exit 0 when up to date, 1 when migrations are pending (listed)",
     )
+    migrate_parser.set_defaults(func=run_migrate)
+    sub.add_parser(
+        "status", help="list applied and pending migrations, and whether this code fits"
+    ).set_defaults(func=run_status)
 
 
 def add_embedded_commands(sub: argparse._SubParsersAction) -> None:

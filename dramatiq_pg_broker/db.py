@@ -182,6 +182,10 @@ class ProcessPool:
     The ``dramatiq`` CLI forks its worker processes after importing the broker module, so a
     pool opened in the parent must never be used in a child: the pool remembers its
     process id and a child opens its own.
+
+    The first connection a process takes from it runs the schema handshake
+    (:mod:`.handshake`) on that connection before handing it over: every kind of process
+    passes here before its first statement, so this is the one place the check lives.
     """
 
     def __init__(
@@ -199,6 +203,10 @@ class ProcessPool:
         self._pid = forks.pid() if pool is not None else None
         self._lock = threading.Lock()
         self._url: str | None = None
+        #: The pool (one per process) whose connections passed the schema handshake.
+        self._checked: ConnectionPool | None = None
+        #: What the handshake read (:class:`~.handshake.SchemaState`), once it passed.
+        self.schema_state = None
 
     @property
     def url(self) -> str:
@@ -240,6 +248,8 @@ class ProcessPool:
         try:
             with translate_errors():
                 with pool.connection() as conn:
+                    if self._checked is not pool:
+                        self._handshake(conn, pool)
                     yield conn
         except (ConnectionClosed, ConnectionFailed):
             # A server that dropped one connection (restart, failover, terminated backends)
@@ -248,11 +258,36 @@ class ProcessPool:
             self._discard_broken(pool)
             raise
 
+    def _handshake(self, conn: psycopg.Connection, pool: ConnectionPool) -> None:
+        from .handshake import check
+
+        self.schema_state = check(conn, self.settings.schema)
+        self._checked = pool
+
+    @property
+    def handshake_passed(self) -> bool:
+        """Whether this process passed the schema handshake."""
+        checked = self._checked
+        return checked is not None and checked is self._pool and self._pid == forks.pid()
+
+    def check_schema(self) -> None:
+        """Run the schema handshake now, unless this process passed it already.
+
+        Raises:
+          SchemaVersionError: this code does not fit the schema (see :mod:`.handshake`).
+          dramatiq.errors.ConnectionError: the database cannot be reached.
+        """
+        if not self.handshake_passed:
+            with self.connection():
+                pass
+
     @contextlib.contextmanager
     def use(self, conn: psycopg.Connection | None = None) -> Iterator[psycopg.Connection]:
         """The connection a caller handed in (its own transaction, say), or a pooled one;
-        either way connection errors become Dramatiq's."""
+        either way connection errors become Dramatiq's. The handshake runs on a pooled
+        connection, never in the caller's transaction."""
         if conn is not None:
+            self.check_schema()
             with translate_errors():
                 yield conn
         else:

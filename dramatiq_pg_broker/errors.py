@@ -24,6 +24,24 @@ class SchemaMissing(PgBrokerError):
     ``dramatiq-pg-broker migrate`` (with the same DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA)."""
 
 
+class SchemaVersionError(PgBrokerError):
+    """This code and the database's schema do not fit together: the schema lacks migrations
+    this code needs, or requires a newer release of the package (see
+    :mod:`dramatiq_pg_broker.handshake`)."""
+
+
+class MigrationsPending(SchemaVersionError, SchemaMissing):
+    """The database's schema is older than this code: migrations it needs are not applied.
+    Run ``dramatiq-pg-broker migrate`` (with the same DRAMATIQ_PG_URL and
+    DRAMATIQ_PG_SCHEMA)."""
+
+
+class CodeTooOld(SchemaVersionError):
+    """The database's schema had a breaking migration that this release of
+    dramatiq-pg-broker does not know: it may no longer use the schema. Upgrade the
+    package."""
+
+
 class JobNotFound(PgBrokerError):
     """No job has this id."""
 

@@ -1,4 +1,5 @@
-"""``GET /api/health``: is the database reachable (and migrated)? No credentials."""
+"""``GET /api/health``: is the database reachable, and does this code fit its schema? No
+credentials."""
 
 from __future__ import annotations
 
@@ -6,22 +7,44 @@ import logging
 
 import falcon
 
+from dramatiq_pg_broker.errors import MigrationsPending, SchemaVersionError
+
 from ..queries import JobQueries
+from ..schema_check import SchemaCheck
 
 logger = logging.getLogger(__name__)
 
 
 class Health:
-    """200 ``{"status": "ok", ...}`` or 503 ``{"status": "unavailable", "detail": ...}``."""
+    """200 ``{"status": "ok", ...}`` or 503 ``{"status": "unavailable", "detail": ...}``.
+
+    ``schema`` is ``missing`` (no jobs table), ``migrations_pending`` (older than this code
+    needs) or ``code_too_old`` (it had a breaking migration this code does not ship), with
+    the schema handshake's line as ``detail``.
+    """
 
     public = True
 
-    def __init__(self, queries: JobQueries) -> None:
+    def __init__(self, queries: JobQueries, schema_check: SchemaCheck | None = None) -> None:
         self.queries = queries
+        self.schema_check = schema_check
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
             self.queries.ping()
+            if self.schema_check is not None:
+                self.schema_check.check()
+        except SchemaVersionError as e:
+            resp.status = 503
+            resp.media = {
+                "status": "unavailable",
+                "database": "ok",
+                "schema": (
+                    "migrations_pending" if isinstance(e, MigrationsPending) else "code_too_old"
+                ),
+                "detail": str(e),
+            }
+            return
         except LookupError as e:
             resp.status = 503
             resp.media = {

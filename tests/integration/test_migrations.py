@@ -82,6 +82,7 @@ def test_two_concurrent_migrators_apply_each_file_once(pg_url, empty_schema, tmp
     # A slow migration widens the window in which both migrators are inside migrate(); a
     # table with a primary key makes a second application fail loudly.
     (directory / "9000_slow_probe.sql").write_text(
+        "-- compatibility: compatible\n-- A probe table nothing else reads.\n"
         "SELECT pg_sleep(0.5);\n"
         "CREATE TABLE probe (id integer PRIMARY KEY);\n"
         "INSERT INTO probe VALUES (1);\n"
@@ -132,6 +133,7 @@ def test_an_edited_released_migration_is_refused_by_name(pg_url, empty_schema, t
 def test_a_failing_migration_is_rolled_back_and_named(pg_url, empty_schema, tmp_path):
     directory = _copy_migrations(tmp_path)
     (directory / "9001_broken.sql").write_text(
+        "-- compatibility: compatible\n-- A table nothing else reads.\n"
         "CREATE TABLE half_done (id integer);\nSELECT no_such_function();\n"
     )
 

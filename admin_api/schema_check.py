@@ -1,0 +1,68 @@
+"""The admin API's side of the schema handshake (:mod:`dramatiq_pg_broker.handshake`).
+
+No request reaches the database before this process has passed the handshake: the first
+request that needs the database runs it (one round trip, once per process; creating the
+app does no I/O, so gunicorn boots whatever the schema says). Against a schema this code
+does not fit, each such request is answered 503 with the handshake's line, and the line is
+logged once per process, not per request; ``/api/health`` says it in its own shape. Once
+the schema fits (after ``dramatiq-pg-broker migrate``, say), the next request passes,
+without a restart. The dashboard's pages and the API's documentation need no database and
+are always served.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import falcon
+
+from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.errors import SchemaVersionError
+
+logger = logging.getLogger(__name__)
+
+#: Paths served without the database (``/api/health`` runs the check itself).
+_NO_DATABASE = frozenset({"/", "/api/openapi.json", "/api/docs", "/api/health"})
+
+
+def needs_database(path: str) -> bool:
+    return path not in _NO_DATABASE and not path.startswith("/dashboard")
+
+
+class SchemaCheck:
+    """Falcon middleware running :meth:`check` before every request that needs the
+    database. Place it before the authentication, which reads accounts.
+
+    Parameters:
+      pool(ProcessPool): the API's pool; its handshake is the process's.
+    """
+
+    def __init__(self, pool: ProcessPool) -> None:
+        self.pool = pool
+        self._lock = threading.Lock()
+        self._logged: str | None = None
+
+    def check(self) -> None:
+        """Pass the handshake (at once, once it has passed).
+
+        Raises:
+          SchemaVersionError: this code does not fit the schema; logged once.
+          dramatiq.errors.ConnectionError: the database cannot be reached.
+        """
+        if self.pool.handshake_passed:
+            return
+        try:
+            self.pool.check_schema()
+        except SchemaVersionError as e:
+            line = str(e)
+            with self._lock:
+                first = line != self._logged
+                self._logged = line
+            if first:
+                logger.error("The admin API cannot use the database: %s.", line)
+            raise
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if needs_database(req.path):
+            self.check()

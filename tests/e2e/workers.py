@@ -37,7 +37,8 @@ def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
 
 class WorkerProcess:
     """``python -m dramatiq <app> --processes P --threads N`` in its own process group, with
-    its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``, P to 1."""
+    its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``, P to 1;
+    ``python`` (another environment's interpreter) to this one, ``cwd`` to the checkout."""
 
     def __init__(
         self,
@@ -48,6 +49,8 @@ class WorkerProcess:
         threads: int = 2,
         app: str = "tests.e2e.worker_app",
         processes: int = 1,
+        python: str | Path = sys.executable,
+        cwd: Path = REPO,
         **env,
     ):
         self.log_path = log_path
@@ -59,7 +62,7 @@ class WorkerProcess:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [
-                sys.executable,
+                str(python),
                 "-m",
                 "dramatiq",
                 app,
@@ -68,7 +71,7 @@ class WorkerProcess:
                 "--threads",
                 str(threads),
             ],
-            cwd=REPO,
+            cwd=cwd,
             env=environ,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -27,7 +27,10 @@ of process does with a refusal:
 - a worker (:class:`SchemaGate`): checks when it boots, before it claims anything. While
   migrations are pending it says so once and checks again every :data:`WAIT_SECONDS`, then
   says that it proceeds; code the schema no longer admits logs one line and exits with
-  status :data:`EXIT_CODE_TOO_OLD`, which stops the ``dramatiq`` command;
+  status :data:`EXIT_CODE_TOO_OLD`, which stops the ``dramatiq`` command. The wait holds
+  the boot itself, so that no middleware's boot hook, consumer, heartbeat or scheduler
+  touches the schema first; the ``dramatiq`` command shows a booting worker's log lines
+  once it booted or its ``--worker-fork-timeout`` (30 s) passed;
 - the CLI: ``error: <the line>`` and exit status 2 (``migrate`` and ``status`` report
   instead of refusing);
 - the admin API: a 503 with the line, for every request until the schema fits.

@@ -38,7 +38,8 @@ def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
 class WorkerProcess:
     """``python -m dramatiq <app> --processes P --threads N`` in its own process group, with
     its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``, P to 1;
-    ``python`` (another environment's interpreter) to this one, ``cwd`` to the checkout."""
+    ``python`` (another environment's interpreter) to this one, ``cwd`` to the checkout;
+    ``options`` are more of the ``dramatiq`` command's options."""
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class WorkerProcess:
         processes: int = 1,
         python: str | Path = sys.executable,
         cwd: Path = REPO,
+        options: tuple[str, ...] = (),
         **env,
     ):
         self.log_path = log_path
@@ -70,6 +72,7 @@ class WorkerProcess:
                 str(processes),
                 "--threads",
                 str(threads),
+                *options,
             ],
             cwd=cwd,
             env=environ,

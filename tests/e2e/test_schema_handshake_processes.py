@@ -1,0 +1,186 @@
+"""The schema handshake in real processes: a ``dramatiq`` worker started before the
+migration waits and says so once, then proceeds; a worker whose code the schema no longer
+admits stops with one line; gunicorn boots against a schema behind its code and serves once
+it is migrated.
+
+A schema newer than this code is made with a migrations folder holding one more, breaking,
+migration (the seam named in :mod:`dramatiq_pg_broker.handshake`): this release then plays
+the part of an earlier release that can check, with no change to its code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from dramatiq_pg_broker import PostgresBroker, handshake
+from dramatiq_pg_broker.migrate import CONTRACT_FROM, migrate, migrations_dir
+
+from .test_admin_e2e import free_port, start, stop
+from .test_admin_gunicorn import raw_request
+from .worker_actors import create_executions_table, declare
+from .workers import WorkerProcess, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+RELEASED = CONTRACT_FROM - 1
+#: The ``dramatiq`` command forwards its workers' logs, and its own signals, only once they
+#: booted or this many milliseconds passed (its ``--worker-fork-timeout``, 30 s by default);
+#: a worker waiting for a migration has not booted.
+FORK_TIMEOUT = ("--worker-fork-timeout", "1000")
+
+
+def log_lines(worker: WorkerProcess) -> list[str]:
+    return worker.log_path.read_text(errors="replace").splitlines()
+
+
+def status_of(pg_url: str, schema: str, job_id: str) -> str:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        query = sql.SQL("SELECT status FROM {}.jobs WHERE id = %s").format(sql.Identifier(schema))
+        return conn.execute(query, (job_id,)).fetchone()[0]
+
+
+def test_a_worker_started_before_the_migration_waits_says_so_once_and_proceeds(
+    pg_url, empty_schema, tmp_path, monkeypatch
+):
+    schema = empty_schema
+    migrate(pg_url, schema, target=RELEASED)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        create_executions_table(conn, schema)
+    # A sender whose code ships only the released migrations (the seam): it fits the
+    # schema as it is and queues a job for the worker to find.
+    released = tmp_path / "released"
+    released.mkdir()
+    for path in migrations_dir().glob("*.sql"):
+        if int(path.name[:4]) <= RELEASED:
+            shutil.copy(path, released)
+    monkeypatch.setenv("DRAMATIQ_PG_MIGRATIONS_DIR", str(released))
+    sender = PostgresBroker(url=pg_url, schema=schema)
+    job = declare(sender)["quick"].send().message_id
+    sender.close()
+    monkeypatch.delenv("DRAMATIQ_PG_MIGRATIONS_DIR")
+
+    worker = WorkerProcess(pg_url, schema, tmp_path / "worker.log", options=FORK_TIMEOUT)
+    try:
+        wait_for(
+            lambda: any("waits for a migration" in line for line in log_lines(worker)),
+            60,
+            "the worker to say that it waits for the migration",
+            on_timeout=worker.log_tail,
+        )
+        assert worker.proc.poll() is None, "the waiting worker exited"
+        assert status_of(pg_url, schema, job) == "queued", "the waiting worker claimed a job"
+
+        migrate(pg_url, schema)
+        wait_for(
+            lambda: status_of(pg_url, schema, job) == "succeeded",
+            handshake.WAIT_SECONDS + 30,
+            "the worker to proceed and run the job after the migration",
+            on_timeout=worker.log_tail,
+        )
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, worker.log_tail()
+    finally:
+        worker.kill_group()
+    lines = log_lines(worker)
+    waits = [line for line in lines if "waits for a migration" in line]
+    assert len(waits) == 1, waits
+    assert "run `dramatiq-pg-broker migrate`" in waits[0] and "[WARNING]" in waits[0]
+    assert any("this worker proceeds" in line for line in lines), lines
+    assert not [line for line in lines if "[ERROR]" in line or "[CRITICAL]" in line], lines
+    assert "Traceback" not in "\n".join(lines)
+
+
+def test_a_waiting_worker_stops_at_once_on_sigterm(pg_url, empty_schema, tmp_path):
+    migrate(pg_url, empty_schema, target=RELEASED)
+    worker = WorkerProcess(pg_url, empty_schema, tmp_path / "worker.log", options=FORK_TIMEOUT)
+    try:
+        wait_for(
+            lambda: any("waits for a migration" in line for line in log_lines(worker)),
+            60,
+            "the worker to say that it waits for the migration",
+            on_timeout=worker.log_tail,
+        )
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(10) == 0, worker.log_tail()
+    finally:
+        worker.kill_group()
+    assert any("Stopped while waiting for the schema" in line for line in log_lines(worker))
+
+
+def test_a_worker_the_schema_no_longer_admits_stops_with_one_line(pg_url, empty_schema, tmp_path):
+    folder = tmp_path / "migrations"
+    shutil.copytree(migrations_dir(), folder)
+    level = handshake.this_code().level + 1
+    future = f"{level:04d}_future_breaking"
+    (folder / f"{future}.sql").write_text(
+        "-- compatibility: breaking\n-- A later release's change, made up by the test.\n"
+        "CREATE TABLE future_probe (id integer);\n"
+    )
+    migrate(pg_url, empty_schema, directory=folder)
+
+    worker = WorkerProcess(pg_url, empty_schema, tmp_path / "worker.log")
+    try:
+        code = worker.wait(60)
+    finally:
+        worker.kill_group()
+    lines = log_lines(worker)
+    assert code == handshake.EXIT_CODE_TOO_OLD, "\n".join(lines)
+    ours = [line for line in lines if "dramatiq_pg_broker" in line]
+    assert len(ours) == 1, ours
+    assert "[CRITICAL]" in ours[0]
+    assert f"its migration {future} is breaking" in ours[0]
+    assert f"ships migration {level:04d}" in ours[0]
+    assert "Traceback" not in "\n".join(lines)
+
+
+def test_gunicorn_boots_against_a_schema_behind_its_code_and_serves_once_migrated(
+    pg_url, empty_schema, tmp_path
+):
+    migrate(pg_url, empty_schema, target=RELEASED)
+    port = free_port()
+    env = {
+        **os.environ,
+        "DRAMATIQ_PG_URL": pg_url,
+        "DRAMATIQ_PG_SCHEMA": empty_schema,
+        "ADMIN_API_BIND": f"127.0.0.1:{port}",
+        "ADMIN_API_WORKERS": "1",
+    }
+    log = tmp_path / "gunicorn.log"
+    process = start(
+        ["-m", "gunicorn", "-c", "python:admin_api.gunicorn_conf", "admin_api.wsgi:app"],
+        env,
+        log,
+    )
+    request = b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+
+    def health() -> tuple[int, dict] | None:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            status, _, body = raw_request(port, request)
+            return status, json.loads(body)
+        return None
+
+    try:
+        refused = wait_for(health, 60, "gunicorn to answer", on_timeout=log.read_text)
+        assert refused[0] == 503, refused
+        assert refused[1]["schema"] == "migrations_pending"
+        assert "run `dramatiq-pg-broker migrate`" in refused[1]["detail"]
+        for _ in range(3):
+            assert health()[0] == 503
+        assert process.poll() is None, "gunicorn stopped"
+
+        migrate(pg_url, empty_schema)
+        ok = health()
+        assert ok[0] == 200 and ok[1]["schema"] == "ok", ok
+    finally:
+        stop(process)
+    text = log.read_text()
+    assert text.count("The admin API cannot use the database") == 1, text
+    assert "Worker failed to boot" not in text and "Traceback" not in text, text

@@ -4,6 +4,7 @@ from .broker import JobFailed, PostgresBroker
 from .config import Settings
 from .current import CurrentJob, current_job
 from .errors import (
+    CodeTooOld,
     ConfigurationError,
     InvalidMessage,
     InvalidTransition,
@@ -11,8 +12,10 @@ from .errors import (
     JobNotFound,
     MigrationChecksumError,
     MigrationError,
+    MigrationsPending,
     PgBrokerError,
     SchemaMissing,
+    SchemaVersionError,
     TransactionError,
 )
 from .jobs import Attempt, JobStore
@@ -22,6 +25,7 @@ from .retries import Retries
 
 __all__ = [
     "Attempt",
+    "CodeTooOld",
     "ConfigurationError",
     "CurrentJob",
     "InvalidMessage",
@@ -32,12 +36,14 @@ __all__ = [
     "JobStore",
     "MigrationChecksumError",
     "MigrationError",
+    "MigrationsPending",
     "PgBrokerError",
     "PostgresBroker",
     "Retries",
     "RetentionPolicy",
     "Schedule",
     "SchemaMissing",
+    "SchemaVersionError",
     "TransactionError",
     "Settings",
     "current_job",

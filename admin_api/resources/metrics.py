@@ -54,15 +54,17 @@ def create_metrics_app(settings: Settings | None = None, *, engine=None) -> falc
     Returns:
       falcon.App: the WSGI application.
     """
-    from dramatiq_pg_broker.db import resolve_url
+    from dramatiq_pg_broker.db import ProcessPool, resolve_url
 
     from ..app import create_engine
     from ..errors import add_error_handlers
+    from ..schema_check import SchemaCheck
 
     settings = settings or Settings.load()
     if engine is None:
         engine = create_engine(settings.url or resolve_url(settings), settings)
-    app = falcon.App()
+    # The schema handshake, as for the whole API (its pool serves only that check).
+    app = falcon.App(middleware=[SchemaCheck(ProcessPool(settings))])
     add_error_handlers(app)
     app.add_route("/metrics", OpenMetricsPage(Metrics(Monitor(engine, settings.schema))))
     return app

@@ -5,13 +5,14 @@ Commands:
                      with --check, apply nothing: exit 1 when migrations are pending
   status             list applied, pending and unknown (newer) migrations, and whether this
                      code fits the schema (see :mod:`.handshake`)
-
-Every other command that touches the database passes the schema handshake first: against
-a schema this code does not fit it prints ``error: <why>`` and exits with status 2.
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
   jobs list|show|retry|cancel, stats, prune, schedules
                      the operator's commands (:mod:`.cli_jobs`)
   user ..., token ...  admin API accounts (:mod:`admin_api.cli`; needs the ``admin`` extra)
+
+Every command that touches jobs or accounts passes the schema handshake first: against a
+schema this code does not fit, it prints ``error: <why>`` and exits with status 2.
+``migrate`` and ``status`` report on the schema instead of refusing it.
 
 Every group of commands is added explicitly in :func:`build_parser`, so the parser is the
 same whether this module runs as ``dramatiq-pg-broker``, ``python -m dramatiq_pg_broker``

@@ -456,10 +456,12 @@ class PostgresBroker(dramatiq.Broker):
                 yield pg_conn
 
     def _check_database(self, conn: psycopg.Connection) -> None:
-        if self._identity is None:
+        theirs = sending.identity(conn)
+        if theirs != self._identity:
+            # Learned at the first transaction, and again whenever it differs: a server
+            # restart or a failover gives the broker's database another server start.
             with self.pool.connection() as pooled:
                 self._identity = sending.identity(pooled)
-        theirs = sending.identity(conn)
         if theirs != self._identity:
             where = (
                 f"database {theirs[0]!r}"

@@ -15,15 +15,7 @@ suite's wall time reasonable on a small machine.
 from __future__ import annotations
 
 import collections
-import glob
-import os
-import pwd
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -36,8 +28,6 @@ from .workers import WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-#: Ports this test may use for its own server.
-PORTS = range(55431, 55440)
 JOBS_PER_FAULT = 1500
 SCHEMA = "faults"
 #: Leases far shorter than the 45 s outage, so that every lease runs out while it lasts.
@@ -49,94 +39,9 @@ WORKER_SETTINGS = {
 }
 
 
-def _bindir() -> Path | None:
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
-    try:
-        from pgserver._commands import POSTGRES_BIN_PATH
-
-        candidates.append(str(POSTGRES_BIN_PATH))
-    except ImportError:  # pragma: no cover - pgserver is a dev dependency
-        pass
-    for candidate in candidates:
-        if (Path(candidate) / "initdb").exists() and (Path(candidate) / "pg_ctl").exists():
-            return Path(candidate)
-    return None
-
-
-def _free_port() -> int | None:
-    for port in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    return None
-
-
-class Cluster:
-    """A throwaway PostgreSQL cluster: initdb, start, stop, crash."""
-
-    def __init__(self, bindir: Path, port: int) -> None:
-        self.bindir = bindir
-        self.port = port
-        self.root = Path(tempfile.mkdtemp(prefix="dramatiq-pg-faults-"))
-        self.data = self.root / "data"
-        self.log = self.root / "server.log"
-        self.prefix: list[str] = []
-        if os.geteuid() == 0:
-            # PostgreSQL refuses to run as root.
-            try:
-                user = pwd.getpwnam("postgres")
-            except KeyError:
-                pytest.skip("running as root and no 'postgres' user to run the server as")
-            if shutil.which("runuser") is None:
-                pytest.skip("running as root and no runuser to run the server as postgres")
-            os.chown(self.root, user.pw_uid, user.pw_gid)
-            self.prefix = ["runuser", "-u", "postgres", "--"]
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
-        self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-
-    def _run(self, tool: str, *args: str) -> None:
-        subprocess.run(
-            [*self.prefix, str(self.bindir / tool), *args],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-
-    def start(self) -> None:
-        options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
-            "-c fsync=off -c max_connections=100"
-        )
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
-
-    def remove(self) -> None:
-        try:
-            self.stop("immediate")
-        except subprocess.CalledProcessError:
-            pass
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 @pytest.fixture
-def cluster():
-    bindir = _bindir()
-    if bindir is None:
-        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) to start a cluster with")
-    port = _free_port()
-    if port is None:
-        pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1} for a test cluster")
-    server = Cluster(bindir, port)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.remove()
+def cluster(new_cluster):
+    return new_cluster()
 
 
 def _query(url: str, statement: str, params=()) -> list[tuple]:

@@ -497,7 +497,8 @@ class PostgresBroker(dramatiq.Broker):
                 # get a connection; asking again would only multiply that wait.
                 if attempt >= self.settings.enqueue_retries or isinstance(e.__cause__, PoolTimeout):
                     raise
-                logger.warning("Enqueue failed on a connection error; retrying in %.2fs.", delay)
+                # Told once per outage by the process (outage.py), not at every try.
+                logger.debug("Enqueue failed on a connection error; retrying in %.2fs.", delay)
                 time.sleep(delay)
                 delay *= 4
 

@@ -376,7 +376,8 @@ class Scheduler:
             else:
                 self._upsert(schedule, boot, kind=kind)
         except BrokerConnectionError as e:
-            logger.warning(
+            # The outage is told once by the process (outage.py); nothing is lost here.
+            logger.debug(
                 "Schedule %s could not be registered yet (it will be at its next tick): %s",
                 schedule.name,
                 e,
@@ -434,8 +435,9 @@ class Scheduler:
             with self._lock:
                 self._seen[schedule.name] = max(self._seen.get(schedule.name, now), now)
         except BrokerConnectionError as e:
-            # The ticks not written stay due: the next firing enqueues them.
-            logger.warning("Schedule %s: could not enqueue a tick: %s", schedule.name, e)
+            # The ticks not written stay due: the next firing enqueues them. The outage is
+            # told once by the process (outage.py).
+            logger.debug("Schedule %s: could not enqueue a tick: %s", schedule.name, e)
         return done
 
     def enqueue_tick(
@@ -495,7 +497,8 @@ class Scheduler:
                 stop=self._stop,
             )
         except BrokerConnectionError as e:
-            logger.warning("Retention could not reach the database: %s", e)
+            # Told once per outage by the process (outage.py); the next run catches up.
+            logger.debug("Retention could not reach the database: %s", e)
             return None
         except Exception:
             logger.exception("Retention failed.")

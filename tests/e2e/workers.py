@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +24,60 @@ FAST_SETTINGS = {
     "DRAMATIQ_PG_BACKOFF_BASE_MS": "100",
     "DRAMATIQ_PG_POLL_INTERVAL": "0.2",
 }
+
+
+#: The beginnings of the three lines a process logs about a database outage
+#: (:mod:`dramatiq_pg_broker.outage`).
+OUTAGE_STARTS = "The database is unreachable"
+OUTAGE_GOES_ON = "The database is still unreachable"
+OUTAGE_ENDS = "The database is reachable again"
+
+_LOG_LINE = re.compile(
+    r"^\[(?P<at>[\d-]+ [\d:,]+)\] \[PID (?P<pid>\d+)\] \[(?P<thread>[^]]*)\] "
+    r"\[(?P<logger>[^]]*)\] \[(?P<level>[A-Z]+)\] (?P<message>.*)$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLine:
+    """One record of a ``dramatiq`` process's log (its first line)."""
+
+    at: dt.datetime
+    pid: int
+    logger: str
+    level: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.at:%H:%M:%S.%f} [{self.pid}] {self.logger} {self.level} {self.message}"
+
+
+def log_records(path: Path, *, min_level: str = "WARNING") -> list[LogLine]:
+    """The records of a ``dramatiq`` log file at ``min_level`` or above."""
+    floor = logging.getLevelName(min_level)
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = _LOG_LINE.match(line)
+        if match is None or logging.getLevelName(match["level"]) < floor:
+            continue
+        records.append(
+            LogLine(
+                at=dt.datetime.strptime(match["at"], "%Y-%m-%d %H:%M:%S,%f"),
+                pid=int(match["pid"]),
+                logger=match["logger"],
+                level=match["level"],
+                message=match["message"],
+            )
+        )
+    return records
+
+
+def outage_seconds(line: LogLine) -> float:
+    """The length an outage's last line reports (``... unreachable for 4.2s.``)."""
+    match = re.search(r"unreachable for (?:(\d+)h)?(?:(\d+)m)?([\d.]+)?s?\.$", line.message)
+    assert match is not None, f"no outage length in: {line}"
+    hours, minutes, seconds = match.groups()
+    return int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(seconds or 0)
 
 
 def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 
@@ -76,9 +76,14 @@ def duration(seconds: float) -> str:
 
 class Outage:
     """Whether this process's database is unreachable, and the log lines that say so. See
-    the module docstring; one instance per process (:data:`tracker`)."""
+    the module docstring; one instance per process (:data:`tracker`).
 
-    def __init__(self) -> None:
+    Parameters:
+      clock(callable): monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._pid = forks.pid()
         #: Monotonic time of the first sign of trouble; None while all is well.
@@ -112,11 +117,11 @@ class Outage:
         if since is not None and announced:
             logger.warning(
                 "The database is reachable again; it was unreachable for %s.",
-                duration(time.monotonic() - since),
+                duration(self._clock() - since),
             )
 
     def _failed(self, error: BaseException, *, at_once: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._check_fork()
             if self._since is None:

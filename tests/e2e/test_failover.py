@@ -39,7 +39,7 @@ from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.migrate import migrate
 
 from .failover_actors import create_runs_table, declare
-from .workers import OUTAGE_ENDS, OUTAGE_STARTS, WorkerProcess, log_records, wait_for
+from .workers import WorkerProcess, outage_story, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -246,21 +246,9 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
         f"draining resumed {resumed_after:.2f}s after the promotion"
     )
     for n, worker in enumerate(workers):
-        records = log_records(worker.log_path)
-        starts = [r for r in records if r.message.startswith(OUTAGE_STARTS)]
-        ends = [r for r in records if r.message.startswith(OUTAGE_ENDS)]
-        # What the failover did to jobs is told once per event, not per retry: a claim
-        # committed whose reply died with the primary is given back by the reaper once its
-        # lease expires; an outcome likewise finds its job no longer running when written
-        # again.
-        others = [
-            r
-            for r in records
-            if r not in starts + ends and not r.message.startswith(("Reaper:", "Lost job"))
-        ]
-        story = "\n".join(map(str, records[:20]))
-        assert len(starts) == 1 and len(ends) == 1, (
+        story = outage_story(worker.log_path)
+        assert len(story.starts) == 1 and len(story.ends) == 1, (
             f"worker {n} must say once that the database is unreachable and once that it "
             f"is back:\n{story}"
         )
-        assert not others, f"worker {n} logged more than the outage:\n{story}"
+        assert not story.others, f"worker {n} logged more than the outage:\n{story}"

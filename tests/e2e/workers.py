@@ -38,7 +38,7 @@ _LOG_LINE = re.compile(
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class LogLine:
     """One record of a ``dramatiq`` process's log (its first line)."""
 
@@ -70,6 +70,45 @@ def log_records(path: Path, *, min_level: str = "WARNING") -> list[LogLine]:
             )
         )
     return records
+
+
+#: Warnings about what an outage or a crash did to particular jobs (told once per event,
+#: not per retry): a claim whose reply was lost is given back by the reaper, an outcome
+#: finds its job no longer running when written again.
+JOB_CONSEQUENCES = ("Reaper:", "Lost job")
+
+
+@dataclasses.dataclass
+class OutageStory:
+    """A process log's warnings, sorted: the outage lines, and everything else."""
+
+    starts: list[LogLine]
+    reminders: list[LogLine]
+    ends: list[LogLine]
+    #: Warnings about particular jobs (:data:`JOB_CONSEQUENCES`).
+    jobs: list[LogLine]
+    others: list[LogLine]
+
+    def __str__(self) -> str:
+        lines = sorted(self.starts + self.reminders + self.ends + self.jobs + self.others)
+        return "\n".join(str(line)[:300] for line in lines[:30])
+
+
+def outage_story(path: Path) -> OutageStory:
+    """Sort the warnings (and worse) of a ``dramatiq`` log file."""
+    story = OutageStory([], [], [], [], [])
+    for record in log_records(path):
+        if record.message.startswith(OUTAGE_STARTS):
+            story.starts.append(record)
+        elif record.message.startswith(OUTAGE_GOES_ON):
+            story.reminders.append(record)
+        elif record.message.startswith(OUTAGE_ENDS):
+            story.ends.append(record)
+        elif record.message.startswith(JOB_CONSEQUENCES):
+            story.jobs.append(record)
+        else:
+            story.others.append(record)
+    return story
 
 
 def outage_seconds(line: LogLine) -> float:

@@ -28,6 +28,7 @@ What must hold:
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 
@@ -35,11 +36,12 @@ import dramatiq
 import psycopg
 import pytest
 
-from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker import PostgresBroker, outage
 from dramatiq_pg_broker.migrate import migrate
 
 from .failover_actors import create_runs_table, declare
-from .workers import WorkerProcess, outage_story, wait_for
+from .tcp_proxy import Proxy
+from .workers import OUTAGE_ENDS, OUTAGE_STARTS, WorkerProcess, outage_story, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -252,3 +254,64 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
             f"is back:\n{story}"
         )
         assert not story.others, f"worker {n} logged more than the outage:\n{story}"
+
+
+def test_a_pool_led_to_the_standby_by_a_name_not_yet_moved_follows_it_to_the_primary(
+    servers, caplog, monkeypatch
+):
+    """A virtual IP or DNS name that still points at the standby (a failover manager that
+    has not moved it yet, a stale DNS cache) leads the broker to a server that refuses to
+    write. Sends fail with Dramatiq's connection error, never with a database error that
+    a worker's consumer would die of; consumers wait; and once the name points at the
+    primary, the pool replaces the connections it holds to the standby instead of handing
+    them out forever: the next send, claim and outcome go to the primary."""
+    primary, standby = servers
+    migrate(primary.url, SCHEMA)
+    monkeypatch.setattr(outage, "tracker", outage.Outage())
+    caplog.set_level(logging.WARNING)
+    proxy = Proxy(standby.port)
+    broker = PostgresBroker(
+        url=f"postgresql://postgres@127.0.0.1:{proxy.port}/postgres",
+        schema=SCHEMA,
+        pool_min_size=4,
+        poll_interval=0.2,
+    )
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, queue_name="moved", max_retries=0)
+    def note(n: int) -> None:
+        ran.append(n)
+
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        with pytest.raises(dramatiq.errors.BrokerConnectionError) as refused:
+            note.send(1)
+        assert isinstance(refused.value.__cause__, psycopg.errors.ReadOnlySqlTransaction), (
+            f"not a refusal to write: {refused.value!r}"
+        )
+        pool = broker.pool.get()
+        wait_for(
+            lambda: pool.get_stats()["pool_available"] >= 2,
+            10,
+            "the pool to hold idle connections to the standby",
+        )
+        proxy.point_to(primary.port)
+        sent = note.send(2)
+        wait_for(lambda: ran == [2], 15, "the job to run once the name points at the primary")
+    finally:
+        worker.stop(timeout=10_000)
+        broker.close()
+        proxy.close()
+
+    rows = _query(primary.url, f"SELECT id::text, status FROM {SCHEMA}.jobs")
+    assert rows == [(sent.message_id, "succeeded")], rows
+    records = [r for r in caplog.records if r.name.startswith(("dramatiq", "psycopg"))]
+    told = [r.getMessage() for r in records if r.name == "dramatiq_pg_broker.outage"]
+    others = [f"{r.name}: {r.getMessage()}" for r in records if r.name != outage.__name__]
+    assert len(told) == 2, told
+    # With the standby's refusal (of a write, or of a LISTEN) as the error.
+    assert told[0].startswith(OUTAGE_STARTS), told
+    assert "read-only" in told[0] or "during recovery" in told[0], told
+    assert told[1].startswith(OUTAGE_ENDS), told
+    assert not others, f"more was logged than the outage: {others[:5]}"

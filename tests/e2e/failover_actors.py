@@ -1,6 +1,7 @@
-"""The actor of the failover test, declared on whichever broker it is given.
+"""The actors of the failover test, declared on whichever broker they are given, with
+Dramatiq's Results middleware on this package's results backend.
 
-Each run of the actor records itself as one row of a ``runs`` table in the broker's schema
+Each run of ``work`` records itself as one row of a ``runs`` table in the broker's schema
 (created by the test), under an id of its own, so that the test counts runs, not rows: the
 record is retried while the database fails over, and a retry whose first try committed
 (its reply lost with the old primary) adds nothing.
@@ -13,9 +14,11 @@ import time
 import uuid
 
 import dramatiq
+from dramatiq.results import Results
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker, current_job
+from dramatiq_pg_broker.results import PostgresBackend
 
 QUEUE = "failover"
 
@@ -56,8 +59,10 @@ def record_run() -> None:
             time.sleep(0.05)
 
 
-def declare(broker: PostgresBroker) -> dramatiq.Actor:
-    """Declare the test's actor on ``broker``."""
+def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
+    """Declare the test's actors on ``broker`` (and its results backend); returns them by
+    name."""
+    broker.add_middleware(Results(backend=PostgresBackend(broker=broker)))
 
     @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=0)
     def work(seconds: float) -> None:
@@ -65,4 +70,8 @@ def declare(broker: PostgresBroker) -> dramatiq.Actor:
         record_run()
         time.sleep(seconds)
 
-    return work
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=0, store_results=True)
+    def answer() -> int:
+        return 42
+
+    return {"work": work, "answer": answer}

@@ -1,4 +1,4 @@
-"""``dramatiq tests.e2e.failover_app``: the failover test's actor on a broker configured
+"""``dramatiq tests.e2e.failover_app``: the failover test's actors on a broker configured
 from ``DRAMATIQ_PG_*``."""
 
 from __future__ import annotations
@@ -10,4 +10,4 @@ from tests.e2e.failover_actors import declare
 
 broker = PostgresBroker()
 dramatiq.set_broker(broker)
-work = declare(broker)
+actors = declare(broker)

@@ -35,8 +35,10 @@ import time
 import dramatiq
 import psycopg
 import pytest
+from dramatiq.results import Results
 
 from dramatiq_pg_broker import PostgresBroker, outage
+from dramatiq_pg_broker.listener import listener_for
 from dramatiq_pg_broker.migrate import migrate
 
 from .failover_actors import create_runs_table, declare
@@ -114,7 +116,9 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
     with psycopg.connect(url, autocommit=True) as conn:
         create_runs_table(conn, SCHEMA)
     broker = PostgresBroker(url=url, schema=SCHEMA)
-    work = declare(broker)
+    actors = declare(broker)
+    work, answer = actors["work"], actors["answer"]
+    (backend,) = [m.backend for m in broker.middleware if isinstance(m, Results)]
 
     def count(where: str, params=()) -> int:
         return _query(url, f"SELECT count(*) FROM {SCHEMA}.jobs WHERE {where}", params)[0][0]
@@ -165,6 +169,8 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
             "draining to be under way before the kill",
             on_timeout=tails,
         )
+        # The results listener of this process listens on the primary now.
+        assert answer.send().get_result(backend=backend, block=True, timeout=30_000) == 42
         (kill_at,) = _query(primary.url, "SELECT clock_timestamp()")[0]
         primary.kill()
         time.sleep(DETECTION_SECONDS)
@@ -177,6 +183,11 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
             "a job claimed after the promotion to succeed",
             on_timeout=tails,
         )
+        # A result waited for after the failover: the listener follows to the new primary
+        # (a reader would otherwise wait its whole timeout).
+        asked = time.monotonic()
+        assert answer.send().get_result(backend=backend, block=True, timeout=30_000) == 42
+        result_after = time.monotonic() - asked
         # The senders go on a moment on the new primary.
         time.sleep(2)
         stop.set()
@@ -200,6 +211,8 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
         if own_conn[0] is not None:
             own_conn[0].close()
         broker.close()
+        # The process's results listener would go on trying the servers once removed.
+        listener_for(url).close()
 
     returned = set(backlog)
     for sender in senders:
@@ -215,7 +228,10 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
     assert statuses == {"succeeded": len(stored)}, f"not every job succeeded: {statuses}"
 
     runs = collections.Counter(r[0] for r in _query(url, f"SELECT job_id::text FROM {SCHEMA}.runs"))
-    never_ran = stored - set(runs)
+    worked = {
+        r[0] for r in _query(url, f"SELECT id::text FROM {SCHEMA}.jobs WHERE actor_name = 'work'")
+    }
+    never_ran = worked - set(runs)
     assert not never_ran, f"{len(never_ran)} succeeded job(s) never ran"
     window = {
         r[0]
@@ -242,10 +258,13 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
         f"jobs: {len(stored)} ({len(returned)} sends returned; connection errors: "
         f"{ {s.name: len(s.connection_errors) for s in senders} }); in flight at the kill: "
         f"{len(window)}, ran twice: {len(twice)}; draining resumed {resumed_after:.2f}s "
-        "after the promotion"
+        f"after the promotion; a result read in {result_after:.2f}s"
     )
     assert resumed_after <= RESUME_LIMIT_SECONDS, (
         f"draining resumed {resumed_after:.2f}s after the promotion"
+    )
+    assert result_after <= RESUME_LIMIT_SECONDS, (
+        f"a result took {result_after:.2f}s to reach its reader after the failover"
     )
     for n, worker in enumerate(workers):
         story = outage_story(worker.log_path)

@@ -177,7 +177,8 @@ class Listener:
             except Exception as e:  # a lost server: reconnect with backoff
                 if self._closed:
                     break
-                self._error = e
+                # The driver's error, which waiters get wrapped in a ConnectionClosed.
+                self._error = e.__cause__ if isinstance(e, ConnectionClosed) and e.__cause__ else e
                 logger.debug("Result/rate-limit listener lost its connection: %s", e)
                 with self._lock:
                     for ready in self._listening.values():

@@ -43,10 +43,15 @@ def server_binaries(*tools: str) -> Path | None:
 
 
 def free_ports(count: int, ports: Iterable[int] = PORTS) -> list[int] | None:
-    """``count`` ports of ``ports`` nothing listens on yet, or None if there are fewer."""
+    """``count`` ports of ``ports`` nothing listens on yet, or None if there are fewer.
+
+    A port that only has connections in TIME_WAIT (those of a server killed a moment ago)
+    is free: PostgreSQL binds its port with SO_REUSEADDR, and so does this check.
+    """
     found: list[int] = []
     for port in ports:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:

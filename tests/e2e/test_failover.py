@@ -19,8 +19,10 @@ What must hold:
   not committed before it (``finished_at`` at or after the kill). Such an attempt was in
   flight when the primary died; the broker's at-least-once contract lets it run again
   (its lease may expire before its worker can write its outcome on the new primary);
-- draining resumes within 5 s of the promotion: a job claimed after the promotion has
-  succeeded by then;
+- draining resumes within 5 s of the promotion (counted from its request): a job claimed
+  after the promotion has succeeded by then; a result waited for after it reaches its
+  reader as soon (the results listener follows to the new primary); the sends inside the
+  application's own transactions work again on the new primary;
 - each worker process says once that the database is unreachable and once that it is
   back, and nothing per reconnection attempt.
 """

@@ -459,10 +459,12 @@ class PostgresBroker(dramatiq.Broker):
                 yield pg_conn
 
     def _check_database(self, conn: psycopg.Connection) -> None:
-        if self._identity is None:
+        theirs = sending.identity(conn)
+        if theirs != self._identity:
+            # Learned at the first transaction, and again whenever it differs: a server
+            # restart or a failover gives the broker's database another server start.
             with self.pool.connection() as pooled:
                 self._identity = sending.identity(pooled)
-        theirs = sending.identity(conn)
         if theirs != self._identity:
             where = (
                 f"database {theirs[0]!r}"
@@ -498,7 +500,8 @@ class PostgresBroker(dramatiq.Broker):
                 # get a connection; asking again would only multiply that wait.
                 if attempt >= self.settings.enqueue_retries or isinstance(e.__cause__, PoolTimeout):
                     raise
-                logger.warning("Enqueue failed on a connection error; retrying in %.2fs.", delay)
+                # Told once per outage by the process (outage.py), not at every try.
+                logger.debug("Enqueue failed on a connection error; retrying in %.2fs.", delay)
                 time.sleep(delay)
                 delay *= 4
 

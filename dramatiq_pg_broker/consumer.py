@@ -119,7 +119,6 @@ class PostgresConsumer(Consumer):
         self._last_empty: float | None = None
         self._notified = False
         self._last_drain = 0.0
-        self._last_warning = 0.0
 
     # -- claiming ------------------------------------------------------------------------
 
@@ -175,10 +174,9 @@ class PostgresConsumer(Consumer):
         return False
 
     def _lost_connection(self, error: Exception) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= 5.0:
-            logger.warning("Queue %r cannot reach the database: %s", self.queue_name, error)
-            self._last_warning = now
+        # The process's outage lines (see outage.py) tell the story once for every
+        # consumer, not here at every try.
+        logger.debug("Queue %r cannot reach the database: %s", self.queue_name, error)
         # Notifications sent while the connection was down are lost: claim once it is back.
         self._notified = True
         if self._listen_conn is not None:

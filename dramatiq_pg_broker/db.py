@@ -15,10 +15,10 @@ from importlib import resources
 import psycopg
 from dramatiq.errors import ConnectionClosed, ConnectionFailed
 from psycopg import sql
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
-from . import forks
+from . import forks, outage
 from .config import Settings
 from .errors import ConfigurationError, SchemaMissing
 
@@ -92,9 +92,14 @@ def resolve_url(settings: Settings, *, allow_embedded: bool = True) -> str:
 
 
 def connect(url: str, **kwargs) -> psycopg.Connection:
-    """Open one autocommit connection, translating failures."""
+    """Open one autocommit connection, translating failures (a failure counts towards
+    the process's outage, see :mod:`.outage`)."""
     with translate_errors():
-        return psycopg.connect(url, autocommit=True, **kwargs)
+        try:
+            return psycopg.connect(url, autocommit=True, **kwargs)
+        except psycopg.Error as e:
+            outage.tracker.connect_failed(e)
+            raise
 
 
 def connection_kwargs(settings: Settings) -> dict:
@@ -134,14 +139,39 @@ class _CappedAttempt(AttemptWithBackoff):
         self.delay = min(self.delay, RECONNECT_CAP_SECONDS)
 
 
+#: The names of this package's pools start with it (their log lines are told apart by it).
+POOL_NAME_PREFIX = "dramatiq-pg-broker-"
+
+
 class ReconnectingPool(ConnectionPool):
     """A psycopg ConnectionPool whose reconnection attempts are at most
-    :data:`RECONNECT_CAP_SECONDS` apart."""
+    :data:`RECONNECT_CAP_SECONDS` apart, and whose failed attempts count towards the
+    process's outage (:mod:`.outage`) instead of each logging a warning of its own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        outage.quiet_pool_logs(POOL_NAME_PREFIX)
+        super().__init__(*args, **kwargs)
+
+    def _connect(self, timeout: float | None = None) -> psycopg.Connection:
+        try:
+            return super()._connect(timeout)
+        except psycopg.Error as e:
+            outage.tracker.connect_failed(e)
+            raise
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         if attempt is None:
             attempt = _CappedAttempt(timeout=self.reconnect_timeout)
-        super()._add_connection(attempt, growing)
+        with outage.quiet_pool():
+            super()._add_connection(attempt, growing)
+
+    def check(self) -> None:
+        with outage.quiet_pool():
+            super().check()
+
+    def putconn(self, conn: psycopg.Connection) -> None:
+        with outage.quiet_pool():
+            super().putconn(conn)
 
 
 @contextlib.contextmanager
@@ -150,10 +180,19 @@ def translate_errors() -> Iterator[None]:
 
     Dramatiq's worker knows how to survive ``ConnectionError``s (it restarts the consumer
     and retries acks), so they are the only errors a lost server may surface as. The
-    original error is kept as ``__cause__``.
+    original error is kept as ``__cause__``, and counts towards the process's outage
+    (:mod:`.outage`).
+
+    A server that refuses to write (``ReadOnlySqlTransaction``: a standby that a
+    connection reached before the failover finished, through a virtual IP or DNS name not
+    yet moved, or a primary made read-only) is, for the broker, a server it cannot use:
+    it surfaces as a lost connection too, and the caller retries on a new one.
     """
     try:
         yield
+    except psycopg.errors.ReadOnlySqlTransaction as e:
+        outage.tracker.connect_failed(e)
+        raise ConnectionClosed(e) from e
     except psycopg.errors.UndefinedTable as e:
         raise SchemaMissing(
             f"{e.diag.message_primary}: the broker's tables are missing; run "
@@ -165,14 +204,19 @@ def translate_errors() -> Iterator[None]:
             # Reporting it as a lost connection would make callers wait for a server that
             # is there, and hide the real error.
             raise
-        # The server went away mid-statement, or could not be reached at all.
+        # The server went away mid-statement, or could not be reached at all. (A pool
+        # timeout says only that no connection came: the pool reports its own failures.)
+        if not isinstance(e, PoolTimeout):
+            outage.tracker.connection_lost(e)
         raise ConnectionClosed(e) from e
     except psycopg.InterfaceError as e:
         # The connection object was already closed (e.g. a broken pooled connection).
+        outage.tracker.connection_lost(e)
         raise ConnectionClosed(e) from e
     except psycopg.errors.AdminShutdown as e:  # pragma: no cover - a subclass of the above
         raise ConnectionClosed(e) from e
     except OSError as e:
+        outage.tracker.connection_lost(e)
         raise ConnectionFailed(e) from e
 
 
@@ -232,7 +276,7 @@ class ProcessPool:
                     max_size=self.settings.pool_max_size,
                     kwargs=connection_kwargs(self.settings),
                     configure=self.configure,
-                    name=f"dramatiq-pg-broker-{forks.pid()}",
+                    name=f"{POOL_NAME_PREFIX}{forks.pid()}",
                     open=False,
                     timeout=self.settings.pool_timeout,
                 )
@@ -243,20 +287,34 @@ class ProcessPool:
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
-        """Borrow an autocommit connection; connection errors become Dramatiq's."""
+        """Borrow an autocommit connection; connection errors become Dramatiq's. A block
+        that ends without one tells the process's outage tracker that the database
+        answered (:mod:`.outage`)."""
         pool = self.get()
         try:
             with translate_errors():
                 with pool.connection() as conn:
                     if self._checked is not pool:
                         self._handshake(conn, pool)
-                    yield conn
+                    try:
+                        yield conn
+                    except psycopg.errors.ReadOnlySqlTransaction:
+                        # A server that refuses to write (a standby reached through a
+                        # virtual IP or DNS name that a failover has not moved yet): every
+                        # connection of the pool may be there. Replace them all; new ones
+                        # go where the name points now.
+                        conn.close()
+                        drain = getattr(pool, "drain", None)  # psycopg_pool 3.3
+                        if drain is not None:
+                            drain()
+                        raise
         except (ConnectionClosed, ConnectionFailed):
             # A server that dropped one connection (restart, failover, terminated backends)
             # has usually dropped every idle one too, and the pool would hand them out one
             # by one, each failing a caller's bounded retry. Check them all now instead.
             self._discard_broken(pool)
             raise
+        outage.tracker.answered()
 
     def _handshake(self, conn: psycopg.Connection, pool: ConnectionPool) -> None:
         from .handshake import check

@@ -408,7 +408,8 @@ class Ledger:
                 owned = self._starts.submit(attempt)
                 break
             except BrokerConnectionError as e:
-                logger.warning("Could not record the start of job %s, retrying: %s", attempt.id, e)
+                # Told once per outage by the process (outage.py), not at every try.
+                logger.debug("Could not record the start of job %s, retrying: %s", attempt.id, e)
                 time.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP_SECONDS)
         with self._lock:

@@ -151,7 +151,8 @@ class LeaseKeeper:
             fn()
             return True
         except BrokerConnectionError as e:
-            logger.warning("Lease maintenance could not reach the database: %s", e)
+            # Told once per outage by the process (outage.py), not at every try.
+            logger.debug("Lease maintenance could not reach the database: %s", e)
             # The leases of this process's attempts (and maybe others') could not be
             # renewed: give every owner a whole lease to come back before reaping.
             self._reap_after = time.monotonic() + self.settings.lease_seconds

@@ -6,9 +6,11 @@ the table once, and then sleeps until a NOTIFY with that key arrives or its dead
 No thread polls the table on a timer.
 
 The connection is dedicated (never pooled, since LISTEN is session state) and driven by one
-daemon thread. When it breaks, the thread reconnects, listens again, and wakes every waiter
-so each checks its table once more: a notification sent while the connection was down is
-never waited for in vain.
+daemon thread. When it breaks, the thread reconnects (at least twice a second, so that it
+follows a failover within moments), listens again, and wakes every waiter so each checks
+its table once more: a notification sent while the connection was down is never waited for
+in vain. What it sees counts towards the process's outage (:mod:`.outage`), which logs it
+once; the thread itself logs its reconnections at DEBUG.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from typing import TypeVar
 import psycopg
 from dramatiq.errors import ConnectionClosed
 
-from . import forks
-from .db import connect
+from . import forks, outage
+from .db import RECONNECT_CAP_SECONDS, connect, translate_errors
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +42,6 @@ MAX_PAYLOAD_BYTES = 200
 
 #: Seconds between two checks that an idle listening connection is still alive.
 HEALTH_CHECK_SECONDS = 30.0
-
-#: Longest pause between two reconnection attempts.
-MAX_RECONNECT_DELAY = 5.0
 
 
 def channel_for(schema: str, name: str) -> str:
@@ -178,14 +177,15 @@ class Listener:
             except Exception as e:  # a lost server: reconnect with backoff
                 if self._closed:
                     break
-                self._error = e
-                logger.warning("Result/rate-limit listener lost its connection: %s", e)
+                # The driver's error, which waiters get wrapped in a ConnectionClosed.
+                self._error = e.__cause__ if isinstance(e, ConnectionClosed) and e.__cause__ else e
+                logger.debug("Result/rate-limit listener lost its connection: %s", e)
                 with self._lock:
                     for ready in self._listening.values():
                         ready.clear()
                 self._wake_everyone()
                 time.sleep(delay)
-                delay = min(delay * 2, MAX_RECONNECT_DELAY)
+                delay = min(delay * 2, RECONNECT_CAP_SECONDS)
             finally:
                 if conn is not None:
                     conn.close()
@@ -197,7 +197,9 @@ class Listener:
             with self._lock:
                 wanted = [c for c in self._listening if c not in listened]
             for channel in wanted:
-                conn.execute(f"LISTEN {_quote_ident(channel)}")
+                with translate_errors():
+                    conn.execute(f"LISTEN {_quote_ident(channel)}")
+                outage.tracker.answered()
                 listened.add(channel)
                 with self._lock:
                     self._listening[channel].set()
@@ -212,14 +214,17 @@ class Listener:
             if self._wake_r in readable:
                 os.read(self._wake_r, 4096)
             if conn.fileno() in readable:
-                with conn.lock:
+                with translate_errors(), conn.lock:
                     conn.pgconn.consume_input()
                     while (notify := conn.pgconn.notifies()) is not None:
                         conn.pgconn.notify_handler(notify)
                 if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
-                    raise psycopg.OperationalError("the listening connection was closed")
+                    with translate_errors():
+                        raise psycopg.OperationalError("the listening connection was closed")
             elif not readable:
-                conn.execute("SELECT 1")
+                with translate_errors():
+                    conn.execute("SELECT 1")
+                outage.tracker.answered()
 
     def _dispatch(self, notify: psycopg.Notify) -> None:
         with self._lock:

@@ -155,7 +155,8 @@ class OutcomeWriter:
             try:
                 return write()
             except BrokerConnectionError as e:
-                logger.warning("Could not write outcomes, retrying in %.2fs: %s", delay, e)
+                # Told once per outage by the process (outage.py), not at every try.
+                logger.debug("Could not write outcomes, retrying in %.2fs: %s", delay, e)
                 time.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP_SECONDS)
 

@@ -279,28 +279,43 @@ class Scheduler:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called (a stopped scheduler never starts again)."""
+        return self._stop.is_set()
+
+    def check(self) -> None:
+        """Check the schedules without any I/O.
+
+        Raises:
+          ConfigurationError: a schedule names an actor the broker does not know.
+        """
+        for schedule in self.broker.schedules:
+            if schedule.actor_name not in self.broker.actors:
+                raise ConfigurationError(
+                    f"schedule {schedule.name!r} names actor {schedule.actor_name!r}, which "
+                    "is not declared on this broker"
+                )
+
     def start(self, now: dt.datetime | None = None) -> None:
-        """Register every schedule, enqueue the catch-up of missed ticks, and start firing.
+        """Register every schedule, enqueue the catch-up of missed ticks, and start firing
+        (unless :meth:`stop` was called meanwhile).
 
         Raises:
           ConfigurationError: a schedule names an actor the broker does not know.
         """
         if self._scheduler is not None:
             return
+        self.check()
         schedules = list(self.broker.schedules)
-        for schedule in schedules:
-            if schedule.actor_name not in self.broker.actors:
-                raise ConfigurationError(
-                    f"schedule {schedule.name!r} names actor {schedule.actor_name!r}, which "
-                    "is not declared on this broker"
-                )
         if not schedules and not self.settings.retention:
             return
         now = now or dt.datetime.now(UTC)
-        self._stop.clear()
         for schedule in schedules:
+            if self._stop.is_set():
+                return
             self._registered(schedule, now)
-        if self.settings.retention:
+        if self.settings.retention and not self._stop.is_set():
             self._registered(self.retention, now, kind="maintenance")
 
         for name in ("apscheduler.scheduler", "apscheduler.executors.default"):
@@ -324,8 +339,11 @@ class Scheduler:
                 id=RETENTION_SCHEDULE,
                 name=RETENTION_SCHEDULE,
             )
-        scheduler.start()
-        self._scheduler = scheduler
+        with self._lock:
+            if self._stop.is_set():
+                return  # stopped while the schedules were registered
+            scheduler.start()
+            self._scheduler = scheduler
         # A tick that fell between the registration above and the scheduler's start is
         # enqueued now, not a period late. Fired here rather than as an immediate first run
         # of the APScheduler job: an interval trigger counts its next run from the previous
@@ -344,7 +362,8 @@ class Scheduler:
         """Stop firing; waits for a tick being enqueued, interrupts a retention run between
         two batches."""
         self._stop.set()
-        scheduler, self._scheduler = self._scheduler, None
+        with self._lock:
+            scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.shutdown(wait=True)
 
@@ -376,7 +395,8 @@ class Scheduler:
             else:
                 self._upsert(schedule, boot, kind=kind)
         except BrokerConnectionError as e:
-            logger.warning(
+            # The outage is told once by the process (outage.py); nothing is lost here.
+            logger.debug(
                 "Schedule %s could not be registered yet (it will be at its next tick): %s",
                 schedule.name,
                 e,
@@ -434,8 +454,9 @@ class Scheduler:
             with self._lock:
                 self._seen[schedule.name] = max(self._seen.get(schedule.name, now), now)
         except BrokerConnectionError as e:
-            # The ticks not written stay due: the next firing enqueues them.
-            logger.warning("Schedule %s: could not enqueue a tick: %s", schedule.name, e)
+            # The ticks not written stay due: the next firing enqueues them. The outage is
+            # told once by the process (outage.py).
+            logger.debug("Schedule %s: could not enqueue a tick: %s", schedule.name, e)
         return done
 
     def enqueue_tick(
@@ -495,7 +516,8 @@ class Scheduler:
                 stop=self._stop,
             )
         except BrokerConnectionError as e:
-            logger.warning("Retention could not reach the database: %s", e)
+            # Told once per outage by the process (outage.py); the next run catches up.
+            logger.debug("Retention could not reach the database: %s", e)
             return None
         except Exception:
             logger.exception("Retention failed.")
@@ -510,6 +532,11 @@ class Scheduler:
         return report
 
 
+#: How long a worker's boot waits for its scheduler to start (it starts at once unless the
+#: database is slow or unreachable; it goes on starting in its thread after).
+START_WAIT_SECONDS = 1.0
+
+
 class Periodic(Middleware):
     """Starts the process's :class:`Scheduler` after the worker boots and stops it on
     shutdown. :class:`~dramatiq_pg_broker.PostgresBroker` installs it; it does nothing
@@ -521,9 +548,26 @@ class Periodic(Middleware):
     def after_worker_boot(self, broker, worker) -> None:
         if not broker.settings.scheduler:
             return
-        if self.scheduler is None or self.scheduler.broker is not broker:
+        if self.scheduler is None or self.scheduler.broker is not broker or self.scheduler.stopped:
             self.scheduler = Scheduler(broker)
-        self.scheduler.start()
+        scheduler = self.scheduler
+        scheduler.check()
+        # Starting writes the schedules to the database. A worker booting while the
+        # database is unreachable must not wait for that (the pool's timeout): Dramatiq
+        # prints nothing of its workers until every one has booted, so the log would stay
+        # empty meanwhile. The start goes on in its own thread; the boot waits a moment.
+        starting = threading.Thread(
+            target=self._start, args=(scheduler,), name="dramatiq-pg-scheduler-start", daemon=True
+        )
+        starting.start()
+        starting.join(START_WAIT_SECONDS)
+
+    @staticmethod
+    def _start(scheduler: Scheduler) -> None:
+        try:
+            scheduler.start()
+        except Exception:
+            logger.exception("The scheduler could not start.")
 
     def before_worker_shutdown(self, broker, worker) -> None:
         if self.scheduler is not None:

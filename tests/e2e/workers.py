@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +24,99 @@ FAST_SETTINGS = {
     "DRAMATIQ_PG_BACKOFF_BASE_MS": "100",
     "DRAMATIQ_PG_POLL_INTERVAL": "0.2",
 }
+
+
+#: The beginnings of the three lines a process logs about a database outage
+#: (:mod:`dramatiq_pg_broker.outage`).
+OUTAGE_STARTS = "The database is unreachable"
+OUTAGE_GOES_ON = "The database is still unreachable"
+OUTAGE_ENDS = "The database is reachable again"
+
+_LOG_LINE = re.compile(
+    r"^\[(?P<at>[\d-]+ [\d:,]+)\] \[PID (?P<pid>\d+)\] \[(?P<thread>[^]]*)\] "
+    r"\[(?P<logger>[^]]*)\] \[(?P<level>[A-Z]+)\] (?P<message>.*)$"
+)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class LogLine:
+    """One record of a ``dramatiq`` process's log (its first line)."""
+
+    at: dt.datetime
+    pid: int
+    logger: str
+    level: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.at:%H:%M:%S.%f} [{self.pid}] {self.logger} {self.level} {self.message}"
+
+
+def log_records(path: Path, *, min_level: str = "WARNING") -> list[LogLine]:
+    """The records of a ``dramatiq`` log file at ``min_level`` or above."""
+    floor = logging.getLevelName(min_level)
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = _LOG_LINE.match(line)
+        if match is None or logging.getLevelName(match["level"]) < floor:
+            continue
+        records.append(
+            LogLine(
+                at=dt.datetime.strptime(match["at"], "%Y-%m-%d %H:%M:%S,%f"),
+                pid=int(match["pid"]),
+                logger=match["logger"],
+                level=match["level"],
+                message=match["message"],
+            )
+        )
+    return records
+
+
+#: Warnings about what an outage or a crash did to particular jobs (told once per event,
+#: not per retry): a claim whose reply was lost is given back by the reaper, an outcome
+#: finds its job no longer running when written again.
+JOB_CONSEQUENCES = ("Reaper:", "Lost job")
+
+
+@dataclasses.dataclass
+class OutageStory:
+    """A process log's warnings, sorted: the outage lines, and everything else."""
+
+    starts: list[LogLine]
+    reminders: list[LogLine]
+    ends: list[LogLine]
+    #: Warnings about particular jobs (:data:`JOB_CONSEQUENCES`).
+    jobs: list[LogLine]
+    others: list[LogLine]
+
+    def __str__(self) -> str:
+        lines = sorted(self.starts + self.reminders + self.ends + self.jobs + self.others)
+        return "\n".join(str(line)[:300] for line in lines[:30])
+
+
+def outage_story(path: Path) -> OutageStory:
+    """Sort the warnings (and worse) of a ``dramatiq`` log file."""
+    story = OutageStory([], [], [], [], [])
+    for record in log_records(path):
+        if record.message.startswith(OUTAGE_STARTS):
+            story.starts.append(record)
+        elif record.message.startswith(OUTAGE_GOES_ON):
+            story.reminders.append(record)
+        elif record.message.startswith(OUTAGE_ENDS):
+            story.ends.append(record)
+        elif record.message.startswith(JOB_CONSEQUENCES):
+            story.jobs.append(record)
+        else:
+            story.others.append(record)
+    return story
+
+
+def outage_seconds(line: LogLine) -> float:
+    """The length an outage's last line reports (``... unreachable for 4.2s.``)."""
+    match = re.search(r"unreachable for (?:(\d+)h)?(?:(\d+)m)?([\d.]+)?s?\.$", line.message)
+    assert match is not None, f"no outage length in: {line}"
+    hours, minutes, seconds = match.groups()
+    return int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(seconds or 0)
 
 
 def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):

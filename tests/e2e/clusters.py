@@ -1,0 +1,207 @@
+"""Throwaway PostgreSQL clusters for the tests that stop, crash or fail over a server.
+
+Each cluster is a fresh ``initdb`` in a temporary directory, on a port of its own, so
+stopping or killing it disturbs nothing else (never the shared server the other tests
+use). The server binaries come from ``/usr/lib/postgresql/*/bin`` (newest first) or from
+the ``pgserver`` package; without them the tests that need a cluster are skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+import pytest
+
+#: Ports the test clusters may use.
+PORTS = range(55431, 55450)
+
+
+def server_binaries(*tools: str) -> Path | None:
+    """The first directory of PostgreSQL server binaries holding ``initdb``, ``pg_ctl`` and
+    every one of ``tools``; None if there is none."""
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    try:
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        candidates.append(str(POSTGRES_BIN_PATH))
+    except ImportError:  # pragma: no cover - pgserver is a dev dependency
+        pass
+    for candidate in candidates:
+        if all((Path(candidate) / tool).exists() for tool in ("initdb", "pg_ctl", *tools)):
+            return Path(candidate)
+    return None
+
+
+def free_ports(count: int, ports: Iterable[int] = PORTS) -> list[int] | None:
+    """``count`` ports of ``ports`` nothing listens on yet, or None if there are fewer.
+
+    A port that only has connections in TIME_WAIT (those of a server killed a moment ago)
+    is free: PostgreSQL binds its port with SO_REUSEADDR, and so does this check.
+    """
+    found: list[int] = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    return None
+
+
+class Cluster:
+    """A throwaway PostgreSQL cluster: initdb (or a base backup of another cluster), start,
+    stop, kill, promote.
+
+    Parameters:
+      bindir(Path): the server binaries.
+      port(int): the port it listens on (127.0.0.1 only; no Unix socket).
+      settings(dict): server settings given on the command line at each start (so that a
+        base backup taken from this cluster does not inherit them).
+      init(bool): run initdb; False leaves the data directory for the caller to fill.
+    """
+
+    def __init__(
+        self,
+        bindir: Path,
+        port: int,
+        *,
+        settings: dict[str, str] | None = None,
+        init: bool = True,
+    ) -> None:
+        self.bindir = bindir
+        self.port = port
+        self.settings = dict(settings or {})
+        self.root = Path(tempfile.mkdtemp(prefix="dramatiq-pg-cluster-"))
+        self.data = self.root / "data"
+        self.log = self.root / "server.log"
+        self.prefix: list[str] = []
+        if os.geteuid() == 0:
+            # PostgreSQL refuses to run as root.
+            try:
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                pytest.skip("running as root and no 'postgres' user to run the server as")
+            if shutil.which("runuser") is None:
+                pytest.skip("running as root and no runuser to run the server as postgres")
+            os.chown(self.root, user.pw_uid, user.pw_gid)
+            self.prefix = ["runuser", "-u", "postgres", "--"]
+        if init:
+            self.run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
+        self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+
+    @classmethod
+    def standby_of(cls, primary: Cluster, port: int) -> Cluster:
+        """A streaming standby of ``primary`` (running): ``pg_basebackup -R`` writes its
+        ``primary_conninfo`` and ``standby.signal``. Not started yet."""
+        standby = cls(primary.bindir, port, settings=None, init=False)
+        standby.run(
+            "pg_basebackup",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(primary.port),
+            "-U",
+            "postgres",
+            "-D",
+            str(standby.data),
+            "-R",
+            "-X",
+            "stream",
+            "--no-sync",
+            "-c",
+            "fast",
+        )
+        return standby
+
+    def run(self, tool: str, *args: str) -> None:
+        subprocess.run(
+            [*self.prefix, str(self.bindir / tool), *args],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            "-c fsync=off -c max_connections=100"
+        )
+        for name, value in self.settings.items():
+            options += f" -c {name}={value}"
+        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self.run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every one of its processes at once: the nearest thing
+        to losing the host. No process of the server says goodbye (no error message to
+        the clients, no last WAL record to a standby), unlike ``pg_ctl stop -m immediate``,
+        whose backends still tell their clients that the server shuts down."""
+        postmaster = psutil.Process(self.postmaster_pid())
+        processes = [postmaster, *postmaster.children(recursive=True)]
+        for process in processes:
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(processes, timeout=10)
+
+    def promote(self) -> None:
+        """End a standby's recovery: it becomes a primary (waits until it is)."""
+        self.run("pg_ctl", "-D", str(self.data), "-w", "promote")
+
+    def postmaster_pid(self) -> int:
+        return int((self.data / "postmaster.pid").read_text().split()[0])
+
+    def remove(self) -> None:
+        try:
+            self.stop("immediate")
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def cluster_factory():
+    """For a fixture: yields ``new(**kwargs)`` that makes (and by default starts) a
+    :class:`Cluster` on a free port; every cluster is removed afterwards. ``new`` takes the
+    :class:`Cluster` arguments but ``bindir`` and ``port``, plus ``start`` (default True)
+    and ``standby_of`` (a running cluster to make a streaming standby of)."""
+    clusters: list[Cluster] = []
+
+    def new(*, start: bool = True, standby_of: Cluster | None = None, **kwargs) -> Cluster:
+        bindir = server_binaries(*(("pg_basebackup",) if standby_of is not None else ()))
+        if bindir is None:
+            pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl...) to start a cluster")
+        taken = {c.port for c in clusters}
+        ports = free_ports(1, [p for p in PORTS if p not in taken])
+        if ports is None:
+            pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1} for a test cluster")
+        if standby_of is not None:
+            cluster = Cluster.standby_of(standby_of, ports[0])
+        else:
+            cluster = Cluster(bindir, ports[0], **kwargs)
+        clusters.append(cluster)
+        if start:
+            cluster.start()
+        return cluster
+
+    try:
+        yield new
+    finally:
+        for cluster in clusters:
+            cluster.remove()

@@ -1,0 +1,146 @@
+"""The outage tracker's story, on a clock of the test's own: one line when the database
+becomes unreachable, a reminder per interval, one line when it is back; nothing per
+attempt; a lone lost connection is no outage."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import psycopg
+import pytest
+from dramatiq.errors import ConnectionClosed
+
+from dramatiq_pg_broker import outage
+from dramatiq_pg_broker.outage import Outage, QuietPoolLogs, describe, duration
+
+REFUSED = psycopg.OperationalError(
+    'connection failed: connection to server at "10.0.0.1", port 5432 failed: Connection '
+    "refused\n\tIs the server running on that host and accepting TCP/IP connections?"
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def tracker(clock):
+    return Outage(clock=clock)
+
+
+@pytest.fixture
+def lines(caplog):
+    caplog.set_level(logging.DEBUG, logger="dramatiq_pg_broker.outage")
+
+    def collect() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "dramatiq_pg_broker.outage"]
+
+    return collect
+
+
+def test_one_line_per_outage_a_reminder_per_interval_and_one_line_at_the_end(tracker, clock, lines):
+    for _ in range(200):  # a pool and consumers retrying twice a second for 100 s
+        tracker.connect_failed(REFUSED)
+        clock.now += 0.5
+    tracker.answered()
+    tracker.answered()
+
+    story = lines()
+    assert len(story) == 3, story
+    assert story[0].startswith("The database is unreachable"), story
+    assert "Connection refused" in story[0] and "\n" not in story[0], story
+    assert story[1].startswith("The database is still unreachable, for 1m00s now:"), story
+    assert story[2] == "The database is reachable again; it was unreachable for 1m40s.", story
+    assert not tracker.unreachable
+
+
+def test_a_lost_connection_that_the_next_statement_replaces_is_no_outage(tracker, clock, lines):
+    for _ in range(5):  # terminated backends, each replaced at once
+        tracker.connection_lost(ConnectionClosed(REFUSED))
+        clock.now += 0.2
+        tracker.answered()
+        clock.now += 10
+    assert lines() == []
+
+
+def test_connections_lost_for_longer_than_the_grace_are_an_outage_counted_from_the_first(
+    tracker, clock, lines
+):
+    lost = psycopg.OperationalError("server closed the connection unexpectedly")
+    tracker.connection_lost(lost)
+    clock.now += outage.GRACE_SECONDS / 2
+    tracker.connection_lost(lost)
+    assert lines() == [], "announced before the grace ran out"
+    clock.now += outage.GRACE_SECONDS
+    tracker.connection_lost(lost)
+    clock.now += 2.0
+    tracker.answered()
+    assert lines() == [
+        "The database is unreachable (retrying quietly: a reminder every 1m00s while it "
+        "lasts, a line when it is back): server closed the connection unexpectedly",
+        "The database is reachable again; it was unreachable for 3.5s.",
+    ]
+
+
+def test_a_forked_child_forgets_its_parents_outage(tracker, monkeypatch, lines):
+    tracker.connect_failed(REFUSED)
+    monkeypatch.setattr(outage.forks, "pid", lambda: os.getpid() + 1)
+    assert not tracker.unreachable
+    tracker.answered()
+    assert len(lines()) == 1, "the child told the end of an outage it never saw"
+
+
+def test_describe_finds_the_drivers_error_and_keeps_it_on_one_line():
+    wrapped = ConnectionClosed(REFUSED)
+    wrapped.__cause__ = REFUSED
+    assert describe(wrapped) == (
+        'connection failed: connection to server at "10.0.0.1", port 5432 failed: '
+        "Connection refused Is the server running on that host and accepting TCP/IP "
+        "connections?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.04, "0.0s"), (4.25, "4.2s"), (65, "1m05s"), (3725, "1h02m")]
+)
+def test_durations_read_as_a_person_writes_them(seconds, text):
+    assert duration(seconds) == text
+
+
+def _pool_record(msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord("psycopg.pool", logging.WARNING, "pool.py", 1, msg, args, None)
+
+
+def test_pool_warnings_per_attempt_are_lowered_for_our_pools_only():
+    quiet = QuietPoolLogs("dramatiq-pg-broker-")
+    pool_logger = logging.getLogger("psycopg.pool")
+    level = pool_logger.level
+    pool_logger.setLevel(logging.INFO)
+    try:
+        ours = _pool_record("error connecting in %r: %s", "dramatiq-pg-broker-42", "refused")
+        theirs = _pool_record("error connecting in %r: %s", "app-pool", "refused")
+        other = _pool_record("rolling back returned connection: %s", "conn")
+        assert quiet.filter(ours) is False, "our pool's attempt warning was kept"
+        assert quiet.filter(theirs) is True and theirs.levelno == logging.WARNING
+        assert quiet.filter(other) is True and other.levelno == logging.WARNING
+        with outage.quiet_pool():
+            discarded = _pool_record("discarding broken connection: %s", "conn")
+            assert quiet.filter(discarded) is False
+
+        pool_logger.setLevel(logging.DEBUG)
+        ours = _pool_record("error connecting in %r: %s", "dramatiq-pg-broker-42", "refused")
+        assert quiet.filter(ours) is True and ours.levelname == "DEBUG", (
+            "with psycopg.pool at DEBUG the line is kept, as DEBUG"
+        )
+    finally:
+        pool_logger.setLevel(level)

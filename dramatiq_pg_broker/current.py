@@ -21,13 +21,17 @@ from __future__ import annotations
 import contextvars
 from typing import TYPE_CHECKING, Any
 
+import dramatiq
 from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 
 from .consumer import PgMessageProxy, describe_exception
+from .inflight import State
+from .sending import RunningAttempt
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
+    from .inflight import Ledger
 
 #: A context variable, not a thread-local: async actors run on Dramatiq's event loop thread,
 #: and the coroutine inherits the worker thread's context (as Dramatiq's CurrentMessage does).
@@ -69,6 +73,24 @@ def current_job() -> CurrentJob | None:
     """The job of the message this thread is processing, or None outside an actor (or for
     a message that did not come from a PostgresBroker)."""
     return _current.get()
+
+
+def running_attempt(ledger: Ledger, message: dramatiq.Message) -> RunningAttempt | None:
+    """The attempt of ``message`` that this thread's actor runs and has not settled, if
+    any: ``message`` is the proxy Dramatiq's worker handed to the middleware (the Retries
+    middleware sends it again), or a copy of the current job's message sent from inside
+    its actor. The send path takes a send of it for that attempt's retry."""
+    if isinstance(message, PgMessageProxy):
+        proxy = message
+    else:
+        job = _current.get()
+        if job is None or job.id != message.message_id:
+            return None
+        proxy = job.message
+    if ledger.state_of(proxy.attempt) is not State.STARTED:
+        return None
+    exception = proxy._exception
+    return RunningAttempt(proxy, describe_exception(exception) if exception is not None else None)
 
 
 class JobContext(Middleware):

@@ -139,6 +139,51 @@ class ReapResult(NamedTuple):
     failed_jobs: list[ReapedJob] = []
 
 
+#: What a send writes of a :class:`NewJob`, in one order, each value with the type it is
+#: sent as: the parameters of ``insert_job``, ``find_existing`` and ``reenqueue_job``, the
+#: arrays of ``insert_jobs`` and the columns of the staging table (a unit test holds the
+#: statements to this list). :func:`send_values` gives the values; the binary COPY of
+#: :meth:`JobStore._copy_new` writes the stored row the server computes from them
+#: (``available_at`` from ``delay_ms``, the jsonb view from ``view_from_bytes``).
+SEND_FIELDS: tuple[tuple[str, str], ...] = (
+    ("id", "text"),
+    ("queue_name", "text"),
+    ("actor_name", "text"),
+    ("message", "jsonb"),
+    ("message_bytes", "bytea"),
+    ("view_from_bytes", "bool"),
+    ("priority", "int4"),
+    ("delay_ms", "int8"),
+    ("max_attempts", "int4"),
+    ("idempotency_key", "text"),
+    ("idempotency_scope", "text"),
+)
+SEND_NAMES = tuple(name for name, _ in SEND_FIELDS)
+
+
+def send_values(job: NewJob) -> tuple:
+    """The values of :data:`SEND_FIELDS` for ``job``: the one encoder of a job for every
+    statement that writes it (its jsonb view wrapped for psycopg, its delay never below
+    zero)."""
+    return (
+        job.id,
+        job.queue_name,
+        job.actor_name,
+        Jsonb(job.message) if job.message is not None else None,
+        job.message_bytes,
+        job.message_view_from_bytes,
+        job.priority,
+        _delay_ms(job),
+        job.max_attempts,
+        job.idempotency_key,
+        job.idempotency_scope,
+    )
+
+
+def _delay_ms(job: NewJob) -> int:
+    return max(0, int(job.delay_ms))
+
+
 def channel_name(schema: str, queue_name: str) -> str:
     """The LISTEN/NOTIFY channel of a queue: ``schema.queue``, hashed when longer than
     PostgreSQL's 63-byte identifier limit."""
@@ -354,10 +399,8 @@ class JobStore:
     #: From this many rows, a bulk insert goes through COPY into a staging table (two more
     #: round trips, far cheaper per row than array parameters).
     BULK_COPY_MIN = 200
-    _STAGED_TYPES = (
-        "text", "text", "text", "jsonb", "bytea", "bool", "int4", "int8", "int4", "text",
-        "text", "int8",
-    )  # fmt: skip
+    #: The staging table's columns: the send's fields, then the position in the batch.
+    _STAGED_TYPES = (*(kind for _, kind in SEND_FIELDS), "int8")
 
     def enqueue_many(
         self,
@@ -499,7 +542,7 @@ class JobStore:
                                 4,
                                 job.priority,
                                 8,
-                                now_us + max(0, int(job.delay_ms)) * 1000,
+                                now_us + _delay_ms(job) * 1000,
                                 4,
                                 job.max_attempts,
                             ),
@@ -549,23 +592,8 @@ class JobStore:
         c.execute(self.queries["stage_jobs"])
         with c.cursor().copy(self.queries["copy_staged_jobs"]) as copy:
             copy.set_types(self._STAGED_TYPES)
-            for position, j in enumerate(jobs, 1):
-                copy.write_row(
-                    (
-                        j.id,
-                        j.queue_name,
-                        j.actor_name,
-                        Jsonb(j.message) if j.message is not None else None,
-                        j.message_bytes,
-                        j.message_view_from_bytes,
-                        j.priority,
-                        max(0, int(j.delay_ms)),
-                        j.max_attempts,
-                        j.idempotency_key,
-                        j.idempotency_scope,
-                        position,
-                    )
-                )
+            for position, job in enumerate(jobs, 1):
+                copy.write_row((*send_values(job), position))
         rows = c.execute(
             self.queries["insert_staged_jobs"], {"now": now, "events": self.events}
         ).fetchall()
@@ -573,42 +601,19 @@ class JobStore:
         return rows
 
     def _bulk_params(self, jobs: Sequence[NewJob], now: dt.datetime | None) -> dict[str, Any]:
-        return {
-            "ids": [j.id for j in jobs],
-            "queue_names": [j.queue_name for j in jobs],
-            "actor_names": [j.actor_name for j in jobs],
-            "messages": [Jsonb(j.message) if j.message is not None else None for j in jobs],
-            "message_bytes": [j.message_bytes for j in jobs],
-            "view_from_bytes": [j.message_view_from_bytes for j in jobs],
-            "priorities": [j.priority for j in jobs],
-            "delays_ms": [max(0, int(j.delay_ms)) for j in jobs],
-            "max_attempts": [j.max_attempts for j in jobs],
-            "idempotency_keys": [j.idempotency_key for j in jobs],
-            "idempotency_scopes": [j.idempotency_scope for j in jobs],
-            "channels": [],
-            "durable": True,
-            "now": now,
-            "events": self.events,
-        }
+        """The parameters of ``insert_jobs``: one array per send field."""
+        columns = zip(*map(send_values, jobs)) if jobs else ([] for _ in SEND_NAMES)
+        params: dict[str, Any] = {name: list(column) for name, column in zip(SEND_NAMES, columns)}
+        params.update(channels=[], durable=True, now=now, events=self.events)
+        return params
 
     def _new_job_params(self, job: NewJob, now: dt.datetime | None) -> dict[str, Any]:
-        return {
-            "id": job.id,
-            "queue_name": job.queue_name,
-            "actor_name": job.actor_name,
-            "message": Jsonb(job.message) if job.message is not None else None,
-            "message_bytes": job.message_bytes,
-            "view_from_bytes": job.message_view_from_bytes,
-            "priority": job.priority,
-            "delay_ms": max(0, int(job.delay_ms)),
-            "max_attempts": job.max_attempts,
-            "idempotency_key": job.idempotency_key,
-            "idempotency_scope": job.idempotency_scope,
-            "channel": self.channel(job.queue_name),
-            "durable": job.durable,
-            "now": now,
-            "events": self.events,
-        }
+        """The parameters of ``insert_job`` (and of ``find_existing``, ``reenqueue_job``)."""
+        params: dict[str, Any] = dict(zip(SEND_NAMES, send_values(job)))
+        params.update(
+            channel=self.channel(job.queue_name), durable=job.durable, now=now, events=self.events
+        )
+        return params
 
     def server_now(self, *, conn=None) -> dt.datetime:
         """The database server's clock (``now()``)."""

@@ -94,7 +94,8 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 
 -- insert_jobs --
 -- Many messages in one statement (bulk enqueue), each with its `created` event; the arrays
--- are parallel, one element per message. As insert_job: an existing id or idempotency key
+-- are parallel, one element per message, each named as insert_job's parameter of the same
+-- field (jobs.py SEND_FIELDS). As insert_job: an existing id or idempotency key
 -- inserts nothing, and the rows that were inserted are returned with their position (from
 -- 1). All the rows get the same now(), so created_at is advanced by one microsecond per
 -- position: jobs of equal priority and availability are then claimed in the order sent.
@@ -104,10 +105,10 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 WITH given AS (
     SELECT *
     FROM unnest(
-        %(ids)s::uuid[], %(queue_names)s::text[], %(actor_names)s::text[],
-        %(messages)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
-        %(priorities)s::integer[], %(delays_ms)s::bigint[], %(max_attempts)s::integer[],
-        %(idempotency_keys)s::text[], %(idempotency_scopes)s::text[]
+        %(id)s::uuid[], %(queue_name)s::text[], %(actor_name)s::text[],
+        %(message)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
+        %(priority)s::integer[], %(delay_ms)s::bigint[], %(max_attempts)s::integer[],
+        %(idempotency_key)s::text[], %(idempotency_scope)s::text[]
     ) WITH ORDINALITY AS g (
         id, queue_name, actor_name, message, message_bytes, view_from_bytes, priority,
         delay_ms, max_attempts, idempotency_key, idempotency_scope, position
@@ -162,7 +163,8 @@ COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT 
 -- stage_jobs --
 -- A temporary table for a large bulk enqueue, filled with COPY (much cheaper than one huge
 -- statement's parameters), read by insert_staged_jobs, dropped at once after. Temporary
--- and dropped within the transaction, so it holds no session state (poolers work).
+-- and dropped within the transaction, so it holds no session state (poolers work). Its
+-- columns are the send's fields (jobs.py SEND_FIELDS), then the position in the batch.
 CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
     id text, queue_name text, actor_name text, message jsonb, message_bytes bytea,
     view_from_bytes boolean, priority integer, delay_ms bigint, max_attempts integer,

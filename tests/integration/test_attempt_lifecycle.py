@@ -176,7 +176,7 @@ def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
     consumer = broker.consume(h.queue, prefetch=2, timeout=1000)
     a, b = next(consumer), next(consumer)
     assert broker.ledger.start(a.attempt) and broker.ledger.start(b.attempt)
-    assert broker.reschedule(a, 60_000, "later")
+    assert broker.sender.reschedule(a, 60_000, "later")
     assert broker.ledger.settle(a.attempt, "complete") is False, "ack after a reschedule"
     assert broker.ledger.settle(b.attempt, "fail", "no") is True
     assert broker.ledger.settle(b.attempt, "complete") is False, "a second outcome"

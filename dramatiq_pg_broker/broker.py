@@ -103,7 +103,7 @@ class PostgresBroker(dramatiq.Broker):
         super().__init__(middleware=middleware)
         for m in self.middleware:
             if isinstance(m, Retries):
-                m.configure(settings.backoff_base_ms, settings.backoff_max_ms)
+                m.configure(settings)
         # First, so that a message this process no longer owns is skipped before any
         # other middleware sees it start.
         first = type(self.middleware[0]) if self.middleware else None

@@ -94,7 +94,9 @@ class NewJob:
     message_bytes: bytes | None = None
     priority: int = 0
     delay_ms: int = 0
-    max_attempts: int = 21
+    #: The limit :func:`~dramatiq_pg_broker.messages.max_attempts_for` derives: required,
+    #: so that every writer of a row states it (the column's default is never relied on).
+    max_attempts: int = dataclasses.field(kw_only=True)
     idempotency_key: str | None = None
     message_view_from_bytes: bool = False
     idempotency_scope: str = ""
@@ -718,11 +720,14 @@ class JobStore:
         *,
         message: dict[str, Any] | None = None,
         message_bytes: bytes | None = None,
+        max_attempts: int | None = None,
         conn=None,
         now=None,
     ) -> bool:
         """running -> queued, runnable after ``delay_ms`` (a retry). The attempt stays
-        charged. Passing ``message`` or ``message_bytes`` replaces the stored message."""
+        charged. Passing ``message`` or ``message_bytes`` replaces the stored message;
+        ``max_attempts`` (from :func:`~dramatiq_pg_broker.messages.max_attempts_for`), the
+        row's limit."""
         replace = message is not None or message_bytes is not None
         rows = self._fetch(
             "reschedule_job",
@@ -735,6 +740,7 @@ class JobStore:
                 "replace_message": replace,
                 "message": Jsonb(message) if message is not None else None,
                 "message_bytes": message_bytes,
+                "max_attempts": max_attempts,
                 "channel": self.channel(queue_name),
                 "now": now,
             },

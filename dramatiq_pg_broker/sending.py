@@ -6,7 +6,7 @@
 
 - runs the middleware's ``before_enqueue`` and, once the row is written, ``after_enqueue``;
 - builds the row (:func:`.messages.job_from_message`, the one place a message becomes a
-  row: validated, encoded, scheduled);
+  row: validated, encoded, scheduled, its ``max_attempts`` derived);
 - takes a send of the message this thread's actor is running (a retry by the Retries
   middleware, a snooze) for what it is: that attempt's row rescheduled, not a new row;
 - writes the row where the send belongs: inside ``broker.batch()``, collected and written
@@ -41,7 +41,6 @@ import dramatiq
 import psycopg
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware, MiddlewareError
-from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import PoolTimeout
 
 from . import forks, messages
@@ -376,10 +375,7 @@ class Sender:
     def _builder(self) -> Callable[[dramatiq.Message, int | None], tuple[NewJob, Any]]:
         """:meth:`job_for`, with what does not change within one batch looked up once."""
         broker = self.broker
-        retries = next((m for m in broker.middleware if isinstance(m, DramatiqRetries)), None)
-        default_max_retries = (
-            retries.max_retries if retries is not None else self.settings.max_attempts - 1
-        )
+        default_max_retries = messages.default_max_retries(self.settings, broker.middleware)
         durable = self.settings.durable_sends
         actors = broker.actors
 
@@ -469,7 +465,9 @@ class Sender:
         if message is proxy and proxy.backoff_ms is not None:
             # The Retries middleware's deterministic backoff (``jitter=False``).
             delay_ms = proxy.backoff_ms
-        self.reschedule(proxy, delay_ms, running.error, message=stored)
+        self.reschedule(
+            proxy, delay_ms, running.error, message=stored, max_attempts=job.max_attempts
+        )
 
     def reschedule(
         self,
@@ -478,6 +476,7 @@ class Sender:
         error: str | None,
         *,
         message: dramatiq.Message | None = None,
+        max_attempts: int | None = None,
     ) -> bool:
         """Move a running message's row back to queued, runnable in ``delay_ms``. The
         following ack or nack of this message writes nothing. Returns False (and logs) if
@@ -488,6 +487,7 @@ class Sender:
           delay_ms(int): milliseconds until the job may run again.
           error(str): the attempt's error, kept in ``last_error``.
           message(Message): the message to store instead of the row's.
+          max_attempts(int): the row's new ``max_attempts`` (None keeps it).
 
         Raises:
           dramatiq.errors.ConnectionError: the database stayed unreachable. The attempt is
@@ -511,6 +511,7 @@ class Sender:
                 error,
                 message=data,
                 message_bytes=data_bytes,
+                max_attempts=max_attempts,
             )
 
         # The ledger settles the attempt whatever happens: a failed attempt whose retry

@@ -62,7 +62,7 @@ LIMIT 1
 -- `broker.enqueue(message.copy(), delay=...)`): the row goes back to queued with the new
 -- message, queue, priority and delay. A running attempt loses its ownership, so its
 -- owner's outcome later matches nothing. The attempt already charged stays charged;
--- max_attempts grows if needed so that the next claim is allowed, as for a retry.
+-- max_attempts is the new message's (derived by the sender, as for a new job).
 -- Finished rows are never touched (the caller raises).
 WITH moved AS (
     UPDATE {schema}.jobs AS j
@@ -75,7 +75,7 @@ WITH moved AS (
         message_bytes = %(message_bytes)s,
         priority = %(priority)s,
         available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
-        max_attempts = greatest(%(max_attempts)s, j.attempts + 1),
+        max_attempts = %(max_attempts)s,
         -- A claim whose actor never started gives its attempt back.
         attempts = CASE WHEN j.status = 'running' AND NOT j.started THEN j.attempts - 1
                         ELSE j.attempts END,
@@ -397,8 +397,9 @@ SELECT id FROM done
 -- reschedule_job --
 -- running -> queued to run again after %(delay_ms)s (a retry with backoff). The attempt is
 -- charged as a failure. %(message)s / %(message_bytes)s replace the stored message when given (Dramatiq's
--- own Retries middleware re-enqueues the message with updated options). max_attempts grows
--- if a caller with its own retry policy asks for more attempts than the row allowed.
+-- own Retries middleware re-enqueues the message with updated options); %(max_attempts)s,
+-- when given, is the limit the sender derived for that message (it never denies the retry
+-- just scheduled, see messages.max_attempts_for).
 WITH moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
@@ -408,7 +409,7 @@ WITH moved AS (
         last_error = coalesce(%(error)s, j.last_error),
         message = CASE WHEN %(replace_message)s THEN %(message)s ELSE j.message END,
         message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE j.message_bytes END,
-        max_attempts = greatest(j.max_attempts, j.failures + 2),
+        max_attempts = coalesce(%(max_attempts)s::integer, j.max_attempts),
         failures = j.failures + 1,
         started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())

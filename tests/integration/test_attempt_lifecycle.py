@@ -410,7 +410,7 @@ def test_the_reaper_waits_a_lease_after_the_server_started(h, conn):
     # Claimed and started before the server (re)started; its lease ran out while it was
     # down, so its owner never had a chance to renew it.
     before = boot - dt.timedelta(seconds=10)
-    job = NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={})
+    job = NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}, max_attempts=21)
     broker.store.enqueue(job, now=before)
     (claimed,) = broker.store.claim(h.queue, 1, "owner", 1, now=before)
     attempt = Attempt(job_id, "owner", claimed.attempts)
@@ -466,7 +466,9 @@ def test_batch_statements_lock_rows_in_id_order(h, pg_url):
     ids = sorted(str(uuid.uuid4()) for _ in range(2))
     # Inserted highest id first, so that neither the heap nor the leases are in id order.
     for job_id in reversed(ids):
-        broker.store.enqueue(NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}))
+        broker.store.enqueue(
+            NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}, max_attempts=21)
+        )
     claimed = broker.store.claim(h.queue, 2, "w", 30)
     attempts = [Attempt(c.id, "w", c.attempts) for c in claimed]
     table = f'"{h.schema}".jobs'

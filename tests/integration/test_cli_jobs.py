@@ -41,7 +41,14 @@ def run(pg_url, schema, capsys):
 def enqueue(store, queue="mail", actor="send", *, delay_ms=0, now=None) -> str:
     job_id = str(uuid.uuid4())
     store.enqueue(
-        NewJob(job_id, queue, actor, message={"args": [1], "kwargs": {}}, delay_ms=delay_ms),
+        NewJob(
+            job_id,
+            queue,
+            actor,
+            message={"args": [1], "kwargs": {}},
+            delay_ms=delay_ms,
+            max_attempts=21,
+        ),
         now=now,
     )
     return job_id

@@ -32,7 +32,7 @@ def make_job(store: JobStore, status: str, *, days_ago: float, queue: str = "q")
     transitions with an injected clock."""
     when = NOW - dt.timedelta(days=days_ago)
     job_id = str(uuid.uuid4())
-    store.enqueue(NewJob(job_id, queue, "act", message={"x": 1}), now=when)
+    store.enqueue(NewJob(job_id, queue, "act", message={"x": 1}, max_attempts=21), now=when)
     if status == "queued":
         return job_id
     if status == "cancelled":

@@ -22,7 +22,7 @@ from typing import Any
 import dramatiq
 import psycopg
 from dramatiq.errors import QueueJoinTimeout
-from dramatiq.middleware import Middleware
+from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool
 
@@ -63,13 +63,22 @@ class PostgresBroker(dramatiq.Broker):
         PgBouncer in transaction mode; consumers then poll every ``poll_interval``. Pass
         ``prepared_statements=False`` there as well.
       lease_seconds(float): how long a claim holds without renewal (default 30).
-      middleware(list[Middleware]): as for any Dramatiq broker. With the default
-        middleware, Dramatiq's Retries is replaced by this package's, which reschedules the
-        same row. A middleware list you pass is kept as it is.
+      middleware(list[Middleware]): as for any Dramatiq broker. The default is Dramatiq's
+        default middleware, with this package's :class:`~dramatiq_pg_broker.Retries` in
+        place of Dramatiq's (it reschedules the same row), and Dramatiq's
+        ``CurrentMessage`` added last, so that ``CurrentMessage.get_current_message()``
+        works in actors without setting anything up (Dramatiq's own default list lacks
+        it, and Dramatiq users reach for it first). A middleware list you pass is kept as
+        it is.
       schedules(list[Schedule]): periodic schedules the workers run (see
         :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
       settings(Settings): every other knob (see :class:`Settings`); keyword arguments win.
       **options: any other :class:`Settings` field (``poll_interval``, ``events``, ...).
+
+    The broker adds two middleware of its own: :class:`~dramatiq_pg_broker.current.JobContext`
+    (the in-flight ledger's view of the worker: it skips a message this process no longer
+    owns) right after ``AgeLimit``, or first when there is no ``AgeLimit``, so that no
+    other middleware sees such a message start; and the periodic scheduler, last.
     """
 
     def __init__(
@@ -98,16 +107,21 @@ class PostgresBroker(dramatiq.Broker):
             logging.getLogger("dramatiq_pg_broker").setLevel(settings.log_level.upper())
 
         if middleware is None:
-            middleware = [m() for m in dramatiq.middleware.default_middleware]
-            middleware = [Retries() if type(m) is DramatiqRetries else m for m in middleware]
+            middleware = [
+                Retries() if m is DramatiqRetries else m()
+                for m in dramatiq.middleware.default_middleware
+            ]
+            middleware.append(CurrentMessage())
         super().__init__(middleware=middleware)
         for m in self.middleware:
             if isinstance(m, Retries):
                 m.configure(settings)
-        # First, so that a message this process no longer owns is skipped before any
-        # other middleware sees it start.
-        first = type(self.middleware[0]) if self.middleware else None
-        self.add_middleware(JobContext(), before=first)
+        if any(isinstance(m, AgeLimit) for m in self.middleware):
+            # AgeLimit only skips messages too old to run: Dramatiq keeps it first.
+            self.add_middleware(JobContext(), after=AgeLimit)
+        else:
+            first = type(self.middleware[0]) if self.middleware else None
+            self.add_middleware(JobContext(), before=first)
         self.schedules: list[Schedule] = []
         self.periodic = Periodic()
         self.add_middleware(self.periodic)

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq.middleware import Middleware, SkipMessage
-from dramatiq.middleware.retries import Retries as DramatiqRetries
 
 from .consumer import PgMessageProxy, describe_exception
 from .inflight import State
@@ -103,10 +102,12 @@ class JobContext(Middleware):
       this process no longer owns it (released at shutdown, or its lease was lost while
       it waited);
     - when shutdown begins: prefetched messages that have not started go back at once;
-    - when an actor raises: the ledger remembers it, so no ack can record a success.
+    - when an actor raises: the ledger remembers it, so no ack can record a success
+      (without a Retries middleware, Dramatiq acks a message whose actor raised: the job
+      is recorded failed, not succeeded).
 
-    The broker puts it first in its middleware list, so a skipped message reaches no other
-    middleware's ``before_process_message``.
+    The broker puts it right after ``AgeLimit`` (first without one), so a skipped message
+    reaches no other middleware's ``before_process_message``.
     """
 
     @property
@@ -136,11 +137,7 @@ class JobContext(Middleware):
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         _current.set(None)
-        if (
-            exception is not None
-            and isinstance(message, PgMessageProxy)
-            and any(isinstance(m, DramatiqRetries) for m in broker.middleware)
-        ):
+        if exception is not None and isinstance(message, PgMessageProxy):
             broker.ledger.failed_with(message.attempt, describe_exception(exception))
 
     def after_skip_message(self, broker, message) -> None:

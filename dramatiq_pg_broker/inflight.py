@@ -465,7 +465,8 @@ class Ledger:
         that was rescheduled, released or lost.
 
         An ack of an attempt whose actor raised is written as a failure: a failed attempt
-        is never recorded as a success.
+        is never recorded as a success (Dramatiq acks it when no Retries middleware is
+        installed, or when that middleware's hook failed).
         """
         self._check_fork()
         with self._lock:
@@ -475,8 +476,8 @@ class Ledger:
                 return False
             if kind == "complete" and entry.error is not None:
                 logger.error(
-                    "Job %s attempt %d raised but was acked (a retry hook failed?); it is "
-                    "recorded as failed.",
+                    "Job %s attempt %d raised but was acked (no Retries middleware, or its "
+                    "hook failed); it is recorded as failed.",
                     attempt.id,
                     attempt.attempt,
                 )

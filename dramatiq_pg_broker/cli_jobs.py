@@ -276,7 +276,10 @@ def run_jobs_cancel(ctx: Context, args) -> int:
 
 @command
 def run_stats(ctx: Context, args) -> int:
-    rows = ctx._fetch("queue_stats", {})
+    rows = [
+        {"queue_name": queue_name, **counts.as_dict()}
+        for queue_name, counts in ctx.store.queue_counts().items()
+    ]
     if args.json:
         print(to_json(rows))
         return 0

@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
@@ -184,6 +184,43 @@ def send_values(job: NewJob) -> tuple:
 
 def _delay_ms(job: NewJob) -> int:
     return max(0, int(job.delay_ms))
+
+
+@dataclasses.dataclass
+class QueueCounts:
+    """One queue's unfinished and failed jobs (see :meth:`JobStore.queue_counts`).
+
+    Attributes:
+      queued(int): waiting and runnable now (``available_at`` has passed).
+      delayed(int): waiting for a later ``available_at`` (a delay, an eta, a retry backoff).
+      running(int): claimed by a worker.
+      failed(int): in the dead-letter state.
+      oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
+        (since its ``available_at``), by the server's clock; None when none waits.
+    """
+
+    queued: int = 0
+    delayed: int = 0
+    running: int = 0
+    failed: int = 0
+    oldest_waiting_seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def queue_counts_of(rows: Iterable[Sequence[Any]]) -> dict[str, QueueCounts]:
+    """The rows of the ``count_by_queue`` statement, as counts per queue."""
+    return {
+        queue_name: QueueCounts(
+            queued=int(queued),
+            delayed=int(delayed),
+            running=int(running),
+            failed=int(failed),
+            oldest_waiting_seconds=None if oldest is None else round(max(0.0, oldest), 3),
+        )
+        for queue_name, queued, delayed, running, failed, oldest in rows
+    }
 
 
 def channel_name(schema: str, queue_name: str) -> str:
@@ -899,6 +936,14 @@ class JobStore:
         return self._fetch("count_failed_since", {"queue_name": queue_name, "since": since}, conn)[
             0
         ][0]
+
+    def queue_counts(self, *, conn=None, now=None) -> dict[str, QueueCounts]:
+        """Per queue, its waiting (runnable and delayed), running and failed jobs, and how
+        long the oldest runnable one has waited: the one count the CLI's ``stats``, the
+        admin API and its metrics all show. It reads the partial indexes on waiting,
+        running and dead rows, never the finished rows of a big table, so it costs what
+        the backlog costs. A queue with no unfinished or failed job does not appear."""
+        return queue_counts_of(self._fetch("count_by_queue", {"now": now}, conn))
 
     def flush(self, queue_name: str, *, conn=None) -> int:
         """Delete the waiting and running jobs of a queue; returns how many."""

@@ -636,6 +636,45 @@ SELECT count(*)
 FROM {schema}.jobs
 WHERE queue_name = %(queue_name)s AND status = 'failed' AND finished_at >= %(since)s
 
+-- count_by_queue --
+-- Per queue: waiting jobs runnable now and delayed, running jobs, failed jobs, and how long
+-- the oldest runnable job has been runnable (seconds, by the server's clock; NULL when none
+-- is). Three aggregates, one per partial index, added up: each part's status is the
+-- predicate of a partial index (claim order, lease expiry, dead letters), so the succeeded
+-- rows of a big table are never read; the waiting jobs, usually the most numerous, are
+-- counted from the claim-order index alone (it holds queue_name and available_at). The
+-- CLI's stats, the admin API and its metrics all read this one count.
+WITH parts AS (
+    SELECT queue_name,
+           count(*) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
+               AS queued,
+           count(*) FILTER (WHERE available_at > coalesce(%(now)s::timestamptz, now()))
+               AS delayed,
+           0::bigint AS running,
+           0::bigint AS failed,
+           min(available_at) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
+               AS oldest_at
+    FROM {schema}.jobs
+    WHERE status = 'queued'
+    GROUP BY queue_name
+    UNION ALL
+    SELECT queue_name, 0, 0, count(*), 0, NULL
+    FROM {schema}.jobs
+    WHERE status = 'running'
+    GROUP BY queue_name
+    UNION ALL
+    SELECT queue_name, 0, 0, 0, count(*), NULL
+    FROM {schema}.jobs
+    WHERE status = 'failed'
+    GROUP BY queue_name
+)
+SELECT queue_name, sum(queued)::bigint, sum(delayed)::bigint, sum(running)::bigint,
+       sum(failed)::bigint,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(oldest_at))::float8
+FROM parts
+GROUP BY queue_name
+ORDER BY queue_name
+
 -- notify_queue --
 -- Wake the consumers of a queue (after an operator made a job runnable).
 SELECT pg_notify(%(channel)s, '')

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 
 from dramatiq_pg_broker import events as event_types
 from dramatiq_pg_broker.db import Queries
-from dramatiq_pg_broker.jobs import QueueCounts, queue_counts_of
+from dramatiq_pg_broker.jobs import LEASE_EXPIRED, QueueCounts, queue_counts_of
 
 from .tables import Timestamp, job_events
 
@@ -32,9 +32,6 @@ THROUGHPUT_MAX_EVENTS = 200_000
 #: event ids are taken at insert, so an id can become visible after a higher one has been
 #: read; a transaction that writes an event commits well within this time.
 EVENT_SETTLE_SECONDS = 5.0
-
-#: The prefix of the error the reaper records when a lease expired (see ``reap_expired``).
-LEASE_EXPIRED_PREFIX = "lease expired:"
 
 #: The event types a throughput bucket counts.
 THROUGHPUT_TYPES = (
@@ -229,7 +226,7 @@ class Monitor:
                 job_events.c.type,
                 sa.and_(
                     job_events.c.type == event_types.FAILED,
-                    job_events.c.data["error"].astext.startswith(LEASE_EXPIRED_PREFIX),
+                    job_events.c.data["error"].astext.startswith(LEASE_EXPIRED),
                 ).label("lease"),
                 job_events.c.created_at,
             )

@@ -186,6 +186,11 @@ def _delay_ms(job: NewJob) -> int:
     return max(0, int(job.delay_ms))
 
 
+#: How the error the reaper records for an expired lease begins (``reap_expired``); the
+#: monitoring tells a lost lease from an actor's failure by it.
+LEASE_EXPIRED = "lease expired:"
+
+
 @dataclasses.dataclass
 class QueueCounts:
     """One queue's unfinished and failed jobs (see :meth:`JobStore.queue_counts`).
@@ -862,6 +867,7 @@ class JobStore:
                 "batch": batch,
                 "backoff_ms": [int(ms) for ms in backoff_ms],
                 "max_interruptions": max_interruptions,
+                "lease_expired": LEASE_EXPIRED,
                 "lease_ms": _ms(lease_seconds),
                 "now": now,
             },

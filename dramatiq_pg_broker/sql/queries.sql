@@ -509,7 +509,8 @@ SELECT id FROM owned
 -- expired only once the server has been up for a whole lease (%(lease_ms)s): the owners of
 -- live attempts renew them, or write their outcomes, first.
 -- Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at once, each taking
--- different rows, and an idle run costs one index probe.
+-- different rows, and an idle run costs one index probe. The error of an expired lease
+-- begins with %(lease_expired)s (jobs.py LEASE_EXPIRED), which the monitoring looks for.
 WITH expired AS MATERIALIZED (
     SELECT id, locked_by, started
     FROM {schema}.jobs
@@ -543,10 +544,10 @@ WITH expired AS MATERIALIZED (
         last_error = CASE
             WHEN NOT expired.started THEN j.last_error
             WHEN j.interruptions + 1 >= %(max_interruptions)s
-            THEN 'lease expired: ' || expired.locked_by || ' stopped renewing attempt '
+            THEN %(lease_expired)s || ' ' || expired.locked_by || ' stopped renewing attempt '
                  || j.attempts || '; interrupted ' || (j.interruptions + 1)
                  || ' times (the limit): its worker died, hung or lost its lease each time'
-            ELSE 'lease expired: ' || expired.locked_by
+            ELSE %(lease_expired)s || ' ' || expired.locked_by
                  || ' stopped renewing attempt ' || j.attempts
         END,
         locked_by = NULL,

@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
@@ -800,11 +800,12 @@ class JobStore:
         return {str(r[0]) for r in rows}
 
     def _notify(self, queue_names, conn=None) -> None:
+        """Wake the consumers of these queues, in one statement."""
         if not queue_names:
             return
+        channels = sorted({self.channel(queue_name) for queue_name in queue_names})
         with self.pool.use(conn) as c:
-            for queue_name in sorted(queue_names):
-                c.execute(self.queries["notify_queue"], {"channel": self.channel(queue_name)})
+            c.execute(self.queries["notify_queues"], {"channels": channels})
 
     def renew(
         self,
@@ -890,12 +891,52 @@ class JobStore:
           JobNotFound: no job has this id.
           InvalidTransition: the job is not failed.
         """
-        rows = self._fetch("retry_failed", {"id": job_id, "by": by, "now": now}, conn)
-        if not rows:
+        if not self._retry_failed({"ids": [job_id], "limit": 1, "by": by, "now": now}, conn):
             self._raise_for(job_id, "failed", "retried", conn)
-        with self.pool.use(conn) as c:
-            c.execute(self.queries["notify_queue"], {"channel": self.channel(rows[0][1])})
         return self.get(job_id, conn=conn)
+
+    def retry_all_failed(
+        self,
+        *,
+        queue_name: str | None = None,
+        by: str | None = None,
+        batch: int = 1000,
+        now: dt.datetime | None = None,
+    ) -> Iterator[list[str]]:
+        """failed -> queued by an operator for every job (of ``queue_name`` when given) that
+        failed before the call, oldest failure first, in batches of at most ``batch``: each
+        batch is one statement (the transition :meth:`retry_failed` runs) and its own
+        commit, so neither memory nor a transaction grows with the number of failed jobs.
+        A job that fails again while the batches run is not retried a second time.
+
+        Yields:
+          list[str]: the ids each batch retried, once it is committed.
+        """
+        failed_before = now if now is not None else self.server_now()
+        after: tuple[Any, Any] = (None, None)
+        while True:
+            params = {
+                "queue_name": queue_name,
+                "failed_before": failed_before,
+                "after_finished_at": after[0],
+                "after_id": after[1],
+                "limit": batch,
+                "by": by,
+                "now": now,
+            }
+            rows = self._retry_failed(params, None)
+            if not rows:
+                return
+            after = max((r[2], r[0]) for r in rows)
+            yield [str(r[0]) for r in rows]
+
+    def _retry_failed(self, params: dict[str, Any], conn) -> list[tuple]:
+        """The ``retry_failed`` statement, then the wake-up of the queues it made runnable."""
+        for name in ("ids", "queue_name", "failed_before", "after_finished_at", "after_id"):
+            params.setdefault(name, None)
+        rows = self._fetch("retry_failed", params, conn)
+        self._notify({r[1] for r in rows}, conn)
+        return rows
 
     def cancel(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
         """queued -> cancelled by an operator.

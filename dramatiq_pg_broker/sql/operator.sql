@@ -13,12 +13,3 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
-
--- failed_job_ids --
--- The failed jobs (of one queue when given), oldest failure first: what
--- `jobs retry --all-failed` retries, one transition each.
-SELECT id
-FROM {schema}.jobs
-WHERE status = 'failed' AND finished_at IS NOT NULL
-  AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
-ORDER BY finished_at, id

@@ -204,7 +204,8 @@ SELECT id FROM inserted
 DROP TABLE dramatiq_pg_broker_staged_jobs
 
 -- notify_queues --
--- Wake the consumers of several queues at once (after a bulk enqueue), at commit.
+-- Wake the consumers of several queues at once (after a bulk enqueue, an operator's retry, a
+-- release or a reaper run), at commit.
 SELECT pg_notify(channel, '') FROM unnest(%(channels)s::text[]) AS channel
 
 -- server_now --
@@ -576,8 +577,29 @@ SELECT id, status, queue_name, started, actor_name, message, message_bytes, fail
 FROM moved
 
 -- retry_failed --
--- failed -> queued by an operator: attempts start again from zero, runnable at once.
-WITH moved AS (
+-- failed -> queued by an operator: attempts start again from zero, runnable at once. The
+-- jobs are %(ids)s or, without ids, up to %(limit)s failed jobs (of %(queue_name)s when
+-- given) that failed at or before %(failed_before)s, oldest failure first, after the
+-- (%(after_finished_at)s, %(after_id)s) the previous batch ended at: `jobs retry
+-- --all-failed` goes through every failed job in bounded batches, one statement and one
+-- commit each, reading jobs_finished_idx from where the last batch stopped, and never picks
+-- up a job that failed anew after it began. Rows are locked in the order picked (two
+-- operators never deadlock); a row another one retried meanwhile is left out. The caller
+-- wakes the queues returned.
+WITH picked AS (
+    SELECT id, finished_at
+    FROM {schema}.jobs
+    WHERE status = 'failed' AND finished_at IS NOT NULL
+      AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
+      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+      AND (%(failed_before)s::timestamptz IS NULL OR finished_at <= %(failed_before)s)
+      AND (%(after_finished_at)s::timestamptz IS NULL
+           OR (finished_at >= %(after_finished_at)s
+               AND (finished_at, id) > (%(after_finished_at)s, %(after_id)s::uuid)))
+    ORDER BY finished_at, id
+    LIMIT %(limit)s
+    FOR UPDATE
+), moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
         attempts = 0,
@@ -587,13 +609,14 @@ WITH moved AS (
         available_at = coalesce(%(now)s::timestamptz, now()),
         finished_at = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
-    WHERE j.id = %(id)s AND j.status = 'failed'
-    RETURNING j.id, j.queue_name
+    FROM picked
+    WHERE j.id = picked.id
+    RETURNING j.id, j.queue_name, picked.finished_at
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'manual_retry', 0, %(by)s FROM moved
 )
-SELECT id, queue_name FROM moved
+SELECT id, queue_name, finished_at FROM moved
 
 -- cancel_job --
 -- queued -> cancelled by an operator. A running job cannot be cancelled (its worker owns it).
@@ -675,10 +698,6 @@ SELECT queue_name, sum(queued)::bigint, sum(delayed)::bigint, sum(running)::bigi
 FROM parts
 GROUP BY queue_name
 ORDER BY queue_name
-
--- notify_queue --
--- Wake the consumers of a queue (after an operator made a job runnable).
-SELECT pg_notify(%(channel)s, '')
 
 -- flush_queue --
 -- Drop the waiting and running jobs of a queue (Dramatiq's flush); finished history stays.

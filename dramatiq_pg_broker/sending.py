@@ -530,7 +530,7 @@ class Sender:
 
     # -- many messages -------------------------------------------------------------------
 
-    def send_many(
+    def send_all(
         self, messages: Iterable[dramatiq.Message], delay: int | None = None
     ) -> list[dramatiq.Message]:
         """:meth:`PostgresBroker.enqueue_many <dramatiq_pg_broker.PostgresBroker.enqueue_many>`."""

@@ -17,8 +17,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from dramatiq_pg_broker import events as event_types
+from dramatiq_pg_broker.db import Queries
+from dramatiq_pg_broker.jobs import LEASE_EXPIRED, QueueCounts, queue_counts_of
 
-from .tables import Timestamp, job_events, jobs
+from .tables import Timestamp, job_events
+
+__all__ = ["Monitor", "NewEvents", "QueueCounts"]
 
 #: The most recent events the throughput chart reads (newest first, along the primary key).
 #: A busier hour than this shows only its most recent part, and says so (``truncated``).
@@ -29,38 +33,12 @@ THROUGHPUT_MAX_EVENTS = 200_000
 #: read; a transaction that writes an event commits well within this time.
 EVENT_SETTLE_SECONDS = 5.0
 
-#: The prefix of the error the reaper records when a lease expired (see ``reap_expired``).
-LEASE_EXPIRED_PREFIX = "lease expired:"
-
 #: The event types a throughput bucket counts.
 THROUGHPUT_TYPES = (
     event_types.SUCCEEDED,
     event_types.FAILED,
     event_types.RETRY_SCHEDULED,
 )
-
-
-@dataclasses.dataclass
-class QueueCounts:
-    """One queue's unfinished and failed jobs.
-
-    Attributes:
-      queued(int): waiting and runnable now (``available_at`` has passed).
-      delayed(int): waiting for a later ``available_at`` (a delay, an eta, a retry backoff).
-      running(int): claimed by a worker.
-      failed(int): in the dead-letter state.
-      oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
-        (since its ``available_at``); 0 when none waits.
-    """
-
-    queued: int = 0
-    delayed: int = 0
-    running: int = 0
-    failed: int = 0
-    oldest_waiting_seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -90,10 +68,14 @@ class Monitor:
     def __init__(self, engine: Engine, schema: str) -> None:
         self.schema = schema
         self.engine = engine.execution_options(schema_translate_map={None: schema})
+        #: The per-queue count the CLI and the job store read too.
+        self.queues_statement = Queries(schema)["count_by_queue"]
 
     def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueCounts]:
-        """Counts per queue, in one statement (:meth:`queues_statement`). A queue with no
-        unfinished or failed job does not appear."""
+        """Counts per queue, in one statement (the job store's ``count_by_queue``, see
+        :meth:`~dramatiq_pg_broker.jobs.JobStore.queue_counts`); ``oldest_waiting_seconds``
+        is 0 when no job of the queue is runnable. A queue with no unfinished or failed job
+        does not appear."""
         with self.engine.connect() as conn:
             return self._queues(conn, now)
 
@@ -113,73 +95,13 @@ class Monitor:
             return queues, self._new_events(conn, cursor, settle)
 
     def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueCounts]:
-        rows = conn.execute(self.queues_statement(now)).all()
+        rows = conn.exec_driver_sql(self.queues_statement, {"now": now})
         return {
-            row.queue_name: QueueCounts(
-                queued=int(row.queued),
-                delayed=int(row.delayed),
-                running=int(row.running),
-                failed=int(row.failed),
-                oldest_waiting_seconds=round(max(0.0, float(row.oldest or 0)), 3),
+            queue_name: dataclasses.replace(
+                counts, oldest_waiting_seconds=counts.oldest_waiting_seconds or 0.0
             )
-            for row in rows
+            for queue_name, counts in queue_counts_of(rows).items()
         }
-
-    @staticmethod
-    def queues_statement(now: dt.datetime | None = None) -> sa.Select:
-        """The per-queue counts: three aggregates, one per partial index, added up.
-
-        Each part's ``status = ...`` is the predicate of a partial index (claim order,
-        lease expiry, dead letters), so PostgreSQL reads those indexes and never the
-        succeeded rows. The waiting jobs, usually the most numerous, are counted from the
-        claim-order index alone (an index-only scan: it holds queue_name and
-        available_at), grouped in index order.
-        """
-        now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
-        runnable = jobs.c.available_at <= now_value
-        zero = sa.literal(0, sa.BigInteger)
-        no_time = sa.null().cast(Timestamp)
-        waiting = (
-            sa.select(
-                jobs.c.queue_name,
-                sa.func.count().filter(runnable).label("queued"),
-                sa.func.count().filter(sa.not_(runnable)).label("delayed"),
-                zero.label("running"),
-                zero.label("failed"),
-                sa.func.min(jobs.c.available_at).filter(runnable).label("oldest_at"),
-            )
-            .where(jobs.c.status == "queued")
-            .group_by(jobs.c.queue_name)
-        )
-
-        def other(status: str) -> sa.Select:
-            return (
-                sa.select(
-                    jobs.c.queue_name,
-                    zero,
-                    zero,
-                    sa.func.count() if status == "running" else zero,
-                    sa.func.count() if status == "failed" else zero,
-                    no_time,
-                )
-                .where(jobs.c.status == status)
-                .group_by(jobs.c.queue_name)
-            )
-
-        parts = sa.union_all(waiting, other("running"), other("failed")).subquery("parts")
-        oldest = now_value - sa.func.min(parts.c.oldest_at)
-        return (
-            sa.select(
-                parts.c.queue_name,
-                sa.func.sum(parts.c.queued).label("queued"),
-                sa.func.sum(parts.c.delayed).label("delayed"),
-                sa.func.sum(parts.c.running).label("running"),
-                sa.func.sum(parts.c.failed).label("failed"),
-                sa.func.extract("epoch", oldest).label("oldest"),
-            )
-            .group_by(parts.c.queue_name)
-            .order_by(parts.c.queue_name)
-        )
 
     def throughput(self, *, minutes: int = 60, now: dt.datetime | None = None) -> dict[str, Any]:
         """Succeeded, failed and retried attempts per minute over the last ``minutes``.
@@ -304,7 +226,7 @@ class Monitor:
                 job_events.c.type,
                 sa.and_(
                     job_events.c.type == event_types.FAILED,
-                    job_events.c.data["error"].astext.startswith(LEASE_EXPIRED_PREFIX),
+                    job_events.c.data["error"].astext.startswith(LEASE_EXPIRED),
                 ).label("lease"),
                 job_events.c.created_at,
             )

@@ -18,8 +18,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from dramatiq_pg_broker.db import Queries
 from dramatiq_pg_broker.errors import JobNotFound
 from dramatiq_pg_broker.events import STATUSES
+from dramatiq_pg_broker.jobs import queue_counts_of
 from dramatiq_pg_broker.results import describe_stored
 
 from .tables import Timestamp, job_events, job_owners, jobs, results, users
@@ -163,6 +165,8 @@ class JobQueries:
     def __init__(self, engine: Engine, schema: str) -> None:
         self.schema = schema
         self.engine = engine.execution_options(schema_translate_map={None: schema})
+        #: The per-queue count the CLI and the metrics read too.
+        self._count_by_queue = Queries(schema)["count_by_queue"]
 
     def ping(self) -> None:
         """Check that the database answers and the schema is migrated.
@@ -436,7 +440,9 @@ class JobQueries:
         - ``queued`` and ``running`` (and ``by_queue``, ``expired_leases``,
           ``retries_pending``, ``oldest_queued``) are exact, read from the partial indexes
           on queued rows (``jobs_claim_order_idx``) and on running rows
-          (``jobs_lease_expiry_idx``); they hold only unfinished jobs.
+          (``jobs_lease_expiry_idx``); they hold only unfinished jobs. The counts per
+          queue are the job store's (``count_by_queue``), which the CLI and the metrics
+          show too.
         - ``failed`` and ``cancelled`` are exact, from the partial index ``jobs_dead_idx``.
         - ``total`` is exact while the table is small (under
           :data:`EXACT_STATS_MAX_BYTES`). Above that it is PostgreSQL's own row estimate
@@ -451,14 +457,6 @@ class JobQueries:
         now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
         queued = jobs.c.status == "queued"
         running = jobs.c.status == "running"
-        unfinished = sa.union_all(
-            sa.select(jobs.c.queue_name, jobs.c.status, sa.func.count().label("n"))
-            .where(queued)
-            .group_by(jobs.c.queue_name, jobs.c.status),
-            sa.select(jobs.c.queue_name, jobs.c.status, sa.func.count().label("n"))
-            .where(running)
-            .group_by(jobs.c.queue_name, jobs.c.status),
-        )
         dead = (
             sa.select(jobs.c.status, sa.func.count())
             .where(jobs.c.status.in_(("failed", "cancelled")))
@@ -496,9 +494,13 @@ class JobQueries:
         with self.engine.connect() as conn:
             by_status = dict.fromkeys(STATUSES, 0)
             by_queue: dict[str, dict[str, int]] = {}
-            for queue_name, status, n in conn.execute(unfinished):
-                by_status[status] += n
-                by_queue.setdefault(queue_name, {"queued": 0, "running": 0})[status] = n
+            per_queue = conn.exec_driver_sql(self._count_by_queue, {"now": now})
+            for queue_name, counts in queue_counts_of(per_queue).items():
+                waiting = counts.queued + counts.delayed
+                by_status["queued"] += waiting
+                by_status["running"] += counts.running
+                if waiting or counts.running:
+                    by_queue[queue_name] = {"queued": waiting, "running": counts.running}
             for status, n in conn.execute(dead):
                 by_status[status] = n
             reltuples, relpages, size_bytes, block = conn.execute(

@@ -97,14 +97,14 @@ def explain(url: str, monitor: Monitor) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         cursor = conn.execute(_q("SELECT max(id) - 5000 FROM {schema}.job_events")).fetchone()[0]
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(SCHEMA)))
-        for name, statement in (
-            ("queues", monitor.queues_statement()),
-            ("new events", monitor.new_events_statement(cursor, 5.0)),
+        events = monitor.new_events_statement(cursor, 5.0).compile(
+            dialect=engine.dialect, compile_kwargs={"literal_binds": True}
+        )
+        for name, statement, params in (
+            ("queues", monitor.queues_statement, {"now": None}),
+            ("new events", str(events), None),
         ):
-            compiled = statement.compile(
-                dialect=engine.dialect, compile_kwargs={"literal_binds": True}
-            )
-            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + str(compiled)).fetchall()
+            plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + statement, params).fetchall()
             print(f"\n-- plan of the {name} statement")
             print("\n".join(row[0] for row in plan))
 

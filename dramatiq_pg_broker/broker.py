@@ -11,38 +11,37 @@ and run workers with the standard CLI (``dramatiq your_module``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
+import functools
 import logging
-import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import dramatiq
 import psycopg
-from dramatiq.errors import BrokerConnectionError, QueueJoinTimeout
-from dramatiq.middleware import Middleware, MiddlewareError
+from dramatiq.errors import QueueJoinTimeout
+from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool
 
-from . import forks, messages, sending
+from . import messages
 from .config import Settings
-from .consumer import PgMessageProxy, PostgresConsumer, describe_error
-from .current import JobContext, current_job
+from .consumer import PostgresConsumer
+from .current import JobContext, running_attempt
 from .db import ProcessPool
-from .errors import InvalidMessage, PgBrokerError, TransactionError
+from .errors import PgBrokerError
 from .handshake import SchemaGate
-from .inflight import Ledger, State, _GroupCommit
-from .jobs import EnqueueResult, JobStore, NewJob, clean_text
+from .inflight import Ledger
+from .jobs import JobStore
 from .leases import LeaseKeeper
 from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
+from .sending import Batch, Sender
 
 logger = logging.getLogger(__name__)
-
-#: Largest max_attempts a job row takes when an actor allows unlimited retries.
-UNLIMITED_ATTEMPTS = messages.UNLIMITED_ATTEMPTS
 
 
 class JobFailed(PgBrokerError):
@@ -65,13 +64,22 @@ class PostgresBroker(dramatiq.Broker):
         PgBouncer in transaction mode; consumers then poll every ``poll_interval``. Pass
         ``prepared_statements=False`` there as well.
       lease_seconds(float): how long a claim holds without renewal (default 30).
-      middleware(list[Middleware]): as for any Dramatiq broker. With the default
-        middleware, Dramatiq's Retries is replaced by this package's, which reschedules the
-        same row. A middleware list you pass is kept as it is.
+      middleware(list[Middleware]): as for any Dramatiq broker. The default is Dramatiq's
+        default middleware, with this package's :class:`~dramatiq_pg_broker.Retries` in
+        place of Dramatiq's (it reschedules the same row), and Dramatiq's
+        ``CurrentMessage`` added last, so that ``CurrentMessage.get_current_message()``
+        works in actors without setting anything up (Dramatiq's own default list lacks
+        it, and Dramatiq users reach for it first). A middleware list you pass is kept as
+        it is.
       schedules(list[Schedule]): periodic schedules the workers run (see
         :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
       settings(Settings): every other knob (see :class:`Settings`); keyword arguments win.
       **options: any other :class:`Settings` field (``poll_interval``, ``events``, ...).
+
+    The broker adds two middleware of its own: :class:`~dramatiq_pg_broker.current.JobContext`
+    (the in-flight ledger's view of the worker: it skips a message this process no longer
+    owns) right after ``AgeLimit``, or first when there is no ``AgeLimit``, so that no
+    other middleware sees such a message start; and the periodic scheduler, last.
     """
 
     def __init__(
@@ -90,8 +98,6 @@ class PostgresBroker(dramatiq.Broker):
         given = {"url": url, "schema": schema, "listen": listen, "lease_seconds": lease_seconds}
         given.update(options)
         if settings is not None:
-            import dataclasses
-
             settings = dataclasses.replace(
                 settings, **{k: v for k, v in given.items() if v is not None}
             )
@@ -102,19 +108,24 @@ class PostgresBroker(dramatiq.Broker):
             logging.getLogger("dramatiq_pg_broker").setLevel(settings.log_level.upper())
 
         if middleware is None:
-            middleware = [m() for m in dramatiq.middleware.default_middleware]
-            middleware = [Retries() if type(m) is DramatiqRetries else m for m in middleware]
+            middleware = [
+                Retries() if m is DramatiqRetries else m()
+                for m in dramatiq.middleware.default_middleware
+            ]
+            middleware.append(CurrentMessage())
         super().__init__(middleware=middleware)
         for m in self.middleware:
             if isinstance(m, Retries):
-                m.configure(settings.backoff_base_ms, settings.backoff_max_ms)
-        # First, so that a message this process no longer owns is skipped before any
-        # other middleware sees it start.
-        first = type(self.middleware[0]) if self.middleware else None
-        self.add_middleware(JobContext(), before=first)
-        # Ahead of everything: a worker claims nothing before the schema handshake passes.
-        self.add_middleware(SchemaGate(), before=JobContext)
+                m.configure(settings)
+        if any(isinstance(m, AgeLimit) for m in self.middleware):
+            # AgeLimit only skips messages too old to run: Dramatiq keeps it first.
+            self.add_middleware(JobContext(), after=AgeLimit)
+        else:
+            first = type(self.middleware[0]) if self.middleware else None
+            self.add_middleware(JobContext(), before=first)
         self.schedules: list[Schedule] = []
+        # A worker claims nothing before the schema handshake passes (see SchemaGate).
+        self.add_middleware(SchemaGate())
         self.periodic = Periodic()
         self.add_middleware(self.periodic)
 
@@ -125,12 +136,8 @@ class PostgresBroker(dramatiq.Broker):
         self.outcomes = OutcomeWriter(self)
         #: Every attempt this process holds: the one owner of their states.
         self.ledger = Ledger(self)
-        self._consumers_lock = threading.Lock()
-        self._sends = sending.SendContext()
-        #: Concurrent sends through the pool share a statement (see _send); per process.
-        self._group = _GroupCommit(self._write_sends)
-        self._group_pid = forks.pid()
-        self._identity: tuple | None = None
+        #: The send path: every enqueue goes through it.
+        self.sender = Sender(self, functools.partial(running_attempt, self.ledger))
         for schedule in schedules or ():
             self.add_schedule(schedule)
 
@@ -155,34 +162,6 @@ class PostgresBroker(dramatiq.Broker):
 
     # -- sending -------------------------------------------------------------------------
 
-    def decode_message(self, data: Any, data_bytes: bytes | None) -> dramatiq.Message:
-        """Rebuild a message from its row (see :func:`dramatiq_pg_broker.messages.decode`)."""
-        return messages.decode(data, data_bytes)
-
-    def default_max_retries(self) -> int | None:
-        """``max_retries`` of an actor that sets none: the Retries middleware's, else the
-        ``max_attempts`` setting's."""
-        retries = next((m for m in self.middleware if isinstance(m, DramatiqRetries)), None)
-        return retries.max_retries if retries is not None else self.settings.max_attempts - 1
-
-    def job_for(
-        self, message: dramatiq.Message, delay: int | None = None
-    ) -> tuple[NewJob, dramatiq.Message]:
-        """The job row a send of ``message`` writes, and the message as stored.
-
-        Raises:
-          InvalidMessage: an option is out of range, or the encoder cannot encode a value.
-        """
-        actor = self.actors.get(message.actor_name)
-        return messages.job_from_message(
-            message,
-            delay=delay,
-            actor_priority=actor.priority if actor is not None else 0,
-            actor_options=actor.options if actor is not None else None,
-            default_max_retries=self.default_max_retries(),
-            durable=self.settings.durable_sends,
-        )
-
     def enqueue(self, message: dramatiq.Message, *, delay: int | None = None) -> dramatiq.Message:
         """Store a message as a queued job row and wake the queue's consumers.
 
@@ -195,8 +174,7 @@ class PostgresBroker(dramatiq.Broker):
 
         The send returns once its row is committed, and flushed to the server's WAL unless
         the message's ``durable`` option (default: the ``durable_sends`` setting) is False.
-        Sends through the pool from several threads at once share statements and commits
-        (see :meth:`_send`).
+        Sends through the pool from several threads at once share statements and commits.
 
         Enqueueing a message whose id is already a job (``message.copy()``, as snooze
         patterns and Dramatiq's own Retries do) reschedules that row if it is waiting or
@@ -210,79 +188,7 @@ class PostgresBroker(dramatiq.Broker):
           dramatiq.errors.ConnectionError: the database stayed unreachable after
             ``enqueue_retries`` attempts.
         """
-        self.emit_before("enqueue", message, delay)
-        proxy = self._in_flight(message)
-        if proxy is not None and isinstance(proxy.options.get("traceback"), str):
-            # Dramatiq's formatted traceback repeats the error text, which may hold
-            # characters a stored message cannot (NUL, lone surrogates).
-            proxy.options["traceback"] = clean_text(proxy.options["traceback"])
-        job, stored = self.job_for(message, delay)
-
-        if proxy is not None:
-            delay_ms = job.delay_ms
-            if message is proxy and proxy.backoff_ms is not None:
-                # A retry by this package's Retries: its deterministic backoff.
-                delay_ms = proxy.backoff_ms
-            error = describe_error(proxy) if proxy._exception is not None else None
-            self.reschedule(proxy, delay_ms, error, replace_message=True, new_message=stored)
-            self.emit_after("enqueue", message, delay)
-            return message
-
-        block = self._sends.top()
-        if isinstance(block, sending.Batch):
-            block.add(job, stored, delay)
-            return stored
-        if block is not None:
-            # The application's transaction: no retry (a failed statement aborts it).
-            result = self.store.enqueue(job, conn=block.conn)
-        else:
-            result = self._with_retries(self._retried(lambda again: self._send(job, again)))
-        if not result.created and result.id != job.id:
-            logger.debug(
-                "Idempotency key %r already used by job %s.", job.idempotency_key, result.id
-            )
-            stored = self.decode_message(result.message, result.message_bytes)
-        self.emit_after("enqueue", stored, delay)
-        return stored
-
-    def _send(self, job: NewJob, again: bool) -> EnqueueResult:
-        """Write one send through the pool, sharing the statement and its commit with the
-        sends other threads are making at the same moment (group commit): a send finding no
-        write in progress writes at once, alone (one round trip); sends arriving while one
-        is written wait for it, then go together in one statement. Each returns once its
-        row is committed, durably unless it asked otherwise."""
-        group = self._group
-        if self._group_pid != forks.pid():
-            with self._consumers_lock:
-                if self._group_pid != forks.pid():
-                    # A forked child shares no write in progress with its parent.
-                    self._group = group = _GroupCommit(self._write_sends)
-                    self._group_pid = forks.pid()
-                group = self._group
-        item = (job, again)
-        result = group.submit(item)[id(item)]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def _write_sends(self, items: list[tuple[NewJob, bool]]) -> dict[int, Any]:
-        if len(items) == 1:
-            job, again = items[0]
-            return {id(items[0]): self.store.enqueue(job, again=again)}
-        return {id(item): result for item, result in zip(items, self.store.send_many(items))}
-
-    @staticmethod
-    def _retried(fn):
-        """``fn(again)`` for :meth:`_with_retries`: ``again`` is False after the first try,
-        whose commit may have happened (a lost reply), so that its own row is returned as it
-        is instead of being taken for a second send of the same id."""
-        first = [True]
-
-        def attempt():
-            again, first[0] = first[0], False
-            return fn(again)
-
-        return attempt
+        return self.sender.send(message, delay)
 
     def enqueue_many(
         self, messages: Iterable[dramatiq.Message], *, delay: int | None = None
@@ -307,102 +213,9 @@ class PostgresBroker(dramatiq.Broker):
           InvalidMessage: message ``i`` is refused (the error names ``i``).
           JobAlreadyFinished: message ``i``'s id is a job that already finished.
         """
-        messages = list(messages)
-        before = self._emitter("before", "enqueue")
-        job_for = self._job_builder()
-        stored: list[dramatiq.Message] = [None] * len(messages)  # type: ignore[list-item]
+        return self.sender.send_all(messages, delay)
 
-        def build(index: int) -> NewJob:
-            message = messages[index]
-            before(message, delay)
-            try:
-                job, stored[index] = job_for(message, delay)
-            except InvalidMessage as e:
-                raise InvalidMessage(f"message {index} of the batch: {e}") from e
-            return job
-
-        jobs = sending.LazyJobs(len(messages), build)
-        block = self._sends.top()
-        if isinstance(block, sending.Batch):
-            for index, job in enumerate(jobs):
-                block.add(job, stored[index], delay)
-            return list(stored)
-        conn = block.conn if block is not None else None
-        return self._write_batch(jobs, stored, [delay] * len(messages), conn)
-
-    def _write_batch(
-        self,
-        jobs: Sequence[NewJob],
-        stored: list[dramatiq.Message],
-        delays: list[int | None],
-        conn: psycopg.Connection | None,
-    ) -> list[dramatiq.Message]:
-        if conn is not None:
-            results = self.store.enqueue_many(jobs, conn=conn)
-        else:
-            results = self._with_retries(
-                self._retried(lambda again: self.store.enqueue_many(jobs, again=again))
-            )
-        after = self._emitter("after", "enqueue")
-        sent = []
-        for job, message, delay, result in zip(jobs, stored, delays, results):
-            if not result.created and result.id != job.id:
-                message = self.decode_message(result.message, result.message_bytes)
-            after(message, delay)
-            sent.append(message)
-        return sent
-
-    def _job_builder(self):
-        """:meth:`job_for`, with what does not change within one batch looked up once."""
-        default_max_retries = self.default_max_retries()
-        durable = self.settings.durable_sends
-        actors = self.actors
-
-        def job_for(message: dramatiq.Message, delay: int | None):
-            actor = actors.get(message.actor_name)
-            return messages.job_from_message(
-                message,
-                delay=delay,
-                actor_priority=actor.priority if actor is not None else 0,
-                actor_options=actor.options if actor is not None else None,
-                default_max_retries=default_max_retries,
-                durable=durable,
-            )
-
-        return job_for
-
-    def _emitter(self, when: str, signal: str):
-        """``emit_before(signal, ...)`` or ``emit_after``, as Dramatiq's broker runs them,
-        over only the middleware that define that hook: a batch of 100,000 messages
-        otherwise spends a good part of its time calling the base class's empty hooks."""
-        name = f"{when}_{signal}"
-        base = getattr(Middleware, name)
-        order = self.middleware if when == "before" else list(reversed(self.middleware))
-        hooks = [
-            (m, getattr(m, name))
-            for m in order
-            if getattr(type(m), name, base) is not base or name in getattr(m, "__dict__", {})
-        ]
-
-        def emit(*args: Any) -> None:
-            for middleware, hook in hooks:
-                try:
-                    hook(self, *args)
-                except MiddlewareError:
-                    if when == "before":
-                        raise
-                    self.logger.critical(
-                        "Unexpected failure in %s of %r.", name, middleware, exc_info=True
-                    )
-                except Exception:
-                    self.logger.critical(
-                        "Unexpected failure in %s of %r.", name, middleware, exc_info=True
-                    )
-
-        return emit
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[sending.Batch]:
+    def batch(self) -> contextlib.AbstractContextManager[Batch]:
         """Collect every send of this thread in the block, and write them together at its
         end (see :meth:`enqueue_many`): a loop of ``actor.send()`` or a
         ``group([...]).run()`` becomes one round trip.
@@ -417,19 +230,9 @@ class PostgresBroker(dramatiq.Broker):
           InvalidMessage: at the send that is refused (nothing of the block is written).
           JobAlreadyFinished: at the end of the block, naming the message's index.
         """
-        top = self._sends.top()
-        if isinstance(top, sending.Batch):
-            yield top
-            return
-        batch = sending.Batch()
-        with self._sends.pushed(batch):
-            yield batch
-            conn = self._sends.connection_below(batch)
-        if batch.jobs:
-            self._write_batch(batch.jobs, batch.messages, batch.delays, conn)
+        return self.sender.batch()
 
-    @contextlib.contextmanager
-    def transaction(self, conn: Any) -> Iterator[psycopg.Connection]:
+    def transaction(self, conn: Any) -> contextlib.AbstractContextManager[psycopg.Connection]:
         """Send inside the application's own transaction: every send of this thread in the
         block is written on ``conn``, so the job commits with the application's writes
         (and its NOTIFY reaches workers at that commit) or disappears with a rollback.
@@ -452,108 +255,11 @@ class PostgresBroker(dramatiq.Broker):
           TransactionError: ``conn`` is not one of the above, or reaches another database
             (another name or another server) than the broker's.
         """
-        pg_conn, own = sending.resolve_connection(conn)
-        with pg_conn.transaction() if own else contextlib.nullcontext():
-            self._check_database(pg_conn)
-            with self._sends.pushed(sending.Transaction(pg_conn)):
-                yield pg_conn
+        return self.sender.transaction(conn)
 
-    def _check_database(self, conn: psycopg.Connection) -> None:
-        theirs = sending.identity(conn)
-        if theirs != self._identity:
-            # Learned at the first transaction, and again whenever it differs: a server
-            # restart or a failover gives the broker's database another server start.
-            with self.pool.connection() as pooled:
-                self._identity = sending.identity(pooled)
-        if theirs != self._identity:
-            where = (
-                f"database {theirs[0]!r}"
-                if theirs[0] != self._identity[0]
-                else f"a database {theirs[0]!r} on another server"
-            )
-            raise TransactionError(
-                f"the connection given to broker.transaction() reaches {where}, but this "
-                f"broker's jobs are in database {self._identity[0]!r} of its own server "
-                "(its url); a transaction cannot span two databases"
-            )
-
-    def _in_flight(self, message: dramatiq.Message) -> PgMessageProxy | None:
-        """The unsettled attempt of this message that this thread is running, if any."""
-        if isinstance(message, PgMessageProxy):
-            return message if self.ledger.state_of(message.attempt) is State.STARTED else None
-        job = current_job()
-        if (
-            job is not None
-            and job.id == message.message_id
-            and self.ledger.state_of(job.message.attempt) is State.STARTED
-        ):
-            return job.message
-        return None
-
-    def _with_retries(self, fn):
-        delay = 0.05
-        for attempt in range(self.settings.enqueue_retries + 1):
-            try:
-                return fn()
-            except BrokerConnectionError as e:
-                # A pool timeout means the pool already spent its whole timeout trying to
-                # get a connection; asking again would only multiply that wait.
-                if attempt >= self.settings.enqueue_retries or isinstance(e.__cause__, PoolTimeout):
-                    raise
-                # Told once per outage by the process (outage.py), not at every try.
-                logger.debug("Enqueue failed on a connection error; retrying in %.2fs.", delay)
-                time.sleep(delay)
-                delay *= 4
-
-    def reschedule(
-        self,
-        message: PgMessageProxy,
-        delay_ms: int,
-        error: str | None,
-        *,
-        replace_message: bool = False,
-        new_message: dramatiq.Message | None = None,
-    ) -> bool:
-        """Move a running message's row back to queued, runnable in ``delay_ms``. The
-        following ack or nack of this message writes nothing. Returns False (and logs) if
-        this worker no longer owns the attempt. ``replace_message`` stores the message
-        again (``new_message``, or the proxy's own).
-
-        Raises:
-          dramatiq.errors.ConnectionError: the database stayed unreachable. The attempt is
-            then left as it is (running, its lease no longer renewed): the reaper requeues
-            it with backoff once the lease expires. It is never acked as a success.
-        """
-        data = data_bytes = None
-        if replace_message:
-            stored = messages.encode(new_message if new_message is not None else message._message)
-            data_bytes = stored.data
-            data = stored.view
-            if data is None and stored.view_from_bytes:
-                data = messages.display_view(data_bytes)
-        # The ledger settles the attempt whatever happens: a failed attempt whose retry
-        # could not be written must not be acked as a success by the ack Dramatiq sends
-        # next.
-        owned = self.ledger.reschedule(
-            message.attempt,
-            lambda: self._with_retries(
-                lambda: self.store.reschedule(
-                    message.attempt,
-                    message.queue_name,
-                    delay_ms,
-                    error,
-                    message=data,
-                    message_bytes=data_bytes,
-                )
-            ),
-        )
-        if not owned:
-            logger.warning(
-                "Could not reschedule job %s attempt %d: this worker no longer owns it.",
-                message.attempt.id,
-                message.attempt.attempt,
-            )
-        return owned
+    def decode_message(self, data: Any, data_bytes: bytes | None) -> dramatiq.Message:
+        """Rebuild a message from its row (see :func:`dramatiq_pg_broker.messages.decode`)."""
+        return messages.decode(data, data_bytes)
 
     # -- consuming -----------------------------------------------------------------------
 
@@ -614,10 +320,11 @@ class PostgresBroker(dramatiq.Broker):
             time.sleep(interval / 1000)
 
     def close(self) -> None:
-        """Stop the scheduler, write pending outcomes, stop the heartbeat and close this
-        process's pool."""
+        """Stop the scheduler, write pending outcomes, stop the outcome writer and the
+        heartbeat, and close this process's pool."""
         if self.periodic.scheduler is not None:
             self.periodic.scheduler.stop()
         self.outcomes.flush(timeout=30)
+        self.outcomes.stop()
         self.leases.stop()
         self.pool.close()

@@ -19,10 +19,13 @@ from typing import Any
 
 from .config import Settings
 from .db import ProcessPool, Queries
-from .errors import InvalidTransition, PgBrokerError
+from .errors import PgBrokerError
 from .jobs import JobStore
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+#: Failed jobs ``jobs retry --all-failed`` retries per statement (and commit).
+RETRY_BATCH = 1000
 
 
 class BadArgument(PgBrokerError):
@@ -246,21 +249,22 @@ def run_jobs_retry(ctx: Context, args) -> int:
         raise BadArgument("--queue goes with --all-failed, not with a job id")
     by = operator_name()
     if args.all_failed:
-        ids = [str(r["id"]) for r in ctx._fetch("failed_job_ids", {"queue": args.queue})]
-        retried, skipped = [], []
-        for one in ids:
-            try:
-                ctx.store.retry_failed(one, by=by)
-                retried.append(one)
-            except (InvalidTransition, PgBrokerError):
-                skipped.append(one)  # retried, or pruned, by someone else meanwhile
+        # Batch by batch, each committed before the next: neither the process's memory nor
+        # a transaction grows with the number of failed jobs (the JSON list is streamed).
+        retried = 0
         if args.json:
-            print(to_json({"retried": retried, "skipped": skipped}))
+            print('{"retried": [', end="")
+        for ids in ctx.store.retry_all_failed(queue_name=args.queue, by=by, batch=RETRY_BATCH):
+            if args.json:
+                print(("" if not retried else ", ") + ", ".join(json.dumps(i) for i in ids), end="")
+            retried += len(ids)
+        if args.json:
+            # "skipped" stays for scripts written for earlier releases: a job is retried by
+            # the statement that finds it failed, so none is skipped any more.
+            print('], "skipped": []}')
         else:
             where = f" of queue {args.queue!r}" if args.queue else ""
-            print(f"retried {len(retried)} failed job(s){where}")
-            if skipped:
-                print(f"skipped {len(skipped)} that changed meanwhile")
+            print(f"retried {retried} failed job(s){where}")
         return 0
     job = ctx.store.retry_failed(job_id(args.id), by=by)
     print(to_json(job) if args.json else f"job {job['id']} is {job['status']} again")
@@ -276,7 +280,10 @@ def run_jobs_cancel(ctx: Context, args) -> int:
 
 @command
 def run_stats(ctx: Context, args) -> int:
-    rows = ctx._fetch("queue_stats", {})
+    rows = [
+        {"queue_name": queue_name, **counts.as_dict()}
+        for queue_name, counts in ctx.store.queue_counts().items()
+    ]
     if args.json:
         print(to_json(rows))
         return 0

@@ -21,13 +21,16 @@ from __future__ import annotations
 import contextvars
 from typing import TYPE_CHECKING, Any
 
+import dramatiq
 from dramatiq.middleware import Middleware, SkipMessage
-from dramatiq.middleware.retries import Retries as DramatiqRetries
 
 from .consumer import PgMessageProxy, describe_exception
+from .inflight import State
+from .sending import RunningAttempt
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
+    from .inflight import Ledger
 
 #: A context variable, not a thread-local: async actors run on Dramatiq's event loop thread,
 #: and the coroutine inherits the worker thread's context (as Dramatiq's CurrentMessage does).
@@ -71,6 +74,24 @@ def current_job() -> CurrentJob | None:
     return _current.get()
 
 
+def running_attempt(ledger: Ledger, message: dramatiq.Message) -> RunningAttempt | None:
+    """The attempt of ``message`` that this thread's actor runs and has not settled, if
+    any: ``message`` is the proxy Dramatiq's worker handed to the middleware (the Retries
+    middleware sends it again), or a copy of the current job's message sent from inside
+    its actor. The send path takes a send of it for that attempt's retry."""
+    if isinstance(message, PgMessageProxy):
+        proxy = message
+    else:
+        job = _current.get()
+        if job is None or job.id != message.message_id:
+            return None
+        proxy = job.message
+    if ledger.state_of(proxy.attempt) is not State.STARTED:
+        return None
+    exception = proxy._exception
+    return RunningAttempt(proxy, describe_exception(exception) if exception is not None else None)
+
+
 class JobContext(Middleware):
     """Connects Dramatiq's worker to the in-flight ledger, and makes :func:`current_job`
     work. It declares the ``heartbeat`` actor option (``heartbeat=False`` turns automatic
@@ -81,10 +102,12 @@ class JobContext(Middleware):
       this process no longer owns it (released at shutdown, or its lease was lost while
       it waited);
     - when shutdown begins: prefetched messages that have not started go back at once;
-    - when an actor raises: the ledger remembers it, so no ack can record a success.
+    - when an actor raises: the ledger remembers it, so no ack can record a success
+      (without a Retries middleware, Dramatiq acks a message whose actor raised: the job
+      is recorded failed, not succeeded).
 
-    The broker puts it first in its middleware list, so a skipped message reaches no other
-    middleware's ``before_process_message``.
+    The broker puts it right after ``AgeLimit`` (first without one), so a skipped message
+    reaches no other middleware's ``before_process_message``.
     """
 
     @property
@@ -114,11 +137,7 @@ class JobContext(Middleware):
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         _current.set(None)
-        if (
-            exception is not None
-            and isinstance(message, PgMessageProxy)
-            and any(isinstance(m, DramatiqRetries) for m in broker.middleware)
-        ):
+        if exception is not None and isinstance(message, PgMessageProxy):
             broker.ledger.failed_with(message.attempt, describe_exception(exception))
 
     def after_skip_message(self, broker, message) -> None:

@@ -243,9 +243,9 @@ class ProcessPool:
         #: Called with each new connection of the pool (psycopg_pool's ``configure``).
         self.configure = configure
         self._given = pool
-        self._pool: ConnectionPool | None = pool
-        self._pid = forks.pid() if pool is not None else None
-        self._lock = threading.Lock()
+        self._pools: forks.PerProcess[ConnectionPool] = (
+            forks.PerProcess(self._open) if pool is None else forks.PerProcess(self._open, pool)
+        )
         self._url: str | None = None
         #: The pool (one per process) whose connections passed the schema handshake.
         self._checked: ConnectionPool | None = None
@@ -263,27 +263,24 @@ class ProcessPool:
         return self._url
 
     def get(self) -> ConnectionPool:
-        pool = self._pool
-        if pool is not None and self._pid == forks.pid():
-            return pool
-        with self._lock:
-            if self._pool is None or self._pid != forks.pid():
-                if self._given is not None and self._pid is not None:
-                    logger.warning("A pool passed to the broker is used after a fork.")
-                self._pool = ReconnectingPool(
-                    self.url,
-                    min_size=self.settings.pool_min_size,
-                    max_size=self.settings.pool_max_size,
-                    kwargs=connection_kwargs(self.settings),
-                    configure=self.configure,
-                    name=f"{POOL_NAME_PREFIX}{forks.pid()}",
-                    open=False,
-                    timeout=self.settings.pool_timeout,
-                )
-                with translate_errors():
-                    self._pool.open(wait=False)
-                self._pid = forks.pid()
-            return self._pool
+        return self._pools.get()
+
+    def _open(self) -> ConnectionPool:
+        if self._given is not None:
+            logger.warning("A pool passed to the broker is used after a fork.")
+        pool = ReconnectingPool(
+            self.url,
+            min_size=self.settings.pool_min_size,
+            max_size=self.settings.pool_max_size,
+            kwargs=connection_kwargs(self.settings),
+            configure=self.configure,
+            name=f"{POOL_NAME_PREFIX}{forks.pid()}",
+            open=False,
+            timeout=self.settings.pool_timeout,
+        )
+        with translate_errors():
+            pool.open(wait=False)
+        return pool
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
@@ -326,7 +323,7 @@ class ProcessPool:
     def handshake_passed(self) -> bool:
         """Whether this process passed the schema handshake."""
         checked = self._checked
-        return checked is not None and checked is self._pool and self._pid == forks.pid()
+        return checked is not None and checked is self._pools.peek()
 
     def check_schema(self) -> None:
         """Run the schema handshake now, unless this process passed it already.
@@ -360,10 +357,12 @@ class ProcessPool:
             logger.debug("Checking the pooled connections failed: %s", e)
 
     def close(self) -> None:
-        with self._lock:
-            if self._pool is not None and self._pid == forks.pid() and self._given is None:
-                self._pool.close()
-            self._pool = None if self._given is None else self._given
+        """Close this process's pool (a pool passed in is left open: its owner closes it).
+        The next use opens a new one."""
+        pool = self._pools.peek()
+        if pool is not None and pool is not self._given:
+            pool.close()
+            self._pools.clear()
 
 
 def backend_connections(

@@ -37,12 +37,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
 from . import forks
 from .jobs import Attempt
+from .sending import GroupCommit
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -166,45 +167,6 @@ class _Entry:
         self.error: str | None = None
 
 
-class _GroupCommit:
-    """Callers hand in one item each; whoever finds no write in progress writes everything
-    waiting as one statement, so concurrent callers share a round trip."""
-
-    def __init__(self, write: Callable[[list[Any]], set[str]]) -> None:
-        self._write = write
-        self._cond = threading.Condition()
-        self._open: dict[str, Any] = {"items": [], "done": False}
-        self._busy = False
-
-    def submit(self, item: Any) -> set[str]:
-        with self._cond:
-            batch = self._open
-            batch["items"].append(item)
-            while not batch["done"]:
-                if not self._busy:
-                    self._busy = True
-                    self._open = {"items": [], "done": False}
-                    break
-                self._cond.wait()
-            else:
-                return self._result(batch)
-        try:
-            batch["result"] = self._write(batch["items"])
-        except BaseException as e:
-            batch["error"] = e
-        with self._cond:
-            batch["done"] = True
-            self._busy = False
-            self._cond.notify_all()
-        return self._result(batch)
-
-    @staticmethod
-    def _result(batch: dict[str, Any]) -> set[str]:
-        if "error" in batch:
-            raise batch["error"]
-        return batch["result"]
-
-
 class Ledger:
     """The attempts of one process. See the module docstring.
 
@@ -216,28 +178,29 @@ class Ledger:
         self.broker = broker
         self.store = broker.store
         self.settings = broker.settings
-        self._entries: dict[str, _Entry] = {}
         self._lock = threading.RLock()
-        self._pid = forks.pid()
+        self._entries: dict[str, _Entry] = {}
         self._closing = False
-        self._starts = _GroupCommit(self._write_starts)
+        #: Starts written before their actors run, group-committed (see :meth:`start`).
+        self._starts = GroupCommit(self._write_starts)
         #: Attempts this process let go of without an outcome (a retry or an outcome that
         #: could not be written) whose start is not written yet: it is written still, so
         #: that the reaper counts the attempt as interrupted, not as an abandoned claim.
         self._orphans: list[Attempt] = []
+        self._process = forks.PerProcess(self._enter_process, value=None)
 
     # -- bookkeeping ---------------------------------------------------------------------
 
+    def _enter_process(self) -> None:
+        """A forked child holds none of its parent's attempts."""
+        with self._lock:
+            self._entries = {}
+            self._orphans = []
+            self._closing = False
+            self._starts = GroupCommit(self._write_starts)
+
     def _check_fork(self) -> None:
-        if self._pid != forks.pid():
-            with self._lock:
-                if self._pid != forks.pid():
-                    # A forked child holds none of its parent's attempts.
-                    self._entries = {}
-                    self._orphans = []
-                    self._closing = False
-                    self._starts = _GroupCommit(self._write_starts)
-                    self._pid = forks.pid()
+        self._process.get()
 
     def _get(self, attempt: Attempt, *states: State) -> _Entry | None:
         entry = self._entries.get(attempt.id)
@@ -503,7 +466,8 @@ class Ledger:
         that was rescheduled, released or lost.
 
         An ack of an attempt whose actor raised is written as a failure: a failed attempt
-        is never recorded as a success.
+        is never recorded as a success (Dramatiq acks it when no Retries middleware is
+        installed, or when that middleware's hook failed).
         """
         self._check_fork()
         with self._lock:
@@ -513,8 +477,8 @@ class Ledger:
                 return False
             if kind == "complete" and entry.error is not None:
                 logger.error(
-                    "Job %s attempt %d raised but was acked (a retry hook failed?); it is "
-                    "recorded as failed.",
+                    "Job %s attempt %d raised but was acked (no Retries middleware, or its "
+                    "hook failed); it is recorded as failed.",
                     attempt.id,
                     attempt.attempt,
                 )

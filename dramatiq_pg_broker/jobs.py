@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
@@ -94,7 +94,9 @@ class NewJob:
     message_bytes: bytes | None = None
     priority: int = 0
     delay_ms: int = 0
-    max_attempts: int = 21
+    #: The limit :func:`~dramatiq_pg_broker.messages.max_attempts_for` derives: required,
+    #: so that every writer of a row states it (the column's default is never relied on).
+    max_attempts: int = dataclasses.field(kw_only=True)
     idempotency_key: str | None = None
     message_view_from_bytes: bool = False
     idempotency_scope: str = ""
@@ -137,6 +139,93 @@ class ReapResult(NamedTuple):
     failed: list[str]
     released: list[str] = []
     failed_jobs: list[ReapedJob] = []
+
+
+#: What a send writes of a :class:`NewJob`, in one order, each value with the type it is
+#: sent as: the parameters of ``insert_job``, ``find_existing`` and ``reenqueue_job``, the
+#: arrays of ``insert_jobs`` and the columns of the staging table (a unit test holds the
+#: statements to this list). :func:`send_values` gives the values; the binary COPY of
+#: :meth:`JobStore._copy_new` writes the stored row the server computes from them
+#: (``available_at`` from ``delay_ms``, the jsonb view from ``view_from_bytes``).
+SEND_FIELDS: tuple[tuple[str, str], ...] = (
+    ("id", "text"),
+    ("queue_name", "text"),
+    ("actor_name", "text"),
+    ("message", "jsonb"),
+    ("message_bytes", "bytea"),
+    ("view_from_bytes", "bool"),
+    ("priority", "int4"),
+    ("delay_ms", "int8"),
+    ("max_attempts", "int4"),
+    ("idempotency_key", "text"),
+    ("idempotency_scope", "text"),
+)
+SEND_NAMES = tuple(name for name, _ in SEND_FIELDS)
+
+
+def send_values(job: NewJob) -> tuple:
+    """The values of :data:`SEND_FIELDS` for ``job``: the one encoder of a job for every
+    statement that writes it (its jsonb view wrapped for psycopg, its delay never below
+    zero)."""
+    return (
+        job.id,
+        job.queue_name,
+        job.actor_name,
+        Jsonb(job.message) if job.message is not None else None,
+        job.message_bytes,
+        job.message_view_from_bytes,
+        job.priority,
+        _delay_ms(job),
+        job.max_attempts,
+        job.idempotency_key,
+        job.idempotency_scope,
+    )
+
+
+def _delay_ms(job: NewJob) -> int:
+    return max(0, int(job.delay_ms))
+
+
+#: How the error the reaper records for an expired lease begins (``reap_expired``); the
+#: monitoring tells a lost lease from an actor's failure by it.
+LEASE_EXPIRED = "lease expired:"
+
+
+@dataclasses.dataclass
+class QueueCounts:
+    """One queue's unfinished and failed jobs (see :meth:`JobStore.queue_counts`).
+
+    Attributes:
+      queued(int): waiting and runnable now (``available_at`` has passed).
+      delayed(int): waiting for a later ``available_at`` (a delay, an eta, a retry backoff).
+      running(int): claimed by a worker.
+      failed(int): in the dead-letter state.
+      oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
+        (since its ``available_at``), by the server's clock; None when none waits.
+    """
+
+    queued: int = 0
+    delayed: int = 0
+    running: int = 0
+    failed: int = 0
+    oldest_waiting_seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def queue_counts_of(rows: Iterable[Sequence[Any]]) -> dict[str, QueueCounts]:
+    """The rows of the ``count_by_queue`` statement, as counts per queue."""
+    return {
+        queue_name: QueueCounts(
+            queued=int(queued),
+            delayed=int(delayed),
+            running=int(running),
+            failed=int(failed),
+            oldest_waiting_seconds=None if oldest is None else round(max(0.0, oldest), 3),
+        )
+        for queue_name, queued, delayed, running, failed, oldest in rows
+    }
 
 
 def channel_name(schema: str, queue_name: str) -> str:
@@ -354,10 +443,8 @@ class JobStore:
     #: From this many rows, a bulk insert goes through COPY into a staging table (two more
     #: round trips, far cheaper per row than array parameters).
     BULK_COPY_MIN = 200
-    _STAGED_TYPES = (
-        "text", "text", "text", "jsonb", "bytea", "bool", "int4", "int8", "int4", "text",
-        "text", "int8",
-    )  # fmt: skip
+    #: The staging table's columns: the send's fields, then the position in the batch.
+    _STAGED_TYPES = (*(kind for _, kind in SEND_FIELDS), "int8")
 
     def enqueue_many(
         self,
@@ -499,7 +586,7 @@ class JobStore:
                                 4,
                                 job.priority,
                                 8,
-                                now_us + max(0, int(job.delay_ms)) * 1000,
+                                now_us + _delay_ms(job) * 1000,
                                 4,
                                 job.max_attempts,
                             ),
@@ -549,23 +636,8 @@ class JobStore:
         c.execute(self.queries["stage_jobs"])
         with c.cursor().copy(self.queries["copy_staged_jobs"]) as copy:
             copy.set_types(self._STAGED_TYPES)
-            for position, j in enumerate(jobs, 1):
-                copy.write_row(
-                    (
-                        j.id,
-                        j.queue_name,
-                        j.actor_name,
-                        Jsonb(j.message) if j.message is not None else None,
-                        j.message_bytes,
-                        j.message_view_from_bytes,
-                        j.priority,
-                        max(0, int(j.delay_ms)),
-                        j.max_attempts,
-                        j.idempotency_key,
-                        j.idempotency_scope,
-                        position,
-                    )
-                )
+            for position, job in enumerate(jobs, 1):
+                copy.write_row((*send_values(job), position))
         rows = c.execute(
             self.queries["insert_staged_jobs"], {"now": now, "events": self.events}
         ).fetchall()
@@ -573,42 +645,19 @@ class JobStore:
         return rows
 
     def _bulk_params(self, jobs: Sequence[NewJob], now: dt.datetime | None) -> dict[str, Any]:
-        return {
-            "ids": [j.id for j in jobs],
-            "queue_names": [j.queue_name for j in jobs],
-            "actor_names": [j.actor_name for j in jobs],
-            "messages": [Jsonb(j.message) if j.message is not None else None for j in jobs],
-            "message_bytes": [j.message_bytes for j in jobs],
-            "view_from_bytes": [j.message_view_from_bytes for j in jobs],
-            "priorities": [j.priority for j in jobs],
-            "delays_ms": [max(0, int(j.delay_ms)) for j in jobs],
-            "max_attempts": [j.max_attempts for j in jobs],
-            "idempotency_keys": [j.idempotency_key for j in jobs],
-            "idempotency_scopes": [j.idempotency_scope for j in jobs],
-            "channels": [],
-            "durable": True,
-            "now": now,
-            "events": self.events,
-        }
+        """The parameters of ``insert_jobs``: one array per send field."""
+        columns = zip(*map(send_values, jobs)) if jobs else ([] for _ in SEND_NAMES)
+        params: dict[str, Any] = {name: list(column) for name, column in zip(SEND_NAMES, columns)}
+        params.update(channels=[], durable=True, now=now, events=self.events)
+        return params
 
     def _new_job_params(self, job: NewJob, now: dt.datetime | None) -> dict[str, Any]:
-        return {
-            "id": job.id,
-            "queue_name": job.queue_name,
-            "actor_name": job.actor_name,
-            "message": Jsonb(job.message) if job.message is not None else None,
-            "message_bytes": job.message_bytes,
-            "view_from_bytes": job.message_view_from_bytes,
-            "priority": job.priority,
-            "delay_ms": max(0, int(job.delay_ms)),
-            "max_attempts": job.max_attempts,
-            "idempotency_key": job.idempotency_key,
-            "idempotency_scope": job.idempotency_scope,
-            "channel": self.channel(job.queue_name),
-            "durable": job.durable,
-            "now": now,
-            "events": self.events,
-        }
+        """The parameters of ``insert_job`` (and of ``find_existing``, ``reenqueue_job``)."""
+        params: dict[str, Any] = dict(zip(SEND_NAMES, send_values(job)))
+        params.update(
+            channel=self.channel(job.queue_name), durable=job.durable, now=now, events=self.events
+        )
+        return params
 
     def server_now(self, *, conn=None) -> dt.datetime:
         """The database server's clock (``now()``)."""
@@ -713,11 +762,14 @@ class JobStore:
         *,
         message: dict[str, Any] | None = None,
         message_bytes: bytes | None = None,
+        max_attempts: int | None = None,
         conn=None,
         now=None,
     ) -> bool:
         """running -> queued, runnable after ``delay_ms`` (a retry). The attempt stays
-        charged. Passing ``message`` or ``message_bytes`` replaces the stored message."""
+        charged. Passing ``message`` or ``message_bytes`` replaces the stored message;
+        ``max_attempts`` (from :func:`~dramatiq_pg_broker.messages.max_attempts_for`), the
+        row's limit."""
         replace = message is not None or message_bytes is not None
         rows = self._fetch(
             "reschedule_job",
@@ -730,6 +782,7 @@ class JobStore:
                 "replace_message": replace,
                 "message": Jsonb(message) if message is not None else None,
                 "message_bytes": message_bytes,
+                "max_attempts": max_attempts,
                 "channel": self.channel(queue_name),
                 "now": now,
             },
@@ -747,11 +800,12 @@ class JobStore:
         return {str(r[0]) for r in rows}
 
     def _notify(self, queue_names, conn=None) -> None:
+        """Wake the consumers of these queues, in one statement."""
         if not queue_names:
             return
+        channels = sorted({self.channel(queue_name) for queue_name in queue_names})
         with self.pool.use(conn) as c:
-            for queue_name in sorted(queue_names):
-                c.execute(self.queries["notify_queue"], {"channel": self.channel(queue_name)})
+            c.execute(self.queries["notify_queues"], {"channels": channels})
 
     def renew(
         self,
@@ -814,6 +868,7 @@ class JobStore:
                 "batch": batch,
                 "backoff_ms": [int(ms) for ms in backoff_ms],
                 "max_interruptions": max_interruptions,
+                "lease_expired": LEASE_EXPIRED,
                 "lease_ms": _ms(lease_seconds),
                 "now": now,
             },
@@ -836,12 +891,52 @@ class JobStore:
           JobNotFound: no job has this id.
           InvalidTransition: the job is not failed.
         """
-        rows = self._fetch("retry_failed", {"id": job_id, "by": by, "now": now}, conn)
-        if not rows:
+        if not self._retry_failed({"ids": [job_id], "limit": 1, "by": by, "now": now}, conn):
             self._raise_for(job_id, "failed", "retried", conn)
-        with self.pool.use(conn) as c:
-            c.execute(self.queries["notify_queue"], {"channel": self.channel(rows[0][1])})
         return self.get(job_id, conn=conn)
+
+    def retry_all_failed(
+        self,
+        *,
+        queue_name: str | None = None,
+        by: str | None = None,
+        batch: int = 1000,
+        now: dt.datetime | None = None,
+    ) -> Iterator[list[str]]:
+        """failed -> queued by an operator for every job (of ``queue_name`` when given) that
+        failed before the call, oldest failure first, in batches of at most ``batch``: each
+        batch is one statement (the transition :meth:`retry_failed` runs) and its own
+        commit, so neither memory nor a transaction grows with the number of failed jobs.
+        A job that fails again while the batches run is not retried a second time.
+
+        Yields:
+          list[str]: the ids each batch retried, once it is committed.
+        """
+        failed_before = now if now is not None else self.server_now()
+        after: tuple[Any, Any] = (None, None)
+        while True:
+            params = {
+                "queue_name": queue_name,
+                "failed_before": failed_before,
+                "after_finished_at": after[0],
+                "after_id": after[1],
+                "limit": batch,
+                "by": by,
+                "now": now,
+            }
+            rows = self._retry_failed(params, None)
+            if not rows:
+                return
+            after = max((r[2], r[0]) for r in rows)
+            yield [str(r[0]) for r in rows]
+
+    def _retry_failed(self, params: dict[str, Any], conn) -> list[tuple]:
+        """The ``retry_failed`` statement, then the wake-up of the queues it made runnable."""
+        for name in ("ids", "queue_name", "failed_before", "after_finished_at", "after_id"):
+            params.setdefault(name, None)
+        rows = self._fetch("retry_failed", params, conn)
+        self._notify({r[1] for r in rows}, conn)
+        return rows
 
     def cancel(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
         """queued -> cancelled by an operator.
@@ -888,6 +983,14 @@ class JobStore:
         return self._fetch("count_failed_since", {"queue_name": queue_name, "since": since}, conn)[
             0
         ][0]
+
+    def queue_counts(self, *, conn=None, now=None) -> dict[str, QueueCounts]:
+        """Per queue, its waiting (runnable and delayed), running and failed jobs, and how
+        long the oldest runnable one has waited: the one count the CLI's ``stats``, the
+        admin API and its metrics all show. It reads the partial indexes on waiting,
+        running and dead rows, never the finished rows of a big table, so it costs what
+        the backlog costs. A queue with no unfinished or failed job does not appear."""
+        return queue_counts_of(self._fetch("count_by_queue", {"now": now}, conn))
 
     def flush(self, queue_name: str, *, conn=None) -> int:
         """Delete the waiting and running jobs of a queue; returns how many."""

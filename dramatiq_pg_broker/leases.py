@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
-from . import forks
 from .backoff import backoff_table
 from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY
 from .jobs import ReapResult
 from .retries import end_reaped_job
+from .service import Service
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -47,23 +47,22 @@ logger = logging.getLogger(__name__)
 REPORT_FRESH_POLLS = 2
 
 
-class LeaseKeeper:
+class LeaseKeeper(Service):
     """Heartbeat and reaper of one process. See the module docstring."""
 
+    thread_name = "dramatiq-pg-leases"
+
     def __init__(self, broker: PostgresBroker) -> None:
+        super().__init__()
         self.broker = broker
         self.store = broker.store
         self.settings = broker.settings
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         #: Set to wake the thread early: a start was deferred, or the keeper stops.
         self._wake = threading.Event()
         #: Whether the thread knows of deferred starts (it sets a timer for them).
         self._starts_armed = False
         #: When the next deferred start is due (what the last record_starts() found).
         self._next_start_due: float | None = None
-        self._thread: threading.Thread | None = None
-        self._pid: int | None = None
         #: Monotonic time before which this process does not reap: set after the database
         #: was unreachable, so that the owners of live attempts renew them first.
         self._reap_after = 0.0
@@ -73,17 +72,16 @@ class LeaseKeeper:
 
     # -- the thread ----------------------------------------------------------------------
 
-    def start(self) -> None:
-        if self._thread is not None and self._pid == forks.pid() and self._thread.is_alive():
-            return
-        with self._lock:
-            if self._thread is None or self._pid != forks.pid() or not self._thread.is_alive():
-                self._pid = forks.pid()
-                self._stop.clear()
-                self._thread = threading.Thread(
-                    target=self._run, name="dramatiq-pg-leases", daemon=True
-                )
-                self._thread.start()
+    def reset(self) -> None:
+        # A forked child holds none of its parent's leases, and no news from its claims.
+        self._wake = threading.Event()
+        self._starts_armed = False
+        self._next_start_due = None
+        self._reap_after = 0.0
+        self._quiet = None
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def starts_pending(self) -> None:
         """The ledger deferred a start: write it within :data:`START_RECORD_DELAY` or so."""
@@ -104,22 +102,14 @@ class LeaseKeeper:
         fresh = REPORT_FRESH_POLLS * self.settings.poll_interval
         return quiet is not None and now - quiet[0] <= fresh and now < quiet[1]
 
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        thread = self._thread
-        if thread is not None and self._pid == forks.pid() and thread.is_alive():
-            thread.join(timeout)
-        self._thread = None
-
-    def _run(self) -> None:
+    def run(self) -> None:
         heartbeat = self.settings.heartbeat_interval
         reaper = self.settings.reaper_interval
         next_heartbeat = time.monotonic() + heartbeat
         # Reap soon after start: a restarted worker recovers what its predecessor left.
         next_reap = time.monotonic() + min(reaper, 1.0)
         next_starts: float | None = None
-        while not self._stop.is_set():
+        while not self.stopping.is_set():
             now = time.monotonic()
             if self._starts_armed and next_starts is None:
                 next_starts = now + START_RECORD_DELAY

@@ -29,6 +29,7 @@ from dramatiq.errors import ConnectionClosed
 
 from . import forks, outage
 from .db import RECONNECT_CAP_SECONDS, connect, translate_errors
+from .service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +61,17 @@ def payload_for(key: str) -> str:
     return "#" + hashlib.sha256(key.encode()).hexdigest()
 
 
-class Listener:
+class Listener(Service):
     """The process's LISTEN connection to one database.
 
     Parameters:
       url(str): the database URL.
     """
 
+    thread_name = "dramatiq-pg-listener"
+
     def __init__(self, url: str) -> None:
+        super().__init__()
         self.url = url
         self._lock = threading.Lock()
         # channel -> payload -> events of the threads waiting for it
@@ -75,7 +79,6 @@ class Listener:
         # channel -> set once the current connection listens on it
         self._listening: dict[str, threading.Event] = {}
         self._wake_r, self._wake_w = os.pipe()
-        self._thread: threading.Thread | None = None
         self._closed = False
         self._error: BaseException | None = None
 
@@ -140,11 +143,7 @@ class Listener:
             if ready is None:
                 ready = self._listening[channel] = threading.Event()
                 self._poke()
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="dramatiq-pg-listener", daemon=True
-                )
-                self._thread.start()
+            self.start()
         if ready.is_set():
             return True
         if timeout is not None and timeout <= 0:
@@ -156,6 +155,9 @@ class Listener:
             raise ConnectionClosed(error) from error
         return False
 
+    def wake(self) -> None:
+        self._poke()
+
     def _poke(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -164,9 +166,9 @@ class Listener:
 
     # -- the thread ------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
         delay = 0.05
-        while not self._closed:
+        while not self.stopping.is_set():
             conn = None
             try:
                 conn = connect(self.url)
@@ -175,7 +177,7 @@ class Listener:
                 delay = 0.05
                 self._serve(conn)
             except Exception as e:  # a lost server: reconnect with backoff
-                if self._closed:
+                if self.stopping.is_set():
                     break
                 # The driver's error, which waiters get wrapped in a ConnectionClosed.
                 self._error = e.__cause__ if isinstance(e, ConnectionClosed) and e.__cause__ else e
@@ -193,7 +195,7 @@ class Listener:
     def _serve(self, conn: psycopg.Connection) -> None:
         listened: set[str] = set()
         first = True
-        while not self._closed:
+        while not self.stopping.is_set():
             with self._lock:
                 wanted = [c for c in self._listening if c not in listened]
             for channel in wanted:
@@ -244,10 +246,7 @@ class Listener:
             if self._closed:
                 return
             self._closed = True
-        self._poke()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5)
+        self.stop(5)
         self._wake_everyone()
         for fd in (self._wake_r, self._wake_w):
             try:

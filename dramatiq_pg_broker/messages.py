@@ -2,7 +2,8 @@
 
 Every writer of new jobs (``broker.enqueue``, bulk and transactional sends, the admin API's
 ``POST /api/jobs``) goes through :func:`job_from_message`, so a send is validated, encoded
-and scheduled the same way wherever it comes from.
+and scheduled the same way wherever it comes from, and its ``max_attempts`` derived by the
+same rules (:func:`default_max_retries`, :func:`max_retries_of`, :func:`max_attempts_for`).
 
 Fidelity: the stored ``message_bytes`` are exactly what the configured Dramatiq encoder
 (``dramatiq.get_encoder()``) produced, and a worker decodes those bytes with the same
@@ -18,12 +19,15 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import dramatiq
 from dramatiq.common import current_millis
 from dramatiq.encoder import JSONEncoder
+from dramatiq.middleware.retries import Retries as DramatiqRetries
 
+from .config import Settings
 from .errors import InvalidMessage
 from .jobs import NewJob
 
@@ -46,20 +50,52 @@ _JSONB_SUSPECTS = re.compile(rb"NaN|Infinity|\\u0000|\\ud")
 _CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def max_attempts_for(max_retries: int | None) -> int:
-    """The row's ``max_attempts`` for a ``max_retries`` (None: unlimited)."""
-    if max_retries is None:
-        return UNLIMITED_ATTEMPTS
-    return max(1, min(int(max_retries) + 1, UNLIMITED_ATTEMPTS))
+def default_max_retries(settings: Settings, middleware: Iterable[Any] = ()) -> int | None:
+    """The ``max_retries`` of a message whose actor sets none: the one rule that every
+    writer of job rows (sends, the admin API) and this package's Retries middleware follow.
+
+    It is the ``max_retries`` of the process's Retries middleware when it has one (this
+    package's takes ``max_attempts - 1`` of its broker's settings unless its constructor
+    was given another; Dramatiq's own has 20), else ``settings.max_attempts - 1``: with the
+    default middleware, ``DRAMATIQ_PG_MAX_ATTEMPTS`` sets it for sends and for jobs the
+    admin API creates alike. None means unlimited.
+
+    Parameters:
+      settings(Settings): the process's settings.
+      middleware(list[Middleware]): the broker's middleware; none for a process without a
+        broker (the admin API).
+    """
+    for m in middleware:
+        if isinstance(m, DramatiqRetries):
+            return m.max_retries
+    return settings.max_attempts - 1
+
+
+def max_attempts_for(max_retries: int | None, failures: int = 0) -> int:
+    """The row's ``max_attempts`` for a ``max_retries`` (None: unlimited), and never fewer
+    than ``failures + 1``: a row always allows the attempt its retry policy just granted
+    (a ``retry_when`` policy, or Dramatiq's own Retries with another default, may retry
+    past the ``max_retries`` the row was written with)."""
+    limit = UNLIMITED_ATTEMPTS if max_retries is None else int(max_retries) + 1
+    return max(1, min(max(limit, failures + 1), UNLIMITED_ATTEMPTS))
 
 
 def max_retries_of(
     options: dict[str, Any], actor_options: dict[str, Any], default: int | None
 ) -> int | None:
     """The ``max_retries`` that applies to a message with these ``options``: its own
-    option, else its actor's, else ``default`` (the Retries middleware's). None means
+    option, else its actor's, else ``default`` (:func:`default_max_retries`). None means
     unlimited. The row's ``max_attempts`` is :func:`max_attempts_for` of it."""
     return options.get("max_retries", actor_options.get("max_retries", default))
+
+
+def failures_of(options: dict[str, Any]) -> int:
+    """The failed attempts a message has behind it: its ``retries`` option, as Dramatiq's
+    Retries middleware counts them (the consumer sets it from the row)."""
+    retries = options.get("retries", 0)
+    if isinstance(retries, bool) or not isinstance(retries, int):
+        return 0
+    return max(0, retries)
 
 
 def idempotency_scope(namespace: str | None = None) -> str:
@@ -242,7 +278,7 @@ def job_from_message(
     delay: Any = None,
     actor_priority: int = 0,
     actor_options: dict[str, Any] | None = None,
-    default_max_retries: int | None = 20,
+    default_max_retries: int | None,
     scope: str = APPLICATION_SCOPE,
     durable: bool = True,
 ) -> tuple[NewJob, dramatiq.Message]:
@@ -253,7 +289,8 @@ def job_from_message(
       delay(int): milliseconds to wait before it may run (Dramatiq's ``delay``).
       actor_priority(int): the actor's ``priority`` (the message's option wins).
       actor_options(dict): the actor's options (``max_retries``), if the actor is known.
-      default_max_retries(int): the Retries middleware's default.
+      default_max_retries(int): the ``max_retries`` of an actor that sets none, from
+        :func:`default_max_retries` (None: unlimited).
       scope(str): the idempotency scope (see :func:`idempotency_scope`).
       durable(bool): the broker's ``durable_sends``; the message's ``durable`` option wins.
 
@@ -296,7 +333,7 @@ def job_from_message(
         message_view_from_bytes=stored.view_from_bytes,
         priority=priority,
         delay_ms=delay_ms,
-        max_attempts=max_attempts_for(max_retries),
+        max_attempts=max_attempts_for(max_retries, failures_of(options)),
         idempotency_key=key,
         idempotency_scope=scope,
         durable=durable,

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
-from . import forks
 from .inflight import RETRY_CAP_SECONDS
 from .jobs import Attempt
+from .service import Service
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -38,50 +37,48 @@ MAX_QUEUED = 10_000
 Outcome = tuple[str, Attempt, "str | None"]
 
 
-class OutcomeWriter:
+class OutcomeWriter(Service):
     """Writes acks and nacks in batches. See the module docstring."""
 
+    thread_name = "dramatiq-pg-outcomes"
+
     def __init__(self, broker: PostgresBroker, max_batch: int = MAX_BATCH) -> None:
+        super().__init__()
         self.broker = broker
         self.store = broker.store
         self.max_batch = max_batch
-        self._queue: queue.Queue[Outcome] = queue.Queue(MAX_QUEUED)
-        self._thread: threading.Thread | None = None
-        self._pid: int | None = None
-        self._lock = threading.Lock()
+        self._queue: queue.Queue[Outcome | None] = queue.Queue(MAX_QUEUED)
 
     def submit(self, kind: str, attempt: Attempt, error: str | None) -> None:
         """Queue one outcome (``complete`` or ``fail``). Only the ledger calls this."""
-        self._ensure_thread()
+        self.start()
         self._queue.put((kind, attempt, error))
 
-    def _ensure_thread(self) -> None:
-        if self._thread is not None and self._pid == forks.pid() and self._thread.is_alive():
-            return
-        with self._lock:
-            if self._thread is None or self._pid != forks.pid() or not self._thread.is_alive():
-                if self._pid != forks.pid():
-                    # A forked child must not write (or wait on) its parent's outcomes.
-                    self._queue = queue.Queue(MAX_QUEUED)
-                self._pid = forks.pid()
-                self._thread = threading.Thread(
-                    target=self._run, name="dramatiq-pg-outcomes", daemon=True
-                )
-                self._thread.start()
+    def reset(self) -> None:
+        # A forked child must not write (or wait on) its parent's outcomes.
+        self._queue = queue.Queue(MAX_QUEUED)
 
-    def _run(self) -> None:
-        while True:
+    def wake(self) -> None:
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # the writer is busy, and looks at `stopping` after this batch
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
             batch = [self._queue.get()]
             while len(batch) < self.max_batch:
                 try:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            outcomes = [outcome for outcome in batch if outcome is not None]
             try:
-                self._write(batch)
+                if outcomes:
+                    self._write(outcomes)
             except Exception:  # pragma: no cover - _write handles its own errors
-                logger.exception("The outcome writer failed on %d outcome(s).", len(batch))
-                for _, attempt, _ in batch:
+                logger.exception("The outcome writer failed on %d outcome(s).", len(outcomes))
+                for _, attempt, _ in outcomes:
                     self.broker.ledger.unwritable(attempt)
             finally:
                 for _ in batch:
@@ -162,7 +159,7 @@ class OutcomeWriter:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted outcome is written. Returns False on timeout."""
-        if self._thread is None or self._pid != forks.pid():
+        if not self._process.here:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._queue.unfinished_tasks:

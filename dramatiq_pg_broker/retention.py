@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 FINISHED = ("succeeded", "failed", "cancelled")
 
 #: Modules of this package whose ``prune_expired(conn, schema, *, limit) -> int`` a run
-#: calls after the jobs (expired results, rate-limit keys). A module that is not installed,
-#: or whose table does not exist yet, is skipped.
+#: calls after the jobs (expired results, rate-limit keys). A module that does not exist,
+#: or whose table does not exist yet, is skipped; an error raised while importing one that
+#: exists (a missing dependency, a broken import) is raised.
 RECLAIMERS = ("results", "rate_limits")
 
 #: After each batch a run rests as long as the batch took (a 50 % duty cycle), so a large
@@ -91,9 +92,14 @@ class PruneReport:
 def _reclaimers() -> list[tuple[str, Callable[..., int]]]:
     found = []
     for name in RECLAIMERS:
+        qualified = f"{__package__}.{name}"
         try:
-            module = importlib.import_module(f"{__package__}.{name}")
-        except ImportError:
+            module = importlib.import_module(qualified)
+        except ModuleNotFoundError as e:
+            if e.name != qualified:
+                # The module exists but cannot be imported: a bug to see, not an absent
+                # module (silently skipping it would stop pruning its table).
+                raise
             continue
         fn = getattr(module, "prune_expired", None)
         if callable(fn):

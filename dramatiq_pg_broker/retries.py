@@ -2,22 +2,32 @@
 
 :class:`Retries` is Dramatiq's own middleware of the same name, extended: Dramatiq's
 ``after_process_message`` decides (``max_retries``, ``retry_when``, ``throws``,
-``on_retry_exhausted``, ``Retry(delay=...)``) and sets ``options["retries"]``,
-``options["traceback"]`` and ``options["requeue_timestamp"]`` as it always does; its
-re-enqueue of the message reaches :meth:`PostgresBroker.enqueue`, which moves the same row
-back to ``queued`` with ``available_at = now + backoff`` and a ``retry_scheduled`` event,
-instead of adding a copy.
+``on_retry_exhausted``, ``Retry(delay=...)``), computes the delay, logs it and sets
+``options["retries"]``, ``options["traceback"]`` and ``options["requeue_timestamp"]`` as it
+always does; its re-enqueue of the message reaches :meth:`PostgresBroker.enqueue`, which
+moves the same row back to ``queued`` with ``available_at = now + delay`` and a
+``retry_scheduled`` event, instead of adding a copy. The delay the row waits is the one
+the log line states.
 
 ``options["retries"]`` counts the job's failed attempts (an exception or a time limit),
 from the row; interruptions (a worker that died, a lost lease, a shutdown) are not retries.
-Backoff is deterministic, from :func:`~.backoff.backoff_ms`:
-``min(min_backoff * 2 ** (failures - 1), max_backoff)`` milliseconds; set ``jitter=True``
-for Dramatiq's randomised backoff instead.
+
+Backoff is Dramatiq's by default: ``min_backoff * 2 ** retries`` stretched by a random
+factor between 1 and 2 (and, past ``max_backoff``, between half of it and all of it), so
+that jobs that failed together (one outage of a service they call) do not all retry at the
+same instant. ``jitter=False`` gives the deterministic
+``min(min_backoff * 2 ** retries, max_backoff)`` of :func:`~.backoff.backoff_ms` instead.
+
+``max_retries`` defaults to the broker's ``max_attempts`` setting minus one
+(``DRAMATIQ_PG_MAX_ATTEMPTS``, 21 attempts unless set), the same default the admin API
+gives the jobs it creates (:func:`~.messages.default_max_retries`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
+from typing import Any
 
 import dramatiq
 from dramatiq.broker import MessageProxy
@@ -27,14 +37,36 @@ from dramatiq.middleware.retries import DEFAULT_MAX_BACKOFF
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 
 from .backoff import backoff_ms
+from .config import Settings
 from .consumer import PgMessageProxy
 from .errors import JobInterrupted
 from .jobs import ReapedJob
-from .messages import max_retries_of
+from .messages import default_max_retries, max_retries_of
 
 __all__ = ["Retries", "backoff_ms", "end_reaped_job"]
 
 logger = logging.getLogger(__name__)
+
+#: The line Dramatiq's Retries logs for a retry it schedules.
+RETRYING_LINE = "Retrying message %r in %d milliseconds."
+
+_FROM_SETTINGS: Any = object()
+
+#: The deterministic delay of the retry being decided in this thread (``jitter=False``).
+_applied_delay: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "dramatiq_pg_broker_retry_delay", default=None
+)
+
+
+class _AppliedDelay(logging.LoggerAdapter):
+    """Dramatiq's Retries logs the delay it computed. With ``jitter=False`` the row waits
+    the deterministic backoff instead, and the log line states that one."""
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        delay = _applied_delay.get()
+        if delay is not None and msg == RETRYING_LINE and len(args) == 2:
+            args = (args[0], delay)
+        self.logger.log(level, msg, *args, **kwargs)
 
 
 class Retries(DramatiqRetries):
@@ -42,48 +74,67 @@ class Retries(DramatiqRetries):
 
     Parameters:
       max_retries(int): retries of actors that set none (attempts = retries + 1).
+        Default: the broker's ``max_attempts`` setting minus one. Given here, it wins in
+        this process: the admin API, which has no middleware, still uses the setting.
       min_backoff(int): first delay in milliseconds (default: the broker's backoff base).
       max_backoff(int): longest delay in milliseconds (default: the broker's maximum).
       retry_when(callable): ``(retries, exception) -> bool``; overrides ``max_retries``.
-      jitter(bool): use Dramatiq's randomised backoff instead of the deterministic one.
+      jitter(bool): Dramatiq's randomised backoff (the default); False for the
+        deterministic one.
     """
 
     def __init__(
         self,
         *,
-        max_retries=20,
+        max_retries=_FROM_SETTINGS,
         min_backoff=None,
         max_backoff=None,
         retry_when=None,
-        jitter: bool = False,
+        jitter: bool = True,
     ):
+        self._explicit = {
+            "max_retries": max_retries is not _FROM_SETTINGS,
+            "min_backoff": min_backoff is not None,
+            "max_backoff": max_backoff is not None,
+        }
+        if max_retries is _FROM_SETTINGS:
+            max_retries = Settings.max_attempts - 1  # until configure() gives the broker's
         super().__init__(
             max_retries=max_retries,
             min_backoff=min_backoff,
             max_backoff=max_backoff,
             retry_when=retry_when,
         )
-        self._explicit_backoff = (min_backoff, max_backoff)
+        self.logger = _AppliedDelay(self.logger, {})
         self.jitter = jitter
 
-    def configure(self, backoff_base_ms: int, backoff_max_ms: int) -> None:
-        """Take the broker's backoff settings unless given to the constructor."""
-        if self._explicit_backoff[0] is None:
-            self.min_backoff = backoff_base_ms
-        if self._explicit_backoff[1] is None:
-            self.max_backoff = backoff_max_ms
+    def configure(self, settings: Settings) -> None:
+        """Take the broker's settings for what the constructor was not given:
+        ``max_retries`` (``max_attempts - 1``) and the backoff base and maximum."""
+        if not self._explicit["max_retries"]:
+            self.max_retries = default_max_retries(settings)
+        if not self._explicit["min_backoff"]:
+            self.min_backoff = settings.backoff_base_ms
+        if not self._explicit["max_backoff"]:
+            self.max_backoff = settings.backoff_max_ms
 
     def after_process_message(self, broker, message, *, result=None, exception=None):
         if (
-            exception is not None
-            and isinstance(message, PgMessageProxy)
-            and not self.jitter
-            and not (isinstance(exception, Retry) and exception.delay is not None)
+            exception is None
+            or self.jitter
+            or not isinstance(message, PgMessageProxy)
+            or (isinstance(exception, Retry) and exception.delay is not None)
         ):
-            # Dramatiq decides whether to retry; the delay of a retry comes from the one
-            # backoff function (Dramatiq's own is randomised).
-            message.backoff_ms = self._backoff_ms(broker, message)
-        super().after_process_message(broker, message, result=result, exception=exception)
+            super().after_process_message(broker, message, result=result, exception=exception)
+            return
+        # Dramatiq decides whether to retry; the delay comes from the one backoff function,
+        # and Dramatiq's log line states it.
+        message.backoff_ms = delay = self._backoff_ms(broker, message)
+        token = _applied_delay.set(delay)
+        try:
+            super().after_process_message(broker, message, result=result, exception=exception)
+        finally:
+            _applied_delay.reset(token)
 
     def _backoff_ms(self, broker, message) -> int:
         actor = broker.get_actor(message.actor_name)

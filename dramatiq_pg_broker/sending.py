@@ -1,10 +1,27 @@
-"""Where a send writes: the pool (one durable commit per send), the application's own
-transaction (``broker.transaction(conn)``), or a batch written at the end of a block
-(``broker.batch()``).
+"""The send path: how a Dramatiq message becomes a job row, and where the row is written.
 
-Both blocks are bound to the current thread (and asyncio task): a context variable holds a
+:meth:`PostgresBroker.enqueue <dramatiq_pg_broker.PostgresBroker.enqueue>` (and
+``enqueue_many``, ``batch``, ``transaction``) hand every message to the broker's
+:class:`Sender`, which
+
+- runs the middleware's ``before_enqueue`` and, once the row is written, ``after_enqueue``;
+- builds the row (:func:`.messages.job_from_message`, the one place a message becomes a
+  row: validated, encoded, scheduled, its ``max_attempts`` derived);
+- takes a send of the message this thread's actor is running (a retry by the Retries
+  middleware, a snooze) for what it is: that attempt's row rescheduled, not a new row;
+- writes the row where the send belongs: inside ``broker.batch()``, collected and written
+  with the block's other sends at its end; inside ``broker.transaction(conn)``, on the
+  application's connection; otherwise through the pool, sharing one statement and its
+  commit with the sends other threads make at that moment (:class:`GroupCommit`), and
+  tried again after a connection error (:func:`retrying`).
+
+The blocks are bound to the current thread (and asyncio task): a context variable holds a
 stack of the blocks entered, and a send goes to the innermost one. Another thread's sends
 are not part of a block this thread opened.
+
+The worker side (the ledger, the consumer) imports this module for :class:`GroupCommit`,
+so nothing of it is imported here: what the send path asks of it (is this message an
+attempt this thread runs?) is handed to the :class:`Sender` by the broker.
 """
 
 from __future__ import annotations
@@ -12,16 +29,122 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import sys
+import threading
+import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
 
 import dramatiq
 import psycopg
+from dramatiq.errors import BrokerConnectionError
+from dramatiq.middleware import Middleware, MiddlewareError
+from psycopg_pool import PoolTimeout
 
-from .errors import TransactionError
-from .jobs import NewJob
+from . import forks, messages
+from .errors import InvalidMessage, TransactionError
+from .jobs import EnqueueResult, NewJob, clean_text
+
+if TYPE_CHECKING:
+    from .broker import PostgresBroker
+    from .consumer import PgMessageProxy
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+# -- group commit ---------------------------------------------------------------------------
+
+
+class GroupCommit:
+    """Callers hand in one item each; whoever finds no write in progress writes everything
+    waiting as one statement, so concurrent callers share a round trip (and a commit).
+
+    Parameters:
+      write(callable): ``write(items)`` writes a list of items in one statement and
+        returns what :meth:`submit` gives each caller (a mapping keyed by ``id(item)``, a
+        set of ids ...). Whatever it raises is raised to every caller of that write.
+    """
+
+    def __init__(self, write: Callable[[list[Any]], Any]) -> None:
+        self._write = write
+        self._cond = threading.Condition()
+        self._open: dict[str, Any] = {"items": [], "done": False}
+        self._busy = False
+
+    def submit(self, item: Any) -> Any:
+        """Have ``item`` written: at once when no write is in progress (a write of one),
+        else with every item that arrives until the write in progress ends. Returns what
+        the write of its group returned."""
+        with self._cond:
+            batch = self._open
+            batch["items"].append(item)
+            while not batch["done"]:
+                if not self._busy:
+                    self._busy = True
+                    self._open = {"items": [], "done": False}
+                    break
+                self._cond.wait()
+            else:
+                return self._result(batch)
+        try:
+            batch["result"] = self._write(batch["items"])
+        except BaseException as e:
+            batch["error"] = e
+        with self._cond:
+            batch["done"] = True
+            self._busy = False
+            self._cond.notify_all()
+        return self._result(batch)
+
+    @property
+    def waiting(self) -> int:
+        """How many items wait for the write in progress to end."""
+        with self._cond:
+            return len(self._open["items"])
+
+    @staticmethod
+    def _result(batch: dict[str, Any]) -> Any:
+        if "error" in batch:
+            raise batch["error"]
+        return batch["result"]
+
+
+# -- retries after a connection error -----------------------------------------------------
+
+
+def retrying(write: Callable[[bool], T], retries: int) -> T:
+    """``write(first)``, tried again up to ``retries`` times while it fails on a
+    connection error, 0.05 s after the first failure and four times longer after each
+    next one.
+
+    ``first`` is False for every try after the first, whose commit may have happened
+    though its reply was lost: a send then takes a row with its own id for its own
+    (returned as it is) instead of for a second send of that id. A pool timeout is not
+    tried again: the pool already spent its whole timeout trying to get a connection, and
+    asking again would only multiply that wait.
+
+    Raises:
+      dramatiq.errors.ConnectionError: the last try's.
+    """
+    delay = 0.05
+    for attempt in range(retries + 1):
+        try:
+            return write(attempt == 0)
+        except BrokerConnectionError as e:
+            if attempt >= retries or isinstance(e.__cause__, PoolTimeout):
+                raise
+            # Told once per outage by the process (outage.py), not at every try.
+            logger.debug("Enqueue failed on a connection error; retrying in %.2fs.", delay)
+            time.sleep(delay)
+            delay *= 4
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# -- blocks: batch() and transaction() ------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -199,3 +322,336 @@ def identity(conn: psycopg.Connection) -> tuple:
         known = tuple(conn.execute(IDENTITY_SQL).fetchone())
         _identities[conn] = known
     return known
+
+
+# -- the sender ------------------------------------------------------------------------------
+
+
+class RunningAttempt(NamedTuple):
+    """An attempt the current thread's actor runs and has not settled (see
+    :func:`.current.running_attempt`)."""
+
+    #: The message Dramatiq's worker handed to the actor.
+    message: PgMessageProxy
+    #: What its actor raised, as ``last_error`` keeps it; None if it did not raise.
+    error: str | None
+
+
+class Sender:
+    """The send path of one broker. See the module docstring.
+
+    Parameters:
+      broker(PostgresBroker): whose store, settings, actors, middleware and ledger it uses.
+      running(callable): ``running(message)`` is the :class:`RunningAttempt` of
+        ``message`` if this thread's actor runs it, else None
+        (:func:`.current.running_attempt`, bound to the broker's ledger).
+    """
+
+    def __init__(
+        self,
+        broker: PostgresBroker,
+        running: Callable[[dramatiq.Message], RunningAttempt | None],
+    ) -> None:
+        self.broker = broker
+        self.store = broker.store
+        self.settings = broker.settings
+        self._running = running
+        self._blocks = SendContext()
+        #: Concurrent sends through the pool share a statement: one group per process.
+        self._group = forks.PerProcess(lambda: GroupCommit(self._write_group))
+        self._identity: tuple | None = None
+
+    # -- building the row ----------------------------------------------------------------
+
+    def job_for(
+        self, message: dramatiq.Message, delay: int | None = None
+    ) -> tuple[NewJob, dramatiq.Message]:
+        """The job row a send of ``message`` writes, and the message as stored.
+
+        Raises:
+          InvalidMessage: an option is out of range, or the encoder cannot encode a value.
+        """
+        return self._builder()(message, delay)
+
+    def _builder(self) -> Callable[[dramatiq.Message, int | None], tuple[NewJob, Any]]:
+        """:meth:`job_for`, with what does not change within one batch looked up once."""
+        broker = self.broker
+        default_max_retries = messages.default_max_retries(self.settings, broker.middleware)
+        durable = self.settings.durable_sends
+        actors = broker.actors
+
+        def job_for(message: dramatiq.Message, delay: int | None):
+            actor = actors.get(message.actor_name)
+            return messages.job_from_message(
+                message,
+                delay=delay,
+                actor_priority=actor.priority if actor is not None else 0,
+                actor_options=actor.options if actor is not None else None,
+                default_max_retries=default_max_retries,
+                durable=durable,
+            )
+
+        return job_for
+
+    # -- one message ---------------------------------------------------------------------
+
+    def send(self, message: dramatiq.Message, delay: int | None = None) -> dramatiq.Message:
+        """:meth:`PostgresBroker.enqueue <dramatiq_pg_broker.PostgresBroker.enqueue>`."""
+        broker = self.broker
+        broker.emit_before("enqueue", message, delay)
+        running = self._running(message)
+        if running is not None:
+            self._retry(running, message, delay)
+            broker.emit_after("enqueue", message, delay)
+            return message
+        job, stored = self.job_for(message, delay)
+        block = self._blocks.top()
+        if isinstance(block, Batch):
+            block.add(job, stored, delay)
+            return stored
+        if block is not None:
+            # The application's transaction: no retry (a failed statement aborts it).
+            result = self.store.enqueue(job, conn=block.conn)
+        else:
+            result = retrying(
+                lambda first: self._send_alone(job, first), self.settings.enqueue_retries
+            )
+        stored = self._as_stored(job, stored, result)
+        broker.emit_after("enqueue", stored, delay)
+        return stored
+
+    def _send_alone(self, job: NewJob, first: bool) -> EnqueueResult:
+        """Write one send through the pool, sharing the statement and its commit with the
+        sends other threads are making at the same moment (group commit): a send finding no
+        write in progress writes at once, alone (one round trip); sends arriving while one
+        is written wait for it, then go together in one statement. Each returns once its
+        row is committed, durably unless it asked otherwise."""
+        item = (job, first)
+        result = self._group.get().submit(item)[id(item)]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _write_group(self, items: list[tuple[NewJob, bool]]) -> dict[int, Any]:
+        if len(items) == 1:
+            job, first = items[0]
+            return {id(items[0]): self.store.enqueue(job, again=first)}
+        return {id(item): result for item, result in zip(items, self.store.send_many(items))}
+
+    @staticmethod
+    def _as_stored(job: NewJob, stored: dramatiq.Message, result: EnqueueResult):
+        """The message a send returns: its own, or the existing job's when its idempotency
+        key was already used."""
+        if not result.created and result.id != job.id:
+            logger.debug(
+                "Idempotency key %r already used by job %s.", job.idempotency_key, result.id
+            )
+            return messages.decode(result.message, result.message_bytes)
+        return stored
+
+    # -- the running attempt -------------------------------------------------------------
+
+    def _retry(self, running: RunningAttempt, message: dramatiq.Message, delay: int | None):
+        """A send of the message this thread's actor runs: its row goes back to queued
+        with the message as sent (Dramatiq's Retries updates its options), after ``delay``
+        (the delay the Retries middleware computed and logged), and the attempt is
+        settled so that its ack writes nothing."""
+        proxy = running.message
+        if isinstance(proxy.options.get("traceback"), str):
+            # Dramatiq's formatted traceback repeats the error text, which may hold
+            # characters a stored message cannot (NUL, lone surrogates).
+            proxy.options["traceback"] = clean_text(proxy.options["traceback"])
+        job, stored = self.job_for(message, delay)
+        delay_ms = job.delay_ms
+        if message is proxy and proxy.backoff_ms is not None:
+            # The Retries middleware's deterministic backoff (``jitter=False``).
+            delay_ms = proxy.backoff_ms
+        self.reschedule(
+            proxy, delay_ms, running.error, message=stored, max_attempts=job.max_attempts
+        )
+
+    def reschedule(
+        self,
+        proxy: PgMessageProxy,
+        delay_ms: int,
+        error: str | None,
+        *,
+        message: dramatiq.Message | None = None,
+        max_attempts: int | None = None,
+    ) -> bool:
+        """Move a running message's row back to queued, runnable in ``delay_ms``. The
+        following ack or nack of this message writes nothing. Returns False (and logs) if
+        this worker no longer owns the attempt.
+
+        Parameters:
+          proxy(PgMessageProxy): the running message.
+          delay_ms(int): milliseconds until the job may run again.
+          error(str): the attempt's error, kept in ``last_error``.
+          message(Message): the message to store instead of the row's.
+          max_attempts(int): the row's new ``max_attempts`` (None keeps it).
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database stayed unreachable. The attempt is
+            then left as it is (running, its lease no longer renewed): the reaper requeues
+            it with backoff once the lease expires. It is never acked as a success.
+        """
+        data = data_bytes = None
+        if message is not None:
+            encoded = messages.encode(message)
+            data_bytes = encoded.data
+            data = encoded.view
+            if data is None and encoded.view_from_bytes:
+                data = messages.display_view(data_bytes)
+        attempt = proxy.attempt
+
+        def write(first: bool) -> bool:
+            return self.store.reschedule(
+                attempt,
+                proxy.queue_name,
+                delay_ms,
+                error,
+                message=data,
+                message_bytes=data_bytes,
+                max_attempts=max_attempts,
+            )
+
+        # The ledger settles the attempt whatever happens: a failed attempt whose retry
+        # could not be written must not be acked as a success by the ack Dramatiq sends
+        # next.
+        owned = self.broker.ledger.reschedule(
+            attempt, lambda: retrying(write, self.settings.enqueue_retries)
+        )
+        if not owned:
+            logger.warning(
+                "Could not reschedule job %s attempt %d: this worker no longer owns it.",
+                attempt.id,
+                attempt.attempt,
+            )
+        return owned
+
+    # -- many messages -------------------------------------------------------------------
+
+    def send_all(
+        self, messages: Iterable[dramatiq.Message], delay: int | None = None
+    ) -> list[dramatiq.Message]:
+        """:meth:`PostgresBroker.enqueue_many <dramatiq_pg_broker.PostgresBroker.enqueue_many>`."""
+        messages = list(messages)
+        before = self._emitter("before", "enqueue")
+        job_for = self._builder()
+        stored: list[dramatiq.Message] = [None] * len(messages)  # type: ignore[list-item]
+
+        def build(index: int) -> NewJob:
+            message = messages[index]
+            before(message, delay)
+            try:
+                job, stored[index] = job_for(message, delay)
+            except InvalidMessage as e:
+                raise InvalidMessage(f"message {index} of the batch: {e}") from e
+            return job
+
+        jobs = LazyJobs(len(messages), build)
+        block = self._blocks.top()
+        if isinstance(block, Batch):
+            for index, job in enumerate(jobs):
+                block.add(job, stored[index], delay)
+            return list(stored)
+        conn = block.conn if block is not None else None
+        return self._write_batch(jobs, stored, [delay] * len(messages), conn)
+
+    def _write_batch(
+        self,
+        jobs: Sequence[NewJob],
+        stored: list[dramatiq.Message],
+        delays: list[int | None],
+        conn: psycopg.Connection | None,
+    ) -> list[dramatiq.Message]:
+        if conn is not None:
+            results = self.store.enqueue_many(jobs, conn=conn)
+        else:
+            results = retrying(
+                lambda first: self.store.enqueue_many(jobs, again=first),
+                self.settings.enqueue_retries,
+            )
+        after = self._emitter("after", "enqueue")
+        sent = []
+        for job, message, delay, result in zip(jobs, stored, delays, results):
+            message = self._as_stored(job, message, result)
+            after(message, delay)
+            sent.append(message)
+        return sent
+
+    def _emitter(self, when: str, signal: str) -> Callable[..., None]:
+        """``emit_before(signal, ...)`` or ``emit_after``, as Dramatiq's broker runs them,
+        over only the middleware that define that hook: a batch of 100,000 messages
+        otherwise spends a good part of its time calling the base class's empty hooks."""
+        broker = self.broker
+        name = f"{when}_{signal}"
+        base = getattr(Middleware, name)
+        order = broker.middleware if when == "before" else list(reversed(broker.middleware))
+        hooks = [
+            (m, getattr(m, name))
+            for m in order
+            if getattr(type(m), name, base) is not base or name in getattr(m, "__dict__", {})
+        ]
+
+        def emit(*args: Any) -> None:
+            for middleware, hook in hooks:
+                try:
+                    hook(broker, *args)
+                except MiddlewareError:
+                    if when == "before":
+                        raise
+                    broker.logger.critical(
+                        "Unexpected failure in %s of %r.", name, middleware, exc_info=True
+                    )
+                except Exception:
+                    broker.logger.critical(
+                        "Unexpected failure in %s of %r.", name, middleware, exc_info=True
+                    )
+
+        return emit
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """:meth:`PostgresBroker.batch <dramatiq_pg_broker.PostgresBroker.batch>`."""
+        top = self._blocks.top()
+        if isinstance(top, Batch):
+            yield top
+            return
+        batch = Batch()
+        with self._blocks.pushed(batch):
+            yield batch
+            conn = self._blocks.connection_below(batch)
+        if batch.jobs:
+            self._write_batch(batch.jobs, batch.messages, batch.delays, conn)
+
+    # -- the application's transaction ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self, conn: Any) -> Iterator[psycopg.Connection]:
+        """:meth:`PostgresBroker.transaction
+        <dramatiq_pg_broker.PostgresBroker.transaction>`."""
+        pg_conn, own = resolve_connection(conn)
+        with pg_conn.transaction() if own else contextlib.nullcontext():
+            self._check_database(pg_conn)
+            with self._blocks.pushed(Transaction(pg_conn)):
+                yield pg_conn
+
+    def _check_database(self, conn: psycopg.Connection) -> None:
+        theirs = identity(conn)
+        if theirs != self._identity:
+            # Learned at the first transaction, and again whenever it differs: a server
+            # restart or a failover gives the broker's database another server start.
+            with self.broker.pool.connection() as pooled:
+                self._identity = identity(pooled)
+        if theirs != self._identity:
+            where = (
+                f"database {theirs[0]!r}"
+                if theirs[0] != self._identity[0]
+                else f"a database {theirs[0]!r} on another server"
+            )
+            raise TransactionError(
+                f"the connection given to broker.transaction() reaches {where}, but this "
+                f"broker's jobs are in database {self._identity[0]!r} of its own server "
+                "(its url); a transaction cannot span two databases"
+            )

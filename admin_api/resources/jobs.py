@@ -15,6 +15,7 @@ from dramatiq_pg_broker.messages import (
     APPLICATION_SCOPE,
     MAX_DELAY_MS,
     UNLIMITED_ATTEMPTS,
+    default_max_retries,
     idempotency_scope,
     job_from_message,
 )
@@ -184,8 +185,8 @@ class JobList:
             options["max_retries"] = values["max_retries"]
         # The API holds no actor code: the message is built as actor.send_with_options()
         # would build it, and becomes a row through the broker's own function. Without a
-        # max_retries, the row's limit (used when leases expire) is the configured default,
-        # as for an actor that sets none.
+        # max_retries, the row's limit is the default the workers' Retries middleware
+        # takes from the same setting (DRAMATIQ_PG_MAX_ATTEMPTS).
         message = dramatiq.Message(
             queue_name=queue_name,
             actor_name=values["actor_name"],
@@ -197,7 +198,7 @@ class JobList:
             job, _ = job_from_message(
                 message,
                 delay=delay_ms,
-                default_max_retries=self.settings.max_attempts - 1,
+                default_max_retries=default_max_retries(self.settings),
                 scope=member_scope(user),
             )
         except InvalidMessage as e:

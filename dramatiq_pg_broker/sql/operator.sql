@@ -1,6 +1,7 @@
--- Named read statements of the operator's CLI (`dramatiq-pg-broker jobs|stats`). Same
--- layout as queries.sql. Changes to jobs never happen here: they go through the JobStore
--- transitions in queries.sql, like the admin API's.
+-- Named read statements of the operator's CLI (`dramatiq-pg-broker jobs`). Same layout as
+-- queries.sql. Changes to jobs never happen here: they go through the JobStore transitions
+-- in queries.sql, like the admin API's; `stats` reads the per-queue count the admin API
+-- and its metrics read too (queries.sql count_by_queue).
 
 -- list_jobs --
 -- The newest jobs first, each filter applied only when given.
@@ -12,27 +13,3 @@ WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)
 ORDER BY created_at DESC, id DESC
 LIMIT %(limit)s
-
--- failed_job_ids --
--- The failed jobs (of one queue when given), oldest failure first: what
--- `jobs retry --all-failed` retries, one transition each.
-SELECT id
-FROM {schema}.jobs
-WHERE status = 'failed' AND finished_at IS NOT NULL
-  AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
-ORDER BY finished_at, id
-
--- queue_stats --
--- Per queue: runnable, running, delayed and failed jobs, and how long the oldest runnable
--- job has waited (seconds, by the server's clock). One pass over the table.
-SELECT queue_name,
-       count(*) FILTER (WHERE status = 'queued' AND available_at <= now()) AS queued,
-       count(*) FILTER (WHERE status = 'running') AS running,
-       count(*) FILTER (WHERE status = 'queued' AND available_at > now()) AS delayed,
-       count(*) FILTER (WHERE status = 'failed') AS failed,
-       extract(epoch FROM now() - min(available_at)
-               FILTER (WHERE status = 'queued' AND available_at <= now()))::float8
-           AS oldest_waiting_seconds
-FROM {schema}.jobs
-GROUP BY queue_name
-ORDER BY queue_name

@@ -62,7 +62,7 @@ LIMIT 1
 -- `broker.enqueue(message.copy(), delay=...)`): the row goes back to queued with the new
 -- message, queue, priority and delay. A running attempt loses its ownership, so its
 -- owner's outcome later matches nothing. The attempt already charged stays charged;
--- max_attempts grows if needed so that the next claim is allowed, as for a retry.
+-- max_attempts is the new message's (derived by the sender, as for a new job).
 -- Finished rows are never touched (the caller raises).
 WITH moved AS (
     UPDATE {schema}.jobs AS j
@@ -75,7 +75,7 @@ WITH moved AS (
         message_bytes = %(message_bytes)s,
         priority = %(priority)s,
         available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
-        max_attempts = greatest(%(max_attempts)s, j.attempts + 1),
+        max_attempts = %(max_attempts)s,
         -- A claim whose actor never started gives its attempt back.
         attempts = CASE WHEN j.status = 'running' AND NOT j.started THEN j.attempts - 1
                         ELSE j.attempts END,
@@ -94,7 +94,8 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 
 -- insert_jobs --
 -- Many messages in one statement (bulk enqueue), each with its `created` event; the arrays
--- are parallel, one element per message. As insert_job: an existing id or idempotency key
+-- are parallel, one element per message, each named as insert_job's parameter of the same
+-- field (jobs.py SEND_FIELDS). As insert_job: an existing id or idempotency key
 -- inserts nothing, and the rows that were inserted are returned with their position (from
 -- 1). All the rows get the same now(), so created_at is advanced by one microsecond per
 -- position: jobs of equal priority and availability are then claimed in the order sent.
@@ -104,10 +105,10 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 WITH given AS (
     SELECT *
     FROM unnest(
-        %(ids)s::uuid[], %(queue_names)s::text[], %(actor_names)s::text[],
-        %(messages)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
-        %(priorities)s::integer[], %(delays_ms)s::bigint[], %(max_attempts)s::integer[],
-        %(idempotency_keys)s::text[], %(idempotency_scopes)s::text[]
+        %(id)s::uuid[], %(queue_name)s::text[], %(actor_name)s::text[],
+        %(message)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
+        %(priority)s::integer[], %(delay_ms)s::bigint[], %(max_attempts)s::integer[],
+        %(idempotency_key)s::text[], %(idempotency_scope)s::text[]
     ) WITH ORDINALITY AS g (
         id, queue_name, actor_name, message, message_bytes, view_from_bytes, priority,
         delay_ms, max_attempts, idempotency_key, idempotency_scope, position
@@ -162,7 +163,8 @@ COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT 
 -- stage_jobs --
 -- A temporary table for a large bulk enqueue, filled with COPY (much cheaper than one huge
 -- statement's parameters), read by insert_staged_jobs, dropped at once after. Temporary
--- and dropped within the transaction, so it holds no session state (poolers work).
+-- and dropped within the transaction, so it holds no session state (poolers work). Its
+-- columns are the send's fields (jobs.py SEND_FIELDS), then the position in the batch.
 CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
     id text, queue_name text, actor_name text, message jsonb, message_bytes bytea,
     view_from_bytes boolean, priority integer, delay_ms bigint, max_attempts integer,
@@ -202,7 +204,8 @@ SELECT id FROM inserted
 DROP TABLE dramatiq_pg_broker_staged_jobs
 
 -- notify_queues --
--- Wake the consumers of several queues at once (after a bulk enqueue), at commit.
+-- Wake the consumers of several queues at once (after a bulk enqueue, an operator's retry, a
+-- release or a reaper run), at commit.
 SELECT pg_notify(channel, '') FROM unnest(%(channels)s::text[]) AS channel
 
 -- server_now --
@@ -395,8 +398,9 @@ SELECT id FROM done
 -- reschedule_job --
 -- running -> queued to run again after %(delay_ms)s (a retry with backoff). The attempt is
 -- charged as a failure. %(message)s / %(message_bytes)s replace the stored message when given (Dramatiq's
--- own Retries middleware re-enqueues the message with updated options). max_attempts grows
--- if a caller with its own retry policy asks for more attempts than the row allowed.
+-- own Retries middleware re-enqueues the message with updated options); %(max_attempts)s,
+-- when given, is the limit the sender derived for that message (it never denies the retry
+-- just scheduled, see messages.max_attempts_for).
 WITH moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
@@ -406,7 +410,7 @@ WITH moved AS (
         last_error = coalesce(%(error)s, j.last_error),
         message = CASE WHEN %(replace_message)s THEN %(message)s ELSE j.message END,
         message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE j.message_bytes END,
-        max_attempts = greatest(j.max_attempts, j.failures + 2),
+        max_attempts = coalesce(%(max_attempts)s::integer, j.max_attempts),
         failures = j.failures + 1,
         started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())
@@ -506,7 +510,8 @@ SELECT id FROM owned
 -- expired only once the server has been up for a whole lease (%(lease_ms)s): the owners of
 -- live attempts renew them, or write their outcomes, first.
 -- Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at once, each taking
--- different rows, and an idle run costs one index probe.
+-- different rows, and an idle run costs one index probe. The error of an expired lease
+-- begins with %(lease_expired)s (jobs.py LEASE_EXPIRED), which the monitoring looks for.
 WITH expired AS MATERIALIZED (
     SELECT id, locked_by, started
     FROM {schema}.jobs
@@ -540,10 +545,10 @@ WITH expired AS MATERIALIZED (
         last_error = CASE
             WHEN NOT expired.started THEN j.last_error
             WHEN j.interruptions + 1 >= %(max_interruptions)s
-            THEN 'lease expired: ' || expired.locked_by || ' stopped renewing attempt '
+            THEN %(lease_expired)s || ' ' || expired.locked_by || ' stopped renewing attempt '
                  || j.attempts || '; interrupted ' || (j.interruptions + 1)
                  || ' times (the limit): its worker died, hung or lost its lease each time'
-            ELSE 'lease expired: ' || expired.locked_by
+            ELSE %(lease_expired)s || ' ' || expired.locked_by
                  || ' stopped renewing attempt ' || j.attempts
         END,
         locked_by = NULL,
@@ -572,8 +577,29 @@ SELECT id, status, queue_name, started, actor_name, message, message_bytes, fail
 FROM moved
 
 -- retry_failed --
--- failed -> queued by an operator: attempts start again from zero, runnable at once.
-WITH moved AS (
+-- failed -> queued by an operator: attempts start again from zero, runnable at once. The
+-- jobs are %(ids)s or, without ids, up to %(limit)s failed jobs (of %(queue_name)s when
+-- given) that failed at or before %(failed_before)s, oldest failure first, after the
+-- (%(after_finished_at)s, %(after_id)s) the previous batch ended at: `jobs retry
+-- --all-failed` goes through every failed job in bounded batches, one statement and one
+-- commit each, reading jobs_finished_idx from where the last batch stopped, and never picks
+-- up a job that failed anew after it began. Rows are locked in the order picked (two
+-- operators never deadlock); a row another one retried meanwhile is left out. The caller
+-- wakes the queues returned.
+WITH picked AS (
+    SELECT id, finished_at
+    FROM {schema}.jobs
+    WHERE status = 'failed' AND finished_at IS NOT NULL
+      AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
+      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
+      AND (%(failed_before)s::timestamptz IS NULL OR finished_at <= %(failed_before)s)
+      AND (%(after_finished_at)s::timestamptz IS NULL
+           OR (finished_at >= %(after_finished_at)s
+               AND (finished_at, id) > (%(after_finished_at)s, %(after_id)s::uuid)))
+    ORDER BY finished_at, id
+    LIMIT %(limit)s
+    FOR UPDATE
+), moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
         attempts = 0,
@@ -583,13 +609,14 @@ WITH moved AS (
         available_at = coalesce(%(now)s::timestamptz, now()),
         finished_at = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
-    WHERE j.id = %(id)s AND j.status = 'failed'
-    RETURNING j.id, j.queue_name
+    FROM picked
+    WHERE j.id = picked.id
+    RETURNING j.id, j.queue_name, picked.finished_at
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'manual_retry', 0, %(by)s FROM moved
 )
-SELECT id, queue_name FROM moved
+SELECT id, queue_name, finished_at FROM moved
 
 -- cancel_job --
 -- queued -> cancelled by an operator. A running job cannot be cancelled (its worker owns it).
@@ -633,9 +660,44 @@ SELECT count(*)
 FROM {schema}.jobs
 WHERE queue_name = %(queue_name)s AND status = 'failed' AND finished_at >= %(since)s
 
--- notify_queue --
--- Wake the consumers of a queue (after an operator made a job runnable).
-SELECT pg_notify(%(channel)s, '')
+-- count_by_queue --
+-- Per queue: waiting jobs runnable now and delayed, running jobs, failed jobs, and how long
+-- the oldest runnable job has been runnable (seconds, by the server's clock; NULL when none
+-- is). Three aggregates, one per partial index, added up: each part's status is the
+-- predicate of a partial index (claim order, lease expiry, dead letters), so the succeeded
+-- rows of a big table are never read; the waiting jobs, usually the most numerous, are
+-- counted from the claim-order index alone (it holds queue_name and available_at). The
+-- CLI's stats, the admin API and its metrics all read this one count.
+WITH parts AS (
+    SELECT queue_name,
+           count(*) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
+               AS queued,
+           count(*) FILTER (WHERE available_at > coalesce(%(now)s::timestamptz, now()))
+               AS delayed,
+           0::bigint AS running,
+           0::bigint AS failed,
+           min(available_at) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
+               AS oldest_at
+    FROM {schema}.jobs
+    WHERE status = 'queued'
+    GROUP BY queue_name
+    UNION ALL
+    SELECT queue_name, 0, 0, count(*), 0, NULL
+    FROM {schema}.jobs
+    WHERE status = 'running'
+    GROUP BY queue_name
+    UNION ALL
+    SELECT queue_name, 0, 0, 0, count(*), NULL
+    FROM {schema}.jobs
+    WHERE status = 'failed'
+    GROUP BY queue_name
+)
+SELECT queue_name, sum(queued)::bigint, sum(delayed)::bigint, sum(running)::bigint,
+       sum(failed)::bigint,
+       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(oldest_at))::float8
+FROM parts
+GROUP BY queue_name
+ORDER BY queue_name
 
 -- flush_queue --
 -- Drop the waiting and running jobs of a queue (Dramatiq's flush); finished history stays.

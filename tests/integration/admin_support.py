@@ -98,6 +98,7 @@ class AdminEnv:
             "message_id": job_id,
             "message_timestamp": 0,
         }
+        fields.setdefault("max_attempts", self.settings.max_attempts)
         job = NewJob(id=job_id, queue_name=queue, actor_name=actor, message=message, **fields)
         assert self.store.enqueue(job).created
         return job_id

@@ -237,6 +237,60 @@ def test_create_defaults(env):
     assert job["idempotency_key"] is None
 
 
+def test_the_max_attempts_setting_gives_sends_and_created_jobs_one_default(
+    pg_url, schema, monkeypatch
+):
+    """DRAMATIQ_PG_MAX_ATTEMPTS sets the limit of an actor that sets no max_retries alike
+    for sends under the default middleware (its Retries retries that often) and for jobs
+    the admin API creates."""
+    import dramatiq
+
+    from dramatiq_pg_broker import PostgresBroker, Retries, Settings
+
+    monkeypatch.setenv("DRAMATIQ_PG_MAX_ATTEMPTS", "7")
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    api = AdminEnv(pg_url, schema, max_attempts=Settings.load().max_attempts)
+    try:
+        queue = unique()
+
+        @dramatiq.actor(broker=broker, queue_name=queue, actor_name="tests.limit")
+        def limit():
+            pass
+
+        [retries] = [m for m in broker.middleware if isinstance(m, Retries)]
+        assert retries.max_retries == 6
+        sent = broker.store.get(limit.send().message_id)
+        created = api.create_job(actor_name="tests.limit", queue_name=queue)
+        assert sent["max_attempts"] == created["max_attempts"] == 7
+        bulk = broker.enqueue_many([limit.message() for _ in range(3)])
+        assert {broker.store.get(m.message_id)["max_attempts"] for m in bulk} == {7}
+    finally:
+        broker.close()
+        api.close()
+
+
+def test_a_retries_middleware_given_its_own_max_retries_keeps_it(pg_url, schema, monkeypatch):
+    import dramatiq
+
+    from dramatiq_pg_broker import PostgresBroker, Retries
+
+    monkeypatch.setenv("DRAMATIQ_PG_MAX_ATTEMPTS", "7")
+    middleware = [
+        Retries(max_retries=3) if m is dramatiq.middleware.Retries else m()
+        for m in dramatiq.middleware.default_middleware
+    ]
+    broker = PostgresBroker(url=pg_url, schema=schema, middleware=middleware)
+    try:
+
+        @dramatiq.actor(broker=broker, queue_name=unique(), actor_name="tests.own_limit")
+        def own_limit():
+            pass
+
+        assert broker.store.get(own_limit.send().message_id)["max_attempts"] == 4
+    finally:
+        broker.close()
+
+
 def test_create_with_a_delay_or_a_time(env):
     before = dt.datetime.now(dt.timezone.utc)
     delayed = env.create_job(delay=60_000)
@@ -400,7 +454,13 @@ def test_detail_accepts_any_uuid_spelling(env):
 def test_binary_messages_are_opaque(env):
     job_id = str(uuid.uuid4())
     env.store.enqueue(
-        NewJob(id=job_id, queue_name="pickled", actor_name="a", message_bytes=b"\x80\x04pickle")
+        NewJob(
+            id=job_id,
+            queue_name="pickled",
+            actor_name="a",
+            message_bytes=b"\x80\x04pickle",
+            max_attempts=21,
+        )
     )
     job = env.get(f"/api/jobs/{job_id}").json
     assert job["message"] is None and job["message_encoding"] == "binary"

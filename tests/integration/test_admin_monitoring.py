@@ -4,6 +4,7 @@ checked against the table, and the sample alert rules against a real scrape."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from pathlib import Path
 
@@ -85,6 +86,30 @@ def test_queues_count_each_state_of_a_queue(env, pg_url, schema):
         name: {k: row[k] for k in ("queued", "delayed", "running", "failed")}
         for name, row in by_name.items()
     } == expected
+
+
+def test_the_cli_the_api_and_the_metrics_show_one_count_per_queue(env, pg_url, schema, capsys):
+    from dramatiq_pg_broker import cli
+
+    queue = "mon_one_count"
+    # A queue's claim takes its first runnable job: claim before adding the others.
+    env.failed(queue=queue)
+    env.running(queue=queue)
+    env.enqueue(queue=queue)
+    env.enqueue(queue=queue, delay_ms=3_600_000)
+    fields = ("queued", "delayed", "running", "failed")
+    expected = table_counts(pg_url, schema)[queue]
+    assert expected == {"queued": 1, "delayed": 1, "running": 1, "failed": 1}
+
+    store = env.store.queue_counts()[queue]
+    assert {k: getattr(store, k) for k in fields} == expected, "the job store's count"
+    monitor = Monitor(env.engine, schema).queues()[queue]
+    assert {k: getattr(monitor, k) for k in fields} == expected, "the dashboard's and metrics'"
+    assert cli.main(["--url", pg_url, "--schema", schema, "stats", "--json"]) == 0
+    rows = {row["queue_name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert {k: rows[queue][k] for k in fields} == expected, "the CLI's stats"
+    by_queue = env.get("/api/jobs/stats", "viewer").json["by_queue"][queue]
+    assert by_queue == {"queued": 2, "running": 1}, "the stats' per-queue counts"
 
 
 def test_oldest_waiting_age_counts_from_when_the_job_became_runnable(env):

@@ -176,7 +176,7 @@ def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
     consumer = broker.consume(h.queue, prefetch=2, timeout=1000)
     a, b = next(consumer), next(consumer)
     assert broker.ledger.start(a.attempt) and broker.ledger.start(b.attempt)
-    assert broker.reschedule(a, 60_000, "later")
+    assert broker.sender.reschedule(a, 60_000, "later")
     assert broker.ledger.settle(a.attempt, "complete") is False, "ack after a reschedule"
     assert broker.ledger.settle(b.attempt, "fail", "no") is True
     assert broker.ledger.settle(b.attempt, "complete") is False, "a second outcome"
@@ -410,7 +410,7 @@ def test_the_reaper_waits_a_lease_after_the_server_started(h, conn):
     # Claimed and started before the server (re)started; its lease ran out while it was
     # down, so its owner never had a chance to renew it.
     before = boot - dt.timedelta(seconds=10)
-    job = NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={})
+    job = NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}, max_attempts=21)
     broker.store.enqueue(job, now=before)
     (claimed,) = broker.store.claim(h.queue, 1, "owner", 1, now=before)
     attempt = Attempt(job_id, "owner", claimed.attempts)
@@ -466,7 +466,9 @@ def test_batch_statements_lock_rows_in_id_order(h, pg_url):
     ids = sorted(str(uuid.uuid4()) for _ in range(2))
     # Inserted highest id first, so that neither the heap nor the leases are in id order.
     for job_id in reversed(ids):
-        broker.store.enqueue(NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}))
+        broker.store.enqueue(
+            NewJob(id=job_id, queue_name=h.queue, actor_name="a", message={}, max_attempts=21)
+        )
     claimed = broker.store.claim(h.queue, 2, "w", 30)
     attempts = [Attempt(c.id, "w", c.attempts) for c in claimed]
     table = f'"{h.schema}".jobs'

@@ -125,7 +125,7 @@ def test_a_claim_that_finds_nothing_says_when_the_next_job_is_due(store, clock):
     empty = store.claim_or_wait(queue, 5, "B", LEASE, now=clock)
     assert empty.jobs == [] and empty.next_available_at is None
     store.enqueue(NewJob(id=str(uuid.uuid4()), queue_name=queue, actor_name="a",
-                         message={}, delay_ms=60_000), now=clock)  # fmt: skip
+                         message={}, delay_ms=60_000, max_attempts=21), now=clock)  # fmt: skip
     due = store.claim_or_wait(queue, 5, "B", LEASE, now=clock)
     assert due.jobs == [] and due.next_available_at is not None
     assert due.seconds_until_available == pytest.approx(

@@ -242,7 +242,9 @@ def test_concurrent_reapers_requeue_each_expired_job_exactly_once(pg_url, schema
     with psycopg.connect(pg_url, autocommit=True) as conn:
         for job_id in ids:
             store.enqueue(
-                NewJob(id=job_id, queue_name=queue_name, actor_name="a", message={}),
+                NewJob(
+                    id=job_id, queue_name=queue_name, actor_name="a", message={}, max_attempts=21
+                ),
                 conn=conn,
             )
         claimed = store.claim(queue_name, EXPIRED, "dead-worker", 1, conn=conn, now=clock)

@@ -4,6 +4,7 @@ and Dramatiq's stock Retries middleware kept by the user."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ from dramatiq.middleware import Retries as StockRetries
 
 from dramatiq_pg_broker import PostgresBroker, current_job
 from dramatiq_pg_broker import Retries as PgRetries
+from dramatiq_pg_broker.retries import RETRYING_LINE
 
 
 class Harness:
@@ -73,8 +75,26 @@ def of_type(events, kind):
     return [e for e in events if e["type"] == kind]
 
 
-def test_failures_are_rescheduled_with_doubling_backoff_then_fail(h):
+def deterministic(broker) -> PgRetries:
+    """The broker's Retries middleware, switched to the deterministic backoff."""
+    retries = next(m for m in broker.middleware if isinstance(m, PgRetries))
+    retries.jitter = False
+    return retries
+
+
+def logged_delays(caplog, message_id: str) -> list[int]:
+    """The delays Dramatiq's Retries logged for a message's retries, in order."""
+    return [
+        r.args[1]
+        for r in caplog.records
+        if r.msg == RETRYING_LINE and r.args and r.args[0] == message_id
+    ]
+
+
+def test_failures_are_rescheduled_with_doubling_backoff_then_fail(h, caplog):
+    caplog.set_level(logging.INFO)
     broker = h.broker()
+    deterministic(broker)
 
     @dramatiq.actor(
         broker=broker, queue_name=h.queue, max_retries=4, min_backoff=60, max_backoff=150
@@ -93,6 +113,9 @@ def test_failures_are_rescheduled_with_doubling_backoff_then_fail(h):
     events = broker.store.events_of(message.message_id)
     retries = of_type(events, "retry_scheduled")
     assert [e["data"]["delay_ms"] for e in retries] == [60, 120, 150, 150]
+    assert logged_delays(caplog, message.message_id) == [60, 120, 150, 150], (
+        "the log line states the delay the row waits"
+    )
     assert [e["attempt"] for e in retries] == [1, 2, 3, 4]
     assert all(e["data"]["error"] == "ValueError: nope" for e in retries)
     failed = of_type(events, "failed")
@@ -103,6 +126,51 @@ def test_failures_are_rescheduled_with_doubling_backoff_then_fail(h):
     gaps = [b - a for (_, a), (_, b) in zip(h.runs, h.runs[1:])]
     for gap, delay in zip(gaps, [60, 120, 150, 150]):
         assert gap >= delay / 1000 - 0.01, f"an attempt ran {gap:.3f}s after the last, < {delay}ms"
+
+
+def test_the_default_backoff_jitters_as_dramatiqs_and_the_log_states_the_delay(h, caplog):
+    caplog.set_level(logging.INFO)
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=2, min_backoff=100)
+    def fails_twice(n):
+        if current_job().attempt < 3:
+            raise ValueError("not yet")
+
+    messages = [fails_twice.send(n) for n in range(6)]
+    h.start(broker, threads=3)
+    broker.join(h.queue, timeout=30_000)
+    firsts = []
+    for message in messages:
+        retries = of_type(broker.store.events_of(message.message_id), "retry_scheduled")
+        delays = [e["data"]["delay_ms"] for e in retries]
+        assert logged_delays(caplog, message.message_id) == delays, (
+            "the log line states the delay the row waits"
+        )
+        # Dramatiq's backoff: min_backoff * 2 ** retries, stretched by 1 to 2.
+        assert len(delays) == 2 and 100 <= delays[0] < 200 and 200 <= delays[1] < 400, delays
+        assert broker.store.get(message.message_id)["status"] == "succeeded"
+        firsts.append(delays[0])
+    assert len(set(firsts)) > 1, f"six jobs failing together retry at one instant: {firsts}"
+
+
+def test_a_retry_policy_that_goes_past_max_retries_raises_the_rows_limit(h):
+    broker = h.broker(backoff_base_ms=10, backoff_max_ms=10)
+
+    @dramatiq.actor(
+        broker=broker, queue_name=h.queue, max_retries=1, retry_when=lambda retries, e: retries < 3
+    )
+    def stubborn():
+        h.record(current_job().attempt, broker.store.get(current_job().id)["max_attempts"])
+        raise ValueError("again")
+
+    message = stubborn.send()
+    h.start(broker)
+    broker.join(h.queue, timeout=20_000)
+    # Each retry the policy granted is within the row's limit when it runs.
+    assert h.runs == [(1, 2), (2, 2), (3, 3), (4, 4)]
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["failures"], row["max_attempts"]) == ("failed", 4, 4)
 
 
 def test_a_retry_that_succeeds_keeps_one_row(h, conn):

@@ -28,6 +28,7 @@ def test_a_batch_comes_back_in_claim_order(pg_url, schema):
                 actor_name="a",
                 message={"args": [], "kwargs": {}, "options": {}},
                 priority=priority,
+                max_attempts=21,
             ),
             now=base + dt.timedelta(seconds=seconds),
         )
@@ -55,6 +56,7 @@ def test_next_available_at_is_the_earliest_across_priorities(pg_url, schema):
                 message={"args": [], "kwargs": {}, "options": {}},
                 priority=priority,
                 delay_ms=delay_s * 1000,
+                max_attempts=21,
             ),
             now=now,
         )

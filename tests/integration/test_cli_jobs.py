@@ -41,7 +41,14 @@ def run(pg_url, schema, capsys):
 def enqueue(store, queue="mail", actor="send", *, delay_ms=0, now=None) -> str:
     job_id = str(uuid.uuid4())
     store.enqueue(
-        NewJob(job_id, queue, actor, message={"args": [1], "kwargs": {}}, delay_ms=delay_ms),
+        NewJob(
+            job_id,
+            queue,
+            actor,
+            message={"args": [1], "kwargs": {}},
+            delay_ms=delay_ms,
+            max_attempts=21,
+        ),
         now=now,
     )
     return job_id
@@ -126,6 +133,45 @@ def test_retry_all_failed_of_one_queue(store, run):
     assert store.get(other)["status"] == "failed"
     code, out, _ = run("jobs", "retry", "--all-failed", "--json")
     assert json.loads(out) == {"retried": [other], "skipped": []}
+
+
+def test_retrying_every_failed_job_goes_in_bounded_committed_batches(store, monkeypatch):
+    jobs = [failed_job(store, "mail") for _ in range(5)]
+    statements = []
+    fetch = store._fetch
+
+    def counted(name, *args, **kwargs):
+        statements.append(name)
+        return fetch(name, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_fetch", counted)
+    batches = store.retry_all_failed(queue_name="mail", by="test", batch=2)
+    first = next(batches)
+    assert len(first) == 2
+    assert {store.get(j)["status"] for j in first} == {"queued"}, "a batch commits at once"
+    # Both fail again while the run goes on: they are not retried a second time.
+    claimed = store.claim("mail", 10, "w", 30)
+    assert sorted(c.id for c in claimed) == sorted(first)
+    store.fail([Attempt(c.id, "w", c.attempts) for c in claimed], ["again"] * 2)
+    rest = [list(batch) for batch in batches]
+    assert [len(batch) for batch in rest] == [2, 1]
+    assert sorted(first + [i for batch in rest for i in batch]) == sorted(jobs)
+    assert {store.get(j)["status"] for j in first} == {"failed"}
+    assert statements.count("retry_failed") == 4, "one statement a batch, and one that is empty"
+
+
+def test_retry_all_failed_streams_its_batches(store, run, monkeypatch):
+    from dramatiq_pg_broker import cli_jobs
+
+    monkeypatch.setattr(cli_jobs, "RETRY_BATCH", 2)
+    jobs = [failed_job(store, q) for q in ("mail", "mail", "reports", "mail", "reports")]
+    code, out, _ = run("jobs", "retry", "--all-failed", "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert sorted(shown["retried"]) == sorted(jobs) and shown["skipped"] == []
+    assert {store.get(j)["status"] for j in jobs} == {"queued"}
+    code, out, _ = run("jobs", "retry", "--all-failed")
+    assert (code, out.strip()) == (0, "retried 0 failed job(s)")
 
 
 def test_stats_per_queue(store, run):

@@ -40,7 +40,7 @@ def test_a_message_for_an_undeclared_actor_is_dead_lettered(broker):
     )  # fmt: skip
     broker.store.enqueue(
         NewJob(id=job_id, queue_name=queue, actor_name=message.actor_name,
-               message=message.asdict())
+               message=message.asdict(), max_attempts=21)
     )  # fmt: skip
 
     broker.start_worker()
@@ -58,7 +58,13 @@ def test_a_message_that_cannot_be_decoded_is_dead_lettered(broker):
     job_id = str(uuid.uuid4())
     # Bytes that the JSON encoder in use cannot read.
     broker.store.enqueue(
-        NewJob(id=job_id, queue_name=queue, actor_name="known", message_bytes=b"\x80\x04garbage")
+        NewJob(
+            id=job_id,
+            queue_name=queue,
+            actor_name="known",
+            message_bytes=b"\x80\x04garbage",
+            max_attempts=21,
+        )
     )
 
     broker.start_worker()
@@ -74,7 +80,9 @@ def test_a_batch_of_failures_keeps_each_error_with_its_job(broker):
     ids = sorted(str(uuid.uuid4()) for _ in range(4))
     for job_id in ids:
         broker.store.enqueue(
-            NewJob(id=job_id, queue_name=queue, actor_name="a", message={"args": []})
+            NewJob(
+                id=job_id, queue_name=queue, actor_name="a", message={"args": []}, max_attempts=21
+            )
         )
     attempts = [
         Attempt(job.id, "owner", job.attempts) for job in broker.store.claim(queue, 4, "owner", 30)
@@ -100,7 +108,13 @@ def test_a_stored_message_with_an_eta_option_runs_instead_of_being_acked(broker)
     )  # fmt: skip
     # Written around enqueue (which strips eta), as another tool might.
     broker.store.enqueue(
-        NewJob(id=job_id, queue_name=queue, actor_name="eta_actor", message=message.asdict())
+        NewJob(
+            id=job_id,
+            queue_name=queue,
+            actor_name="eta_actor",
+            message=message.asdict(),
+            max_attempts=21,
+        )
     )
 
     broker.start_worker()

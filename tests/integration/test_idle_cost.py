@@ -115,7 +115,9 @@ def test_an_idle_claim_reports_when_the_earliest_lease_expires(pg_url, empty_sch
     try:
         assert store.claim_or_wait("idle_q", 5, "B", 30).lease_seconds_left == math.inf
         job_id = str(uuid.uuid4())
-        store.enqueue(NewJob(id=job_id, queue_name="busy_q", actor_name="a", message={}))
+        store.enqueue(
+            NewJob(id=job_id, queue_name="busy_q", actor_name="a", message={}, max_attempts=21)
+        )
         (claimed,) = store.claim("busy_q", 1, "A", 30)
         leased_until = store.get(job_id)["locked_until"]
         # Any queue's idle claim sees every running job's lease.
@@ -126,7 +128,7 @@ def test_an_idle_claim_reports_when_the_earliest_lease_expires(pg_url, empty_sch
             assert report.lease_seconds_left == pytest.approx(30 - seconds)
         # A claim that finds work reports nothing.
         store.enqueue(NewJob(id=str(uuid.uuid4()), queue_name="idle_q", actor_name="a",
-                             message={}))  # fmt: skip
+                             message={}, max_attempts=21))  # fmt: skip
         assert store.claim_or_wait("idle_q", 5, "B", 30).lease_seconds_left is None
     finally:
         store.pool.close()
@@ -153,7 +155,7 @@ def test_an_idle_worker_reaps_only_once_a_lease_has_expired(pg_url, schema, monk
             # second has run out by the server's clock soon after.
             job_id = str(uuid.uuid4())
             broker.store.enqueue(NewJob(id=job_id, queue_name="elsewhere", actor_name="a",
-                                        message={}))  # fmt: skip
+                                        message={}, max_attempts=21))  # fmt: skip
             assert broker.store.claim("elsewhere", 1, "dead-worker", 0.1), "nothing claimed"
             deadline = time.monotonic() + 10
             while broker.store.get(job_id)["status"] != "queued":

@@ -32,7 +32,7 @@ def make_job(store: JobStore, status: str, *, days_ago: float, queue: str = "q")
     transitions with an injected clock."""
     when = NOW - dt.timedelta(days=days_ago)
     job_id = str(uuid.uuid4())
-    store.enqueue(NewJob(job_id, queue, "act", message={"x": 1}), now=when)
+    store.enqueue(NewJob(job_id, queue, "act", message={"x": 1}, max_attempts=21), now=when)
     if status == "queued":
         return job_id
     if status == "cancelled":
@@ -170,6 +170,56 @@ def test_reclaimers_of_optional_modules_run_after_the_jobs(store, monkeypatch):
     assert calls == [(store.schema, 10)] * 3
     # fake_limits' missing table was skipped, not raised, and the run completed.
     assert report.complete
+
+
+class BrokenModuleFinder:
+    """Finds ``dramatiq_pg_broker.<name>``: a module that exists, but whose import fails
+    the way a bug or a missing dependency makes it fail."""
+
+    def __init__(self, name: str, error: ImportError) -> None:
+        self.fullname = f"dramatiq_pg_broker.{name}"
+        self.error = error
+
+    def find_spec(self, fullname, path=None, target=None):
+        import importlib.util
+
+        if fullname != self.fullname:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ImportError("cannot import name 'gone' from 'dramatiq_pg_broker.jobs'"),
+        ModuleNotFoundError("No module named 'some_dependency'", name="some_dependency"),
+    ],
+    ids=["broken import", "missing dependency"],
+)
+def test_an_import_error_inside_a_reclaimer_module_is_not_taken_for_a_missing_module(
+    store, monkeypatch, error
+):
+    """A reclaimer module that exists but cannot be imported stops the run with its error
+    (after the jobs were pruned), instead of silently ending the pruning of its table."""
+    import sys
+
+    from dramatiq_pg_broker import retention
+
+    monkeypatch.setattr(retention, "RECLAIMERS", ("broken_reclaimer", "not_installed_module"))
+    monkeypatch.setattr(
+        sys, "meta_path", [BrokenModuleFinder("broken_reclaimer", error)] + sys.meta_path
+    )
+    old = make_job(store, "succeeded", days_ago=30)
+    with pytest.raises(type(error)) as raised:
+        prune(store.pool, store.schema, RetentionPolicy(), batch=10, now=NOW, rest=False)
+    assert raised.value is error
+    assert count(store, "jobs", [old]) == 0, "the jobs were pruned before the reclaimers ran"
 
 
 def test_a_run_reclaims_expired_results_and_rate_limit_keys(store):

@@ -355,7 +355,7 @@ def test_a_large_batch_takes_the_injected_clock_and_stores_other_encoders_bytes(
 ):
     now = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
     jobs = [
-        broker.job_for(task.message_with_options(args=(n,), idempotency_key=f"clock-{n}"))[0]
+        broker.sender.job_for(task.message_with_options(args=(n,), idempotency_key=f"clock-{n}"))[0]
         for n in range(broker.store.BULK_COPY_MIN)
     ]
     jobs[0].message = {"shown": "\ufffd"}  # a display-safe view given by the sender

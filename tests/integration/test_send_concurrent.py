@@ -64,7 +64,7 @@ class HeldWrite:
         self.waiting = waiting
         self.release = threading.Event()
         self.writes: list[int] = []
-        group = broker._group
+        group = self.group = broker.sender._group.get()
         write = group._write
 
         def held(items):
@@ -76,8 +76,7 @@ class HeldWrite:
         group._write = held
 
     def queued(self) -> int:
-        with self.broker._group._cond:
-            return len(self.broker._group._open["items"])
+        return self.group.waiting
 
 
 def send_from_threads(count: int, send) -> list:
@@ -152,8 +151,8 @@ def test_a_row_the_server_refuses_fails_only_its_own_send(broker, task, queue, s
         if i == 0:
             # A queue name the jobs table refuses (empty), past the broker's own checks.
             message = task.message(0).copy(queue_name="")
-            job, _ = broker.job_for(message)
-            return broker._send(job, True)
+            job, _ = broker.sender.job_for(message)
+            return broker.sender._send_alone(job, True)
         return task.send(i)
 
     held = HeldWrite(broker, THREADS - 1)
@@ -184,8 +183,8 @@ def flush_setting_after_insert(broker, job) -> str:
 def test_a_non_durable_send_turns_the_flush_wait_off_for_its_own_commit_only(broker, task, pg_url):
     with psycopg.connect(pg_url, autocommit=True) as c:
         default = c.execute("SHOW synchronous_commit").fetchone()[0]
-    durable, _ = broker.job_for(task.message(1))
-    fast, _ = broker.job_for(task.message_with_options(args=(2,), durable=False))
+    durable, _ = broker.sender.job_for(task.message(1))
+    fast, _ = broker.sender.job_for(task.message_with_options(args=(2,), durable=False))
     assert durable.durable and not fast.durable
     assert flush_setting_after_insert(broker, durable) == default
     assert flush_setting_after_insert(broker, fast) == "off"
@@ -202,8 +201,8 @@ def test_the_setting_makes_sends_non_durable_and_the_option_wins(pg_url, schema,
         def fast(n):
             pass
 
-        assert not broker.job_for(fast.message(1))[0].durable
-        assert broker.job_for(fast.message_with_options(args=(1,), durable=True))[0].durable
+        assert not broker.sender.job_for(fast.message(1))[0].durable
+        assert broker.sender.job_for(fast.message_with_options(args=(1,), durable=True))[0].durable
         jobs = broker.enqueue_many([fast.message(n) for n in range(3)])
         assert len(jobs) == 3
         sent = fast.send(5)

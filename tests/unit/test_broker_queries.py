@@ -104,3 +104,21 @@ def test_channel_names_fit_postgres_identifier_limit():
     long_b = channel_name("dramatiq", "q" * 79 + "r")
     assert len(long_a.encode()) <= 63 and len(long_b.encode()) <= 63
     assert long_a != long_b, "two long queue names share one channel"
+
+
+def test_every_form_of_a_send_lists_the_send_fields_in_one_order():
+    """The parameters of insert_job, the arrays of insert_jobs and the staging table all
+    follow jobs.SEND_FIELDS, the one definition send_values() fills."""
+    from dramatiq_pg_broker.jobs import SEND_FIELDS, NewJob, send_values
+
+    names = [name for name, _ in SEND_FIELDS]
+    queries = load_queries()
+    arrays = re.findall(r"%\((\w+)\)s::\w+\[\]", queries["insert_jobs"].split("WITH ORDINALITY")[0])
+    assert arrays == names, "insert_jobs' arrays"
+    staged = re.findall(r"(\w+) \w+(?:,|\n|\))", queries["stage_jobs"].split("(", 1)[1])
+    assert staged == [*names, "position"], "the staging table's columns"
+    single = set(re.findall(r"%\((\w+)\)s", queries["insert_job"]))
+    assert set(names) <= single, "insert_job's parameters"
+    job = NewJob("00000000-0000-0000-0000-000000000001", "q", "a", max_attempts=3, delay_ms=-5)
+    values = dict(zip(names, send_values(job)))
+    assert (values["max_attempts"], values["delay_ms"], values["message"]) == (3, 0, None)

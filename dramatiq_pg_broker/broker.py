@@ -124,8 +124,9 @@ class PostgresBroker(dramatiq.Broker):
             first = type(self.middleware[0]) if self.middleware else None
             self.add_middleware(JobContext(), before=first)
         self.schedules: list[Schedule] = []
-        # A worker claims nothing before the schema handshake passes (see SchemaGate).
-        self.add_middleware(SchemaGate())
+        #: A worker claims nothing before the schema handshake passes (see SchemaGate).
+        self.schema_gate = SchemaGate()
+        self.add_middleware(self.schema_gate)
         self.periodic = Periodic()
         self.add_middleware(self.periodic)
 

@@ -126,6 +126,10 @@ class PostgresConsumer(Consumer):
         if self._buffer:
             return self._buffer.popleft()
         deadline = time.monotonic() + self.timeout
+        if not self.broker.schema_gate.is_open:
+            # The worker's schema handshake has not passed (handshake.SchemaGate).
+            self.broker.schema_gate.wait(self.timeout)
+            return None
         while True:
             if self.ledger.closing:
                 # Shutdown began: claim nothing more; Dramatiq stops this consumer soon.

@@ -27,10 +27,9 @@ of process does with a refusal:
 - a worker (:class:`SchemaGate`): checks when it boots, before it claims anything. While
   migrations are pending it says so once and checks again every :data:`WAIT_SECONDS`, then
   says that it proceeds; code the schema no longer admits logs one line and exits with
-  status :data:`EXIT_CODE_TOO_OLD`, which stops the ``dramatiq`` command. The wait holds
-  the boot itself, so that no middleware's boot hook, consumer, heartbeat or scheduler
-  touches the schema first; the ``dramatiq`` command shows a booting worker's log lines
-  once it booted or its ``--worker-fork-timeout`` (30 s) passed;
+  status :data:`EXIT_CODE_TOO_OLD`, which stops the ``dramatiq`` command. The boot does
+  not wait for it (beyond :data:`BOOT_WAIT_SECONDS`), so that the worker's log lines reach
+  the ``dramatiq`` command at once; its consumers, reaper and scheduler wait instead;
 - the CLI: ``error: <the line>`` and exit status 2 (``migrate`` and ``status`` report
   instead of refusing);
 - the admin API: a 503 with the line, for every request until the schema fits.
@@ -50,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import signal
+import os
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,6 +73,9 @@ WAIT_SECONDS = 5.0
 #: Seconds between two tries of a booting worker that cannot reach the database (each try
 #: also waits up to the pool's timeout for a connection).
 UNREACHABLE_RETRY_SECONDS = 0.5
+#: Longest a worker's boot waits for the handshake; after it the boot goes on with the gate
+#: closed (see :class:`SchemaGate`).
+BOOT_WAIT_SECONDS = 1.0
 #: The exit status of a worker process whose code the schema no longer admits: the
 #: ``dramatiq`` command's own status for a broker that cannot be used at start.
 EXIT_CODE_TOO_OLD = 3
@@ -268,30 +270,88 @@ def check(conn: psycopg.Connection, schema: str, code: Code | None = None) -> Sc
 
 
 class SchemaGate(Middleware):
-    """Holds a worker's boot until this code fits the schema (see the module docstring).
+    """Keeps a worker from claiming until this code fits the schema (see the module
+    docstring).
 
-    :class:`~dramatiq_pg_broker.PostgresBroker` installs it ahead of every other middleware,
-    so no consumer, heartbeat or scheduler starts before the handshake passes. While it
-    waits, a SIGTERM or SIGHUP (the ``dramatiq`` command's stop and reload) ends the
-    process at once with status 0: it holds no job.
+    :class:`~dramatiq_pg_broker.PostgresBroker` installs it. When a worker boots, the gate
+    closes and a thread of its own runs the handshake: while migrations are pending it says
+    so once and checks again every :data:`WAIT_SECONDS`; while the database cannot be
+    reached it says so once (the process's outage lines tell the rest) and tries again;
+    once the schema fits it opens. The boot itself waits at most
+    :data:`BOOT_WAIT_SECONDS` for it, so that a worker whose database is down or behind
+    boots at once and its log lines reach the ``dramatiq`` command (which shows a booting
+    worker's lines only once it booted or its ``--worker-fork-timeout`` passed). What
+    touches the schema in a worker waits for the gate: the consumers claim nothing, the
+    reaper reaps nothing, the scheduler starts nothing. Code the schema no longer admits
+    logs one line and ends the process with status :data:`EXIT_CODE_TOO_OLD`, which stops
+    the ``dramatiq`` command: during the boot by raising ``SystemExit``, afterwards (the
+    database came back with a newer schema) with ``os._exit``, since the process holds no
+    job while the gate is closed.
+
+    A broker whose workers never boot (a sender, or a test that consumes directly) keeps the
+    gate open: the handshake then happens at the pool's first connection.
     """
 
-    def before_worker_boot(self, broker: PostgresBroker, worker) -> None:
-        stop = threading.Event()
-        restore = _stop_on_signals(stop)
-        try:
-            self._wait(broker, stop)
-        finally:
-            restore()
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._booting = False
+        self._fatal = False
 
-    def _wait(self, broker: PostgresBroker, stop: threading.Event) -> None:
+    @property
+    def is_open(self) -> bool:
+        """Whether this process may touch the schema (no worker boot waits for it)."""
+        return self._open.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the gate to open; whether it is open."""
+        return self._open.wait(timeout)
+
+    def before_worker_boot(self, broker: PostgresBroker, worker) -> None:
+        self._open.clear()
+        self._stop.clear()
+        with self._lock:
+            self._booting = True
+            self._fatal = False
+        watcher = threading.Thread(
+            target=self._watch, args=(broker,), name="dramatiq-pg-schema-gate", daemon=True
+        )
+        watcher.start()
+        watcher.join(BOOT_WAIT_SECONDS)
+        with self._lock:
+            self._booting = False
+            fatal = self._fatal
+        if fatal:
+            raise SystemExit(EXIT_CODE_TOO_OLD)
+
+    def before_worker_shutdown(self, broker: PostgresBroker, worker) -> None:
+        self._stop.set()
+
+    def _watch(self, broker: PostgresBroker) -> None:
+        try:
+            passed = self._wait(broker)
+        except CodeTooOld as e:
+            logger.critical("This worker cannot use the database: %s.", e)
+            with self._lock:
+                self._fatal = True
+                booting = self._booting
+            if not booting:
+                # After the boot: nothing in this process holds a job (the gate was
+                # closed), and only the process's exit status stops the dramatiq command.
+                logging.shutdown()
+                os._exit(EXIT_CODE_TOO_OLD)
+            return
+        if passed:
+            self._open.set()
+
+    def _wait(self, broker: PostgresBroker) -> bool:
+        """Check until the schema fits (True) or the worker stops (False)."""
         said: str | None = None
         while True:
             try:
                 broker.pool.check_schema()
-            except CodeTooOld as e:
-                logger.critical("This worker cannot use the database: %s.", e)
-                raise SystemExit(EXIT_CODE_TOO_OLD) from None
             except MigrationsPending as e:
                 if said != "migration":
                     logger.warning(
@@ -316,35 +376,7 @@ class SchemaGate(Middleware):
                     logger.info(
                         "The schema fits %s now: this worker proceeds.", this_code().describe()
                     )
-                return
-            if stop.wait(delay):
+                return True
+            if self._stop.wait(delay):
                 logger.info("Stopped while waiting for the schema.")
-                raise SystemExit(0)
-
-
-def _stop_on_signals(stop: threading.Event):
-    """Set ``stop`` on SIGTERM or SIGHUP, besides what their handlers do (the ``dramatiq``
-    command's handler only marks the process as stopping, which a worker still booting
-    would not see); returns what restores the handlers. Only the main thread can."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous: dict[int, object] = {}
-
-    def handler(signum, frame):
-        before = previous.get(signum)
-        if before is signal.SIG_IGN:
-            return
-        stop.set()
-        if callable(before):
-            before(signum, frame)
-
-    for name in ("SIGTERM", "SIGHUP"):
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            previous[signum] = signal.signal(signum, handler)
-
-    def restore() -> None:
-        for signum, before in previous.items():
-            signal.signal(signum, before)
-
-    return restore
+                return False

@@ -129,7 +129,9 @@ class LeaseKeeper(Service):
                     # Unreachable: try again soon, so that leases are renewed within a
                     # moment of the server's return.
                     next_heartbeat = now + min(heartbeat, RETRY_CAP_SECONDS)
-            if now >= next_reap:
+            if now >= next_reap and self.broker.schema_gate.is_open:
+                # (A worker whose schema handshake has not passed reaps nothing: see
+                # handshake.SchemaGate. Renewals and starts concern claims it made after.)
                 self._guard(self.reap)
                 next_reap = now + reaper
             wake_at = min(next_heartbeat, next_reap, next_starts or next_reap)

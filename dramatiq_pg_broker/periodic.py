@@ -564,6 +564,11 @@ class Periodic(Middleware):
 
     @staticmethod
     def _start(scheduler: Scheduler) -> None:
+        gate = scheduler.broker.schema_gate
+        # Nothing is written before the worker's schema handshake passed.
+        while not gate.wait(1.0):
+            if scheduler.stopped:
+                return
         try:
             scheduler.start()
         except Exception:

@@ -4,7 +4,9 @@ from .broker import JobFailed, PostgresBroker
 from .config import Settings
 from .current import CurrentJob, current_job
 from .errors import (
+    AmbiguousJobId,
     ConfigurationError,
+    InvalidJobId,
     InvalidMessage,
     InvalidTransition,
     JobAlreadyFinished,
@@ -21,9 +23,11 @@ from .retention import RetentionPolicy
 from .retries import Retries
 
 __all__ = [
+    "AmbiguousJobId",
     "Attempt",
     "ConfigurationError",
     "CurrentJob",
+    "InvalidJobId",
     "InvalidMessage",
     "InvalidTransition",
     "JobAlreadyFinished",

@@ -48,4 +48,6 @@ __all__ = [
     "periodic",
 ]
 
-__version__ = "0.1.0"
+#: The package version, in one place: setup.cfg reads it (``attr:``), and so do the admin
+#: API's OpenAPI document and ``dramatiq-pg-broker --version``.
+__version__ = "0.2.0.dev0"

@@ -86,7 +86,11 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
         return 0
 
     parser = sub.add_parser("embedded", help="the local PostgreSQL used without DRAMATIQ_PG_URL")
-    parser.add_argument("action", choices=["url", "stop"])
+    parser.add_argument(
+        "action",
+        choices=["url", "stop"],
+        help="url: print its URL, starting it if it is not running; stop: stop it",
+    )
     parser.set_defaults(func=run_embedded)
 
 

@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium, against the admin API under gunicorn and a
 real dramatiq worker: what an operator, a viewer and a member see and can do.
 
-Set ``DASHBOARD_SCREENSHOTS`` to a folder to save the README's screenshots on the way.
+Set ``DASHBOARD_SCREENSHOTS`` to a folder (``docs/images``) to save the docs' screenshots on
+the way.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def log_in(driver, stack, role: str, path: str = "/dashboard") -> None:
 
 
 def screenshot(driver, name: str) -> None:
-    """Save a screenshot for the README, in 64 colours (a tenth of the size)."""
+    """Save a screenshot for the docs, in 64 colours (a tenth of the size)."""
     folder = os.environ.get("DASHBOARD_SCREENSHOTS")
     if not folder:
         return

@@ -8,6 +8,7 @@ it. A deployment always names its own server: nothing here runs when a URL is se
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -52,7 +53,7 @@ def embedded_url() -> str:
     with _lock:
         if _url is None:
             try:
-                pgserver = _import_pgserver()
+                pgserver = import_pgserver()
             except ImportError:
                 raise ConfigurationError(
                     "no database configured: set DRAMATIQ_PG_URL, or install the embedded "
@@ -73,8 +74,9 @@ def embedded_url() -> str:
         return _url
 
 
-def _import_pgserver():
-    """Import pgserver with its lock file beside the data directory.
+def import_pgserver():
+    """Import pgserver with its lock file beside the data directory (every import of
+    pgserver in this package and its tests goes through here).
 
     pgserver keeps an inter-process lock in the user's runtime folder, which is
     ``/tmp/runtime-<uid>`` where ``XDG_RUNTIME_DIR`` is unset (containers, CI): a folder left
@@ -84,6 +86,8 @@ def _import_pgserver():
     pgserver reads the variable once, at import. Otherwise pgserver may need the runtime
     folder for the socket, and it is left where pgserver puts it.
     """
+    if importlib.util.find_spec("pgserver") is None:
+        raise ImportError("pgserver is not installed")
     if "pgserver" in sys.modules or os.environ.get("XDG_RUNTIME_DIR"):
         import pgserver
 
@@ -109,7 +113,7 @@ def stop() -> bool:
     path = data_dir()
     if not (path / "postmaster.pid").exists():
         return False
-    pgserver = _import_pgserver()
+    pgserver = import_pgserver()
 
     with _lock:
         pgserver.get_server(path, cleanup_mode="stop").cleanup()

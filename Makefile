@@ -1,6 +1,7 @@
 # Everything installs into .venv from the package registries; only Python 3.10+ and make
 # are needed. Without DRAMATIQ_PG_URL (demo) or DRAMATIQ_PG_TEST_URL (tests), a local
-# PostgreSQL from the pgserver package is started and reused.
+# PostgreSQL from the pgserver package is started and reused; it keeps running until
+# `make stop`.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,19 +9,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.demo-stamp
 
-.PHONY: install lint format test test-fast demo bench clean
+.PHONY: install lint format test test-fast demo stop docs dist bench clean
 
+# pip prints what it collects and installs: the first install takes a minute or two.
 $(STAMP): setup.cfg pyproject.toml
+	@echo "Installing the package and its dev extra into $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[dev]'
 	touch $(STAMP)
 
 # The demo needs the broker, the admin API and the local PostgreSQL, not the test tools.
 $(DEMO_STAMP): setup.cfg pyproject.toml
+	@echo "Installing the package and its demo extra into $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	$(BIN)/python -m pip install --progress-bar off -e '.[demo]'
 	touch $(DEMO_STAMP)
 
 install: $(STAMP)
@@ -33,9 +37,10 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-## The test command: lint, then every test against real PostgreSQL.
+## The test command: lint, then every test against real PostgreSQL. Each test's name is
+## printed as it starts (-v), so a long end-to-end test is never minutes of silence.
 test: lint
-	$(BIN)/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
 
 ## Unit and integration tests only (no real worker processes).
 test-fast: $(STAMP)
@@ -45,9 +50,25 @@ test-fast: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m demo_actors.run $(DEMO_ARGS)
 
+## Stop the embedded PostgreSQL that the demo and the tests start without a database URL.
+stop:
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m dramatiq_pg_broker embedded stop; \
+	else echo "no $(VENV): nothing was started"; fi
+
+## The documentation site, in docs/_build/html; a warning fails the build.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html -q docs docs/_build/html
+	@echo "docs: file://$(CURDIR)/docs/_build/html/index.html"
+
+## The release files, in dist/: an sdist and a wheel, checked by twine.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
 ## Side-by-side benchmarks against Dramatiq's Redis and RabbitMQ brokers.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache docs/_build

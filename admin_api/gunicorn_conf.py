@@ -22,11 +22,11 @@ threads. 50 slow or idle clients then leave threads free for ``/api/health`` and
 everything else. Past about 60 such clients on one process they would block it again:
 on any network you do not trust, put a buffering reverse proxy (nginx, HAProxy, a cloud
 load balancer) in front, which reads each request whole, with its own header timeout,
-before it reaches gunicorn (see the README).
+before it reaches gunicorn (see the deployment guide in the docs).
 
-Errors gunicorn answers itself, before the app (a request line over 8190 bytes: 414;
-too many or too large header fields: 431; a malformed request: 400), are JSON in the API's
-error shape, like every other error.
+Errors gunicorn answers itself, before the app (a request line over 4094 bytes: 414;
+more than 100 header fields or one over 8190 bytes: 431; a malformed request: 400), are
+JSON in the API's error shape, like every other error.
 """
 
 from __future__ import annotations

@@ -230,7 +230,10 @@ _SCHEMAS: dict[str, Any] = {
             "detail": {"type": "string"},
         },
     },
-    "Settings": {"type": "object", "description": "Settings without secrets (see README)."},
+    "Settings": {
+        "type": "object",
+        "description": "Settings without secrets (see the settings reference).",
+    },
     "User": {
         "type": "object",
         "properties": {

@@ -410,7 +410,7 @@ def group_drain(
     """Time ``processes`` worker processes x ``threads`` draining ``count`` queued messages,
     directly or, with ``pool_size``, through a PgBouncer in transaction mode started for
     this step (``pool_size`` server connections; the workers in ``listen=False`` mode
-    without prepared statements, as the README says).
+    without prepared statements, as the deployment guide says).
 
     The messages are loaded once every process has booted, runnable
     :data:`GROUP_START_DELAY` seconds later, so that the processes start together. The

@@ -237,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                 break
             time.sleep(2)
         print_table(rows)
+        if rows:
+            failed = [r for r in rows if r[2] == "failed"] or rows
+            command = os.path.relpath(Path(sys.executable).parent / "dramatiq-pg-broker")
+            print(
+                f"\n  {command} jobs show {str(failed[0][0])[:8]}   (a job's row and timeline: "
+                "the first 8 characters of its id are enough)"
+            )
         print(f"\n{schedule_line(url, settings.schema)}")
         print("  (dramatiq-pg-broker schedules lists every schedule; jobs list --actor demo.tick)")
         wrong = [r for r in rows if EXPECTED.get(r[1]) != r[2]]
@@ -255,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         stop(processes)
+        if not settings.url:
+            print(
+                "the embedded PostgreSQL keeps running for the next demo or test run; "
+                "make stop (or dramatiq-pg-broker embedded stop) stops it"
+            )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ from .broker import JobFailed, PostgresBroker
 from .config import Settings
 from .current import CurrentJob, current_job
 from .errors import (
+    AmbiguousJobId,
     CodeTooOld,
     ConfigurationError,
+    InvalidJobId,
     InvalidMessage,
     InvalidTransition,
     JobAlreadyFinished,
@@ -24,10 +26,12 @@ from .retention import RetentionPolicy
 from .retries import Retries
 
 __all__ = [
+    "AmbiguousJobId",
     "Attempt",
     "CodeTooOld",
     "ConfigurationError",
     "CurrentJob",
+    "InvalidJobId",
     "InvalidMessage",
     "InvalidTransition",
     "JobAlreadyFinished",
@@ -50,4 +54,6 @@ __all__ = [
     "periodic",
 ]
 
-__version__ = "0.1.0"
+#: The package version, in one place: setup.cfg reads it (``attr:``), and so do the admin
+#: API's OpenAPI document and ``dramatiq-pg-broker --version``.
+__version__ = "0.2.0.dev0"

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import psycopg
 
+from . import __version__
 from .config import Settings
 from .errors import PgBrokerError
 
@@ -183,7 +185,11 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
         return 0
 
     parser = sub.add_parser("embedded", help="the local PostgreSQL used without DRAMATIQ_PG_URL")
-    parser.add_argument("action", choices=["url", "stop"])
+    parser.add_argument(
+        "action",
+        choices=["url", "stop"],
+        help="url: print its URL, starting it if it is not running; stop: stop it",
+    )
     parser.set_defaults(func=run_embedded)
 
 
@@ -226,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--url", help="database URL (default: DRAMATIQ_PG_URL, else embedded)")
     parser.add_argument("--schema", help="schema name (default: DRAMATIQ_PG_SCHEMA or dramatiq)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,6 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # The reader went away (`... | head`): not an error of ours. Python's own advice:
+        # point stdout at devnull so that the interpreter's final flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except PgBrokerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,16 +13,19 @@ import argparse
 import datetime as dt
 import getpass
 import json
+import sys
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .config import Settings
 from .db import ProcessPool, Queries
-from .errors import PgBrokerError
+from .errors import AmbiguousJobId, PgBrokerError
 from .jobs import JobStore
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+#: How every command that takes a job id describes it.
+ID_HELP = "the job's id, or at least its first 8 hex characters (a unique prefix)"
 
 #: Failed jobs ``jobs retry --all-failed`` retries per statement (and commit).
 RETRY_BATCH = 1000
@@ -100,13 +103,6 @@ def one_line(text: str | None, width: int = 60) -> str:
 # -- plumbing -----------------------------------------------------------------------------
 
 
-def job_id(value: str) -> str:
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise BadArgument(f"{value!r} is not a job id (a UUID)") from None
-
-
 def positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -145,10 +141,29 @@ def command(fn):
         ctx = Context(args)
         try:
             return fn(ctx, args)
+        except AmbiguousJobId as e:
+            print_candidates(e)
+            return 2
         finally:
             ctx.close()
 
     return run
+
+
+def print_candidates(error: AmbiguousJobId) -> None:
+    """The one-line error, then the jobs an ambiguous prefix matches (as git lists the
+    objects an ambiguous short hash names), all on stderr."""
+    now = dt.datetime.now(dt.timezone.utc)
+    rows = [
+        [c["id"], c["queue_name"], c["actor_name"], c["status"], relative(c["created_at"], now)]
+        for c in error.candidates
+    ]
+    lines = table(["ID", "QUEUE", "ACTOR", "STATUS", "CREATED"], rows).splitlines()
+    print(f"error: {error}", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    if error.more:
+        print("  ...", file=sys.stderr)
 
 
 def operator_name() -> str:
@@ -196,7 +211,7 @@ def run_jobs_list(ctx: Context, args) -> int:
 
 @command
 def run_jobs_show(ctx: Context, args) -> int:
-    job = ctx.store.get(job_id(args.id))
+    job = ctx.store.get(ctx.store.resolve_id(args.id))
     events = ctx.store.events_of(job["id"])
     if args.json:
         job.pop("message_bytes", None)
@@ -266,14 +281,14 @@ def run_jobs_retry(ctx: Context, args) -> int:
             where = f" of queue {args.queue!r}" if args.queue else ""
             print(f"retried {retried} failed job(s){where}")
         return 0
-    job = ctx.store.retry_failed(job_id(args.id), by=by)
+    job = ctx.store.retry_failed(ctx.store.resolve_id(args.id), by=by)
     print(to_json(job) if args.json else f"job {job['id']} is {job['status']} again")
     return 0
 
 
 @command
 def run_jobs_cancel(ctx: Context, args) -> int:
-    job = ctx.store.cancel(job_id(args.id), by=operator_name())
+    job = ctx.store.cancel(ctx.store.resolve_id(args.id), by=operator_name())
     print(to_json(job) if args.json else f"job {job['id']} is {job['status']}")
     return 0
 
@@ -407,20 +422,20 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     listing.set_defaults(func=run_jobs_list)
 
     show = jobs_sub.add_parser("show", help="a job's row and its timeline")
-    show.add_argument("id")
+    show.add_argument("id", help=ID_HELP)
     _json_flag(show)
     show.set_defaults(func=run_jobs_show)
 
     retry = jobs_sub.add_parser("retry", help="put failed jobs back in their queue")
     which = retry.add_mutually_exclusive_group(required=True)
-    which.add_argument("id", nargs="?")
+    which.add_argument("id", nargs="?", help=ID_HELP)
     which.add_argument("--all-failed", action="store_true", help="every failed job")
     retry.add_argument("--queue", help="with --all-failed: only this queue's")
     _json_flag(retry)
     retry.set_defaults(func=run_jobs_retry)
 
     cancel = jobs_sub.add_parser("cancel", help="cancel a queued job")
-    cancel.add_argument("id")
+    cancel.add_argument("id", help=ID_HELP)
     _json_flag(cancel)
     cancel.set_defaults(func=run_jobs_cancel)
 

@@ -25,112 +25,241 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+#: The groups settings are listed in, in order (the docs' settings reference has one table
+#: per group).
+GROUPS = (
+    "Database",
+    "Workers",
+    "Retries and recovery",
+    "Sending",
+    "Periodic jobs and retention",
+    "Admin API",
+    "Logging",
+)
+
+
+def _setting(default: Any, doc: str, *, group: str, shown: str | None = None, **kwargs: Any):
+    """A settings field that carries its own documentation.
+
+    Parameters:
+      default: the default value.
+      doc(str): what the setting does, in a sentence or two (MyST Markdown: backticks for
+        code). The docs' settings table is generated from it.
+      group(str): one of :data:`GROUPS`.
+      shown(str): the default as the docs show it, when the value alone would not say it
+        (None meaning "a third of the lease", say).
+    """
+    assert group in GROUPS, group
+    metadata = {"doc": doc, "group": group, "default": shown}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Every knob of the broker, the workers and the admin API.
+    """Every knob of the broker, the workers, the CLI and the admin API.
 
-    Attributes:
-      url(str): libpq connection URL. None means "start the embedded PostgreSQL" where the
-        caller allows it (the demo and the tests); a deployment always names its server.
-      schema(str): schema holding the tables. Defaults to ``dramatiq``.
-      lease_seconds(float): how long a claim is valid without renewal.
-      heartbeat_seconds(float): how often outstanding leases are renewed; None means a
-        third of the lease.
-      poll_interval(float): the longest an idle consumer waits before looking again, even
-        without a notification.
-      listen(bool): wake idle consumers with LISTEN/NOTIFY. Turn it off behind PgBouncer in
-        transaction mode; polling then does all the work.
-      prepared_statements(bool): let psycopg prepare the statements a connection runs
-        often (the default). Turn it off behind PgBouncer in transaction mode (before 1.21,
-        or without its ``max_prepared_statements``): a prepared statement lives in one
-        server session, and the pooler hands each transaction to any session.
-      events(bool): write job events (the audit trail). On by default.
-      reaper_interval(float): seconds between two runs of the expired-lease reaper in each
-        worker process. A run is skipped while the process's last empty claims report that
-        no lease can have expired yet (see :mod:`.leases`).
-      reaper_batch(int): the most rows one reaper run touches.
-      backoff_base_ms(int): the first retry delay; doubles at every attempt.
-      backoff_max_ms(int): the longest retry delay.
-      max_attempts(int): attempts of a job whose actor sets no ``max_retries``
-        (``max_retries + 1``).
-      pool_min_size(int), pool_max_size(int): the per-process connection pool bounds.
-      pool_timeout(float): the longest a caller (a ``send()``, say) waits for a pooled
-        connection before it gets a connection error; while the server is unreachable the
-        pool tries to reconnect at least twice a second.
-      max_interruptions(int): how often a job's attempts may be interrupted (its worker
-        died, hung or lost its lease) before the reaper fails it. Interruptions are not
-        failures: ``max_retries`` does not count them.
-      prefetch_growth(int): how far a consumer's claim window may grow beyond the
-        prefetch Dramatiq gives it, as a multiple (1: never). It grows only while claims
-        come back full and find the workers out of work (short jobs, whose threads would
-        otherwise idle through each claim's round trip), and falls back when jobs take
-        longer or the queue runs dry.
-      enqueue_retries(int): how often a send is retried after a connection error.
-      durable_sends(bool): a send returns once its commit is flushed to the server's WAL
-        (the default). False: sends commit without waiting for the flush (PostgreSQL's
-        ``synchronous_commit = off`` for that transaction only), faster, and a server crash
-        can lose the sends of its last moments (see the README). A message's ``durable``
-        option overrides it.
-      log_level(str): level for the ``dramatiq_pg_broker`` loggers, or None to leave them.
-      cors_origins(tuple[str, ...]): origins the admin API allows cross-site requests from.
-      cookie_secure(bool): mark the admin session cookie Secure (HTTPS only).
-      session_hours(float): admin sessions expire after this many hours.
-      retention(bool): workers delete old finished jobs on the maintenance schedule.
-      retention_interval(float): seconds between two retention runs (one run per interval
-        across all worker processes).
-      retention_batch(int): the most jobs one retention transaction deletes.
-      retain_succeeded_days(float), retain_failed_days(float),
-      retain_cancelled_days(float): how long finished jobs of each status (and their
-        events) are kept; 0 keeps them forever.
-      scheduler(bool): run periodic schedules (and retention) in worker processes.
-      public_url(str): the admin API's public base URL (``https://ops.example.com``). Links
-        in responses (pagination, ``Location``) start with it; unset, they are relative
-        paths. Never taken from the request's ``Host`` header.
-      trusted_proxies(tuple[str, ...]): addresses of reverse proxies in front of the admin
-        API; for a request from one of them, the client address (for login throttling) is
-        the last one in ``X-Forwarded-For``.
-      statement_timeout(float): seconds an admin API query may run before PostgreSQL
-        cancels it (the request gets a 503).
-      login_concurrency(int): password checks (bcrypt) one admin API process runs at once;
-        more logins wait briefly, then get a 429.
+    Each field's documentation is in its metadata (``doc``, ``group``), read by
+    :func:`describe` and the docs' settings table; ``Settings.load()`` reads keyword
+    arguments first, then ``DRAMATIQ_PG_<FIELD NAME>``, then the defaults.
     """
 
     # Not in the repr: a logged Settings must not show the password (see public()).
-    url: str | None = dataclasses.field(default=None, repr=False)
-    schema: str = "dramatiq"
-    lease_seconds: float = 30.0
-    heartbeat_seconds: float | None = None
-    poll_interval: float = 1.0
-    listen: bool = True
-    prepared_statements: bool = True
-    events: bool = True
-    reaper_interval: float = 10.0
-    reaper_batch: int = 500
-    backoff_base_ms: int = 15_000
-    backoff_max_ms: int = 7 * 86_400_000
-    max_attempts: int = 21
-    pool_min_size: int = 1
-    pool_max_size: int = 10
-    pool_timeout: float = 30.0
-    max_interruptions: int = 10
-    prefetch_growth: int = 8
-    enqueue_retries: int = 3
-    durable_sends: bool = True
-    log_level: str | None = None
-    cors_origins: tuple[str, ...] = ()
-    cookie_secure: bool = False
-    session_hours: float = 12.0
-    retention: bool = True
-    retention_interval: float = 300.0
-    retention_batch: int = 1000
-    retain_succeeded_days: float = 7.0
-    retain_failed_days: float = 30.0
-    retain_cancelled_days: float = 7.0
-    scheduler: bool = True
-    public_url: str | None = None
-    trusted_proxies: tuple[str, ...] = ()
-    statement_timeout: float = 5.0
-    login_concurrency: int = 1
+    url: str | None = _setting(
+        None,
+        "libpq URL of the database. Unset, the demo, the tests and the CLI start a local "
+        "PostgreSQL from the `pgserver` package (the `embedded` extra); a deployment always "
+        "sets it.",
+        group="Database",
+        shown="(embedded server)",
+        repr=False,
+    )
+    schema: str = _setting(
+        "dramatiq",
+        "Schema holding the tables (`jobs`, `job_events`, `schema_migrations`, ...). No "
+        "table collides with the older `dramatiq-pg` project's `dramatiq.queue`.",
+        group="Database",
+    )
+    pool_min_size: int = _setting(
+        1, "Connections each process's pool keeps open.", group="Database"
+    )
+    pool_max_size: int = _setting(10, "Most connections of each process's pool.", group="Database")
+    pool_timeout: float = _setting(
+        30.0,
+        "Seconds a caller (a `send()`, say) waits for a pooled connection before it gets a "
+        "connection error; while the server is unreachable the pool tries to reconnect at "
+        "least twice a second.",
+        group="Database",
+    )
+    listen: bool = _setting(
+        True,
+        "Wake idle consumers (and blocked result readers) with LISTEN/NOTIFY. `false` "
+        "behind PgBouncer in transaction mode: consumers then poll every `poll_interval`.",
+        group="Database",
+    )
+    prepared_statements: bool = _setting(
+        True,
+        "Let psycopg prepare the statements a connection runs often. `false` behind "
+        "PgBouncer in transaction mode (before 1.21, or without its "
+        "`max_prepared_statements`): a prepared statement lives in one server session, "
+        "and the pooler hands each transaction to any session.",
+        group="Database",
+    )
+    lease_seconds: float = _setting(
+        30.0, "How long a claim is valid without renewal.", group="Workers"
+    )
+    heartbeat_seconds: float | None = _setting(
+        None,
+        "How often a worker process renews the leases of its outstanding messages.",
+        group="Workers",
+        shown="lease / 3",
+    )
+    poll_interval: float = _setting(
+        1.0,
+        "Longest an idle consumer waits (seconds) before it looks again without a notification.",
+        group="Workers",
+    )
+    prefetch_growth: int = _setting(
+        8,
+        "How far a consumer's claim window may grow beyond Dramatiq's prefetch "
+        "(`dramatiq_queue_prefetch`, twice the threads by default), as a multiple. It grows "
+        "only while claims come back full and find the worker threads out of work (short "
+        "jobs) and falls back otherwise; `1` keeps the prefetch exactly.",
+        group="Workers",
+    )
+    events: bool = _setting(
+        True,
+        "Write job events (the audit trail). Operator actions always write theirs.",
+        group="Workers",
+    )
+    reaper_interval: float = _setting(
+        10.0,
+        "Seconds between two runs of the expired-lease reaper in each worker process. An "
+        "idle process skips a run while its last empty claims report that no lease can "
+        "have expired yet.",
+        group="Retries and recovery",
+    )
+    reaper_batch: int = _setting(
+        500, "Most expired rows one reaper run handles.", group="Retries and recovery"
+    )
+    backoff_base_ms: int = _setting(
+        15_000,
+        "Dramatiq's `min_backoff` for actors and messages that set none: the base of the "
+        "exponential retry backoff, in milliseconds.",
+        group="Retries and recovery",
+    )
+    backoff_max_ms: int = _setting(
+        7 * 86_400_000,
+        "Dramatiq's `max_backoff` for actors and messages that set none: the longest "
+        "retry delay, in milliseconds (7 days).",
+        group="Retries and recovery",
+    )
+    max_attempts: int = _setting(
+        21,
+        "Attempts of a job when neither its actor nor the Retries middleware says "
+        "(`max_retries + 1`).",
+        group="Retries and recovery",
+    )
+    max_interruptions: int = _setting(
+        10,
+        "Interrupted attempts (the worker died, hung or lost its lease) after which the "
+        "reaper fails a job. Interruptions are not failures: `max_retries` does not count "
+        "them.",
+        group="Retries and recovery",
+    )
+    enqueue_retries: int = _setting(
+        3,
+        "Retries of a send after a connection error (safe: the message id makes the insert "
+        "idempotent).",
+        group="Sending",
+    )
+    durable_sends: bool = _setting(
+        True,
+        "A send returns once its commit is flushed to the server's WAL. `false`: single "
+        "sends commit without waiting for the flush (`synchronous_commit = off` for that "
+        "transaction only), faster, and a server crash can lose the last 3 × "
+        "`wal_writer_delay` of them. A message's `durable` option wins.",
+        group="Sending",
+    )
+    scheduler: bool = _setting(
+        True,
+        "Run periodic schedules (and retention) in the worker processes.",
+        group="Periodic jobs and retention",
+    )
+    retention: bool = _setting(
+        True,
+        "Workers delete old finished jobs on the maintenance schedule.",
+        group="Periodic jobs and retention",
+    )
+    retention_interval: float = _setting(
+        300.0,
+        "Seconds between two retention runs (one run per interval across all worker processes).",
+        group="Periodic jobs and retention",
+    )
+    retention_batch: int = _setting(
+        1000,
+        "Most jobs one retention transaction deletes.",
+        group="Periodic jobs and retention",
+    )
+    retain_succeeded_days: float = _setting(
+        7.0,
+        "Days succeeded jobs (and their events) are kept; `0` keeps them forever.",
+        group="Periodic jobs and retention",
+    )
+    retain_failed_days: float = _setting(
+        30.0,
+        "Days failed jobs (the dead letters) are kept; `0` keeps them forever.",
+        group="Periodic jobs and retention",
+    )
+    retain_cancelled_days: float = _setting(
+        7.0,
+        "Days cancelled jobs are kept; `0` keeps them forever.",
+        group="Periodic jobs and retention",
+    )
+    public_url: str | None = _setting(
+        None,
+        "The admin API's public base URL (`https://ops.example.com`). Links in responses "
+        "(pagination, `Location`) start with it (unset: relative links), and it is the "
+        "API's own origin for the CSRF check. Never taken from the request's `Host` header.",
+        group="Admin API",
+    )
+    cors_origins: tuple[str, ...] = _setting(
+        (),
+        "Comma-separated origins allowed to call the admin API from a browser (CORS with "
+        "credentials); none means same-origin only.",
+        group="Admin API",
+    )
+    cookie_secure: bool = _setting(
+        False,
+        "Mark the admin session cookie Secure: set it whenever the API is served over HTTPS.",
+        group="Admin API",
+    )
+    session_hours: float = _setting(12.0, "Hours an admin session lasts.", group="Admin API")
+    trusted_proxies: tuple[str, ...] = _setting(
+        (),
+        "Comma-separated addresses of reverse proxies in front of the admin API; for a "
+        "request from one of them, the client address (for login throttling) is the last "
+        "one in `X-Forwarded-For`.",
+        group="Admin API",
+    )
+    statement_timeout: float = _setting(
+        5.0,
+        "Seconds an admin API query may run before PostgreSQL stops it; the request gets "
+        "a 503 that says so.",
+        group="Admin API",
+    )
+    login_concurrency: int = _setting(
+        1,
+        "Password checks (bcrypt) one admin API process runs at once; more logins wait up "
+        "to 2 s, then get a 429.",
+        group="Admin API",
+    )
+    log_level: str | None = _setting(
+        None,
+        "Level of the `dramatiq_pg_broker` loggers (`DEBUG`, `INFO`, ...); unset leaves "
+        "them as the application configured them.",
+        group="Logging",
+        shown="(unchanged)",
+    )
 
     def __post_init__(self) -> None:
         if not _SCHEMA_RE.match(self.schema):
@@ -225,6 +354,70 @@ class Settings:
         data["cors_origins"] = list(self.cors_origins)
         data["trusted_proxies"] = list(self.trusted_proxies)
         return data
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingDoc:
+    """One row of the settings reference."""
+
+    #: The keyword argument (the field's name); None for an environment-only variable.
+    name: str | None
+    #: The environment variable.
+    variable: str
+    #: The default as the docs show it.
+    default: str
+    #: What it does (MyST Markdown).
+    doc: str
+    #: One of :data:`GROUPS`.
+    group: str
+
+
+#: Variables read from the environment only (not :class:`Settings` fields): where the
+#: package finds things on the machine it runs on.
+ENVIRONMENT_ONLY = (
+    SettingDoc(
+        None,
+        ENV_PREFIX + "MIGRATIONS_DIR",
+        "(the package's `migrations/`)",
+        "Folder of the migration files `dramatiq-pg-broker migrate` applies.",
+        "Database",
+    ),
+    SettingDoc(
+        None,
+        ENV_PREFIX + "EMBEDDED_DIR",
+        "`~/.local/share/dramatiq-pg-broker/pgdata`",
+        "Data directory of the embedded server (`$XDG_DATA_HOME` replaces "
+        "`~/.local/share` when set).",
+        "Database",
+    ),
+)
+
+
+def _shown(value: Any) -> str:
+    if value is None or value == ():
+        return "(none)"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def describe() -> list[SettingDoc]:
+    """Every setting and environment variable, documented, in :data:`GROUPS` order (fields
+    in their declaration order within a group): what the docs' settings table shows."""
+    rows = [
+        SettingDoc(
+            field.name,
+            ENV_PREFIX + field.name.upper(),
+            field.metadata.get("default") or _shown(field.default),
+            field.metadata.get("doc", ""),
+            field.metadata.get("group", ""),
+        )
+        for field in dataclasses.fields(Settings)
+    ]
+    rows.extend(ENVIRONMENT_ONLY)
+    return sorted(rows, key=lambda row: GROUPS.index(row.group) if row.group in GROUPS else 99)
 
 
 #: Connection parameters that are secrets (libpq's names): masked wherever a connection

@@ -8,8 +8,10 @@ it. A deployment always names its own server: nothing here runs when a URL is se
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -23,8 +25,13 @@ logging.getLogger("pgserver").setLevel(logging.WARNING)
 # and CI, and falls back to a temporary folder, which is fine here.
 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
 
+logger = logging.getLogger(__name__)
+
 _lock = threading.Lock()
 _url: str | None = None
+
+#: The longest Unix socket path that works everywhere (Linux allows 107 bytes, macOS 103).
+_SOCKET_PATH_MAX = 100
 
 
 def data_dir() -> Path:
@@ -46,7 +53,7 @@ def embedded_url() -> str:
     with _lock:
         if _url is None:
             try:
-                import pgserver
+                pgserver = import_pgserver()
             except ImportError:
                 raise ConfigurationError(
                     "no database configured: set DRAMATIQ_PG_URL, or install the embedded "
@@ -54,11 +61,50 @@ def embedded_url() -> str:
                 ) from None
             path = data_dir()
             path.mkdir(parents=True, exist_ok=True)
+            if not (path / "postmaster.pid").exists():
+                logger.warning(
+                    "starting the embedded PostgreSQL in %s; it keeps running after this "
+                    "process (dramatiq-pg-broker embedded stop stops it)",
+                    path,
+                )
             # cleanup_mode=None: keep the server running after this process exits so that
             # workers, the API and the demo share it.
             server = pgserver.get_server(path, cleanup_mode=None)
             _url = server.get_uri()
         return _url
+
+
+def import_pgserver():
+    """Import pgserver with its lock file beside the data directory (every import of
+    pgserver in this package and its tests goes through here).
+
+    pgserver keeps an inter-process lock in the user's runtime folder, which is
+    ``/tmp/runtime-<uid>`` where ``XDG_RUNTIME_DIR`` is unset (containers, CI): a folder left
+    in the system's temporary folder by every first start. When the data directory is short
+    enough to hold the server's socket itself (pgserver's first choice), the runtime folder
+    serves only that lock, so it is moved next to the data directory, for the import only:
+    pgserver reads the variable once, at import. Otherwise pgserver may need the runtime
+    folder for the socket, and it is left where pgserver puts it.
+    """
+    if importlib.util.find_spec("pgserver") is None:
+        raise ImportError("pgserver is not installed")
+    if "pgserver" in sys.modules or os.environ.get("XDG_RUNTIME_DIR"):
+        import pgserver
+
+        return pgserver
+    path = data_dir()
+    if len(str(path / ".s.PGSQL.5432").encode()) > _SOCKET_PATH_MAX:
+        import pgserver
+
+        return pgserver
+    runtime = path.parent / "run"
+    runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        import pgserver
+    finally:
+        del os.environ["XDG_RUNTIME_DIR"]
+    return pgserver
 
 
 def stop() -> bool:
@@ -67,7 +113,7 @@ def stop() -> bool:
     path = data_dir()
     if not (path / "postmaster.pid").exists():
         return False
-    import pgserver
+    pgserver = import_pgserver()
 
     with _lock:
         pgserver.get_server(path, cleanup_mode="stop").cleanup()

@@ -46,6 +46,32 @@ class JobNotFound(PgBrokerError):
     """No job has this id."""
 
 
+class InvalidJobId(PgBrokerError, ValueError):
+    """A job id is neither a UUID nor the start of one with at least 8 hex characters."""
+
+
+class AmbiguousJobId(PgBrokerError):
+    """A job id prefix matches more than one job: give more of its characters.
+
+    Attributes:
+      prefix(str): the prefix as given.
+      candidates(list[dict]): the matching jobs (``id``, ``queue_name``, ``actor_name``,
+        ``status``, ``created_at``), in id order, at most
+        :data:`~dramatiq_pg_broker.jobs.MAX_ID_CANDIDATES` of them.
+      more(bool): whether more jobs match than are listed.
+    """
+
+    def __init__(self, prefix: str, candidates: list[dict], more: bool = False) -> None:
+        self.prefix = prefix
+        self.candidates = candidates
+        self.more = more
+        count = f"more than {len(candidates)}" if more else str(len(candidates))
+        super().__init__(
+            f"job id prefix {prefix!r} is ambiguous: {count} jobs start with it; "
+            "give more of its characters"
+        )
+
+
 class InvalidTransition(PgBrokerError):
     """The job is not in a status that allows this change."""
 

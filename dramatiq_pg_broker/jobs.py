@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import struct
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -32,7 +33,13 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from .db import ProcessPool, Queries
-from .errors import InvalidTransition, JobAlreadyFinished, JobNotFound
+from .errors import (
+    AmbiguousJobId,
+    InvalidJobId,
+    InvalidTransition,
+    JobAlreadyFinished,
+    JobNotFound,
+)
 
 
 class Attempt(NamedTuple):
@@ -289,6 +296,49 @@ def _timestamp_us(value: dt.datetime) -> int:
 #: What the server raises for a row it refuses (a constraint, a value it cannot store), as
 #: opposed to a lost connection.
 _REFUSED = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
+
+
+#: The fewest hex characters a job id prefix must have: the 8 the demo and the CLI print.
+#: With a million jobs, about a hundred pairs of ids share their first 8 characters; the
+#: resolver then lists the candidates.
+MIN_ID_PREFIX = 8
+#: The most jobs an ambiguous prefix lists.
+MAX_ID_CANDIDATES = 10
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def id_prefix_range(text: str) -> str | tuple[str, str]:
+    """Read a job id or a prefix of one.
+
+    Returns:
+      str | tuple[str, str]: the canonical id for a whole UUID; for a prefix, the lowest
+      and highest ids that start with it (the prefix padded with ``0`` and with ``f``).
+
+    Raises:
+      InvalidJobId: neither a UUID nor a prefix of at least :data:`MIN_ID_PREFIX` hex
+        characters.
+    """
+    given = text.strip()
+    digits = given.lower().replace("-", "")
+    if len(digits) == 32 and set(digits) <= _HEX:
+        return str(uuid.UUID(digits))
+    try:
+        return str(uuid.UUID(given))  # {braces} and urn:uuid: forms
+    except ValueError:
+        pass
+    if not digits or not set(digits) <= _HEX or len(digits) > 32:
+        raise InvalidJobId(
+            f"{given!r} is not a job id: give the UUID, or at least its first "
+            f"{MIN_ID_PREFIX} hex characters"
+        )
+    if len(digits) < MIN_ID_PREFIX:
+        raise InvalidJobId(
+            f"job id prefix {given!r} is too short: give at least {MIN_ID_PREFIX} hex characters"
+        )
+    low = uuid.UUID(digits.ljust(32, "0"))
+    high = uuid.UUID(digits.ljust(32, "f"))
+    return str(low), str(high)
 
 
 class _RepeatedId(Exception):
@@ -967,6 +1017,45 @@ class JobStore:
             if row is None:
                 raise JobNotFound(f"no job with id {job_id}")
             return dict(zip([d.name for d in cur.description], row))
+
+    def resolve_id(self, text: str, *, conn=None) -> str:
+        """The id of the one job whose id is ``text`` or starts with it.
+
+        A whole UUID (any form :class:`uuid.UUID` reads) is returned as it is, without a
+        look-up. A prefix needs at least :data:`MIN_ID_PREFIX` hex characters (hyphens are
+        ignored), such as the 8 characters the demo and ``jobs list`` show; it is resolved
+        with one range scan of the primary key.
+
+        Parameters:
+          text(str): a job id, or its first characters.
+
+        Raises:
+          InvalidJobId: ``text`` is not hex, or is shorter than the minimum prefix.
+          JobNotFound: no job id starts with it.
+          AmbiguousJobId: several do; the error lists them.
+
+        Returns:
+          str: the job's id, in the canonical form.
+        """
+        bounds = id_prefix_range(text)
+        if isinstance(bounds, str):
+            return bounds
+        low, high = bounds
+        with self.pool.use(conn) as c:
+            cur = c.execute(
+                self.queries["find_job_ids"],
+                {"low": low, "high": high, "limit": MAX_ID_CANDIDATES + 1},
+            )
+            names = [d.name for d in cur.description]
+            rows = [dict(zip(names, row)) for row in cur.fetchall()]
+        if not rows:
+            raise JobNotFound(f"no job id starts with {text.strip()!r}")
+        if len(rows) > 1:
+            for row in rows:
+                row["id"] = str(row["id"])
+            more = len(rows) > MAX_ID_CANDIDATES
+            raise AmbiguousJobId(text.strip(), rows[:MAX_ID_CANDIDATES], more)
+        return str(rows[0]["id"])
 
     def events_of(self, job_id: str, *, conn=None) -> list[dict[str, Any]]:
         """A job's events, oldest first."""

@@ -13,6 +13,41 @@ import pytest
 from psycopg import sql
 
 
+def pytest_report_header(config) -> list[str]:
+    """Say which PostgreSQL the run uses before the first test starts."""
+    if os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL"):
+        from dramatiq_pg_broker.config import mask_url
+
+        url = os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL")
+        return [f"database: {mask_url(url)} (DRAMATIQ_PG_TEST_URL)"]
+    from dramatiq_pg_broker.embedded import data_dir
+
+    return [
+        f"database: the embedded PostgreSQL in {data_dir()} (started on first use; it keeps "
+        "running afterwards: dramatiq-pg-broker embedded stop)"
+    ]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """After pytest removed a green run's temporary directory, remove its now empty
+    ``pytest-of-<user>`` parent as well (left alone while it holds anything, such as
+    another run's directory)."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    basetemp = getattr(factory, "_basetemp", None)
+    if basetemp is None or basetemp.exists() or factory._given_basetemp is not None:
+        return
+    parent = basetemp.parent
+    try:
+        for entry in parent.iterdir():
+            # pytest's own "latest run" link, dangling once that run's folder is gone.
+            if entry.is_symlink() and not entry.exists():
+                entry.unlink()
+        parent.rmdir()
+    except OSError:
+        pass
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> str:
     url = os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL")

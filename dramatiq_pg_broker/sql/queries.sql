@@ -641,6 +641,16 @@ SELECT id, queue_name, actor_name, message, message_bytes, status, priority, ava
 FROM {schema}.jobs
 WHERE id = %(id)s
 
+-- find_job_ids --
+-- The jobs whose id starts with a prefix (at most a limit of them, in id order). A uuid
+-- sorts as its hex text, so "starts with 3dd0ad24" is the range from 3dd0ad24-0000-... to
+-- 3dd0ad24-ffff-...: a range scan of the primary key, never a scan of id::text.
+SELECT id, queue_name, actor_name, status, created_at
+FROM {schema}.jobs
+WHERE id BETWEEN %(low)s::uuid AND %(high)s::uuid
+ORDER BY id
+LIMIT %(limit)s
+
 -- get_job_events --
 -- A job's timeline, oldest first.
 SELECT id, job_id, type, attempt, actor, data, created_at

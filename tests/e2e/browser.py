@@ -46,8 +46,13 @@ def require_browser() -> None:
         pytest.skip(message)
 
 
-def new_driver(width: int = 1366, height: int = 900):
-    """A headless Chromium on the system driver."""
+def new_driver(temp: Path, width: int = 1366, height: int = 900):
+    """A headless Chromium on the system driver.
+
+    ``temp`` becomes the driver's and the browser's temporary folder (their profile, and
+    the singleton socket folder Chromium leaves behind when it is stopped), so nothing of
+    theirs lands in the system's temporary folder.
+    """
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -68,7 +73,9 @@ def new_driver(width: int = 1366, height: int = 900):
         "--lang=en-GB",
     ):
         options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    temp.mkdir(parents=True, exist_ok=True)
+    service = Service(executable_path=CHROMEDRIVER, env={**os.environ, "TMPDIR": str(temp)})
+    driver = webdriver.Chrome(service=service, options=options)
     driver.set_page_load_timeout(60)
     return driver
 

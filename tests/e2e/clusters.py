@@ -31,6 +31,9 @@ def server_binaries(*tools: str) -> Path | None:
     every one of ``tools``; None if there is none."""
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
     try:
+        from dramatiq_pg_broker.embedded import import_pgserver
+
+        import_pgserver()  # with its lock file where the embedded server keeps it
         from pgserver._commands import POSTGRES_BIN_PATH
 
         candidates.append(str(POSTGRES_BIN_PATH))

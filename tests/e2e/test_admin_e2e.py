@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -94,7 +93,7 @@ def wait_for(what: str, check, timeout: float, logs: list[Path]):
 
 
 @pytest.mark.slow
-def test_a_job_created_through_the_api_runs_and_a_failed_one_is_retried(pg_url, schema):
+def test_a_job_created_through_the_api_runs_and_a_failed_one_is_retried(pg_url, schema, tmp_path):
     port = free_port()
     env = {
         **os.environ,
@@ -103,7 +102,7 @@ def test_a_job_created_through_the_api_runs_and_a_failed_one_is_retried(pg_url, 
         "ADMIN_API_WORKERS": "1",
         "PYTHONPATH": str(REPO),
     }
-    logs_dir = Path(tempfile.mkdtemp(prefix="admin-e2e-"))
+    logs_dir = tmp_path
     created = subprocess.run(
         [sys.executable, "-m", "dramatiq_pg_broker", "user", "create", "--email",
          "e2e@example.com", "--role", "operator", "--password-stdin"],

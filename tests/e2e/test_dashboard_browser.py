@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium, against the admin API under gunicorn and a
 real dramatiq worker: what an operator, a viewer and a member see and can do.
 
-Set ``DASHBOARD_SCREENSHOTS`` to a folder to save the README's screenshots on the way.
+Set ``DASHBOARD_SCREENSHOTS`` to a folder (``docs/images``) to save the docs' screenshots on
+the way.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def accounts(pg_url, schema):
 
 
 @pytest.fixture(scope="module")
-def stack(pg_url, schema, accounts):
+def stack(pg_url, schema, accounts, tmp_path_factory):
     require_browser()
-    stack = Stack(pg_url, schema, Path(tempfile.mkdtemp(prefix="dashboard-e2e-")))
+    stack = Stack(pg_url, schema, tmp_path_factory.mktemp("dashboard-e2e"))
     try:
         stack.start_api()
         yield stack
@@ -46,9 +47,14 @@ def stack(pg_url, schema, accounts):
 
 @pytest.fixture
 def browser(stack):
-    driver = new_driver()
-    yield driver
-    driver.quit()
+    # A short path of its own (Chromium puts a Unix socket in it, whose path has a length
+    # limit a deep tmp_path would break), removed once the browser has quit.
+    with tempfile.TemporaryDirectory(prefix="dpb-chromium-") as temp:
+        driver = new_driver(Path(temp))
+        try:
+            yield driver
+        finally:
+            driver.quit()
 
 
 def wait(driver, stack, what: str, condition, timeout: float = 60):
@@ -97,7 +103,7 @@ def log_in(driver, stack, role: str, path: str = "/dashboard") -> None:
 
 
 def screenshot(driver, name: str) -> None:
-    """Save a screenshot for the README, in 64 colours (a tenth of the size)."""
+    """Save a screenshot for the docs, in 64 colours (a tenth of the size)."""
     folder = os.environ.get("DASHBOARD_SCREENSHOTS")
     if not folder:
         return
@@ -114,9 +120,11 @@ def queue_cell(driver, field: str) -> str | None:
     return text_of(driver, f'#queues tr[data-queue="{QUEUE}"] td[data-field="{field}"]')
 
 
-def test_an_operator_sees_counts_change_and_retries_a_failed_job(stack, accounts, browser):
+def test_an_operator_sees_counts_change_and_retries_a_failed_job(
+    stack, accounts, browser, tmp_path
+):
     token = accounts.tokens["operator"]
-    flag = Path(tempfile.mkdtemp(prefix="dashboard-flag-")) / "fixed"
+    flag = tmp_path / "fixed"
     for i in range(5):
         stack.api(
             "POST",
@@ -283,9 +291,9 @@ def test_every_control_has_a_label_and_the_page_fits_a_laptop(stack, accounts, b
     )
 
 
-def test_a_viewer_sees_a_failed_job_but_no_retry_button(stack, accounts, browser):
+def test_a_viewer_sees_a_failed_job_but_no_retry_button(stack, accounts, browser, tmp_path):
     token = accounts.tokens["operator"]
-    flag = Path(tempfile.mkdtemp(prefix="dashboard-flag-")) / "never"
+    flag = tmp_path / "never"
     if not any(p.log.name.startswith("worker") for p in stack.processes):
         stack.start_worker()
     job = stack.api(

@@ -4,9 +4,7 @@ exposition server answers and counts the messages a real worker processed."""
 from __future__ import annotations
 
 import re
-import tempfile
 import urllib.request
-from pathlib import Path
 
 import dramatiq
 import pytest
@@ -29,8 +27,8 @@ def samples(text: str, name: str) -> dict[str, float]:
     return found
 
 
-def test_dramatiq_prometheus_middleware_counts_the_broker_messages(pg_url, schema):
-    logs = Path(tempfile.mkdtemp(prefix="dramatiq-prometheus-"))
+def test_dramatiq_prometheus_middleware_counts_the_broker_messages(pg_url, schema, tmp_path):
+    logs = tmp_path
     stack = Stack(pg_url, schema, logs)
     port = free_port()
     stack.env.update(

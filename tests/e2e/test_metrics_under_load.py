@@ -4,9 +4,6 @@ are exactly what the tables say."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import dramatiq
 import psycopg
 import pytest
@@ -52,10 +49,10 @@ def table(pg_url: str, schema: str) -> tuple[dict[str, int], dict[str, int]]:
     return states, events
 
 
-def test_metrics_under_load_match_the_tables(pg_url, schema):
+def test_metrics_under_load_match_the_tables(pg_url, schema, tmp_path):
     accounts = AdminEnv(pg_url, schema)
     token = accounts.tokens["viewer"]
-    stack = Stack(pg_url, schema, Path(tempfile.mkdtemp(prefix="metrics-e2e-")))
+    stack = Stack(pg_url, schema, tmp_path)
     broker = PostgresBroker(url=pg_url, schema=schema)
     add = dramatiq.actor(lambda a, b: a + b, broker=broker, actor_name="dash.add", queue_name=QUEUE)
     flaky = dramatiq.actor(lambda p: p, broker=broker, actor_name="dash.flaky", queue_name=QUEUE)

@@ -35,8 +35,8 @@ WORKERS = 3
 THREADS = 4
 JOBS = 300
 
-#: Poll-only consumers and no server-side prepared statements: what the README asks for
-#: behind PgBouncer in transaction mode. Leases longer than the e2e default, so that a slow
+#: Poll-only consumers and no server-side prepared statements: what the deployment guide asks
+#: for behind PgBouncer in transaction mode. Leases longer than the e2e default, so that a slow
 #: shared machine cannot make a job run twice.
 POOLED = {
     "DRAMATIQ_PG_LISTEN": "false",

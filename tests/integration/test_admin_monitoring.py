@@ -22,7 +22,7 @@ from dramatiq_pg_broker import Attempt
 from .admin_support import CSRF, AdminEnv
 
 REPO = Path(__file__).resolve().parents[2]
-ALERTS = REPO / "docs" / "prometheus-alerts.yml"
+ALERTS = REPO / "docs" / "guides" / "prometheus-alerts.yml"
 
 
 @pytest.fixture(scope="module")

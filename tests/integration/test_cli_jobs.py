@@ -243,6 +243,9 @@ def test_schedules_lists_what_workers_registered(pg_url, schema, run):
     "args, message",
     [
         (["jobs", "show", "not-a-uuid"], "is not a job id"),
+        (["jobs", "show", "3dd0ad2"], "too short: give at least 8 hex characters"),
+        (["jobs", "cancel", "3dd0ad2g"], "is not a job id"),
+        (["jobs", "retry", "00000000"], "no job id starts with '00000000'"),
         (["jobs", "show", str(uuid.UUID(int=1))], "no job with id"),
         (["jobs", "list", "--status", "lost"], "invalid choice"),
         (["jobs", "list", "--limit", "0"], "not a positive whole number"),
@@ -261,3 +264,68 @@ def test_bad_arguments_give_one_line_and_exit_2(run, store, args, message):
     assert out == ""
     assert err.count("\n") == 1, err
     assert message in err
+
+
+def with_prefix(prefix: str, n: int) -> str:
+    """A job id that starts with ``prefix`` (8 hex characters)."""
+    return str(uuid.UUID(prefix + f"{n:024x}"))
+
+
+def test_every_job_id_argument_takes_a_unique_prefix(store, run):
+    shown = enqueue(store, "mail")
+    code, out, err = run("jobs", "show", shown[:8])
+    assert code == 0, err
+    assert out.splitlines()[0].split() == ["id", shown]
+
+    cancelled = enqueue(store, "mail")
+    code, out, err = run("jobs", "cancel", cancelled[:13])  # hyphens are fine too
+    assert (code, out.strip()) == (0, f"job {cancelled} is cancelled"), err
+
+    failed = failed_job(store, "mail")
+    code, out, err = run("jobs", "retry", failed[:8].upper())
+    assert (code, out.strip()) == (0, f"job {failed} is queued again"), err
+
+
+def test_an_ambiguous_prefix_lists_its_candidates_and_changes_nothing(store, run):
+    prefix = uuid.uuid4().hex[:8]
+    ids = [with_prefix(prefix, n) for n in (1, 2, 3)]
+    for job_id, queue in zip(ids, ("mail", "reports", "mail")):
+        store.enqueue(NewJob(job_id, queue, "send", message={"args": [], "kwargs": {}}))
+    code, out, err = run("jobs", "cancel", prefix)
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert lines[0] == (
+        f"error: job id prefix '{prefix}' is ambiguous: 3 jobs start with it; give more of "
+        "its characters"
+    )
+    assert lines[1].split() == ["ID", "QUEUE", "ACTOR", "STATUS", "CREATED"]
+    assert [line.split()[0] for line in lines[2:]] == ids
+    assert all(store.get(job_id)["status"] == "queued" for job_id in ids), "nothing changes"
+    # Enough characters to tell them apart (here: the whole id) pick one.
+    code, out, err = run("jobs", "cancel", ids[1].replace("-", ""))
+    assert (code, out.strip()) == (0, f"job {ids[1]} is cancelled"), err
+
+
+def test_a_prefix_matching_many_jobs_lists_the_first_ten(store, run):
+    prefix = uuid.uuid4().hex[:8]
+    for n in range(12):
+        store.enqueue(NewJob(with_prefix(prefix, n), "mail", "send", message={"args": []}))
+    code, _, err = run("jobs", "show", prefix)
+    assert code == 2
+    lines = err.splitlines()
+    assert "more than 10 jobs start with it" in lines[0]
+    assert len(lines) == 1 + 1 + 10 + 1 and lines[-1].strip() == "..."
+
+
+def test_a_prefix_is_resolved_through_the_primary_key(store, schema):
+    """The look-up is a range of the primary key's index, not a scan of every id as text."""
+    low, high = ("3dd0ad24-0000-0000-0000-000000000000", "3dd0ad24-ffff-ffff-ffff-ffffffffffff")
+    with store.pool.connection() as conn, conn.transaction():
+        conn.execute("SET LOCAL enable_seqscan = off")
+        plan = conn.execute(
+            "EXPLAIN (FORMAT JSON) " + store.queries["find_job_ids"],
+            {"low": low, "high": high, "limit": 11},
+        ).fetchone()[0]
+    text = json.dumps(plan)
+    assert '"Index Name": "jobs_pkey"' in text, text
+    assert "Index Cond" in text and "Filter" not in text, text

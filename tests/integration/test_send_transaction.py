@@ -184,10 +184,27 @@ def test_other_drivers_and_objects_are_a_clear_error(broker, task, pg_url):
             pass
 
 
-def test_a_connection_to_another_database_is_refused(broker, task, queue, schema, pg_url, conn):
-    other_url = make_conninfo(pg_url, dbname="postgres")
+@pytest.fixture
+def other_database(pg_url, conn):
+    """A database of its own on the same server, dropped after the test: whichever server
+    the tests run on (the embedded one's only database is ``postgres``), it is not the
+    broker's."""
+    name = f"dpb_other_{uuid.uuid4().hex[:12]}"
+    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield name
+    finally:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+def test_a_connection_to_another_database_is_refused(
+    broker, task, queue, schema, pg_url, conn, other_database
+):
+    other_url = make_conninfo(pg_url, dbname=other_database)
     with psycopg.connect(other_url) as other:
-        with pytest.raises(TransactionError, match="reaches database 'postgres'"):
+        with pytest.raises(TransactionError, match=f"reaches database '{other_database}'"):
             with broker.transaction(other):
                 task.send(1)
     assert jobs_of(conn, schema, queue) == []

@@ -112,3 +112,32 @@ def test_prepared_statements_can_be_turned_off_for_a_transaction_mode_pooler():
     assert on.prepared_statements is True and off.prepared_statements is False
     assert connection_kwargs(on) == {"autocommit": True}
     assert connection_kwargs(off) == {"autocommit": True, "prepare_threshold": None}
+
+
+def test_every_setting_is_documented_where_it_is_defined():
+    """The docs' settings table is generated from the fields' metadata: a new setting
+    without a description, or in no group, fails here rather than leaving a blank row."""
+    import dataclasses
+
+    from dramatiq_pg_broker.config import GROUPS
+
+    for field in dataclasses.fields(Settings):
+        doc = field.metadata.get("doc", "")
+        assert len(doc) > 20 and doc.endswith("."), f"{field.name} has no description"
+        assert field.metadata.get("group") in GROUPS, f"{field.name} is in no group"
+
+
+def test_every_environment_variable_the_code_reads_is_documented():
+    import re
+    from pathlib import Path
+
+    from dramatiq_pg_broker.config import describe
+
+    root = Path(__file__).resolve().parents[2]
+    sources = [*root.glob("dramatiq_pg_broker/**/*.py"), *root.glob("admin_api/**/*.py")]
+    named = set()
+    for path in sources:
+        named.update(re.findall(r"DRAMATIQ_PG_[A-Z][A-Z_]*[A-Z]", path.read_text()))
+    documented = {row.variable for row in describe()}
+    assert named - documented == set(), "read by the code but missing from the docs"
+    assert len(documented) == len(describe()), "a variable is described twice"

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 from dramatiq_pg_broker import events as event_types
 
 from .tables import Timestamp, job_events, jobs
+from .tables import queues as queues_table
 
 #: The most recent events the throughput chart reads (newest first, along the primary key).
 #: A busier hour than this shows only its most recent part, and says so (``truncated``).
@@ -42,7 +43,7 @@ THROUGHPUT_TYPES = (
 
 @dataclasses.dataclass
 class QueueCounts:
-    """One queue's unfinished and failed jobs.
+    """One queue's unfinished and failed jobs, and its state.
 
     Attributes:
       queued(int): waiting and runnable now (``available_at`` has passed).
@@ -51,6 +52,10 @@ class QueueCounts:
       failed(int): in the dead-letter state.
       oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
         (since its ``available_at``); 0 when none waits.
+      declared(bool): a worker declared the queue (see :mod:`dramatiq_pg_broker.queues`);
+        False for a queue that only has jobs (sent to a queue no worker consumes).
+      paused(bool), paused_at(datetime), paused_by(str): whether an operator paused it,
+        when and who.
     """
 
     queued: int = 0
@@ -58,6 +63,10 @@ class QueueCounts:
     running: int = 0
     failed: int = 0
     oldest_waiting_seconds: float = 0.0
+    declared: bool = True
+    paused: bool = False
+    paused_at: dt.datetime | None = None
+    paused_by: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -92,8 +101,9 @@ class Monitor:
         self.engine = engine.execution_options(schema_translate_map={None: schema})
 
     def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueCounts]:
-        """Counts per queue, in one statement (:meth:`queues_statement`). A queue with no
-        unfinished or failed job does not appear."""
+        """Counts per queue (:meth:`queues_statement`) and the state of every declared
+        queue: a declared queue appears even with no job; a queue with jobs that no worker
+        declared appears with ``declared`` False."""
         with self.engine.connect() as conn:
             return self._queues(conn, now)
 
@@ -114,16 +124,32 @@ class Monitor:
 
     def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueCounts]:
         rows = conn.execute(self.queues_statement(now)).all()
-        return {
+        declared = conn.execute(
+            sa.select(
+                queues_table.c.queue_name,
+                queues_table.c.paused,
+                queues_table.c.paused_at,
+                queues_table.c.paused_by,
+            )
+        ).all()
+        found = {
             row.queue_name: QueueCounts(
                 queued=int(row.queued),
                 delayed=int(row.delayed),
                 running=int(row.running),
                 failed=int(row.failed),
                 oldest_waiting_seconds=round(max(0.0, float(row.oldest or 0)), 3),
+                declared=False,
             )
             for row in rows
         }
+        for row in declared:
+            counts = found.setdefault(row.queue_name, QueueCounts())
+            counts.declared = True
+            counts.paused = bool(row.paused)
+            counts.paused_at = row.paused_at
+            counts.paused_by = row.paused_by
+        return dict(sorted(found.items()))
 
     @staticmethod
     def queues_statement(now: dt.datetime | None = None) -> sa.Select:

@@ -28,7 +28,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import forks, messages, sending
 from .config import Settings
 from .consumer import PgMessageProxy, PostgresConsumer, describe_error
-from .current import JobContext, current_job
+from .current import AbortGuard, JobContext, current_job
 from .db import ProcessPool
 from .errors import InvalidMessage, PgBrokerError, TransactionError
 from .inflight import Ledger, State, _GroupCommit
@@ -37,6 +37,7 @@ from .leases import LeaseKeeper
 from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
+from .workers import Presence
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,11 @@ class PostgresBroker(dramatiq.Broker):
         self.schedules: list[Schedule] = []
         self.periodic = Periodic()
         self.add_middleware(self.periodic)
+        #: This process in the worker registry (see :mod:`.workers`).
+        self.presence = Presence()
+        self.add_middleware(self.presence)
+        # Last, so that its after-hooks run first (see AbortGuard).
+        self.add_middleware(AbortGuard())
 
         self.queues: dict[str, None] = {}
         self.pool = ProcessPool(settings, pool=pool)

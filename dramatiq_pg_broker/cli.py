@@ -4,8 +4,10 @@ Commands:
   migrate            apply pending migrations (safe to run twice, or from two hosts at once)
   status             list applied and pending migrations
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
-  jobs list|show|retry|cancel, stats, prune, schedules
+  jobs list|show|retry|cancel|abort, stats, prune, schedules
                      the operator's commands (:mod:`.cli_jobs`)
+  queues list|pause|resume, workers, actors
+                     operator control (:mod:`.cli_control`)
   user ..., token ...  admin API accounts (:mod:`admin_api.cli`; needs the ``admin`` extra)
 
 Every group of commands is added explicitly in :func:`build_parser`, so the parser is the
@@ -122,6 +124,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_control import add_control_commands
     from .cli_jobs import add_operator_commands
 
     parser = OneLineErrorParser(
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migration_commands(sub)
     add_embedded_commands(sub)
     add_operator_commands(sub)
+    add_control_commands(sub)
     add_admin_commands(sub)
     return parser
 

@@ -93,6 +93,10 @@ class Settings:
         cancels it (the request gets a 503).
       login_concurrency(int): password checks (bcrypt) one admin API process runs at once;
         more logins wait briefly, then get a 429.
+      admin_adhoc_actors(bool): let the admin API create jobs for actors no worker has
+        declared (on the queue the request names, ``default`` if none). Off by default: a
+        job is created only for a declared actor, on that actor's queue, so that nobody
+        can invent actors or queues (and with them metric labels) through the API.
     """
 
     # Not in the repr: a logged Settings must not show the password (see public()).
@@ -131,6 +135,7 @@ class Settings:
     trusted_proxies: tuple[str, ...] = ()
     statement_timeout: float = 5.0
     login_concurrency: int = 1
+    admin_adhoc_actors: bool = False
 
     def __post_init__(self) -> None:
         if not _SCHEMA_RE.match(self.schema):

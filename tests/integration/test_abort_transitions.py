@@ -55,9 +55,7 @@ def test_a_running_job_is_marked_and_its_queue_is_told(store, pg_url, schema):
     attempt = running(store)
     queue = store.get(attempt.id)["queue_name"]
     with psycopg.connect(pg_url, autocommit=True) as listener:
-        listener.execute(
-            sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(schema, queue)))
-        )
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(schema, queue))))
         job = store.abort(attempt.id, by="first")
         payloads = [n.payload for n in listener.notifies(timeout=2, stop_after=1)]
     assert payloads == [abort_payload(attempt.id)]
@@ -166,7 +164,10 @@ def test_a_manual_retry_forgets_an_old_abort_request(store):
 
 def test_the_abort_columns_go_together(store, pg_url, schema):
     job_id = new_job(store)
-    with psycopg.connect(pg_url, autocommit=True) as conn, pytest.raises(psycopg.errors.CheckViolation):
+    with (
+        psycopg.connect(pg_url, autocommit=True) as conn,
+        pytest.raises(psycopg.errors.CheckViolation),
+    ):
         conn.execute(
             sql.SQL("UPDATE {}.jobs SET abort_requested_at = now() WHERE id = %s").format(
                 sql.Identifier(schema)

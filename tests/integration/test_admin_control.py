@@ -179,7 +179,9 @@ def test_jobs_of_undeclared_queues_share_one_metric_label(adhoc):
     """With ad-hoc actors allowed, jobs may wait in queues no worker declared: /metrics
     counts them together, so their names never become labels."""
     for i in range(3):
-        result = post(adhoc, "/api/jobs", json={"actor_name": "adhoc.a", "queue_name": f"adhoc_{i}"})
+        result = post(
+            adhoc, "/api/jobs", json={"actor_name": "adhoc.a", "queue_name": f"adhoc_{i}"}
+        )
         assert result.status_code == 201, result.text
     found = labels(adhoc)
     assert not any(name.startswith("adhoc_") for values in found.values() for name in values)
@@ -193,7 +195,9 @@ def test_jobs_of_undeclared_queues_share_one_metric_label(adhoc):
 
 def test_a_list_row_carries_bounded_previews_and_the_job_page_the_whole(adhoc):
     big = "x" * 800_000
-    created = post(adhoc, "/api/jobs", json={"actor_name": "adhoc.big", "queue_name": "big", "args": [big]})
+    created = post(
+        adhoc, "/api/jobs", json={"actor_name": "adhoc.big", "queue_name": "big", "args": [big]}
+    )
     assert created.status_code == 201
     job_id = created.json["id"]
     page = adhoc.get("/api/jobs?queue=big")

@@ -29,7 +29,9 @@ def h(pg_url, schema):
 
 def registered(broker, worker_id):
     with broker.pool.connection() as conn:
-        return next((w for w in list_workers(conn, broker.settings.schema) if w["id"] == worker_id), None)
+        return next(
+            (w for w in list_workers(conn, broker.settings.schema) if w["id"] == worker_id), None
+        )
 
 
 def test_a_worker_registers_refreshes_and_deregisters(h):
@@ -44,7 +46,11 @@ def test_a_worker_registers_refreshes_and_deregisters(h):
     worker = h.start(broker)
     worker_id = broker.presence.worker_id
     row = wait_until(lambda: registered(broker, worker_id), 5, "the worker's row")
-    assert (row["host"], row["pid"], row["version"]) == (socket.gethostname(), os.getpid(), __version__)
+    assert (row["host"], row["pid"], row["version"]) == (
+        socket.gethostname(),
+        os.getpid(),
+        __version__,
+    )
     assert row["queues"] == [h.queue] and row["actors"] == [f"{h.queue}.hold"]
     assert row["expires_at"] > row["heartbeat_at"]
 

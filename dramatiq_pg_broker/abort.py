@@ -45,7 +45,7 @@ import functools
 import json
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -53,11 +53,19 @@ from psycopg_pool import ConnectionPool
 
 try:
     from dramatiq_abort import Event, EventBackend
-except ImportError as e:  # pragma: no cover - the optional extra is missing
-    raise ImportError(
-        "dramatiq_pg_broker.abort is the event backend of dramatiq-abort, which is not "
-        "installed: pip install 'dramatiq-pg-broker[abort]'"
-    ) from e
+
+    INSTALLED = True
+except ImportError:  # the optional extra is missing: the module still imports, so that
+    # retention reclaims the table's expired rows; the backend itself needs the package.
+    INSTALLED = False
+    EventBackend = object  # type: ignore[assignment,misc]
+
+    class Event(NamedTuple):  # type: ignore[no-redef]
+        """dramatiq-abort's event: a key and its parameters."""
+
+        key: str
+        params: dict[str, Any]
+
 
 from .db import Queries, Reclaimer, backend_connections
 from .listener import channel_for, listener_for, payload_for
@@ -102,6 +110,9 @@ class PostgresEventBackend(EventBackend):
         behind PgBouncer in transaction mode.
       prune_batch(int): the most expired events one opportunistic reclaiming pass deletes.
       prune_interval(float): seconds between two such passes in one process.
+
+    Raises:
+      ImportError: dramatiq-abort is not installed (the ``abort`` extra).
     """
 
     def __init__(
@@ -115,6 +126,11 @@ class PostgresEventBackend(EventBackend):
         prune_batch: int = DEFAULT_PRUNE_BATCH,
         prune_interval: float = DEFAULT_PRUNE_INTERVAL,
     ) -> None:
+        if not INSTALLED:
+            raise ImportError(
+                "PostgresEventBackend is the event backend of dramatiq-abort, which is not "
+                "installed: pip install 'dramatiq-pg-broker[abort]'"
+            )
         self.pool, self.settings = backend_connections(
             url=url, schema=schema, pool=pool, broker=broker, listen=listen
         )

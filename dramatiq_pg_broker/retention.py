@@ -11,7 +11,7 @@ it from a shell.
 
 Expired results, rate-limit keys, worker registrations and dramatiq-abort events are
 reclaimed by the same run, through the ``prune_expired(conn, schema, *, limit) -> int`` of
-the modules named in :data:`RECLAIMERS` (``abort`` only when dramatiq-abort is installed).
+the modules named in :data:`RECLAIMERS`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ FINISHED = ("succeeded", "failed", "cancelled")
 
 #: Modules of this package whose ``prune_expired(conn, schema, *, limit) -> int`` a run
 #: calls after the jobs (expired results, rate-limit keys, worker registrations, abort
-#: events). A module that cannot be imported (``abort`` without dramatiq-abort), or whose
-#: table does not exist yet, is skipped.
+#: events). A module that cannot be imported, or whose table does not exist yet, is
+#: skipped.
 RECLAIMERS = ("results", "rate_limits", "workers", "abort")
 
 #: After each batch a run rests as long as the batch took (a 50 % duty cycle), so a large

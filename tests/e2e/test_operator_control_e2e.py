@@ -137,15 +137,19 @@ def test_a_paused_queue_holds_across_two_workers_and_drains_after_resume(
     assert time.monotonic() - resumed < 5
 
 
-def test_workers_register_and_the_api_takes_only_their_actors(pg_url, schema, conn, start_worker):
+def test_workers_register_and_the_api_takes_only_their_actors(
+    broker, executions, pg_url, schema, conn, start_worker
+):
+    earlier = {w["id"] for w in list_workers(conn, schema)}  # other tests' workers
     worker = start_worker()
     registered = wait_for(
-        lambda: [w for w in list_workers(conn, schema) if "nap" in w["actors"]],
+        lambda: [w for w in list_workers(conn, schema) if w["id"] not in earlier],
         60,
         "the worker's registration",
         on_timeout=worker.log_tail,
     )
     assert QUEUE in registered[0]["queues"] and PAUSABLE in registered[0]["queues"]
+    assert "nap" in registered[0]["actors"]
     api = AdminEnv(pg_url, schema, admin_adhoc_actors=False)
     try:
         created = api.post(
@@ -158,6 +162,13 @@ def test_workers_register_and_the_api_takes_only_their_actors(pg_url, schema, co
         assert "no worker has declared an actor named 'napp'" in refused.json["message"]
     finally:
         api.close()
+    # The job the API created runs: the worker is fully up (its signals handled).
+    wait_for(
+        lambda: status(broker, created.json["id"]) == "succeeded",
+        30,
+        "the API's job running",
+        on_timeout=worker.log_tail,
+    )
     worker.signal(signal.SIGTERM)  # a clean exit deregisters
     assert worker.wait(30) == 0
     # Deleted, not merely expired (its lease is two seconds here).

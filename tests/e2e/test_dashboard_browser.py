@@ -485,5 +485,5 @@ def test_a_finished_jobs_page_stops_polling(stack, accounts, browser):
         f".filter((e) => e.name.endsWith('/api/jobs/{job_id}')).length"
     )
     before = browser.execute_script(count)
-    time.sleep(4.5)  # two polling periods of an unfinished job's page (2 s)
+    time.sleep(2.5)  # a polling period of an unfinished job's page (2 s), and a margin
     assert browser.execute_script(count) == before == 1

@@ -29,10 +29,12 @@ from .resources.events import EventFeed
 from .resources.health import Health
 from .resources.jobs import JobDetail, JobEvents, JobList, JobStats, JobTransition
 from .resources.metrics import MetricsPage
+from .resources.queues import QueueAction
 from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
 from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
+from .resources.workers import ActorList, WorkerList
 from .schema_check import SchemaCheck
 from .throttle import LoginThrottle
 
@@ -188,6 +190,11 @@ def routes(
         ("/api/jobs/{job_id}/events", JobEvents(queries)),
         ("/api/jobs/{job_id}/retry", JobTransition(queries, store, "retry_failed")),
         ("/api/jobs/{job_id}/cancel", JobTransition(queries, store, "cancel")),
+        ("/api/jobs/{job_id}/abort", JobTransition(queries, store, "abort")),
+        ("/api/queues/{queue_name}/pause", QueueAction(store, "pause")),
+        ("/api/queues/{queue_name}/resume", QueueAction(store, "resume")),
+        ("/api/workers", WorkerList(store)),
+        ("/api/actors", ActorList(store)),
         ("/api/job-events", EventFeed(queries)),
         ("/api/schedules", ScheduleList(store)),
         ("/api/auth/login", Login(accounts, settings, throttle)),

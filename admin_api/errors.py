@@ -20,8 +20,10 @@ import psycopg_pool
 import sqlalchemy.exc
 
 from dramatiq_pg_broker.errors import (
+    InvalidQueueName,
     InvalidTransition,
     JobNotFound,
+    QueueNotDeclared,
     SchemaMissing,
     SchemaVersionError,
 )
@@ -166,6 +168,8 @@ def add_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(Exception, _internal)
     app.add_error_handler(JobNotFound, _raise(404, "{ex}: check the job id."))
     app.add_error_handler(InvalidTransition, _raise(409, "{ex}."))
+    app.add_error_handler(QueueNotDeclared, _raise(404, "{ex}."))
+    app.add_error_handler(InvalidQueueName, _raise(400, "{ex}."))
     app.add_error_handler(InvalidAccountData, _raise(400, "{ex}."))
     app.add_error_handler(EmailTaken, _raise(409, "{ex}."))
     app.add_error_handler(LastAdmin, _raise(409, "{ex}."))

@@ -11,6 +11,11 @@ gunicorn worker) or an admin API run with ``ADMIN_API_WORKERS=1``.
 Worker-side numbers (messages processed per actor, durations, in flight per worker
 process) come from Dramatiq's own ``dramatiq.middleware.Prometheus`` on each worker host;
 these are queue-side numbers, one series per queue, whichever host runs the work.
+
+The ``queue`` label takes only the names of queues a worker declared (the queues table),
+so its values are bounded by the deployment, not by what anyone sends: jobs of queues no
+worker declared are counted together under ``queue="(undeclared)"`` (a name no Dramatiq
+queue can have). ``dramatiq_pg_queue_paused`` is 1 for each paused queue, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ from prometheus_client.registry import Collector
 
 from dramatiq_pg_broker import events as event_types
 
-from .monitoring import EVENT_SETTLE_SECONDS, Monitor
+from .monitoring import EVENT_SETTLE_SECONDS, Monitor, QueueCounts
 
 #: Every metric's name starts with this.
 PREFIX = "dramatiq_pg"
 
 #: Finished-job outcomes, by the event that records them.
 OUTCOMES = (event_types.SUCCEEDED, event_types.FAILED, event_types.CANCELLED)
+
+#: The ``queue`` label of the jobs of every queue no worker declared.
+UNDECLARED = "(undeclared)"
 
 
 class QueueCollector(Collector):
@@ -70,6 +78,7 @@ class QueueCollector(Collector):
             events = dict(self._events)
             lease_expiries = self._lease_expiries
 
+        queues = _labelled(queues)
         gauges = {
             "queued": "Jobs waiting and runnable now.",
             "delayed": "Jobs waiting for a later available_at (delay, eta or retry backoff).",
@@ -89,6 +98,15 @@ class QueueCollector(Collector):
         for queue, counts in queues.items():
             oldest.add_metric([queue], counts.oldest_waiting_seconds)
         yield oldest
+        paused = GaugeMetricFamily(
+            f"{PREFIX}_queue_paused",
+            "1 while an operator has paused the queue (no worker claims its jobs), else 0.",
+            labels=["queue"],
+        )
+        for queue, counts in queues.items():
+            if queue != UNDECLARED:
+                paused.add_metric([queue], 1 if counts.paused else 0)
+        yield paused
 
         finished = CounterMetricFamily(
             f"{PREFIX}_jobs_finished",
@@ -96,7 +114,11 @@ class QueueCollector(Collector):
             labels=["outcome"],
         )
         for outcome in OUTCOMES:
-            finished.add_metric([outcome], events.get(outcome, 0))
+            count = events.get(outcome, 0)
+            if outcome == event_types.CANCELLED:
+                # An abort ends a job cancelled with its own event.
+                count += events.get(event_types.ABORTED, 0)
+            finished.add_metric([outcome], count)
         yield finished
         yield CounterMetricFamily(
             f"{PREFIX}_retries",
@@ -123,6 +145,23 @@ class QueueCollector(Collector):
             "Database round trip of this scrape's metric queries.",
             value=elapsed,
         )
+
+
+def _labelled(queues: dict[str, QueueCounts]) -> dict[str, QueueCounts]:
+    """The declared queues by name, and the jobs of all the others added up under
+    :data:`UNDECLARED` (when there are any)."""
+    labelled = {name: counts for name, counts in queues.items() if counts.declared}
+    others = [counts for counts in queues.values() if not counts.declared]
+    if others:
+        labelled[UNDECLARED] = QueueCounts(
+            queued=sum(c.queued for c in others),
+            delayed=sum(c.delayed for c in others),
+            running=sum(c.running for c in others),
+            failed=sum(c.failed for c in others),
+            oldest_waiting_seconds=max(c.oldest_waiting_seconds for c in others),
+            declared=False,
+        )
+    return labelled
 
 
 class Metrics:

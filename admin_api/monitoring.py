@@ -21,6 +21,7 @@ from dramatiq_pg_broker.db import Queries
 from dramatiq_pg_broker.jobs import LEASE_EXPIRED, QueueCounts, queue_counts_of
 
 from .tables import Timestamp, job_events
+from .tables import queues as queues_table
 
 __all__ = ["Monitor", "NewEvents", "QueueCounts"]
 
@@ -73,9 +74,10 @@ class Monitor:
 
     def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueCounts]:
         """Counts per queue, in one statement (the job store's ``count_by_queue``, see
-        :meth:`~dramatiq_pg_broker.jobs.JobStore.queue_counts`); ``oldest_waiting_seconds``
-        is 0 when no job of the queue is runnable. A queue with no unfinished or failed job
-        does not appear."""
+        :meth:`~dramatiq_pg_broker.jobs.JobStore.queue_counts`), and the state of every
+        declared queue: a declared queue appears even with no job; a queue with jobs that no
+        worker declared appears with ``declared`` False. ``oldest_waiting_seconds`` is 0
+        when no job of the queue is runnable."""
         with self.engine.connect() as conn:
             return self._queues(conn, now)
 
@@ -96,12 +98,27 @@ class Monitor:
 
     def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueCounts]:
         rows = conn.exec_driver_sql(self.queues_statement, {"now": now})
-        return {
+        found = {
             queue_name: dataclasses.replace(
                 counts, oldest_waiting_seconds=counts.oldest_waiting_seconds or 0.0
             )
             for queue_name, counts in queue_counts_of(rows).items()
         }
+        declared = conn.execute(
+            sa.select(
+                queues_table.c.queue_name,
+                queues_table.c.paused,
+                queues_table.c.paused_at,
+                queues_table.c.paused_by,
+            )
+        ).all()
+        for row in declared:
+            counts = found.setdefault(row.queue_name, QueueCounts(oldest_waiting_seconds=0.0))
+            counts.declared = True
+            counts.paused = bool(row.paused)
+            counts.paused_at = row.paused_at
+            counts.paused_by = row.paused_by
+        return dict(sorted(found.items()))
 
     def throughput(self, *, minutes: int = 60, now: dt.datetime | None = None) -> dict[str, Any]:
         """Succeeded, failed and retried attempts per minute over the last ``minutes``.

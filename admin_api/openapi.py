@@ -18,7 +18,7 @@ from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 from dramatiq_pg_broker.events import STATUSES
 
 from .accounts import ROLES
-from .queries import JOB_COLUMNS
+from .queries import JOB_COLUMNS, LIST_COLUMNS, PREVIEW_CHARS
 from .resources import dashboard as dashboard_resource
 from .resources import events as events_resource
 from .resources import jobs as jobs_resource
@@ -57,6 +57,12 @@ def _param(name: str, where: str, schema: dict, description: str, required: bool
 _JOB_ID = _param("job_id", "path", {"type": "string", "format": "uuid"}, "The job's id.")
 _USER_ID = _param("user_id", "path", {"type": "integer", "minimum": 0}, "The user's id.")
 _TOKEN_ID = _param("token_id", "path", {"type": "integer", "minimum": 0}, "The token's id.")
+_QUEUE_NAME = _param(
+    "queue_name",
+    "path",
+    {"type": "string", "maxLength": 255, "pattern": jobs_resource.QUEUE_NAME_PATTERN},
+    "The queue's name.",
+)
 
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 _TIME = {"type": "string", "format": "date-time"}
@@ -107,6 +113,33 @@ _SCHEMAS: dict[str, Any] = {
                 "type": ["string", "null"],
                 "description": "Email of the user who created the job through the API.",
             },
+            "abort_requested_at": {
+                **_NULLABLE_TIME,
+                "description": "When an operator asked for the job's abort (null: never).",
+            },
+            "abort_requested_by": {
+                "type": ["string", "null"],
+                "description": "Who asked for the job's abort.",
+            },
+        },
+    },
+    "JobSummary": {
+        "type": "object",
+        "description": "A job in a list: its fields, but bounded previews instead of its "
+        "arguments, result and last error (the job's own endpoint has them whole).",
+        "properties": {
+            "args_preview": {
+                "type": ["string", "null"],
+                "maxLength": PREVIEW_CHARS,
+                "description": f"The arguments (args, then kwargs when there are any) as "
+                f"JSON, at most {PREVIEW_CHARS} characters, ending with '…' when cut; null "
+                "for a message in a binary encoding.",
+            },
+            "error_preview": {
+                "type": ["string", "null"],
+                "maxLength": PREVIEW_CHARS,
+                "description": f"The last error, at most {PREVIEW_CHARS} characters.",
+            },
         },
     },
     "JobPage": {
@@ -131,7 +164,7 @@ _SCHEMAS: dict[str, Any] = {
                 "format": "uri-reference",
                 "description": "Newer jobs (a keyset cursor link).",
             },
-            "results": {"type": "array", "items": _ref("Job")},
+            "results": {"type": "array", "items": _ref("JobSummary")},
         },
     },
     "Event": {
@@ -234,6 +267,50 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "description": "Settings without secrets (see the settings reference).",
     },
+    "QueueState": {
+        "type": "object",
+        "properties": {
+            "queue_name": {"type": "string"},
+            "paused": {"type": "boolean"},
+            "paused_at": _NULLABLE_TIME,
+            "paused_by": {"type": ["string", "null"]},
+            "resumed_at": _NULLABLE_TIME,
+            "resumed_by": {"type": ["string", "null"]},
+            "declared_at": _TIME,
+        },
+    },
+    "Worker": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "description": "host:pid:random, per process start."},
+            "host": {"type": "string"},
+            "pid": {"type": "integer"},
+            "queues": {"type": "array", "items": {"type": "string"}},
+            "actors": {"type": "array", "items": {"type": "string"}},
+            "version": {"type": ["string", "null"]},
+            "started_at": _TIME,
+            "heartbeat_at": _TIME,
+            "expires_at": {
+                **_TIME,
+                "description": "Without a heartbeat by then, the process counts as gone.",
+            },
+            "in_flight": {
+                "type": "integer",
+                "description": "Attempts it held at its last heartbeat (prefetched, running "
+                "or waiting for their outcome to be written).",
+            },
+        },
+    },
+    "Actor": {
+        "type": "object",
+        "properties": {
+            "actor_name": {"type": "string"},
+            "queue_name": {"type": "string"},
+            "declared_at": _TIME,
+            "seen_at": {**_TIME, "description": "When a worker last declared it."},
+            "live_workers": {"type": "integer", "description": "Live workers declaring it."},
+        },
+    },
     "User": {
         "type": "object",
         "properties": {
@@ -256,6 +333,15 @@ _SCHEMAS: dict[str, Any] = {
             "token": {"type": "string", "description": "Only when created; shown once."},
         },
     },
+}
+
+# A list row has the job's own fields but its arguments, result and last error.
+_SCHEMAS["JobSummary"]["properties"] = {
+    **{
+        name: _SCHEMAS["Job"]["properties"][name]
+        for name in (*LIST_COLUMNS, "message_encoding", "owner")
+    },
+    **_SCHEMAS["JobSummary"]["properties"],
 }
 
 _401 = _error("No credentials, or invalid ones.")
@@ -384,11 +470,18 @@ def _paths() -> dict[str, Any]:
                 {
                     "summary": "Enqueue a message for an actor by name.",
                     "description": "The API needs no actor code: it stores the message a "
-                    "worker of the queue will run.",
+                    "worker of the queue will run. The actor must be one a worker declared "
+                    "(GET /api/actors), and the job goes to its queue: another actor name, "
+                    "or another queue_name, is a 400 (unless DRAMATIQ_PG_ADMIN_ADHOC_ACTORS "
+                    "allows actors no worker declared).",
                     "requestBody": _body(jobs_resource.JOB_FIELDS),
                     "responses": {
                         "201": _json(_ref("Job"), "The new job."),
                         "200": _json(_ref("Job"), "The job that already had this idempotency key."),
+                        "400": _error(
+                            "Bad input, an actor no worker declared, or a queue that is not "
+                            "the actor's."
+                        ),
                         "409": _error("A member reused a key of a job they did not create."),
                     },
                 },
@@ -471,6 +564,77 @@ def _paths() -> dict[str, Any]:
                     },
                 },
                 "operator, admin",
+            )
+        },
+        "/api/jobs/{job_id}/abort": {
+            "post": _protected(
+                {
+                    "summary": "Abort a job: a waiting one is cancelled at once; a running one "
+                    "is stopped by its worker and ends cancelled, never retried.",
+                    "description": "For a running job the answer comes before the worker "
+                    "stops it: the job is still running, with abort_requested_at and "
+                    "abort_requested_by set; it ends cancelled within about a second, with "
+                    "an aborted event naming who asked.",
+                    "parameters": [_JOB_ID],
+                    "responses": {
+                        "200": _json(
+                            _ref("Job"), "The job, cancelled or with the abort requested."
+                        ),
+                        "404": _404,
+                        "409": _error("The job has finished (succeeded, failed or cancelled)."),
+                    },
+                },
+                "operator, admin",
+            )
+        },
+        "/api/queues/{queue_name}/pause": {
+            "post": _protected(
+                {
+                    "summary": "Pause a queue: no worker on any host claims its jobs from "
+                    "now on; sends are still accepted; the pause survives worker restarts.",
+                    "description": "Its workers give back the messages they prefetched and "
+                    "had not started; running jobs finish. Pausing a paused queue changes "
+                    "nothing.",
+                    "parameters": [_QUEUE_NAME],
+                    "responses": {
+                        "200": _json(_ref("QueueState"), "The queue, paused."),
+                        "404": _error("No worker has declared this queue."),
+                    },
+                },
+                "operator, admin",
+            )
+        },
+        "/api/queues/{queue_name}/resume": {
+            "post": _protected(
+                {
+                    "summary": "Resume a paused queue: its workers claim its jobs at once.",
+                    "parameters": [_QUEUE_NAME],
+                    "responses": {
+                        "200": _json(_ref("QueueState"), "The queue, active."),
+                        "404": _error("No worker has declared this queue."),
+                    },
+                },
+                "operator, admin",
+            )
+        },
+        "/api/workers": {
+            "get": _protected(
+                {
+                    "summary": "The live worker processes: host, pid, queues, actors, start, "
+                    "last heartbeat, jobs in flight.",
+                    "responses": {"200": _list_of("Worker", "The live workers, oldest first.")},
+                },
+                "viewer, operator, admin",
+            )
+        },
+        "/api/actors": {
+            "get": _protected(
+                {
+                    "summary": "The actors workers declared, each with its queue: what "
+                    "POST /api/jobs accepts.",
+                    "responses": {"200": _list_of("Actor", "The declared actors, by name.")},
+                },
+                "any",
             )
         },
         "/api/job-events": {
@@ -686,6 +850,14 @@ def _monitoring_paths() -> dict[str, Any]:
                 "type": "number",
                 "description": "How long the oldest runnable job has waited (0: none).",
             },
+            "declared": {
+                "type": "boolean",
+                "description": "A worker declared the queue (false: jobs wait in a queue no "
+                "worker consumes).",
+            },
+            "paused": {"type": "boolean", "description": "An operator paused the queue."},
+            "paused_at": _NULLABLE_TIME,
+            "paused_by": {"type": ["string", "null"]},
         },
     }
     bucket = {
@@ -720,8 +892,9 @@ def _monitoring_paths() -> dict[str, Any]:
         "/api/queues": {
             "get": _protected(
                 {
-                    "summary": "Per queue: queued, delayed, running and failed jobs, and the "
-                    "age of the oldest runnable job. Queues with none of these are left out.",
+                    "summary": "Per queue: queued, delayed, running and failed jobs, the age "
+                    "of the oldest runnable job, and whether it is paused. Every declared "
+                    "queue is listed; another queue only while it has such jobs.",
                     "responses": {
                         "200": _json(
                             {

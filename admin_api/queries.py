@@ -16,6 +16,8 @@ import datetime as dt
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import Text
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine
 
 from dramatiq_pg_broker.db import Queries
@@ -57,7 +59,17 @@ JOB_COLUMNS = (
     "updated_at",
     "started_at",
     "finished_at",
+    "abort_requested_at",
+    "abort_requested_by",
 )
+
+#: The columns of a job list row: the job's page has the rest. The arguments and the last
+#: error are not among them: a row carries a bounded preview of each instead
+#: (:data:`PREVIEW_CHARS`), so a page of jobs with megabytes of arguments stays small.
+LIST_COLUMNS = tuple(name for name in JOB_COLUMNS if name not in ("last_error", "result"))
+
+#: The longest preview of a job's arguments or last error in a list row, in characters.
+PREVIEW_CHARS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +132,52 @@ def _job_select() -> sa.Select:
             users, users.c.id == job_owners.c.user_id
         )
     )
+
+
+def _summary_select() -> sa.Select:
+    """A job list row: :data:`LIST_COLUMNS`, and previews of the arguments and the last
+    error cut by the server (one character more than a preview shows, to tell whether it
+    was cut): the whole message and error never leave the database for a list."""
+    owner = users.c.email.label("owner")
+    kwargs = jobs.c.message["kwargs"]
+    arguments = sa.func.concat_ws(
+        " ",
+        sa.cast(jobs.c.message["args"], Text),
+        sa.case((kwargs == sa.cast(sa.literal("{}"), JSONB), None), else_=sa.cast(kwargs, Text)),
+    )
+    return sa.select(
+        *(jobs.c[name] for name in LIST_COLUMNS),
+        sa.func.left(arguments, PREVIEW_CHARS + 1).label("args_preview"),
+        sa.func.left(jobs.c.last_error, PREVIEW_CHARS + 1).label("error_preview"),
+        (jobs.c.message.is_(None)).label("opaque"),
+        owner,
+    ).select_from(
+        jobs.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id).outerjoin(
+            users, users.c.id == job_owners.c.user_id
+        )
+    )
+
+
+def preview(text: str | None) -> str | None:
+    """At most :data:`PREVIEW_CHARS` characters of ``text``, ending with an ellipsis when
+    cut."""
+    if text is None or len(text) <= PREVIEW_CHARS:
+        return text
+    return text[: PREVIEW_CHARS - 1] + "…"
+
+
+def summary_dict(row: sa.Row) -> dict[str, Any]:
+    """A job list row as the API shows it: the job's fields but its arguments, result and
+    last error, with ``args_preview`` and ``error_preview`` (bounded; None when there is
+    nothing to show: no error, or a message in a binary encoding)."""
+    data = {name: row._mapping[name] for name in LIST_COLUMNS}
+    data["id"] = str(data["id"])
+    opaque = row._mapping["opaque"]
+    data["args_preview"] = None if opaque else preview(row._mapping["args_preview"] or None)
+    data["error_preview"] = preview(row._mapping["error_preview"])
+    data["message_encoding"] = "binary" if opaque else "json"
+    data["owner"] = row._mapping["owner"]
+    return data
 
 
 def _stored_result(job_id: str) -> sa.Select:
@@ -280,7 +338,7 @@ class JobQueries:
             if ids:
                 newest_first = (jobs.c.created_at.desc(), jobs.c.id.desc())
                 rows = conn.execute(
-                    _job_select().where(jobs.c.id.in_(ids)).order_by(*newest_first)
+                    _summary_select().where(jobs.c.id.in_(ids)).order_by(*newest_first)
                 ).all()
             capped = (
                 sa.select(sa.literal(1))
@@ -291,7 +349,7 @@ class JobQueries:
             )
             count = conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
         exact = count <= COUNT_CAP
-        return JobPage(min(count, COUNT_CAP), exact, [job_dict(row) for row in rows], more)
+        return JobPage(min(count, COUNT_CAP), exact, [summary_dict(row) for row in rows], more)
 
     def _matching_actors(self, conn, fragment: str) -> tuple[list[str], bool]:
         """The distinct actor names containing ``fragment`` (case-insensitive), and whether

@@ -21,7 +21,7 @@ from sqlalchemy import (
     Table,
     Text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP, UUID
 
 metadata = MetaData()
 
@@ -57,6 +57,9 @@ jobs = Table(
     Column("interruptions", Integer, nullable=False),
     Column("idempotency_scope", Text, nullable=False),
     Column("abandoned_claims", Integer, nullable=False),
+    # Who asked for the job's abort, and when (0011).
+    Column("abort_requested_at", Timestamp),
+    Column("abort_requested_by", Text),
 )
 
 job_events = Table(
@@ -120,4 +123,41 @@ results = Table(
     Column("failed", Boolean, nullable=False),
     Column("expires_at", Timestamp, nullable=False),
     Column("stored_at", Timestamp, nullable=False),
+)
+
+# Operator control (0011): declared queues and their pause, declared actors, live workers.
+queues = Table(
+    "queues",
+    metadata,
+    Column("queue_name", Text, primary_key=True),
+    Column("paused", Boolean, nullable=False),
+    Column("paused_at", Timestamp),
+    Column("paused_by", Text),
+    Column("resumed_at", Timestamp),
+    Column("resumed_by", Text),
+    Column("declared_at", Timestamp, nullable=False),
+)
+
+actors = Table(
+    "actors",
+    metadata,
+    Column("actor_name", Text, primary_key=True),
+    Column("queue_name", Text, nullable=False),
+    Column("declared_at", Timestamp, nullable=False),
+    Column("seen_at", Timestamp, nullable=False),
+)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("queues", ARRAY(Text), nullable=False),
+    Column("actors", ARRAY(Text), nullable=False),
+    Column("version", Text),
+    Column("started_at", Timestamp, nullable=False),
+    Column("heartbeat_at", Timestamp, nullable=False),
+    Column("expires_at", Timestamp, nullable=False),
+    Column("in_flight", Integer, nullable=False),
 )

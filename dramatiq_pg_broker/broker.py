@@ -29,7 +29,7 @@ from psycopg_pool import ConnectionPool
 from . import messages
 from .config import Settings
 from .consumer import PostgresConsumer
-from .current import JobContext, running_attempt
+from .current import AbortGuard, JobContext, running_attempt
 from .db import ProcessPool
 from .errors import PgBrokerError
 from .handshake import SchemaGate
@@ -40,6 +40,7 @@ from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
 from .sending import Batch, Sender
+from .workers import Presence
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,11 @@ class PostgresBroker(dramatiq.Broker):
         self.add_middleware(self.schema_gate)
         self.periodic = Periodic()
         self.add_middleware(self.periodic)
+        #: This process in the worker registry (see :mod:`.workers`).
+        self.presence = Presence()
+        self.add_middleware(self.presence)
+        # Last, so that its after-hooks run first (see AbortGuard).
+        self.add_middleware(AbortGuard())
 
         self.queues: dict[str, None] = {}
         self.pool = ProcessPool(settings, pool=pool)

@@ -6,8 +6,10 @@ Commands:
   status             list applied, pending and unknown (newer) migrations, and whether this
                      code fits the schema (see :mod:`.handshake`)
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
-  jobs list|show|retry|cancel, stats, prune, schedules
+  jobs list|show|retry|cancel|abort, stats, prune, schedules
                      the operator's commands (:mod:`.cli_jobs`)
+  queues list|pause|resume, workers, actors
+                     operator control (:mod:`.cli_control`)
   user ..., token ...  admin API accounts (:mod:`admin_api.cli`; needs the ``admin`` extra)
 
 Every command that touches jobs or accounts passes the schema handshake first: against a
@@ -227,6 +229,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_control import add_control_commands
     from .cli_jobs import add_operator_commands
 
     parser = OneLineErrorParser(
@@ -239,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migration_commands(sub)
     add_embedded_commands(sub)
     add_operator_commands(sub)
+    add_control_commands(sub)
     add_admin_commands(sub)
     return parser
 

@@ -1,5 +1,5 @@
-"""The operator's commands: ``jobs list|show|retry|cancel``, ``stats``, ``prune`` and
-``schedules``.
+"""The operator's commands: ``jobs list|show|retry|cancel|abort``, ``stats``, ``prune`` and
+``schedules`` (``queues`` and ``workers`` are in :mod:`.cli_control`).
 
 Reads use the named statements of ``sql/operator.sql``; every change goes through the
 :class:`~dramatiq_pg_broker.jobs.JobStore` transitions (the same functions, and so the same
@@ -294,6 +294,46 @@ def run_jobs_cancel(ctx: Context, args) -> int:
 
 
 @command
+def run_jobs_abort(ctx: Context, args) -> int:
+    job = ctx.store.abort(ctx.store.resolve_id(args.id), by=operator_name())
+    if job["status"] == "running" and args.wait:
+        job = wait_until_finished(ctx, job["id"], args.wait)
+    if args.json:
+        print(to_json(job))
+    elif job["status"] == "running":
+        waited = f" after {args.wait:g}s" if args.wait else ""
+        print(
+            f"job {job['id']} is still running{waited}: its worker was asked to stop it and "
+            "ends it cancelled (see `jobs show`)"
+        )
+    else:
+        print(f"job {job['id']} is {job['status']}")
+    return 0
+
+
+def wait_until_finished(ctx: Context, which: str, seconds: float) -> dict[str, Any]:
+    """The job once it is no longer running, or as it is after ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        row = ctx.store.get(which)
+        if row["status"] != "running" or time.monotonic() >= deadline:
+            return row
+        time.sleep(0.1)
+
+
+def non_negative_seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0 <= number <= 3600:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds from 0 to 3600")
+    return number
+
+
+@command
 def run_stats(ctx: Context, args) -> int:
     rows = [
         {"queue_name": queue_name, **counts.as_dict()}
@@ -408,9 +448,9 @@ def _json_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``jobs``, ``stats``, ``prune`` and ``schedules`` to the CLI."""
-    jobs = sub.add_parser("jobs", help="list, show, retry and cancel jobs")
+    jobs = sub.add_parser("jobs", help="list, show, retry, cancel and abort jobs")
     jobs_sub = jobs.add_subparsers(
-        dest="jobs_command", metavar="{list,show,retry,cancel}", required=True
+        dest="jobs_command", metavar="{list,show,retry,cancel,abort}", required=True
     )
 
     listing = jobs_sub.add_parser("list", help="the newest jobs first")
@@ -438,6 +478,20 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     cancel.add_argument("id", help=ID_HELP)
     _json_flag(cancel)
     cancel.set_defaults(func=run_jobs_cancel)
+
+    abort = jobs_sub.add_parser(
+        "abort", help="cancel a waiting job, or stop a running one (it ends cancelled)"
+    )
+    abort.add_argument("id", help=ID_HELP)
+    abort.add_argument(
+        "--wait",
+        type=non_negative_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for a running job to stop (default: do not wait)",
+    )
+    _json_flag(abort)
+    abort.set_defaults(func=run_jobs_abort)
 
     stats = sub.add_parser("stats", help="per queue: queued, running, delayed, failed")
     _json_flag(stats)

@@ -253,6 +253,14 @@ class Settings:
         "to 2 s, then get a 429.",
         group="Admin API",
     )
+    admin_adhoc_actors: bool = _setting(
+        False,
+        "Let the admin API create jobs for actors no worker has declared (on the queue the "
+        "request names, `default` if none). Off: a job is created only for a declared "
+        "actor, on that actor's queue, so that nobody can invent actors or queues (and "
+        "with them metric labels) through the API.",
+        group="Admin API",
+    )
     log_level: str | None = _setting(
         None,
         "Level of the `dramatiq_pg_broker` loggers (`DEBUG`, `INFO`, ...); unset leaves "

@@ -16,6 +16,14 @@ one statement per queue per poll interval.
 
 Outcomes: ``ack``/``nack``/``requeue`` only tell the in-flight ledger, which owns every
 attempt's state; the :class:`~.outcomes.OutcomeWriter` writes them.
+
+Operator control arrives on the same LISTEN connection, as payloads on the queue's
+channel: ``abort:<job id>`` (the ledger stops that job's attempt if this process holds
+it) and ``pause``. A busy consumer reads them at least every :data:`NOTICE_INTERVAL`. A
+paused queue claims nothing (the claim statement refuses it); when its consumer learns of
+the pause (that payload, or a claim that reports it), it gives back the messages it
+claimed and has not started, uncharged, so that none of them starts after the pause.
+Messages already running finish.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from dramatiq.errors import BrokerConnectionError
 
 from .db import connect, translate_errors
 from .inflight import RETRY_CAP_SECONDS
-from .jobs import Attempt, ClaimedJob, clean_text
+from .jobs import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -47,6 +55,10 @@ BUSY_DRAIN_INTERVAL = 0.1
 
 #: The window halves when the next claim became due only after this many claims' time.
 WINDOW_SHRINK_CLAIMS = 4
+
+#: How often a consumer waiting for a free slot (its workers busy) reads its notifications:
+#: an operator's abort of a running job reaches the worker this way.
+NOTICE_INTERVAL = 0.25
 
 
 def new_owner_id() -> str:
@@ -119,6 +131,8 @@ class PostgresConsumer(Consumer):
         self._last_empty: float | None = None
         self._notified = False
         self._last_drain = 0.0
+        #: Whether the last claim found the queue paused (logged once per pause).
+        self._paused = False
 
     # -- claiming ------------------------------------------------------------------------
 
@@ -171,8 +185,9 @@ class PostgresConsumer(Consumer):
             return False
         # (The window may have shrunk in _claim: compare with its half now.)
         if self.slots.held > self.window // 2:
-            # Enough work in hand: wait for an outcome to free a slot.
-            self.slots.wait(remaining)
+            # Enough work in hand: wait for an outcome to free a slot, reading the
+            # notifications (an abort) now and then meanwhile.
+            self.slots.wait(min(remaining, NOTICE_INTERVAL))
         else:
             self._wait_for_work(remaining)
         return False
@@ -224,10 +239,25 @@ class PostgresConsumer(Consumer):
             self._last_empty = time.monotonic()
             wait = claim.seconds_until_available
             self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
+            if claim.paused:
+                self._queue_paused()
+            elif self._paused:
+                self._paused = False
+                logger.info("Queue %r was resumed.", self.queue_name)
             return False
+        if self._paused:
+            self._paused = False
+            logger.info("Queue %r was resumed.", self.queue_name)
         self._last_empty = None
         undecodable: list[tuple[Attempt, str]] = []
         for job in claim.jobs:
+            if job.abort_requested:
+                # An operator aborted it (a worker of the previous release requeued it
+                # anyway): it ends cancelled without running.
+                attempt = Attempt(job.id, self.owner, job.attempts)
+                self.ledger.claimed(self.slots, attempt, leased_until=sent + lease)
+                self.ledger.abort(job.id)
+                continue
             proxy = self._proxy(job, sent + lease, undecodable)
             if proxy is not None:
                 self._buffer.append(proxy)
@@ -309,8 +339,8 @@ class PostgresConsumer(Consumer):
             time.sleep(wait)
             return
         with translate_errors():
-            for _ in conn.notifies(timeout=wait, stop_after=1):
-                self._notified = True
+            for notify in conn.notifies(timeout=wait, stop_after=1):
+                self._notice(notify.payload)
 
     def _listener(self):
         if not self.settings.listen:
@@ -335,8 +365,45 @@ class PostgresConsumer(Consumer):
         conn = self._listener()
         if conn is not None:
             with translate_errors():
-                for _ in conn.notifies(timeout=0):
-                    self._notified = True
+                for notify in conn.notifies(timeout=0):
+                    self._notice(notify.payload)
+
+    def _notice(self, payload: str) -> None:
+        """One notification on the queue's channel: work to look at (no payload), an
+        operator's abort of a job (``abort:<id>``), or a pause."""
+        if payload.startswith(ABORT_PAYLOAD_PREFIX):
+            self.ledger.abort(payload[len(ABORT_PAYLOAD_PREFIX) :])
+        elif payload == PAUSE_PAYLOAD:
+            self._queue_paused()
+        else:
+            self._notified = True
+
+    def _queue_paused(self) -> None:
+        """An operator paused this queue: give back, uncharged, every message this consumer
+        claimed that has not started (in its buffer, or handed to Dramatiq and waiting for
+        a worker thread). Messages already running finish."""
+        if not self._paused:
+            self._paused = True
+            logger.info(
+                "Queue %r is paused: nothing is claimed until it is resumed.", self.queue_name
+            )
+        self._buffer.clear()
+        try:
+            released = self.ledger.release(self.ledger.claimed_by(self.owner))
+        except BrokerConnectionError as e:
+            logger.warning(
+                "Queue %r is paused but its unstarted messages could not be given back (%s); "
+                "their leases expire and they go back uncharged.",
+                self.queue_name,
+                e,
+            )
+            return
+        if released:
+            logger.info(
+                "Queue %r is paused: returned %d unstarted message(s).",
+                self.queue_name,
+                len(released),
+            )
 
     # -- outcomes ------------------------------------------------------------------------
 

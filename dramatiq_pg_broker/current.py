@@ -14,17 +14,34 @@
 
 Both return False when the worker no longer owns the attempt (its lease expired and another
 worker took the job): the actor may then stop, since its outcome will be discarded.
+
+An operator's abort raises :class:`~.errors.JobAborted` in the actor's thread. An actor
+that must not be interrupted at an arbitrary instruction (it holds a resource it has to
+release, or spends minutes inside C code that no exception can interrupt) is declared
+``interrupt_on_abort=False`` and checks for itself, where it is safe to stop::
+
+    @dramatiq.actor(interrupt_on_abort=False)
+    def rebuild_index(shard):
+        job = current_job()
+        for batch in batches(shard):
+            job.raise_if_aborted()          # JobAborted if an operator asked to stop
+            index(batch)                    # a long call into C code
+
+``job.abort_requested`` says the same without raising. Whatever such an actor raises once
+the abort was requested ends the job cancelled; if it returns normally, it succeeded.
 """
 
 from __future__ import annotations
 
 import contextvars
+import threading
 from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq.middleware import Middleware, SkipMessage
 
 from .consumer import PgMessageProxy, describe_exception
+from .errors import JobAborted
 from .inflight import State
 from .sending import RunningAttempt
 
@@ -67,6 +84,22 @@ class CurrentJob:
         seconds = lease_seconds or self.broker.settings.lease_seconds
         return self.broker.store.progress(self.message.attempt, data, seconds)
 
+    @property
+    def abort_requested(self) -> bool:
+        """Whether an operator asked for this job's abort. No database query: the worker
+        learns it from a notification (or its lease heartbeat) and remembers it."""
+        return self.broker.ledger.abort_requested(self.message.attempt)
+
+    def raise_if_aborted(self) -> None:
+        """Raise :class:`~.errors.JobAborted` if an operator asked for this job's abort:
+        the cooperative check of an actor declared ``interrupt_on_abort=False``.
+
+        Raises:
+          JobAborted: the abort was requested.
+        """
+        if self.abort_requested:
+            raise JobAborted(f"job {self.id} was aborted")
+
 
 def current_job() -> CurrentJob | None:
     """The job of the message this thread is processing, or None outside an actor (or for
@@ -95,13 +128,17 @@ def running_attempt(ledger: Ledger, message: dramatiq.Message) -> RunningAttempt
 class JobContext(Middleware):
     """Connects Dramatiq's worker to the in-flight ledger, and makes :func:`current_job`
     work. It declares the ``heartbeat`` actor option (``heartbeat=False`` turns automatic
-    lease renewal off for an actor).
+    lease renewal off for an actor) and ``interrupt_on_abort`` (``False``: an operator's
+    abort does not raise in the actor's thread; the actor checks
+    ``current_job().abort_requested`` itself).
 
     - before a message runs: the ledger marks it started (the database learns it a moment
       later, or at once for a ``heartbeat=False`` actor), or the message is skipped when
       this process no longer owns it (released at shutdown, or its lease was lost while
       it waited);
     - when shutdown begins: prefetched messages that have not started go back at once;
+    - while the actor runs, the ledger knows its thread, so that an abort can be raised
+      there; it forgets it as soon as Dramatiq's after-hooks reach this middleware;
     - when an actor raises: the ledger remembers it, so no ack can record a success
       (without a Retries middleware, Dramatiq acks a message whose actor raised: the job
       is recorded failed, not succeeded).
@@ -112,7 +149,7 @@ class JobContext(Middleware):
 
     @property
     def actor_options(self) -> set[str]:
-        return {"heartbeat"}
+        return {"heartbeat", "interrupt_on_abort"}
 
     def before_worker_boot(self, broker, worker) -> None:
         broker.ledger.open()
@@ -130,6 +167,12 @@ class JobContext(Middleware):
             # it (Dramatiq's Results middleware stores None for a skipped message).
             message.options["store_results"] = False
             raise SkipMessage(f"job {message.attempt.id} is no longer owned by this worker")
+        interrupt = actor is None or actor.options.get("interrupt_on_abort") is not False
+        if not broker.ledger.running_in(
+            message.attempt, threading.get_ident(), interrupt=interrupt
+        ):
+            message.options["store_results"] = False
+            raise SkipMessage(f"job {message.attempt.id} was aborted before its actor started")
         _current.set(CurrentJob(broker, message))
         if own_lease:
             # The start gave it a full lease; from here on only the actor renews it.
@@ -137,8 +180,29 @@ class JobContext(Middleware):
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         _current.set(None)
+        if isinstance(message, PgMessageProxy):
+            broker.ledger.left(message.attempt)
         if exception is not None and isinstance(message, PgMessageProxy):
             broker.ledger.failed_with(message.attempt, describe_exception(exception))
 
     def after_skip_message(self, broker, message) -> None:
         _current.set(None)
+        if isinstance(message, PgMessageProxy):
+            broker.ledger.left(message.attempt)
+
+
+class AbortGuard(Middleware):
+    """Tells the ledger that an actor returned, from the first after-hook Dramatiq runs:
+    the broker adds it last to its middleware list (after-hooks run in reverse order), so
+    that once the actor is done, no abort is raised in its thread while the other
+    middleware post-process the message (a pipeline's next message, a callback). Hooks of
+    middleware added later still run before it; :class:`JobContext` does the same at the
+    end, whatever the order."""
+
+    def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
+        if isinstance(message, PgMessageProxy):
+            broker.ledger.left(message.attempt)
+
+    def after_skip_message(self, broker, message) -> None:
+        if isinstance(message, PgMessageProxy):
+            broker.ledger.left(message.attempt)

@@ -1,6 +1,13 @@
-"""The package's errors: one base class, each subclass's docstring is its meaning."""
+"""The package's errors: one base class, each subclass's docstring is its meaning.
+
+One exception stands apart: :class:`JobAborted` is raised inside a running actor, so it
+derives from Dramatiq's ``Interrupt`` (a ``BaseException``, like ``TimeLimitExceeded``),
+not from :class:`PgBrokerError`: an actor's ``except Exception`` must not swallow it.
+"""
 
 from __future__ import annotations
+
+from dramatiq.middleware.threading import Interrupt
 
 
 class PgBrokerError(Exception):
@@ -104,6 +111,27 @@ class TransactionError(PgBrokerError):
     """``broker.transaction()`` was given a connection it cannot write jobs on."""
 
 
+class QueueNotDeclared(PgBrokerError):
+    """No worker has declared this queue: check its name, or pause it ahead of its workers
+    with ``--force``."""
+
+
+class InvalidQueueName(PgBrokerError, ValueError):
+    """The name cannot be a queue's: Dramatiq's queue names are a letter or '_', then
+    letters, digits, '.', '_' or '-'."""
+
+
+class ActorNotDeclared(PgBrokerError):
+    """No worker has declared an actor of this name, so no job of it would ever run."""
+
+
 class JobInterrupted(PgBrokerError):
     """The job's attempts were interrupted too often (its worker died, hung or lost its
     lease each time), so it failed without its actor raising."""
+
+
+class JobAborted(Interrupt):
+    """An operator aborted the job this actor was running: the job ends cancelled, is never
+    retried nor run again. Raised in the actor's thread by the worker, or by
+    ``current_job().raise_if_aborted()``; an actor may catch it to clean up, then should
+    re-raise it."""

@@ -31,6 +31,12 @@ RELEASED = "released"
 MANUAL_RETRY = "manual_retry"
 #: An operator cancelled a queued job.
 CANCELLED = "cancelled"
+#: An operator asked for a running job to be aborted (``actor`` is who asked); its worker
+#: stops the attempt within about a second.
+ABORT_REQUESTED = "abort_requested"
+#: A job ended ``cancelled`` because of an abort (``actor`` is who asked): at once for a
+#: waiting job, when its worker stopped the attempt (``data.worker``) for a running one.
+ABORTED = "aborted"
 
 #: Every event type, in the order a job usually meets them.
 ALL = (
@@ -45,6 +51,8 @@ ALL = (
     RELEASED,
     MANUAL_RETRY,
     CANCELLED,
+    ABORT_REQUESTED,
+    ABORTED,
 )
 
 #: Job statuses; the terminal ones end a job's life until an operator retries it.

@@ -21,6 +21,17 @@ an attempt moves from one state to the next.
   writes it in a batch.
 - *done*: written, rescheduled, released or lost. The ledger forgets it.
 
+An operator's abort (:meth:`Ledger.abort`, told by a NOTIFY, the lease heartbeat or a
+claim) moves a claimed or started attempt straight to *outcome queued* with the outcome
+``abort`` (the job ends ``cancelled``), at once, whatever the actor is doing: a thread
+blocked in a system call (``time.sleep``, a socket read) cannot be interrupted before the
+call returns, but its job is cancelled within moments and the outcome the thread reports
+later is refused. The actor's thread gets :class:`~.errors.JobAborted` raised in it (as
+Dramatiq's TimeLimit raises its exception), at its next Python instruction, unless the
+actor is declared ``interrupt_on_abort=False``: it then only sees
+``current_job().abort_requested`` and stops itself; whatever it raises then ends the job
+cancelled (a success stays a success).
+
 Every attempt that is not done has its lease renewed by the heartbeat and holds a slot of
 its consumer's claim window, except that a consumer's first ``window`` unwritten outcomes
 give their slots back as soon as they are queued (:class:`Slots`): the next claim then
@@ -40,8 +51,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
+from dramatiq.middleware.threading import raise_thread_exception
 
 from . import forks
+from .errors import JobAborted
 from .jobs import Attempt
 from .sending import GroupCommit
 
@@ -143,6 +156,9 @@ class _Entry:
         "start_first",
         "began",
         "start_recorded",
+        "thread",
+        "interrupt",
+        "abort_requested",
     )
 
     def __init__(
@@ -165,6 +181,12 @@ class _Entry:
         #: The text of an exception the actor raised, kept so that an ack of a failed
         #: attempt (a broken retry hook) is written as a failure, never as a success.
         self.error: str | None = None
+        #: The ident of the worker thread running the actor, while it does.
+        self.thread: int | None = None
+        #: An abort raises JobAborted in that thread (else the actor checks for it).
+        self.interrupt = True
+        #: An operator asked for this attempt's abort.
+        self.abort_requested = False
 
 
 class Ledger:
@@ -463,11 +485,13 @@ class Ledger:
     def settle(self, attempt: Attempt, kind: str, error: str | None = None) -> bool:
         """Dramatiq acked (``kind="complete"``) or nacked (``"fail"``) a message: queue its
         outcome for the writer. Refused (False) for an attempt with an outcome already, one
-        that was rescheduled, released or lost.
+        that was rescheduled, released, aborted or lost.
 
         An ack of an attempt whose actor raised is written as a failure: a failed attempt
         is never recorded as a success (Dramatiq acks it when no Retries middleware is
-        installed, or when that middleware's hook failed).
+        installed, or when that middleware's hook failed). A nack of an attempt whose abort
+        was requested (an actor declared ``interrupt_on_abort=False`` that stopped itself)
+        is written as the abort: the job ends cancelled.
         """
         self._check_fork()
         with self._lock:
@@ -475,6 +499,9 @@ class Ledger:
             if entry is None:
                 self._refuse(kind, attempt)
                 return False
+            if kind == "fail" and entry.abort_requested:
+                # An actor that checks for aborts itself stopped with an exception.
+                kind, error = "abort", None
             if kind == "complete" and entry.error is not None:
                 logger.error(
                     "Job %s attempt %d raised but was acked (no Retries middleware, or its "
@@ -541,6 +568,87 @@ class Ledger:
                 self._finish(entry)
                 if not written:
                     self._orphan(entry)
+
+    # -- aborts --------------------------------------------------------------------------
+
+    def running_in(self, attempt: Attempt, thread: int, *, interrupt: bool = True) -> bool:
+        """The actor of a started attempt runs in worker thread ``thread`` from now until
+        :meth:`left`: an abort raises :class:`~.errors.JobAborted` there (``interrupt``),
+        or only flags the attempt for the actor to check. Returns False when the attempt
+        was aborted (or lost) since it started: the actor must not run."""
+        self._check_fork()
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is None:
+                return False
+            entry.thread = thread
+            entry.interrupt = interrupt
+            return True
+
+    def left(self, attempt: Attempt) -> None:
+        """The worker thread is done with the attempt's actor (Dramatiq's post-processing
+        follows): no abort is raised in it any more. Taken under the same lock as
+        :meth:`abort`, so an exception is never set in a thread that has moved on."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt:
+                entry.thread = None
+
+    def abort(self, job_id: str) -> bool:
+        """An operator asked for the abort of job ``job_id``: stop this process's attempt of
+        it, if it holds one that is claimed or running (see the module docstring). The
+        attempt's outcome becomes ``abort``, written by the outcome writer (the job ends
+        ``cancelled``, never retried nor run again), except for a running actor declared
+        ``interrupt_on_abort=False``, which is only flagged. Returns True if this process
+        held such an attempt; a second request for the same attempt changes nothing."""
+        self._check_fork()
+        with self._lock:
+            entry = self._entries.get(str(job_id))
+            if entry is None or entry.state not in (State.CLAIMED, State.STARTED):
+                return False
+            if entry.abort_requested:
+                return True
+            entry.abort_requested = True
+            attempt = entry.attempt
+            if entry.state is State.STARTED and not entry.interrupt:
+                logger.warning(
+                    "Abort requested for job %s attempt %d; its actor checks for it itself "
+                    "(interrupt_on_abort=False).",
+                    attempt.id,
+                    attempt.attempt,
+                )
+                return True
+            started = entry.state is State.STARTED
+            thread = entry.thread
+            entry.state = State.OUTCOME_QUEUED
+            entry.slot_given = entry.slots._settle()
+            if thread is not None:
+                # Under the lock that left() takes: the thread is still in the actor.
+                raise_thread_exception(thread, JobAborted)
+        self.broker.outcomes.submit("abort", attempt, None)
+        logger.warning(
+            "Aborted job %s attempt %d at an operator's request (%s).",
+            attempt.id,
+            attempt.attempt,
+            "its actor is interrupted" if started else "it had not started",
+        )
+        return True
+
+    def abort_requested(self, attempt: Attempt) -> bool:
+        """Whether an abort of this attempt reached this process (while it holds it)."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            return entry is not None and entry.attempt == attempt and entry.abort_requested
+
+    def claimed_by(self, owner: str) -> list[Attempt]:
+        """The attempts of one consumer (its lease owner id) that are claimed and have not
+        started: what it gives back when its queue is paused."""
+        with self._lock:
+            return [
+                e.attempt
+                for e in self._entries.values()
+                if e.state is State.CLAIMED and e.attempt.owner == owner
+            ]
 
     # -- leases --------------------------------------------------------------------------
 

@@ -14,7 +14,10 @@ worker claimed the job), never an exception.
     running -> queued       reschedule (retry), reap (lease expired), release (shutdown)
     running -> failed       fail, or reap with interruptions exhausted
     failed  -> queued       retry_failed (operator)
-    queued  -> cancelled    cancel (operator)
+    queued  -> cancelled    cancel (operator), abort (operator)
+    running -> running      abort (operator): the attempt is marked, its worker stops it
+    running -> cancelled    abort_attempts (the worker stopped an aborted attempt), or
+                            reschedule / reap of an attempt whose abort was requested
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class ClaimedJob:
     failures: int = 0
     #: Earlier claims of this job whose lease expired before a start was recorded.
     abandoned_claims: int = 0
+    #: An operator asked for this job's abort (a worker of the previous release requeued
+    #: it anyway): it must be cancelled, not run.
+    abort_requested: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +86,9 @@ class Claim:
     #: (any queue, any worker) expires (0 or less: one has expired; ``math.inf``: no job
     #: runs). The reaper has nothing to do before then (:meth:`.LeaseKeeper.leases_report`).
     lease_seconds_left: float | None = None
+    #: True when nothing was claimed because an operator paused the queue (no wait is
+    #: reported then: nothing there becomes runnable by itself).
+    paused: bool = False
 
 
 # Not frozen: a frozen dataclass's __init__ costs three times as much, which a bulk enqueue
@@ -140,12 +149,31 @@ class ReapedJob(NamedTuple):
 
 class ReapResult(NamedTuple):
     """What one reaper run did: ``requeued`` interrupted attempts, ``released`` claims that
-    never started (uncharged), ``failed`` jobs whose interruptions reached the bound."""
+    never started (uncharged), ``failed`` jobs whose interruptions reached the bound,
+    ``aborted`` jobs whose abort was requested (cancelled instead of requeued)."""
 
     requeued: list[str]
     failed: list[str]
     released: list[str] = []
     failed_jobs: list[ReapedJob] = []
+    aborted: list[str] = []
+
+
+class Renewal(NamedTuple):
+    """What a lease renewal found: the attempts still ``owned``, and those of them whose
+    abort an operator requested (``abort_requested``)."""
+
+    owned: set[str]
+    abort_requested: set[str]
+
+
+#: The NOTIFY payload that asks the holder of a job's attempt to abort it:
+#: ``abort:<job id>`` on the job's queue channel. The payload-free NOTIFY of an enqueue
+#: only says "look"; a pause says ``pause``.
+ABORT_PAYLOAD_PREFIX = "abort:"
+#: The NOTIFY payload of a queue that was just paused (its consumers give back what they
+#: prefetched).
+PAUSE_PAYLOAD = "pause"
 
 
 #: What a send writes of a :class:`NewJob`, in one order, each value with the type it is
@@ -209,6 +237,11 @@ class QueueCounts:
       failed(int): in the dead-letter state.
       oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
         (since its ``available_at``), by the server's clock; None when none waits.
+      declared(bool): a worker declared the queue (see :mod:`dramatiq_pg_broker.queues`);
+        False for a queue that only has jobs (sent to a queue no worker consumes), and
+        where only the counts were read.
+      paused(bool), paused_at(datetime), paused_by(str): whether an operator paused it,
+        when and who (where the queue's state was read).
     """
 
     queued: int = 0
@@ -216,6 +249,10 @@ class QueueCounts:
     running: int = 0
     failed: int = 0
     oldest_waiting_seconds: float | None = None
+    declared: bool = False
+    paused: bool = False
+    paused_at: dt.datetime | None = None
+    paused_by: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -243,6 +280,11 @@ def channel_name(schema: str, queue_name: str) -> str:
         return name
     digest = hashlib.sha1(queue_name.encode()).hexdigest()
     return f"{schema}.{digest}"[:63]
+
+
+def abort_payload(job_id: str) -> str:
+    """The NOTIFY payload asking the holder of ``job_id``'s attempt to abort it."""
+    return ABORT_PAYLOAD_PREFIX + str(job_id)
 
 
 def clean_text(text: str | None) -> str | None:
@@ -485,7 +527,8 @@ class JobStore:
             current = c.execute(self.queries["get_job"], {"id": job.id}).fetchone()
             if current is None:  # pragma: no cover - deleted meanwhile
                 raise JobNotFound(f"job {job.id} was deleted while it was enqueued again")
-            status = current[5]
+            # A waiting or running job whose abort was requested is never enqueued again.
+            status = "being aborted" if current[23] is not None else current[5]
         raise JobAlreadyFinished(job.id, status)
 
     #: Rows per bulk insert statement: bounds the size of one statement's parameters.
@@ -753,8 +796,10 @@ class JobStore:
         )
         if len(rows) == 1 and rows[0][0] is None:
             left = rows[0][11]
-            return Claim([], rows[0][9], rows[0][8], math.inf if left is None else left)
-        return Claim([ClaimedJob(str(r[0]), *r[1:8]) for r in rows])
+            return Claim(
+                [], rows[0][9], rows[0][8], math.inf if left is None else left, bool(rows[0][13])
+            )
+        return Claim([ClaimedJob(str(r[0]), *r[1:8], abort_requested=r[12]) for r in rows])
 
     def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:
         """When the earliest waiting job of a queue becomes runnable, or None."""
@@ -868,15 +913,29 @@ class JobStore:
     ) -> set[str]:
         """Extend the leases of attempts still owned. ``record`` writes ``lease_renewed``
         events (explicit renewals; the heartbeat renews silently)."""
+        return self.renew_leases(attempts, lease_seconds, record=record, conn=conn, now=now).owned
+
+    def renew_leases(
+        self,
+        attempts: Sequence[Attempt],
+        lease_seconds: float,
+        *,
+        record: bool = False,
+        conn=None,
+        now=None,
+    ) -> Renewal:
+        """:meth:`renew`, also reporting which of the attempts still owned have an abort
+        requested (what the heartbeat needs when no NOTIFY reaches the worker)."""
         if not attempts:
-            return set()
+            return Renewal(set(), set())
         params = {
             **self._attempt_params(attempts),
             "lease_ms": _ms(lease_seconds),
             "record": record,
             "now": now,
         }
-        return {str(r[0]) for r in self._fetch("renew_leases", params, conn)}
+        rows = self._fetch("renew_leases", params, conn)
+        return Renewal({str(r[0]) for r in rows}, {str(r[0]) for r in rows if r[1]})
 
     def progress(
         self, attempt: Attempt, data: Any, lease_seconds: float, *, conn=None, now=None
@@ -907,8 +966,9 @@ class JobStore:
 
         A claim that never started is released uncharged. A started attempt was interrupted:
         the job is requeued after ``backoff_ms[interruptions - 1]`` (the last entry for
-        later ones), or failed once its interruptions reach ``max_interruptions``. A lease
-        only counts as expired once the server has been up for ``lease_seconds``.
+        later ones), or failed once its interruptions reach ``max_interruptions``. A job
+        whose abort was requested is cancelled instead (``aborted``). A lease only counts
+        as expired once the server has been up for ``lease_seconds``.
         """
         if not backoff_ms:
             raise ValueError("backoff_ms needs at least one delay")
@@ -931,8 +991,9 @@ class JobStore:
             for r in rows
             if r[1] == "failed"
         ]
+        aborted = [str(r[0]) for r in rows if r[1] == "cancelled"]
         self._notify({r[2] for r in rows if r[1] == "queued"}, conn)
-        return ReapResult(requeued, [j.id for j in failed_jobs], released, failed_jobs)
+        return ReapResult(requeued, [j.id for j in failed_jobs], released, failed_jobs, aborted)
 
     def retry_failed(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
         """failed -> queued by an operator; attempts start again from zero.
@@ -998,6 +1059,52 @@ class JobStore:
         if not self._fetch("cancel_job", {"id": job_id, "by": by, "now": now}, conn):
             self._raise_for(job_id, "queued", "cancelled", conn)
         return self.get(job_id, conn=conn)
+
+    def abort(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+        """An operator aborts a job.
+
+        - queued (delayed included) -> cancelled at once, with an ``aborted`` event;
+        - running: the attempt is marked (``abort_requested_at``, ``abort_requested_by``;
+          a second request keeps the first one's) with an ``abort_requested`` event, and the
+          worker holding it is told (a NOTIFY on the job's queue, delivered at commit; its
+          lease heartbeat tells it too when no NOTIFY can reach it). The worker interrupts
+          the actor and ends the job ``cancelled`` with an ``aborted`` event (see
+          :meth:`abort_attempts`); the job is never retried nor run again. A worker that
+          died with it lets the reaper cancel it once its lease expires.
+
+        Parameters:
+          job_id(str): the job (the Dramatiq message id).
+          by(str): who asks, as the events and the row record it (default ``unknown``).
+
+        Returns:
+          dict: the job as :meth:`get` returns it, right after the request (``cancelled``,
+          or still ``running`` with the request recorded).
+
+        Raises:
+          JobNotFound: no job has this id.
+          InvalidTransition: the job has finished (succeeded, failed or cancelled).
+        """
+        by = clean_text(by) or "unknown"
+        with self.pool.use(conn) as c, c.transaction():
+            rows = self._fetch("abort_job", {"id": job_id, "by": by, "now": now}, c)
+            if not rows:
+                self._raise_for(job_id, "queued or running", "aborted", c)
+            _, status, queue_name = rows[0]
+            if status == "running":
+                c.execute(
+                    self.queries["notify_abort"],
+                    {"channel": self.channel(queue_name), "payload": abort_payload(job_id)},
+                )
+            return self.get(job_id, conn=c)
+
+    def abort_attempts(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
+        """running -> cancelled for attempts a worker stopped because their abort was
+        requested (an ``aborted`` event each). Returns the ids changed: an attempt missing
+        is no longer the caller's (or had no abort requested)."""
+        if not attempts:
+            return set()
+        rows = self._fetch("abort_attempts", {**self._attempt_params(attempts), "now": now}, conn)
+        return {str(r[0]) for r in rows}
 
     def _raise_for(self, job_id: str, allowed: str, done: str, conn) -> None:
         job = self.get(job_id, conn=conn)

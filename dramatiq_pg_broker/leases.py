@@ -5,8 +5,12 @@ One :class:`LeaseKeeper` thread runs in each worker process (it starts with the 
 claim). Every ``heartbeat_interval`` (a third of the lease by default) it renews, in one
 statement, the leases of every attempt the in-flight ledger holds (prefetched, running, or
 waiting for its outcome to be written), except those of running actors declared with
-``heartbeat=False``. It writes the starts the ledger deferred, a moment after their actors
-began (:meth:`.Ledger.record_starts`). Every ``reaper_interval`` it runs the reaper: a
+``heartbeat=False``. The renewal also returns which of them an operator asked to abort,
+which the ledger then stops: how a worker learns of an abort when no NOTIFY reaches it
+(``listen=False``, a transaction-mode pooler), within a heartbeat. With the same beat the
+process refreshes its row in the worker registry (:mod:`.workers`). It writes the starts
+the ledger deferred, a moment after their actors began (:meth:`.Ledger.record_starts`).
+Every ``reaper_interval`` it runs the reaper: a
 bounded, ``SKIP LOCKED`` statement, so every process can run it at once and an idle run
 costs one index probe. After the database was unreachable, a process renews as soon as it
 is back and waits a whole lease before reaping, so that no owner loses a live attempt to
@@ -123,7 +127,7 @@ class LeaseKeeper(Service):
                 if next_starts is not None:
                     self._starts_armed = True
             if now >= next_heartbeat:
-                if self._guard(self.renew):
+                if self._guard(self.heartbeat):
                     next_heartbeat = now + heartbeat
                 else:
                     # Unreachable: try again soon, so that leases are renewed within a
@@ -155,17 +159,26 @@ class LeaseKeeper(Service):
 
     # -- the work ------------------------------------------------------------------------
 
+    def heartbeat(self) -> None:
+        """One beat: renew the leases, then refresh this process's registry row."""
+        self.renew()
+        presence = getattr(self.broker, "presence", None)
+        if presence is not None:
+            presence.refresh()
+
     def renew(self) -> set[str]:
         """Renew every attempt the ledger holds; the ledger lets go of those no longer
-        owned."""
+        owned, and stops those an operator asked to abort."""
         ledger = self.broker.ledger
         attempts = ledger.renewable()
         if not attempts:
             return set()
         sent = time.monotonic()
-        owned = self.store.renew(attempts, self.settings.lease_seconds)
-        ledger.renewed(attempts, owned, sent + self.settings.lease_seconds)
-        return owned
+        renewal = self.store.renew_leases(attempts, self.settings.lease_seconds)
+        ledger.renewed(attempts, renewal.owned, sent + self.settings.lease_seconds)
+        for job_id in renewal.abort_requested:
+            ledger.abort(job_id)
+        return renewal.owned
 
     def record_starts(self) -> None:
         """Write the starts the ledger deferred; remember when the next one is due."""
@@ -184,13 +197,15 @@ class LeaseKeeper(Service):
             max_interruptions=settings.max_interruptions,
             lease_seconds=settings.lease_seconds,
         )
-        if result.requeued or result.failed or result.released:
+        if result.requeued or result.failed or result.released or result.aborted:
             logger.warning(
                 "Reaper: of the jobs with expired leases, %d interrupted attempt(s) requeued, "
-                "%d unstarted claim(s) given back, %d failed (interruptions exhausted).",
+                "%d unstarted claim(s) given back, %d failed (interruptions exhausted), %d "
+                "cancelled (an abort was requested).",
                 len(result.requeued),
                 len(result.released),
                 len(result.failed),
+                len(result.aborted),
             )
         for job in result.failed_jobs:
             end_reaped_job(self.broker, job)

@@ -1,7 +1,8 @@
 """One LISTEN connection per process and database, shared by every blocking wait.
 
-A reader blocked on a result (:mod:`.results`) or a rate-limiter waiter (:mod:`.rate_limits`)
-registers the key it waits for, makes sure the process listens on the key's channel, checks
+A reader blocked on a result (:mod:`.results`), a rate-limiter waiter (:mod:`.rate_limits`)
+or dramatiq-abort's watcher (:mod:`.abort`, waiting for any of several keys) registers the
+keys it waits for, makes sure the process listens on the key's channel, checks
 the table once, and then sleeps until a NOTIFY with that key arrives or its deadline passes.
 No thread polls the table on a timer.
 
@@ -98,10 +99,25 @@ class Listener(Service):
         Raises:
           dramatiq.errors.ConnectionClosed: the listening connection cannot be opened.
         """
+        return self.wait_for_any(channel, [key], check, timeout)
+
+    def wait_for_any(
+        self,
+        channel: str,
+        keys: list[str],
+        check: Callable[[], T | None],
+        timeout: float | None,
+    ) -> T | None:
+        """:meth:`wait_for`, woken by a notification for any of ``keys``.
+
+        Raises:
+          dramatiq.errors.ConnectionClosed: the listening connection cannot be opened.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        payload = payload_for(key)
+        payloads = sorted({payload_for(key) for key in keys})
         event = threading.Event()
-        self._register(channel, payload, event)
+        for payload in payloads:
+            self._register(channel, payload, event)
         try:
             while True:
                 # Listen before looking: a result stored between the look and the LISTEN
@@ -118,7 +134,8 @@ class Listener(Service):
                 if not event.wait(remaining):
                     return None
         finally:
-            self._unregister(channel, payload, event)
+            for payload in payloads:
+                self._unregister(channel, payload, event)
 
     def _register(self, channel: str, payload: str, event: threading.Event) -> None:
         with self._lock:
@@ -181,7 +198,10 @@ class Listener(Service):
                     break
                 # The driver's error, which waiters get wrapped in a ConnectionClosed.
                 self._error = e.__cause__ if isinstance(e, ConnectionClosed) and e.__cause__ else e
-                logger.debug("Result/rate-limit listener lost its connection: %s", e)
+                # Told once per outage by the process (outage.py), not at every try.
+                logger.debug(
+                    "The LISTEN connection of results, rate limits and aborts was lost: %s", e
+                )
                 with self._lock:
                     for ready in self._listening.values():
                         ready.clear()

@@ -50,7 +50,8 @@ class OutcomeWriter(Service):
         self._queue: queue.Queue[Outcome | None] = queue.Queue(MAX_QUEUED)
 
     def submit(self, kind: str, attempt: Attempt, error: str | None) -> None:
-        """Queue one outcome (``complete`` or ``fail``). Only the ledger calls this."""
+        """Queue one outcome (``complete``, ``fail`` or ``abort``). Only the ledger calls
+        this."""
         self.start()
         self._queue.put((kind, attempt, error))
 
@@ -87,12 +88,14 @@ class OutcomeWriter(Service):
     def _write(self, batch: list[Outcome]) -> None:
         completed = [(attempt, None) for kind, attempt, _ in batch if kind == "complete"]
         failed = [(attempt, error) for kind, attempt, error in batch if kind == "fail"]
+        aborted = [(attempt, None) for kind, attempt, _ in batch if kind == "abort"]
         ledger = self.broker.ledger
         # Each statement is retried on its own: one that committed is never sent again (a
         # second run would find its rows no longer running and report them as lost).
         for items, write in (
             (completed, lambda items: self.store.complete([a for a, _ in items])),
             (failed, lambda items: self.store.fail([a for a, _ in items], [e for _, e in items])),
+            (aborted, lambda items: self.store.abort_attempts([a for a, _ in items])),
         ):
             if not items:
                 continue

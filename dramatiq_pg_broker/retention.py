@@ -9,9 +9,9 @@ Workers run :func:`prune` on the maintenance schedule (see :mod:`.periodic`): on
 ``retention_interval`` across all processes. ``dramatiq-pg-broker prune [--dry-run]`` runs
 it from a shell.
 
-Expired results and rate-limit keys are reclaimed by the same run when the optional
-``results`` / ``rate_limits`` modules of this package provide
-``prune_expired(conn, schema, *, limit) -> int`` (see :data:`RECLAIMERS`).
+Expired results, rate-limit keys, worker registrations and dramatiq-abort events are
+reclaimed by the same run, through the ``prune_expired(conn, schema, *, limit) -> int`` of
+the modules named in :data:`RECLAIMERS`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ logger = logging.getLogger(__name__)
 FINISHED = ("succeeded", "failed", "cancelled")
 
 #: Modules of this package whose ``prune_expired(conn, schema, *, limit) -> int`` a run
-#: calls after the jobs (expired results, rate-limit keys). A module that does not exist,
-#: or whose table does not exist yet, is skipped; an error raised while importing one that
-#: exists (a missing dependency, a broken import) is raised.
-RECLAIMERS = ("results", "rate_limits")
+#: calls after the jobs (expired results, rate-limit keys, worker registrations, abort
+#: events). A module that does not exist, or whose table does not exist yet, is skipped;
+#: an error raised while importing one that exists (a missing dependency, a broken
+#: import) is raised.
+RECLAIMERS = ("results", "rate_limits", "workers", "abort")
 
 #: After each batch a run rests as long as the batch took (a 50 % duty cycle), so a large
 #: backlog is worked off steadily without taking the server's I/O away from the workers.

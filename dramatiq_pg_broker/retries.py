@@ -9,6 +9,11 @@ moves the same row back to ``queued`` with ``available_at = now + delay`` and a
 ``retry_scheduled`` event, instead of adding a copy. The delay the row waits is the one
 the log line states.
 
+An aborted job is never retried: an actor stopped by an abort fails its message at once.
+The broker's own abort (:class:`~.errors.JobAborted`) ends the job ``cancelled``;
+dramatiq-abort's ``Abort`` ends it ``failed``, with that error, as its middleware
+intends.
+
 ``options["retries"]`` counts the job's failed attempts (an exception or a time limit),
 from the row; interruptions (a worker that died, a lost lease, a shutdown) are not retries.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import sys
 from typing import Any
 
 import dramatiq
@@ -39,7 +45,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 from .backoff import backoff_ms
 from .config import Settings
 from .consumer import PgMessageProxy
-from .errors import JobInterrupted
+from .errors import JobAborted, JobInterrupted
 from .jobs import ReapedJob
 from .messages import default_max_retries, max_retries_of
 
@@ -119,6 +125,11 @@ class Retries(DramatiqRetries):
             self.max_backoff = settings.backoff_max_ms
 
     def after_process_message(self, broker, message, *, result=None, exception=None):
+        if exception is not None and _aborted(broker, message, exception):
+            # An operator aborted the job: it is never retried (the ledger ends it
+            # cancelled), nor reported as out of retries.
+            message.fail()
+            return
         if (
             exception is None
             or self.jitter
@@ -143,6 +154,23 @@ class Retries(DramatiqRetries):
         max_backoff = options.get("max_backoff", actor.options.get("max_backoff", self.max_backoff))
         failures = options.get("retries", 0) + 1
         return backoff_ms(failures, min_backoff, min(max_backoff, DEFAULT_MAX_BACKOFF))
+
+
+def _aborted(broker, message, exception: BaseException) -> bool:
+    """Whether the attempt ended because of an abort: the broker's own (JobAborted, or an
+    abort that reached an actor declared ``interrupt_on_abort=False``), or dramatiq-abort's
+    ``Abort`` when that package is in use."""
+    if isinstance(exception, JobAborted):
+        return True
+    abort_package = sys.modules.get("dramatiq_abort")
+    if abort_package is not None and isinstance(exception, abort_package.Abort):
+        return True
+    ledger = getattr(broker, "ledger", None)
+    return (
+        ledger is not None
+        and isinstance(message, PgMessageProxy)
+        and ledger.abort_requested(message.attempt)
+    )
 
 
 def retries_exhausted(

@@ -2,25 +2,54 @@
 // Every number comes from the admin API with the session cookie, so the page shows exactly
 // what the caller's role may see; state changes send X-Requested-With like any browser
 // client of the API must.
+// Names, arguments and errors are written as text (never as HTML), with control and
+// bidirectional characters shown as escapes (visible()): a name cannot pass for another.
 "use strict";
 
 const COUNTS_EVERY_MS = 3000; // the overview's counts
 const CHARTS_EVERY_MS = 15000; // the overview's charts
-const JOB_EVERY_MS = 2000; // a job page while its job is unfinished
+const JOB_EVERY_MS = 2000; // a job page while its job is unfinished (a finished one stops)
+const WORKERS_EVERY_MS = 15000; // the overview's worker list
 const LIST_EVERY_MS = 5000; // the job list
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+const FINISHED = ["succeeded", "failed", "cancelled"];
 const OPERATORS = ["operator", "admin"];
 const OBSERVERS = ["viewer", "operator", "admin"];
 const EVENT_COLOURS = {
   created: "#57606a", claimed: "#0969da", progress: "#1f883d", lease_renewed: "#8c959f",
   succeeded: "#1a7f37", retry_scheduled: "#9a6700", failed: "#b42318",
   timeout_requeued: "#bc4c00", released: "#6f42c1", manual_retry: "#1d4f91", cancelled: "#57606a",
+  abort_requested: "#bc4c00", aborted: "#b42318",
 };
 
 let me = null;
 let timer = null;
 
 // -- small helpers -----------------------------------------------------------------------
+
+// Characters that display as nothing, or change how the text around them displays:
+// controls, format characters (bidirectional overrides and isolates, zero-width
+// characters), line and paragraph separators, unassigned, private-use and lone surrogate
+// code points. visible() writes each as its escape (\u202e), so "invoice\u202egnp.exe"
+// shows as exactly that, not as "invoiceexe.png". Multi-line text keeps its line breaks
+// and tabs.
+const HIDDEN = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Co}\p{Cn}\p{Cs}]/gu;
+
+function visible(text, multiline) {
+  if (text === null || text === undefined) return "";
+  return String(text).replace(HIDDEN, (char) => {
+    if (multiline && (char === "\n" || char === "\t" || char === "\r")) return char;
+    const code = char.codePointAt(0);
+    return code <= 0xffff ? "\\u" + code.toString(16).padStart(4, "0") : "\\u{" + code.toString(16) + "}";
+  });
+}
+
+// A name (queue, actor, worker) in a cell that keeps its width: cut with an ellipsis by
+// the style sheet, the whole (escaped) name on hover.
+function nameCell(text, extra) {
+  const shown = visible(text);
+  return el("span", { class: "name" + (extra ? " " + extra : ""), title: shown, text: shown });
+}
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -79,7 +108,7 @@ async function api(method, path, body) {
 
 function notice(message) {
   const box = document.getElementById("notice");
-  box.textContent = message || "";
+  box.textContent = visible(message || "");
   box.hidden = !message;
 }
 
@@ -91,18 +120,24 @@ function failed(error) {
   notice(error.message);
 }
 
+// Run fn every ms while logged in; fn returning false stops it (a finished job's page).
 function schedule(fn, ms) {
   clearTimeout(timer);
   timer = setTimeout(async () => {
     if (document.hidden) return schedule(fn, ms); // no polling in a background tab
+    let again = true;
     try {
-      await fn();
+      again = (await fn()) !== false;
       notice("");
     } catch (error) {
       failed(error);
     }
-    if (me) schedule(fn, ms);
+    if (me && again) schedule(fn, ms);
   }, ms);
+}
+
+function stopPolling() {
+  clearTimeout(timer);
 }
 
 function formatTime(iso) {
@@ -199,7 +234,14 @@ function route() {
   let run;
   if (jobMatch) {
     section = "jobs";
-    run = () => jobPage(decodeURIComponent(jobMatch[1]));
+    let jobId = null;
+    try {
+      jobId = decodeURIComponent(jobMatch[1]);
+    } catch (error) {
+      // A malformed percent-escape (/dashboard/jobs/%E0%A4%A): say so instead of a blank page.
+      run = async () => badAddress("This address does not name a job: its escaped characters are malformed.");
+    }
+    if (jobId !== null) run = () => jobPage(jobId);
   } else if (path.endsWith("/dashboard/jobs") || !OBSERVERS.includes(me.role)) {
     // Members see their own jobs only; the overview counts everyone's.
     section = "jobs";
@@ -212,6 +254,14 @@ function route() {
     else link.removeAttribute("aria-current");
   }
   run().catch(failed);
+}
+
+function badAddress(message) {
+  stopPolling();
+  setView("Not found",
+    el("h1", { text: "Not found" }),
+    el("p", { id: "bad-address", role: "alert", text: message }),
+    el("p", {}, el("a", { href: "/dashboard/jobs", text: "← All jobs" })));
 }
 
 // -- overview ----------------------------------------------------------------------------
@@ -229,7 +279,12 @@ async function overviewPage() {
     el("thead", {}, el("tr", {},
       el("th", { scope: "col", text: "Queue" }),
       COUNT_FIELDS.map(([, label, help]) => el("th", { scope: "col", class: "num", title: help, text: label })),
-      el("th", { scope: "col", class: "num", title: "How long the oldest runnable job has waited", text: "Oldest waiting" }))),
+      el("th", { scope: "col", class: "num", title: "How long the oldest runnable job has waited", text: "Oldest waiting" }),
+      el("th", { scope: "col", title: "A paused queue is claimed by no worker; sends are still accepted", text: "State" }))),
+    el("tbody"));
+  const workers = el("table", { class: "data", id: "workers", "aria-labelledby": "h-workers" },
+    el("thead", {}, el("tr", {}, ["Host", "PID", "Queues", "In flight", "Started", "Last heartbeat", "Version"].map((h) =>
+      el("th", { scope: "col", class: h === "PID" || h === "In flight" ? "num" : null, text: h })))),
     el("tbody"));
   const throughput = el("figure", { id: "chart-throughput" },
     el("figcaption", { text: "Succeeded per minute, last hour" }));
@@ -243,7 +298,9 @@ async function overviewPage() {
     table,
     updated,
     el("h2", { text: "Last hour" }),
-    el("div", { class: "charts" }, throughput, failures));
+    el("div", { class: "charts" }, throughput, failures),
+    el("h2", { id: "h-workers", text: "Workers" }),
+    workers);
 
   async function refreshCounts() {
     const { results } = await api("GET", "/api/queues");
@@ -253,14 +310,15 @@ async function overviewPage() {
       const link = (status, n) => n > 0 && (status === "queued" || status === "failed" || status === "running")
         ? el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ status, queue: queue.queue_name }), text: String(n) })
         : String(n);
-      return el("tr", { "data-queue": queue.queue_name },
-        el("th", { scope: "row" }, el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ queue: queue.queue_name }), text: queue.queue_name })),
+      return el("tr", { "data-queue": queue.queue_name, "data-paused": queue.paused ? "true" : "false" },
+        el("th", { scope: "row" }, el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ queue: queue.queue_name }) }, nameCell(queue.queue_name))),
         COUNT_FIELDS.map(([key]) => el("td", { class: "num", "data-field": key }, link(key, queue[key]))),
         el("td", { class: "num" + (queue.oldest_waiting_seconds > 300 ? " stale" : ""), "data-field": "oldest_waiting_seconds" },
-          queue.queued ? formatAge(queue.oldest_waiting_seconds) : "—"));
+          queue.queued ? formatAge(queue.oldest_waiting_seconds) : "—"),
+        el("td", { "data-field": "state" }, queueState(queue)));
     });
     if (!rows.length) {
-      rows.push(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No queued, delayed, running or failed jobs." })));
+      rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No queues: workers declare theirs when they boot." })));
     }
     table.tBodies[0].replaceChildren(...rows);
     cards.replaceChildren(...COUNT_FIELDS.map(([key, label, help]) =>
@@ -275,13 +333,64 @@ async function overviewPage() {
     drawBars(failures, data, [["failed", "Failed", "#b42318"], ["retried", "Retried", "#9a6700"]]);
   }
 
-  await Promise.all([refreshCounts(), refreshCharts()]);
+  async function refreshWorkers() {
+    const { results } = await api("GET", "/api/workers");
+    const rows = results.map((worker) => el("tr", { "data-worker": worker.id },
+      el("td", {}, nameCell(worker.host)),
+      el("td", { class: "num", text: String(worker.pid) }),
+      el("td", {}, nameCell(worker.queues.join(", "))),
+      el("td", { class: "num", text: String(worker.in_flight) }),
+      el("td", { title: formatTime(worker.started_at), text: ago(worker.started_at) }),
+      el("td", { title: formatTime(worker.heartbeat_at), text: ago(worker.heartbeat_at) }),
+      el("td", {}, nameCell(worker.version || "—"))));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No worker process is running." })));
+    workers.tBodies[0].replaceChildren(...rows);
+  }
+
+  // Pause asks first (it stops work on every host); resume acts at once.
+  refreshQueues = refreshCounts;
+  await Promise.all([refreshCounts(), refreshCharts(), refreshWorkers()]);
   let ticks = 0;
   schedule(async function poll() {
     ticks += 1;
     await refreshCounts();
     if ((ticks * COUNTS_EVERY_MS) % CHARTS_EVERY_MS < COUNTS_EVERY_MS) await refreshCharts();
+    if ((ticks * COUNTS_EVERY_MS) % WORKERS_EVERY_MS < COUNTS_EVERY_MS) await refreshWorkers();
   }, COUNTS_EVERY_MS);
+}
+
+let refreshQueues = async () => {};
+
+function queueState(queue) {
+  const label = !queue.declared ? "no worker" : queue.paused ? "paused" : "active";
+  const state = el("span", {
+    class: "state" + (queue.paused ? " paused" : ""),
+    title: queue.paused ? `Paused by ${visible(queue.paused_by)} at ${formatTime(queue.paused_at)}`
+      : queue.declared ? "Workers claim its jobs" : "No worker declared this queue: its jobs wait",
+    text: label,
+  });
+  if (!queue.declared || !OPERATORS.includes(me.role)) return state;
+  const verb = queue.paused ? "resume" : "pause";
+  const button = el("button", {
+    type: "button", class: "small" + (queue.paused ? " primary" : ""), "data-action": verb,
+    "aria-label": (queue.paused ? "Resume queue " : "Pause queue ") + visible(queue.queue_name),
+    text: queue.paused ? "Resume" : "Pause",
+    onclick: async () => {
+      if (verb === "pause" && !(await confirmed("Pause queue",
+        `Pause queue ${visible(queue.queue_name)}? No worker on any host claims its jobs until it is resumed; ` +
+        "messages already prefetched go back to the queue, running jobs finish, sends are still accepted."))) return;
+      button.disabled = true;
+      try {
+        await api("POST", `/api/queues/${encodeURIComponent(queue.queue_name)}/${verb}`);
+        notice("");
+        await refreshQueues();
+      } catch (error) {
+        failed(error);
+        button.disabled = false;
+      }
+    },
+  });
+  return el("span", { class: "toggle" }, state, button);
 }
 
 // A stacked bar per minute, drawn as SVG; the figure's caption and an aria-label carry the
@@ -354,17 +463,25 @@ async function jobsPage() {
     for (const input of form.querySelectorAll("input, select")) input.disabled = false;
   });
   const table = el("table", { class: "data", id: "jobs" },
-    el("thead", {}, el("tr", {}, ["Job", "Status", "Queue", "Actor", "Attempts", "Created", "Last error"].map((h) => el("th", { scope: "col", text: h })))),
+    el("thead", {}, el("tr", {}, ["Job", "Status", "Queue", "Actor", "Arguments", "Attempts", "Created", "Last error"].map((h) => el("th", { scope: "col", text: h })))),
     el("tbody"));
   const summary = el("p", { class: "muted", id: "jobs-count", "aria-live": "polite" });
   const pager = el("nav", { class: "pager", "aria-label": "Pages" });
   setView("Jobs", el("h1", { text: me.role === "member" ? "My jobs" : "Jobs" }), form, summary, table, pager);
 
   const query = new URLSearchParams();
-  for (const name of ["status", "queue", "actor"]) if (params.get(name)) query.set(name, params.get(name));
-  for (const name of ["created_after", "created_before"]) {
-    const value = params.get(name);
-    if (value) query.set(name, new Date(value).toISOString()); // the browser's local time
+  for (const field of ["status", "queue", "actor"]) if (params.get(field)) query.set(field, params.get(field));
+  for (const field of ["created_after", "created_before"]) {
+    const value = params.get(field);
+    if (!value) continue;
+    const when = new Date(value); // the browser's local time
+    if (Number.isNaN(when.getTime())) {
+      const label = field === "created_after" ? "Created after" : "Created before";
+      summary.textContent = "";
+      notice(`${label}: ${JSON.stringify(visible(value))} is not a date and time; use the date picker or the form 2030-01-31T12:00.`);
+      return;
+    }
+    query.set(field, when.toISOString());
   }
   const offset = Math.max(0, parseInt(params.get("offset") || "0", 10) || 0);
   query.set("limit", PAGE_SIZE);
@@ -375,12 +492,14 @@ async function jobsPage() {
     const rows = page.results.map((job) => el("tr", { "data-job": job.id, "data-status": job.status },
       el("td", { class: "mono" }, el("a", { href: "/dashboard/jobs/" + job.id, text: job.id.slice(0, 8), "aria-label": "Job " + job.id })),
       el("td", {}, badge(job.status)),
-      el("td", { text: job.queue_name }),
-      el("td", { class: "mono", text: job.actor_name }),
+      el("td", {}, nameCell(job.queue_name)),
+      el("td", {}, nameCell(job.actor_name, "mono")),
+      el("td", { "data-field": "args" }, job.message_encoding === "binary"
+        ? el("span", { class: "muted", text: "(binary)" }) : nameCell(job.args_preview, "mono preview")),
       el("td", { class: "num", text: job.attempts + " / " + job.max_attempts }),
       el("td", { title: formatTime(job.created_at), text: ago(job.created_at) }),
-      el("td", { class: "mono", text: (job.last_error || "").split("\n")[0].slice(0, 90) })));
-    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No job matches." })));
+      el("td", { "data-field": "error" }, nameCell((job.error_preview || "").split("\n")[0], "mono preview"))));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No job matches." })));
     table.tBodies[0].replaceChildren(...rows);
     const first = page.count ? offset + 1 : 0;
     // Above 10,000 matches the API stops counting (count_exact is false).
@@ -408,13 +527,17 @@ async function jobPage(jobId) {
     api("GET", "/api/jobs/" + encodeURIComponent(jobId) + "/events"),
   ]);
   renderJob(job, events.results);
+  // A finished job changes only by an operator's action here (Retry reloads the page).
+  if (FINISHED.includes(job.status)) return stopPolling();
   schedule(async function poll() {
     const [fresh, freshEvents] = await Promise.all([
       api("GET", "/api/jobs/" + encodeURIComponent(jobId)),
       api("GET", "/api/jobs/" + encodeURIComponent(jobId) + "/events"),
     ]);
     // Leave the page alone while a confirmation is open.
-    if (!document.getElementById("confirm").open) renderJob(fresh, freshEvents.results);
+    if (document.getElementById("confirm").open) return true;
+    renderJob(fresh, freshEvents.results);
+    return !FINISHED.includes(fresh.status);
   }, JOB_EVERY_MS);
 }
 
@@ -424,18 +547,20 @@ function renderJob(job, events) {
   const fields = el("dl", { class: "fields", id: "job-fields" },
     field("id", el("span", { class: "mono", text: job.id })),
     field("status", badge(job.status)),
-    field("queue", job.queue_name),
-    field("actor", el("span", { class: "mono", text: job.actor_name })),
+    field("queue", visible(job.queue_name)),
+    field("actor", el("span", { class: "mono", text: visible(job.actor_name) })),
     field("attempts", job.attempts + " of " + job.max_attempts),
     field("priority", String(job.priority)),
     field("available at", formatTime(job.available_at)),
     field("created", formatTime(job.created_at)),
     field("started", formatTime(job.started_at)),
     field("finished", formatTime(job.finished_at)),
-    job.locked_by ? field("worker", el("span", { class: "mono", text: job.locked_by })) : null,
+    job.locked_by ? field("worker", el("span", { class: "mono", text: visible(job.locked_by) })) : null,
     job.locked_until ? field("lease until", formatTime(job.locked_until)) : null,
-    job.idempotency_key ? field("idempotency key", job.idempotency_key) : null,
-    job.owner ? field("created by", job.owner) : null);
+    job.idempotency_key ? field("idempotency key", visible(job.idempotency_key)) : null,
+    job.owner ? field("created by", visible(job.owner)) : null,
+    job.abort_requested_by ? field("abort requested",
+      el("span", { id: "abort-requested", text: `by ${visible(job.abort_requested_by)} at ${formatTime(job.abort_requested_at)}` })) : null);
 
   const actions = el("div", { class: "actions", id: "job-actions" });
   if (OPERATORS.includes(me.role)) {
@@ -447,6 +572,13 @@ function renderJob(job, events) {
       actions.append(el("button", { type: "button", class: "danger", id: "cancel", text: "Cancel job",
         onclick: () => transition(job, "cancel", "Cancel this job? It will not run; a cancelled job cannot be retried.") }));
     }
+    if (job.status === "running" && !job.abort_requested_at) {
+      actions.append(el("button", { type: "button", class: "danger", id: "abort", text: "Abort",
+        onclick: () => transition(job, "abort", "Abort this running job? Its worker interrupts the actor within about a second; the job ends cancelled and is never retried.") }));
+    }
+  }
+  if (job.status === "running" && job.abort_requested_at) {
+    actions.append(el("span", { class: "muted", id: "aborting", text: "Abort requested: its worker is stopping it." }));
   }
 
   const payload = [];
@@ -454,13 +586,13 @@ function renderJob(job, events) {
     payload.push(el("p", { class: "muted", text: "The message was encoded by a non-JSON encoder; its arguments cannot be shown." }));
   } else {
     payload.push(el("h2", { text: "Arguments" }),
-      el("pre", { id: "job-args", tabindex: 0, "aria-label": "Arguments" }, json({ args: message.args || [], kwargs: message.kwargs || {} })));
+      el("pre", { id: "job-args", tabindex: 0, "aria-label": "Arguments" }, visible(json({ args: message.args || [], kwargs: message.kwargs || {} }), true)));
     if (message.options && Object.keys(message.options).length) {
-      payload.push(el("h2", { text: "Options" }), el("pre", { tabindex: 0 }, json(message.options)));
+      payload.push(el("h2", { text: "Options" }), el("pre", { tabindex: 0 }, visible(json(message.options), true)));
     }
   }
-  if (job.last_error) payload.push(el("h2", { text: "Last error" }), el("pre", { id: "job-error", tabindex: 0, class: "error-text" }, job.last_error));
-  if (job.result !== null && job.result !== undefined) payload.push(el("h2", { text: "Result" }), el("pre", { id: "job-result", tabindex: 0 }, json(job.result)));
+  if (job.last_error) payload.push(el("h2", { text: "Last error" }), el("pre", { id: "job-error", tabindex: 0, class: "error-text" }, visible(job.last_error, true)));
+  if (job.result !== null && job.result !== undefined) payload.push(el("h2", { text: "Result" }), el("pre", { id: "job-result", tabindex: 0 }, visible(json(job.result), true)));
 
   const back = el("p", {}, el("a", { href: "/dashboard/jobs", text: "← All jobs" }));
   setView("Job " + job.id.slice(0, 8),
@@ -472,16 +604,23 @@ function renderJob(job, events) {
       el("section", { "aria-labelledby": "h-timeline" }, el("h2", { id: "h-timeline", text: "Timeline" }), timeline(job, events))));
 }
 
-async function transition(job, verb, question) {
+const TRANSITION_TITLES = { retry: "Retry job", cancel: "Cancel job", abort: "Abort job" };
+
+// The confirmation dialog: resolves true when the operator confirms.
+async function confirmed(title, question) {
   const dialog = document.getElementById("confirm");
-  document.getElementById("confirm-title").textContent = verb === "retry" ? "Retry job" : "Cancel job";
+  document.getElementById("confirm-title").textContent = title;
   document.getElementById("confirm-text").textContent = question;
   dialog.returnValue = "";
   const answer = await new Promise((resolve) => {
     dialog.addEventListener("close", () => resolve(dialog.returnValue), { once: true });
     dialog.showModal();
   });
-  if (answer !== "ok") return;
+  return answer === "ok";
+}
+
+async function transition(job, verb, question) {
+  if (!(await confirmed(TRANSITION_TITLES[verb], question))) return;
   try {
     await api("POST", `/api/jobs/${encodeURIComponent(job.id)}/${verb}`);
     notice("");
@@ -495,7 +634,7 @@ async function transition(job, verb, question) {
 // The timeline: a lane for the job's own events (created, manual retry, cancelled) and one
 // per run (from a claim to the event that ended the run), a bar over each lane's span, a
 // dot per event (hover for its details); the list under it says the same in words.
-const RUN_ENDS = ["succeeded", "failed", "retry_scheduled", "timeout_requeued", "released"];
+const RUN_ENDS = ["succeeded", "failed", "retry_scheduled", "timeout_requeued", "released", "aborted"];
 
 function lanesOf(events) {
   const queue = { label: "queue", events: [] };
@@ -508,7 +647,8 @@ function lanesOf(events) {
       run = { label: `run ${runs} · attempt ${event.attempt}`, events: [] };
       lanes.push(run);
     }
-    if (run && (event.type === "claimed" || event.type === "progress" || event.type === "lease_renewed" || RUN_ENDS.includes(event.type))) {
+    const inRun = ["claimed", "progress", "lease_renewed", "abort_requested"].includes(event.type) || RUN_ENDS.includes(event.type);
+    if (run && inRun) {
       run.events.push(event);
       if (RUN_ENDS.includes(event.type)) run = null;
     } else {
@@ -547,7 +687,7 @@ function timeline(job, events) {
     for (const event of lane.events) {
       const dot = svg("circle", { cx: x(at(event)), cy: y, r: 6,
         fill: EVENT_COLOURS[event.type] || "#57606a", stroke: "#fff", "stroke-width": 2, "data-type": event.type });
-      dot.append(svg("title", { text: `${event.type} · ${formatTime(event.created_at)}${event.actor ? " · " + event.actor : ""}` }));
+      dot.append(svg("title", { text: `${event.type} · ${formatTime(event.created_at)}${event.actor ? " · " + visible(event.actor) : ""}` }));
       chart.append(dot);
     }
   });
@@ -562,8 +702,8 @@ function timeline(job, events) {
       el("span", { class: "t", text: event.type.replace(/_/g, " ") }),
       el("span", { class: "when", title: formatTime(event.created_at), text: formatTime(event.created_at) }),
       event.attempt ? el("span", { class: "when", text: "attempt " + event.attempt }) : null,
-      event.actor ? el("div", { class: "muted mono", text: event.actor }) : null,
-      event.data && Object.keys(event.data).length ? el("pre", {}, json(event.data)) : null);
+      event.actor ? el("div", { class: "muted mono", text: visible(event.actor) }) : null,
+      event.data && Object.keys(event.data).length ? el("pre", {}, visible(json(event.data), true)) : null);
     item.style.setProperty("--c", EVENT_COLOURS[event.type] || "#57606a");
     list.append(item);
   }

@@ -6,10 +6,15 @@ reads everything through the API with the session cookie, so the dashboard shows
 caller's role may see and nothing else, and every change it makes passes the API's role
 and cross-site checks. Nothing is loaded from other sites; there is no build step.
 
-- ``/`` redirects to ``/dashboard``: the overview (counts per queue, charts of the last
-  hour), refreshed every few seconds.
-- ``/dashboard/jobs``: the job list with the API's filters, in the page's query string.
-- ``/dashboard/jobs/{job_id}``: one job, its timeline, Retry and Cancel.
+- ``/`` redirects to ``/dashboard``: the overview (counts per queue with each queue's
+  state and, for operators, Pause and Resume; charts of the last hour; the live worker
+  processes), refreshed every few seconds.
+- ``/dashboard/jobs``: the job list with the API's filters, in the page's query string,
+  with previews of each job's arguments and last error.
+- ``/dashboard/jobs/{job_id}``: one job, its timeline, Retry, Cancel and Abort.
+
+Names, arguments and errors are shown as text with control and bidirectional characters
+escaped (see ``visible()`` in ``dashboard.js``), long names cut with the whole on hover.
 """
 
 from __future__ import annotations
@@ -92,8 +97,9 @@ class StaticFile:
 
 
 class Queues:
-    """``GET /api/queues``: per queue, queued / delayed / running / failed jobs and how long
-    the oldest runnable one has waited (see :meth:`Monitor.queues`)."""
+    """``GET /api/queues``: per queue, queued / delayed / running / failed jobs, how long
+    the oldest runnable one has waited, whether a worker declared it and whether it is
+    paused (see :meth:`Monitor.queues`)."""
 
     permissions = {"GET": OBSERVERS}
 

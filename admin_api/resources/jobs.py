@@ -1,4 +1,4 @@
-"""Jobs: list, create, detail, timeline, stats, retry and cancel."""
+"""Jobs: list, create, detail, timeline, stats, retry, cancel and abort."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from dramatiq_pg_broker.messages import (
     idempotency_scope,
     job_from_message,
 )
+from dramatiq_pg_broker.workers import actor_queue
 
 from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
@@ -47,8 +48,10 @@ JOB_FIELDS = {
         max_length=255,
     ),
     "queue_name": Field(
-        "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'.",
-        max_length=255, pattern=QUEUE_NAME_PATTERN, default="default",
+        "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'. "
+        "Default: the queue the actor was declared on by the workers (a different one is a "
+        "400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
+        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN,
     ),
     "args": Field("array", "Positional arguments of the actor.", default=[]),
     "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
@@ -165,7 +168,7 @@ class JobList:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         values = read_object(req, JOB_FIELDS)
         user = req.context.user
-        queue_name = values.get("queue_name", "default")
+        queue_name = self._queue_of(values["actor_name"], values.get("queue_name"))
         if "delay" in values and "available_at" in values:
             raise bad_request("give delay or available_at, not both")
         delay_ms = values.get("delay", 0)
@@ -219,6 +222,37 @@ class JobList:
         resp.location = link_to(req, f"/api/jobs/{result.id}")
         resp.media = body
 
+    def _queue_of(self, actor_name: str, requested: str | None) -> str:
+        """The queue a new job of ``actor_name`` goes to: the queue its workers declared.
+
+        Raises:
+          ApiError: 400 when no worker declared the actor (unless ad-hoc actors are
+            allowed), or when ``requested`` is not its queue.
+        """
+        with self.store.pool.connection() as conn:
+            declared = actor_queue(conn, self.store.schema, actor_name)
+        if declared is None:
+            if self.settings.admin_adhoc_actors:
+                return requested or "default"
+            raise bad_request(
+                f"no worker has declared an actor named {_shown(actor_name)}, so its job would "
+                "never run: check the name (GET /api/actors lists the declared actors); "
+                "DRAMATIQ_PG_ADMIN_ADHOC_ACTORS=true lets the API create jobs for actors no "
+                "worker declared"
+            )
+        if requested is not None and requested != declared:
+            raise bad_request(
+                f"actor {_shown(actor_name)} runs on queue {_shown(declared)}, not "
+                f"{_shown(requested)}: leave queue_name out, or give {_shown(declared)}"
+            )
+        return declared
+
+
+def _shown(name: str) -> str:
+    """A name quoted for an error message, its control and bidirectional characters
+    escaped (Python's repr escapes every character that is not printable)."""
+    return repr(name if len(name) <= 80 else name[:80] + "...")
+
 
 class JobDetail:
     """``GET /api/jobs/{id}``."""
@@ -265,13 +299,15 @@ class JobStats:
 
 class JobTransition:
     """An operator's transition of one job, through the broker's state machine:
-    ``POST /api/jobs/{id}/retry`` (failed to queued, attempts from zero) and
-    ``POST /api/jobs/{id}/cancel`` (queued to cancelled); 409 for any other status.
+    ``POST /api/jobs/{id}/retry`` (failed to queued, attempts from zero),
+    ``POST /api/jobs/{id}/cancel`` (queued to cancelled) and ``POST /api/jobs/{id}/abort``
+    (queued to cancelled at once; running: the abort is requested, its worker stops the
+    attempt and the job ends cancelled); 409 for any other status.
 
     Parameters:
       queries(JobQueries): to read the job back.
       store(JobStore): the state machine.
-      name(str): the :class:`JobStore` method, ``retry_failed`` or ``cancel``.
+      name(str): the :class:`JobStore` method, ``retry_failed``, ``cancel`` or ``abort``.
     """
 
     permissions = {"POST": OPERATORS}

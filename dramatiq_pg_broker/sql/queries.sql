@@ -63,7 +63,8 @@ LIMIT 1
 -- message, queue, priority and delay. A running attempt loses its ownership, so its
 -- owner's outcome later matches nothing. The attempt already charged stays charged;
 -- max_attempts is the new message's (derived by the sender, as for a new job).
--- Finished rows are never touched (the caller raises).
+-- Finished rows are never touched (the caller raises), nor a row whose abort was requested:
+-- an aborted job never goes back to its queue.
 WITH moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
@@ -81,7 +82,7 @@ WITH moved AS (
                         ELSE j.attempts END,
         started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())
-    WHERE j.id = %(id)s AND j.status IN ('queued', 'running')
+    WHERE j.id = %(id)s AND j.status IN ('queued', 'running') AND j.abort_requested_at IS NULL
     RETURNING j.id, j.attempts, j.available_at
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, data)
@@ -234,12 +235,23 @@ SELECT now()
 -- running job (of any queue) expires (NULL: no job runs): one probe of jobs_lease_expiry_idx,
 -- which lets an idle worker's reaper skip its runs while no lease can have expired (see
 -- leases.py).
-WITH RECURSIVE picked AS (
+-- A paused queue (operator control, the queues table) is claimed by nobody: the pause is
+-- read here, by primary key, once per claim (a one-time filter: an unpaused queue's claim
+-- walks its index as before), so no worker on any host can act on a stale copy of it. Its
+-- empty row says so (paused), with no wait: nothing there becomes runnable by itself.
+-- A claimed row whose abort was requested (only an older worker's requeue leaves one
+-- queued) comes back marked, and its worker cancels it instead of running it.
+WITH RECURSIVE pause AS (
+    SELECT EXISTS (
+        SELECT 1 FROM {schema}.queues AS q WHERE q.queue_name = %(queue_name)s AND q.paused
+    ) AS paused
+), picked AS (
     SELECT id
     FROM {schema}.jobs
     WHERE queue_name = %(queue_name)s
       AND status = 'queued'
       AND available_at <= coalesce(%(now)s::timestamptz, now())
+      AND NOT (SELECT paused FROM pause)
     ORDER BY priority, available_at, created_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -254,7 +266,8 @@ WITH RECURSIVE picked AS (
     FROM picked
     WHERE j.id = picked.id
     RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
-              j.message, j.message_bytes, j.failures, j.abandoned_claims
+              j.message, j.message_bytes, j.failures, j.abandoned_claims,
+              j.abort_requested_at IS NOT NULL AS abort_requested
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'claimed', attempts, %(owner)s FROM claimed WHERE %(events)s
@@ -284,15 +297,21 @@ WITH RECURSIVE picked AS (
 SELECT id, priority, attempts, max_attempts,
        CASE WHEN message_bytes IS NULL THEN message END, message_bytes,
        failures, abandoned_claims, NULL::float8 AS wait_seconds,
-       available_at, created_at, NULL::float8 AS lease_seconds_left
+       available_at, created_at, NULL::float8 AS lease_seconds_left, abort_requested,
+       NULL::boolean AS paused
 FROM claimed
 UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       (SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8
-        FROM first_per_priority),
-       (SELECT min(available_at) FROM first_per_priority), NULL,
+       CASE WHEN NOT pause.paused THEN
+           (SELECT extract(epoch FROM min(available_at) - coalesce(%(now)s::timestamptz, now()))::float8
+            FROM first_per_priority)
+       END,
+       CASE WHEN NOT pause.paused THEN (SELECT min(available_at) FROM first_per_priority) END,
+       NULL,
        (SELECT extract(epoch FROM min(locked_until) - coalesce(%(now)s::timestamptz, now()))::float8
-        FROM {schema}.jobs WHERE status = 'running')
+        FROM {schema}.jobs WHERE status = 'running'),
+       NULL, pause.paused
+FROM pause
 WHERE NOT EXISTS (SELECT 1 FROM claimed)
 ORDER BY 2, 10, 11, 1
 
@@ -401,12 +420,19 @@ SELECT id FROM done
 -- own Retries middleware re-enqueues the message with updated options); %(max_attempts)s,
 -- when given, is the limit the sender derived for that message (it never denies the retry
 -- just scheduled, see messages.max_attempts_for).
+-- A job whose abort was requested is never retried: its failed attempt ends it cancelled,
+-- with an `aborted` event naming who asked (the request reached the row before it reached
+-- the worker).
 WITH moved AS (
     UPDATE {schema}.jobs AS j
-    SET status = 'queued',
+    SET status = CASE WHEN j.abort_requested_at IS NULL THEN 'queued' ELSE 'cancelled' END,
         locked_by = NULL,
         locked_until = NULL,
-        available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
+        available_at = CASE WHEN j.abort_requested_at IS NULL
+            THEN coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond'
+            ELSE j.available_at END,
+        finished_at = CASE WHEN j.abort_requested_at IS NOT NULL
+            THEN coalesce(%(now)s::timestamptz, now()) END,
         last_error = coalesce(%(error)s, j.last_error),
         message = CASE WHEN %(replace_message)s THEN %(message)s ELSE j.message END,
         message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE j.message_bytes END,
@@ -415,13 +441,17 @@ WITH moved AS (
         started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())
     WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
-    RETURNING j.id, j.attempts, j.available_at, j.queue_name
+    RETURNING j.id, j.attempts, j.available_at, j.queue_name, j.status, j.abort_requested_by
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'retry_scheduled', attempts, %(owner)s,
            jsonb_build_object('error', %(error)s::text, 'delay_ms', %(delay_ms)s::bigint,
                               'available_at', available_at)
-    FROM moved WHERE %(events)s
+    FROM moved WHERE status = 'queued' AND %(events)s
+    UNION ALL
+    SELECT id, 'aborted', attempts, abort_requested_by,
+           jsonb_build_object('worker', %(owner)s::text, 'error', %(error)s::text)
+    FROM moved WHERE status = 'cancelled'
 )
 SELECT id, pg_notify(%(channel)s, '') FROM moved
 
@@ -457,7 +487,9 @@ WITH owned AS MATERIALIZED (
 SELECT id, queue_name FROM released
 
 -- renew_leases --
--- Extend the leases of attempts a worker still owns; returns the ones it still owns.
+-- Extend the leases of attempts a worker still owns; returns the ones it still owns, each
+-- with whether an operator asked for its abort (the heartbeat's way of learning it when no
+-- NOTIFY reaches the worker: listen=False, a transaction-mode pooler).
 -- %(record)s writes a lease_renewed event (explicit renewals by an actor; the background
 -- heartbeat renews silently so that the timeline is not flooded).
 WITH owned AS MATERIALIZED (
@@ -477,13 +509,14 @@ WITH owned AS MATERIALIZED (
     SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
     FROM owned
     WHERE j.id = owned.id
-    RETURNING j.id, j.attempts, j.locked_until, owned.owner
+    RETURNING j.id, j.attempts, j.locked_until, owned.owner,
+              j.abort_requested_at IS NOT NULL AS abort_requested
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'lease_renewed', attempts, owner, jsonb_build_object('locked_until', locked_until)
     FROM renewed WHERE %(events)s AND %(record)s
 )
-SELECT id FROM renewed
+SELECT id, abort_requested FROM renewed
 
 -- record_progress --
 -- A running attempt reports progress: the lease is renewed and a `progress` event keeps the
@@ -509,6 +542,8 @@ SELECT id FROM owned
 -- A lease that ran out while the server was down could not be renewed, so a lease counts as
 -- expired only once the server has been up for a whole lease (%(lease_ms)s): the owners of
 -- live attempts renew them, or write their outcomes, first.
+-- A job whose abort was requested ends cancelled instead (its worker died before it could
+-- stop the attempt), with an `aborted` event naming who asked.
 -- Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at once, each taking
 -- different rows, and an idle run costs one index probe. The error of an expired lease
 -- begins with %(lease_expired)s (jobs.py LEASE_EXPIRED), which the monitoring looks for.
@@ -524,6 +559,7 @@ WITH expired AS MATERIALIZED (
 ), moved AS (
     UPDATE {schema}.jobs AS j
     SET status = CASE
+            WHEN j.abort_requested_at IS NOT NULL THEN 'cancelled'
             WHEN expired.started AND j.interruptions + 1 >= %(max_interruptions)s THEN 'failed'
             ELSE 'queued'
         END,
@@ -532,6 +568,7 @@ WITH expired AS MATERIALIZED (
         abandoned_claims = j.abandoned_claims + CASE WHEN expired.started THEN 0 ELSE 1 END,
         started = false,
         available_at = CASE
+            WHEN j.abort_requested_at IS NOT NULL THEN j.available_at
             WHEN NOT expired.started THEN coalesce(%(now)s::timestamptz, now())
             WHEN j.interruptions + 1 >= %(max_interruptions)s THEN j.available_at
             ELSE coalesce(%(now)s::timestamptz, now())
@@ -539,11 +576,12 @@ WITH expired AS MATERIALIZED (
                    * interval '1 millisecond'
         END,
         finished_at = CASE
-            WHEN expired.started AND j.interruptions + 1 >= %(max_interruptions)s
+            WHEN j.abort_requested_at IS NOT NULL
+                 OR (expired.started AND j.interruptions + 1 >= %(max_interruptions)s)
             THEN coalesce(%(now)s::timestamptz, now())
         END,
         last_error = CASE
-            WHEN NOT expired.started THEN j.last_error
+            WHEN NOT expired.started OR j.abort_requested_at IS NOT NULL THEN j.last_error
             WHEN j.interruptions + 1 >= %(max_interruptions)s
             THEN %(lease_expired)s || ' ' || expired.locked_by || ' stopped renewing attempt '
                  || j.attempts || '; interrupted ' || (j.interruptions + 1)
@@ -558,19 +596,23 @@ WITH expired AS MATERIALIZED (
     WHERE j.id = expired.id
     RETURNING j.id, j.status, j.attempts, j.available_at, j.last_error, j.queue_name,
               j.actor_name, j.message, j.message_bytes, j.failures, j.interruptions,
-              expired.locked_by AS previous_owner, expired.started
+              expired.locked_by AS previous_owner, expired.started, j.abort_requested_by
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id,
-           CASE WHEN status = 'failed' THEN 'failed'
+           CASE WHEN status = 'cancelled' THEN 'aborted'
+                WHEN status = 'failed' THEN 'failed'
                 WHEN started THEN 'timeout_requeued'
                 ELSE 'released' END,
-           attempts, previous_owner,
-           CASE WHEN started
+           attempts,
+           CASE WHEN status = 'cancelled' THEN abort_requested_by ELSE previous_owner END,
+           CASE WHEN status = 'cancelled'
+                THEN jsonb_build_object('worker', previous_owner, 'reason', 'lease expired')
+                WHEN started
                 THEN jsonb_build_object('error', last_error, 'available_at', available_at,
                                         'interruptions', interruptions)
            END
-    FROM moved WHERE %(events)s
+    FROM moved WHERE %(events)s OR status = 'cancelled'
 )
 SELECT id, status, queue_name, started, actor_name, message, message_bytes, failures,
        interruptions, last_error
@@ -585,7 +627,8 @@ FROM moved
 -- commit each, reading jobs_finished_idx from where the last batch stopped, and never picks
 -- up a job that failed anew after it began. Rows are locked in the order picked (two
 -- operators never deadlock); a row another one retried meanwhile is left out. The caller
--- wakes the queues returned.
+-- wakes the queues returned. An abort requested while a job last ran (it failed before its
+-- worker stopped it) is forgotten: the operator wants it to run.
 WITH picked AS (
     SELECT id, finished_at
     FROM {schema}.jobs
@@ -602,6 +645,8 @@ WITH picked AS (
 ), moved AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
+        abort_requested_at = NULL,
+        abort_requested_by = NULL,
         attempts = 0,
         failures = 0,
         interruptions = 0,
@@ -633,11 +678,92 @@ WITH moved AS (
 )
 SELECT id FROM moved
 
+-- abort_job --
+-- An operator aborts a job. A waiting job (queued, delayed included) is cancelled at once
+-- with an `aborted` event. A running job is marked (who asked, when; the first request
+-- is kept) with an `abort_requested` event: the worker that owns the attempt learns it
+-- from the NOTIFY the caller sends (notify_abort), or from its next lease heartbeat, and
+-- ends it cancelled (abort_attempts). Returns the job's status and queue, nothing for a
+-- job that does not exist or has finished (the caller says which).
+WITH target AS MATERIALIZED (
+    SELECT id, status FROM {schema}.jobs WHERE id = %(id)s FOR UPDATE
+), cancelled AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'cancelled',
+        abort_requested_at = coalesce(%(now)s::timestamptz, now()),
+        abort_requested_by = %(by)s,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM target
+    WHERE j.id = target.id AND target.status = 'queued'
+    RETURNING j.id, j.attempts, j.status, j.queue_name, NULL::text AS locked_by
+), flagged AS (
+    UPDATE {schema}.jobs AS j
+    SET abort_requested_at = coalesce(j.abort_requested_at, coalesce(%(now)s::timestamptz, now())),
+        abort_requested_by = coalesce(j.abort_requested_by, %(by)s),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM target
+    WHERE j.id = target.id AND target.status = 'running'
+    RETURNING j.id, j.attempts, j.status, j.queue_name, j.locked_by
+), changed AS (
+    SELECT * FROM cancelled UNION ALL SELECT * FROM flagged
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, CASE WHEN status = 'cancelled' THEN 'aborted' ELSE 'abort_requested' END,
+           attempts, %(by)s,
+           CASE WHEN status = 'cancelled' THEN jsonb_build_object('waiting', true)
+                ELSE jsonb_build_object('worker', locked_by) END
+    FROM changed
+)
+SELECT id, status, queue_name FROM changed
+
+-- notify_abort --
+-- Tell the consumers of a queue (on every host) that a job's abort was requested: the
+-- payload names the job; the process holding its attempt stops it. Delivered at commit.
+SELECT pg_notify(%(channel)s, %(payload)s)
+
+-- abort_attempts --
+-- running -> cancelled for attempts this worker stopped because an abort was requested:
+-- guarded by ownership like every exit from running, and by the request itself (nothing
+-- else ends a running job cancelled). The `aborted` event names who asked (its actor) and
+-- the worker that stopped the attempt; it is written whatever %(events)s says, as every
+-- operator action's event is. The attempt stays counted: it ran, or was claimed to run.
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
+    SELECT j.id, o.owner
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
+        AS o (id, owner, attempt) ON j.id = o.id
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+      AND j.abort_requested_at IS NOT NULL
+    ORDER BY j.id
+    FOR UPDATE OF j
+), done AS (
+    UPDATE {schema}.jobs AS j
+    SET status = 'cancelled',
+        started = false,
+        locked_by = NULL,
+        locked_until = NULL,
+        finished_at = coalesce(%(now)s::timestamptz, now()),
+        updated_at = coalesce(%(now)s::timestamptz, now())
+    FROM owned
+    WHERE j.id = owned.id
+    RETURNING j.id, j.attempts, owned.owner, j.abort_requested_by
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'aborted', attempts, abort_requested_by, jsonb_build_object('worker', owner)
+    FROM done
+)
+SELECT id FROM done
+
 -- get_job --
 -- One job row.
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
        attempts, max_attempts, failures, interruptions, abandoned_claims, started, idempotency_key, locked_by, locked_until, last_error, result,
-       created_at, updated_at, started_at, finished_at
+       created_at, updated_at, started_at, finished_at, abort_requested_at, abort_requested_by
 FROM {schema}.jobs
 WHERE id = %(id)s
 

@@ -6,6 +6,7 @@ The broker is configured from DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA (the test's
 from __future__ import annotations
 
 import os
+import time
 
 import dramatiq
 
@@ -25,3 +26,9 @@ def flaky(flag_path: str) -> str:
     if not os.path.exists(flag_path):
         raise RuntimeError(f"{flag_path} does not exist yet")
     return "fixed"
+
+
+@dramatiq.actor(actor_name="dash.sleep", queue_name="dash", max_retries=3)
+def sleep(seconds: float) -> None:
+    """Runs until aborted (the abort test) or ``seconds`` pass."""
+    time.sleep(seconds)

@@ -155,6 +155,15 @@ def test_a_job_created_through_the_api_runs_and_a_failed_one_is_retried(pg_url, 
             "POST", "/api/auth/login", {"email": "e2e@example.com", "password": PASSWORD}
         )
         assert status == 200, body
+
+        def declared():
+            # The API creates jobs only for actors a worker declared when it booted.
+            status, actors = api.call("GET", "/api/actors", headers=bearer)
+            assert status == 200, actors
+            names = {a["actor_name"] for a in actors["results"]}
+            return {"e2e.add", "e2e.explode"} <= names
+
+        wait_for("the worker declaring its actors", declared, 60, logs)
         status, job = api.call(
             "POST",
             "/api/jobs",

@@ -26,8 +26,20 @@ QUEUE = "dash"
 
 @pytest.fixture(scope="module")
 def accounts(pg_url, schema):
-    """One user and one API token per role (viewer@example.com ...), and a second member."""
+    """One user and one API token per role (viewer@example.com ...), and a second member.
+    The actors are declared as workers that ran before would have left them (the API
+    creates jobs only for declared actors), so jobs can be created before a worker
+    starts: ``dash.later`` and ``dash.missing`` are run by no worker of these tests."""
     env = AdminEnv(pg_url, schema)
+    env.declare(
+        {
+            "dash.add": QUEUE,
+            "dash.flaky": QUEUE,
+            "dash.sleep": QUEUE,
+            "dash.later": "dash_later",
+            "dash.missing": "member_q",
+        }
+    )
     other = env.accounts.create_user("other-member@example.com", PASSWORD, "member")
     env.tokens["other"] = env.accounts.create_token(other.id, "tests").secret
     yield env
@@ -145,7 +157,7 @@ def test_an_operator_sees_counts_change_and_retries_a_failed_job(
             "/api/jobs",
             token,
             {
-                "actor_name": "dash.add",
+                "actor_name": "dash.later",
                 "queue_name": "dash_later",
                 "args": [i, 2],
                 "delay": 3_600_000,
@@ -356,3 +368,130 @@ def test_a_member_sees_only_its_own_jobs(stack, accounts, browser):
     browser.get(f"{stack.base}/dashboard/jobs/{mine[0]}")
     wait(browser, stack, "its own job's page", lambda d: css(d, "#job-fields"))
     assert not css(browser, "#retry") and not css(browser, "#cancel")
+
+
+def ensure_worker(stack) -> None:
+    if not any(p.log.name.startswith("worker") for p in stack.processes):
+        stack.start_worker()
+
+
+def test_an_operator_aborts_a_running_job_and_pauses_a_queue(stack, accounts, browser):
+    token = accounts.tokens["operator"]
+    ensure_worker(stack)
+    job = stack.api("POST", "/api/jobs", token, {"actor_name": "dash.sleep", "args": [60]})
+    stack.wait_for(
+        "the job running",
+        lambda: stack.api("GET", f"/api/jobs/{job['id']}", token)["status"] == "running",
+    )
+    log_in(browser, stack, "operator", f"/dashboard/jobs/{job['id']}")
+    wait(browser, stack, "the Abort button of a running job", lambda d: css(d, "#abort"))
+    css(browser, "#abort")[0].click()
+    wait(browser, stack, "the confirmation", dialog_open)
+    assert "Abort job" in text_of(browser, "#confirm-title")
+    css(browser, "#confirm-yes")[0].click()
+    wait(
+        browser,
+        stack,
+        "the job cancelled, its timeline ending with the abort",
+        lambda d: (
+            css(d, 'h1 .badge[data-status="cancelled"]')
+            and [li.get_attribute("data-type") for li in css(d, "#events li")][-2:]
+            == ["abort_requested", "aborted"]
+        ),
+        timeout=15,
+    )
+    assert not css(browser, "#abort")
+    assert "operator@example.com" in text_of(browser, "#abort-requested")
+    assert stack.api("GET", f"/api/jobs/{job['id']}", token)["status"] == "cancelled"
+
+    # The overview: the queue's state, its toggle, and the live worker.
+    browser.get(stack.base + "/dashboard")
+    row = f'#queues tr[data-queue="{QUEUE}"]'
+    wait(
+        browser,
+        stack,
+        "the queue's Pause button",
+        lambda d: css(d, f'{row} button[data-action="pause"]'),
+    )
+    wait(browser, stack, "the worker listed", lambda d: css(d, "#workers tr[data-worker]"))
+    css(browser, f'{row} button[data-action="pause"]')[0].click()
+    wait(browser, stack, "the confirmation", dialog_open)
+    css(browser, "#confirm-yes")[0].click()
+    wait(
+        browser,
+        stack,
+        "the queue shown paused",
+        lambda d: css(d, f'{row}[data-paused="true"] button[data-action="resume"]'),
+    )
+    paused = {q["queue_name"]: q for q in stack.api("GET", "/api/queues", token)["results"]}
+    assert paused[QUEUE]["paused"] and paused[QUEUE]["paused_by"] == "operator@example.com"
+    css(browser, f'{row} button[data-action="resume"]')[0].click()
+    wait(browser, stack, "the queue active again", lambda d: css(d, f'{row}[data-paused="false"]'))
+
+
+def test_names_arguments_and_errors_cannot_pass_for_others(stack, accounts, browser):
+    spoof = "invoice\u202egnp.exe"
+    long_name = "reports." + "x" * 240
+    # The failed job first: a claim takes a queue's first runnable job.
+    failed = accounts.failed(actor=spoof, queue="names_q")
+    for actor in (spoof, long_name):
+        accounts.enqueue(actor=actor, queue="names_q")
+    with accounts.pool.connection() as conn:
+        conn.execute(
+            f'UPDATE "{accounts.settings.schema}".jobs SET last_error = %s, message = %s'
+            " WHERE id = %s",
+            ("boom \u202eevil\nsecond line", '{"args": ["a\u200bb"], "kwargs": {}}', failed),
+        )
+    log_in(browser, stack, "operator", "/dashboard/jobs?queue=names_q")
+    wait(browser, stack, "the three jobs listed", lambda d: len(css(d, "#jobs tr[data-job]")) == 3)
+    body = browser.find_element("tag name", "body").text
+    assert "\u202e" not in body and "invoice\\u202egnp.exe" in body
+    assert "boom \\u202eevil" in body
+    # A long name is cut, in one line, with the whole of it on hover; nothing scrolls sideways.
+    cell = next(
+        c
+        for c in css(browser, "#jobs td .name")
+        if (c.get_attribute("title") or "").startswith("reports.xxx")
+    )
+    assert cell.get_attribute("title") == long_name
+    assert cell.size["width"] < 400
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    )
+
+    browser.get(f"{stack.base}/dashboard/jobs/{failed}")
+    wait(browser, stack, "the failed job's page", lambda d: css(d, "#job-error"))
+    assert text_of(browser, "#job-error").startswith("boom \\u202eevil")
+    assert "second line" in text_of(browser, "#job-error"), "line breaks are kept"
+    assert "a\\u200bb" in text_of(browser, "#job-args")
+    assert "\u202e" not in browser.find_element("tag name", "body").text
+
+
+def test_a_malformed_address_or_date_says_so(stack, accounts, browser):
+    log_in(browser, stack, "operator", "/dashboard/jobs/%E0%A4%A")
+    wait(
+        browser,
+        stack,
+        "the malformed address explained",
+        lambda d: "escaped characters are malformed" in (text_of(d, "#bad-address") or ""),
+    )
+    browser.get(stack.base + "/dashboard/jobs?created_after=yesterday-ish")
+    wait(
+        browser,
+        stack,
+        "the malformed date explained",
+        lambda d: "is not a date and time" in (text_of(d, "#notice") or ""),
+    )
+
+
+def test_a_finished_jobs_page_stops_polling(stack, accounts, browser):
+    job_id = accounts.succeeded(queue="done_q")
+    log_in(browser, stack, "viewer", f"/dashboard/jobs/{job_id}")
+    wait(browser, stack, "the job's page", lambda d: css(d, 'h1 .badge[data-status="succeeded"]'))
+    count = (
+        "return performance.getEntriesByType('resource')"
+        f".filter((e) => e.name.endsWith('/api/jobs/{job_id}')).length"
+    )
+    before = browser.execute_script(count)
+    time.sleep(2.5)  # a polling period of an unfinished job's page (2 s), and a margin
+    assert browser.execute_script(count) == before == 1

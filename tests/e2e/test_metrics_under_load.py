@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.queues import declare as declare_queues
 from tests.integration.admin_support import AdminEnv
 
 from .browser import Stack
@@ -64,6 +65,10 @@ def test_metrics_under_load_match_the_tables(pg_url, schema, tmp_path):
             assert status == 200, body
             return parse(body.decode())
 
+        # The queue is one a worker declared (its gauges are labelled with its name): as a
+        # previous deployment's workers would have left it.
+        with broker.pool.connection() as conn:
+            declare_queues(conn, schema, [QUEUE])
         first = scrape()  # the counters start here: nothing has been sent yet
         assert first["dramatiq_pg_claims_total"][()] == 0
         for i in range(300):

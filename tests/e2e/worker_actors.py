@@ -19,6 +19,8 @@ from psycopg import sql
 from dramatiq_pg_broker import PostgresBroker, current_job
 
 QUEUE = "e2e"
+#: The queue the operator-control tests pause.
+PAUSABLE = "e2e_pausable"
 
 EXECUTIONS_DDL = """
 CREATE TABLE {}.executions (
@@ -99,7 +101,32 @@ def declare(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
         time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=3, min_backoff=100)
+    def nap(seconds: float) -> None:
+        """Blocked in a system call (time.sleep), where no exception can reach it; retried
+        after 100 ms if it fails, so that a retry of an aborted job would show at once."""
+        record("start")
+        time.sleep(seconds)
+        record("finish")
+
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, max_retries=3, min_backoff=100)
+    def spin(seconds: float) -> None:
+        """A busy loop of Python instructions, for ``seconds``."""
+        record("start")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            pass
+        record("finish")
+
+    @dramatiq.actor(broker=broker, queue_name=PAUSABLE, max_retries=0)
+    def tick() -> None:
+        record("start")
+        record("finish")
+
     return {
+        "nap": nap,
+        "spin": spin,
+        "tick": tick,
         "hang_first": hang_first,
         "slow": slow,
         "quick": quick,

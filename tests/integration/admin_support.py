@@ -26,12 +26,17 @@ _queues = itertools.count(1)
 class AdminEnv:
     """The admin API on ``schema``, a client, and one active user per role.
 
+    Most tests create jobs for actors no worker runs, so ad-hoc actors are allowed unless a
+    test turns them off (``admin_adhoc_actors=False``, the default of a deployment; the
+    tests of the actor check do, see :meth:`declare`).
+
     Parameters:
       url(str), schema(str): the test database and schema (already migrated).
       **settings: other :class:`Settings` fields (cookie_secure, cors_origins ...).
     """
 
     def __init__(self, url: str, schema: str, **settings: Any) -> None:
+        settings.setdefault("admin_adhoc_actors", True)
         self.settings = Settings(url=url, schema=schema, **settings)
         self.pool = ProcessPool(self.settings)
         self.store = JobStore(self.pool, schema)
@@ -84,10 +89,27 @@ class AdminEnv:
         assert result.status_code in (200, 201), result.text
         return result.json
 
+    def declare(self, actors: dict[str, str] | None = None, queues: Any = ()) -> None:
+        """Declare actors (name: queue) and queues as a booting worker does."""
+        from dramatiq_pg_broker.queues import declare
+
+        actors = actors or {}
+        with self.pool.connection() as conn:
+            declare(conn, self.settings.schema, [*actors.values(), *queues])
+            if actors:
+                conn.execute(
+                    f'INSERT INTO "{self.settings.schema}".actors (actor_name, queue_name) '
+                    "SELECT * FROM unnest(%s::text[], %s::text[]) ON CONFLICT DO NOTHING",
+                    (list(actors), list(actors.values())),
+                )
+
     # -- jobs in each state, through the state machine -------------------------------------
 
     def enqueue(self, actor: str = "tests.noop", queue: str | None = None, **fields: Any) -> str:
+        """A queued job, through the state machine; its queue is declared (as a worker of
+        the queue would have done)."""
         queue = queue or f"q{next(_queues)}"
+        self.declare(queues=[queue])
         job_id = str(uuid.uuid4())
         message = {
             "queue_name": queue,

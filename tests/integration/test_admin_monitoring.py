@@ -33,7 +33,8 @@ def env(pg_url, schema):
 
 
 def table_counts(pg_url: str, schema: str) -> dict[str, dict[str, int]]:
-    """Per queue, straight from the jobs table: what the gauges must say."""
+    """Per queue, straight from the jobs table (every declared queue, with zeros when it
+    has no unfinished or failed job): what the gauges must say."""
     query = sql.SQL(
         """SELECT queue_name,
                   count(*) FILTER (WHERE status = 'queued' AND available_at <= now()),
@@ -42,11 +43,15 @@ def table_counts(pg_url: str, schema: str) -> dict[str, dict[str, int]]:
                   count(*) FILTER (WHERE status = 'failed')
            FROM {}.jobs WHERE status IN ('queued', 'running', 'failed') GROUP BY queue_name"""
     ).format(sql.Identifier(schema))
+    declared = sql.SQL("SELECT queue_name FROM {}.queues").format(sql.Identifier(schema))
     with psycopg.connect(pg_url) as conn:
-        return {
-            row[0]: dict(zip(("queued", "delayed", "running", "failed"), row[1:]))
+        counts = {name: dict.fromkeys(("queued", "delayed", "running", "failed"), 0)
+                  for (name,) in conn.execute(declared)}  # fmt: skip
+        counts.update(
+            (row[0], dict(zip(("queued", "delayed", "running", "failed"), row[1:])))
             for row in conn.execute(query)
-        }
+        )
+        return counts
 
 
 def scrape(metrics: Metrics) -> dict[str, dict[tuple, float]]:
@@ -79,7 +84,11 @@ def test_queues_count_each_state_of_a_queue(env, pg_url, schema):
     assert 0 <= by_name[queue]["oldest_waiting_seconds"] < 60
     assert by_name[queue + "_r"]["running"] == 1
     assert by_name[queue + "_f"]["failed"] == 2
-    assert queue + "_s" not in by_name, "a queue with only finished jobs has nothing to show"
+    # A declared queue with only finished jobs is listed, with nothing waiting.
+    assert {k: by_name[queue + "_s"][k] for k in ("queued", "running", "failed")} == {
+        "queued": 0, "running": 0, "failed": 0,
+    }  # fmt: skip
+    assert by_name[queue]["declared"] is True and by_name[queue]["paused"] is False
     # Every queue, every field, agrees with the table.
     expected = table_counts(pg_url, schema)
     assert {

@@ -145,6 +145,12 @@ class Walk:
     def __init__(self, env: AdminEnv) -> None:
         self.env = env
 
+    def queue(self) -> str:
+        """A queue a worker declared (pausing it does not touch another test's)."""
+        name = f"walk_{uuid.uuid4().hex[:8]}"
+        self.env.declare(queues=[name])
+        return name
+
     def path(self, method: str, template: str) -> str:
         env = self.env
         job_id = {
@@ -152,6 +158,7 @@ class Walk:
             "/api/jobs/{job_id}/cancel": env.enqueue,
         }.get(template, lambda: env.create_job()["id"])
         values = {
+            "{queue_name}": self.queue,
             "{job_id}": job_id,
             "{user_id}": lambda: str(env.users["viewer"].id),
             "{token_id}": lambda: str(

@@ -224,7 +224,8 @@ def test_an_import_error_inside_a_reclaimer_module_is_not_taken_for_a_missing_mo
 
 def test_a_run_reclaims_expired_results_and_rate_limit_keys(store):
     """With the real results and rate-limit backends installed, one retention run deletes
-    their expired rows and leaves the live ones."""
+    their expired rows and leaves the live ones; the same for the registrations of worker
+    processes that stopped refreshing, and for dramatiq-abort's events."""
     from dramatiq_pg_broker.rate_limits import PostgresRateLimiterBackend
     from dramatiq_pg_broker.results import PostgresBackend
 
@@ -247,8 +248,27 @@ def test_a_run_reclaims_expired_results_and_rate_limit_keys(store):
                 f"UPDATE {schema}.rate_limits SET expires_at = now() - interval '1 minute'"
                 " WHERE key = 'expired-key'"
             )
+            for name, expires in (
+                ("gone", "- interval '1 minute'"),
+                ("live", "+ interval '1 hour'"),
+            ):
+                conn.execute(
+                    f"INSERT INTO {schema}.workers (id, host, pid, expires_at)"
+                    f" VALUES (%s, 'h', 1, now() {expires})",
+                    (name,),
+                )
+                conn.execute(
+                    f"INSERT INTO {schema}.abort_events (key, expires_at)"
+                    f" VALUES (%s, now() {expires})",
+                    (name,),
+                )
         report = prune(store.pool, schema, RetentionPolicy(), rest=False)
-        assert report.reclaimed == {"results": 1, "rate_limits": 1}
+        assert report.reclaimed == {"results": 1, "rate_limits": 1, "workers": 1, "abort": 1}
+        with store.pool.connection() as conn:
+            assert [r[0] for r in conn.execute(f"SELECT id FROM {schema}.workers")] == ["live"]
+            assert [r[0] for r in conn.execute(f"SELECT key FROM {schema}.abort_events")] == [
+                "live"
+            ]
         with store.pool.connection() as conn:
             assert [r[0] for r in conn.execute(f"SELECT key FROM {schema}.results")] == [
                 "live-result"

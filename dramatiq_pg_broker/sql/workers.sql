@@ -1,0 +1,61 @@
+-- Named statements of the worker registry (dramatiq_pg_broker.workers): the worker
+-- processes running now and the actors they declared. Same layout as queries.sql.
+
+-- register_worker --
+-- A worker process writes (or refreshes) its row: at boot, and with every lease heartbeat.
+-- An upsert, so a row deleted while the process could not reach the database (it expired
+-- and was reclaimed) comes back at the next beat. It stays live until expires_at.
+INSERT INTO {schema}.workers AS w (
+    id, host, pid, queues, actors, version, started_at, heartbeat_at, expires_at, in_flight
+)
+VALUES (
+    %(id)s, %(host)s, %(pid)s, %(queues)s, %(actors)s, %(version)s, %(started_at)s, now(),
+    now() + %(ttl_ms)s * interval '1 millisecond', %(in_flight)s
+)
+ON CONFLICT (id) DO UPDATE
+SET heartbeat_at = now(),
+    expires_at = now() + %(ttl_ms)s * interval '1 millisecond',
+    in_flight = excluded.in_flight
+
+-- declare_actors --
+-- The actors a booting worker knows, each with its queue (the arrays are parallel): what
+-- the admin API may create jobs for. A known actor is refreshed (its queue may have moved).
+INSERT INTO {schema}.actors AS a (actor_name, queue_name)
+SELECT name, queue FROM unnest(%(names)s::text[], %(queues)s::text[]) AS d (name, queue)
+ON CONFLICT (actor_name) DO UPDATE
+SET queue_name = excluded.queue_name, seen_at = now()
+
+-- remove_worker --
+-- A worker process exits cleanly: its row goes at once.
+DELETE FROM {schema}.workers WHERE id = %(id)s
+
+-- list_workers --
+-- The live worker processes (not expired), oldest first.
+SELECT id, host, pid, queues, actors, version, started_at, heartbeat_at, expires_at, in_flight
+FROM {schema}.workers
+WHERE expires_at > now()
+ORDER BY started_at, id
+
+-- list_actors --
+-- Every declared actor with its queue, and how many live workers declare it now.
+SELECT a.actor_name, a.queue_name, a.declared_at, a.seen_at,
+       (SELECT count(*) FROM {schema}.workers AS w
+        WHERE w.expires_at > now() AND a.actor_name = ANY(w.actors)) AS live_workers
+FROM {schema}.actors AS a
+ORDER BY a.actor_name
+
+-- actor_queue --
+-- The queue of a declared actor (no row: no worker ever declared it).
+SELECT queue_name FROM {schema}.actors WHERE actor_name = %(name)s
+
+-- prune_workers --
+-- Delete at most %(limit)s rows of worker processes that stopped refreshing (they died, or
+-- lost the database for longer than their lease), through the expiry index.
+DELETE FROM {schema}.workers
+WHERE id IN (
+    SELECT id FROM {schema}.workers
+    WHERE expires_at <= now()
+    ORDER BY expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)

@@ -9,22 +9,22 @@ looks for (or downloads) a driver of its own. Without them the tests are skipped
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from ..helpers import wait_for
+from .servers import free_port
+from .workers import REPO
+
 CHROMIUM = os.environ.get("DRAMATIQ_PG_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("DRAMATIQ_PG_CHROMEDRIVER", "/usr/bin/chromedriver")
 
@@ -78,12 +78,6 @@ def new_driver(temp: Path, width: int = 1366, height: int = 900):
     driver = webdriver.Chrome(service=service, options=options)
     driver.set_page_load_timeout(60)
     return driver
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Process:
@@ -194,12 +188,8 @@ class Stack:
         return json.loads(raw) if raw else None
 
     def wait_for(self, what: str, check, timeout: float = 60):
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                last = check()
-                if last:
-                    return last
-            time.sleep(0.2)
-        pytest.fail(f"{what} did not happen within {timeout} s (last: {last!r})\n{self.tails()}")
+        """Wait for ``check`` over HTTP (a refused connection is "not yet"); on failure,
+        show the processes' logs."""
+        return wait_for(
+            check, timeout, what, on_timeout=self.tails, interval=0.2, ignore=(OSError,)
+        )

@@ -4,50 +4,22 @@ API only."""
 
 from __future__ import annotations
 
-import contextlib
 import http.cookiejar
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from .. import helpers
+from .servers import free_port, start, stop
+from .workers import REPO
+
 PASSWORD = "e2e admin password"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
 
 
 class Api:
@@ -80,16 +52,13 @@ class Api:
 
 
 def wait_for(what: str, check, timeout: float, logs: list[Path]):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            last = check()
-            if last:
-                return last
-        time.sleep(0.2)
-    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    pytest.fail(f"{what} did not happen within {timeout} s (last seen: {last!r})\n{tails}")
+    """Wait for ``check`` over HTTP (a refused connection is "not yet"); on failure, show
+    the processes' logs."""
+
+    def tails() -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+
+    return helpers.wait_for(check, timeout, what, on_timeout=tails, interval=0.2, ignore=(OSError,))
 
 
 @pytest.mark.slow

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import statistics
 import time
 
 import pytest
 
-from .test_admin_e2e import free_port, start, stop
+from .servers import HEALTH_REQUEST, free_port, raw_request, start_gunicorn, stop
 from .workers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -22,59 +21,17 @@ IDLE_CLIENTS = 25
 HALF_HEADER_CLIENTS = 25
 
 
-def raw_request(port: int, data: bytes, timeout: float = 10.0) -> tuple[int, dict, bytes]:
-    """Send ``data`` on a new connection; return the status, headers and body."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(data)
-        chunks = []
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            raw = b"".join(chunks)
-            head, sep, body = raw.partition(b"\r\n\r\n")
-            if sep:
-                headers = dict(
-                    line.decode("latin-1").split(": ", 1) for line in head.split(b"\r\n")[1:]
-                )
-                headers = {k.lower(): v for k, v in headers.items()}
-                if len(body) >= int(headers.get("content-length", "0")):
-                    break
-    raw = b"".join(chunks)
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split()[1])
-    headers = {
-        k.lower(): v for k, v in (line.decode("latin-1").split(": ", 1) for line in lines[1:])
-    }
-    return status, headers, body
-
-
 def health(port: int) -> tuple[int, float]:
     started = time.perf_counter()
-    status, _, _ = raw_request(
-        port, b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )
+    status, _, _ = raw_request(port, HEALTH_REQUEST)
     return status, time.perf_counter() - started
 
 
 @pytest.fixture
 def api(pg_url, schema, tmp_path):
     port = free_port()
-    env = {
-        **os.environ,
-        "DRAMATIQ_PG_URL": pg_url,
-        "DRAMATIQ_PG_SCHEMA": schema,
-        "ADMIN_API_BIND": f"127.0.0.1:{port}",
-        "ADMIN_API_LOG_LEVEL": "warning",
-    }
     log = tmp_path / "gunicorn.log"
-    process = start(
-        ["-m", "gunicorn", "-c", "python:admin_api.gunicorn_conf", "admin_api.wsgi:app"],
-        env,
-        log,
-    )
+    process = start_gunicorn(pg_url, schema, port, log, ADMIN_API_LOG_LEVEL="warning")
     try:
 
         def up():

@@ -11,7 +11,8 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker
 
-from .browser import Stack, free_port
+from .browser import Stack
+from .servers import free_port
 
 pytestmark = pytest.mark.slow
 

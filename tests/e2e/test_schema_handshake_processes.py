@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 
@@ -23,8 +22,7 @@ from psycopg import sql
 from dramatiq_pg_broker import PostgresBroker, handshake
 from dramatiq_pg_broker.migrate import CONTRACT_FROM, migrate, migrations_dir
 
-from .test_admin_e2e import free_port, start, stop
-from .test_admin_gunicorn import raw_request
+from .servers import HEALTH_REQUEST, free_port, raw_request, start_gunicorn, stop
 from .worker_actors import create_executions_table, declare
 from .workers import WorkerProcess, wait_for
 
@@ -146,24 +144,12 @@ def test_gunicorn_boots_against_a_schema_behind_its_code_and_serves_once_migrate
 ):
     migrate(pg_url, empty_schema, target=RELEASED)
     port = free_port()
-    env = {
-        **os.environ,
-        "DRAMATIQ_PG_URL": pg_url,
-        "DRAMATIQ_PG_SCHEMA": empty_schema,
-        "ADMIN_API_BIND": f"127.0.0.1:{port}",
-        "ADMIN_API_WORKERS": "1",
-    }
     log = tmp_path / "gunicorn.log"
-    process = start(
-        ["-m", "gunicorn", "-c", "python:admin_api.gunicorn_conf", "admin_api.wsgi:app"],
-        env,
-        log,
-    )
-    request = b"GET /api/health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    process = start_gunicorn(pg_url, empty_schema, port, log, ADMIN_API_WORKERS="1")
 
     def health() -> tuple[int, dict] | None:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            status, _, body = raw_request(port, request)
+            status, _, body = raw_request(port, HEALTH_REQUEST)
             return status, json.loads(body)
         return None
 

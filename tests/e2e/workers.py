@@ -10,10 +10,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from .. import helpers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,16 +121,9 @@ def outage_seconds(line: LogLine) -> float:
 
 
 def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
-    """Poll ``predicate`` until it is true; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{on_timeout()}" if on_timeout else ""
-            pytest.fail(f"timed out after {timeout}s waiting for {what}{extra}")
-        time.sleep(0.05)
+    """:func:`tests.helpers.wait_for`, looking every 0.05 s (these predicates read logs or
+    open connections)."""
+    return helpers.wait_for(predicate, timeout, what, on_timeout=on_timeout, interval=0.05)
 
 
 class WorkerProcess:

@@ -153,3 +153,58 @@ class Endpoint:
     path: str
     roles: frozenset[str]
     body: Any = None
+
+
+class Walk:
+    """Concrete requests for the document's operations: fresh objects for each call, so
+    that a retry finds a failed job and a revoke finds a token."""
+
+    BODIES = {
+        ("post", "/api/jobs"): lambda: {"actor_name": "tests.noop", "args": [1], "priority": 1},
+        ("post", "/api/users"): lambda: {
+            "email": f"walk-{uuid.uuid4().hex[:8]}@example.com",
+            "password": PASSWORD,
+            "role": "viewer",
+        },
+        ("patch", "/api/users/{user_id}"): lambda: {"active": True},
+        ("post", "/api/users/{user_id}/tokens"): lambda: {"name": "walk"},
+        ("post", "/api/auth/login"): lambda: {"email": "viewer@example.com", "password": PASSWORD},
+    }
+
+    def __init__(self, env: AdminEnv) -> None:
+        self.env = env
+
+    def queue(self) -> str:
+        """A queue a worker declared (pausing it does not touch another test's)."""
+        name = f"walk_{uuid.uuid4().hex[:8]}"
+        self.env.declare(queues=[name])
+        return name
+
+    def path(self, method: str, template: str) -> str:
+        env = self.env
+        job_id = {
+            "/api/jobs/{job_id}/retry": env.failed,
+            "/api/jobs/{job_id}/cancel": env.enqueue,
+        }.get(template, lambda: env.create_job()["id"])
+        values = {
+            "{queue_name}": self.queue,
+            "{job_id}": job_id,
+            "{user_id}": lambda: str(env.users["viewer"].id),
+            "{token_id}": lambda: str(
+                env.accounts.create_token(env.users["viewer"].id, "walk").token.id
+            ),
+        }
+        for placeholder, make in values.items():
+            if placeholder in template:
+                template = template.replace(placeholder, make())
+        return template
+
+    def call(self, method: str, template: str, op, role, **kwargs):
+        body = self.BODIES.get((method, template))
+        if "requestBody" in op:
+            assert body is not None, f"give a sample body for {method.upper()} {template}"
+            kwargs["json"] = body()
+        headers = {**self.env.auth(role), **CSRF}
+        return self.env.client.simulate_request(
+            method.upper(), self.path(method, template), headers=headers, **kwargs
+        )

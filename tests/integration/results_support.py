@@ -15,6 +15,8 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker
 
+from .harness import start_worker, stop_workers
+
 REDIS_URL = os.environ.get("DRAMATIQ_PG_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RABBITMQ_URL = os.environ.get(
     "DRAMATIQ_PG_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -57,14 +59,10 @@ class BrokerHarness:
         dramatiq.set_broker(self.broker)
 
     def start(self, threads: int = 4) -> dramatiq.Worker:
-        worker = dramatiq.Worker(self.broker, worker_threads=threads, worker_timeout=100)
-        worker.start()
-        self.workers.append(worker)
-        return worker
+        return start_worker(self.broker, self.workers, threads=threads)
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.stop(timeout=10_000)
+        stop_workers(self.workers)
         if self.kind == "redis":
             client = self.broker.client
             keys = list(client.scan_iter(f"{self.broker.namespace}:*"))

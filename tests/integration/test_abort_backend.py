@@ -16,7 +16,8 @@ from dramatiq_abort.middleware import AbortMode
 
 from dramatiq_pg_broker.abort import PostgresEventBackend
 
-from .control_support import Harness, wait_until
+from ..helpers import wait_for
+from .harness import Harness
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,13 +29,6 @@ def backend(pg_url, schema):
         conn.execute(f'DELETE FROM "{schema}".abort_events')
     yield backend
     backend.close()
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
 
 
 class Executions:
@@ -142,7 +136,7 @@ def test_a_running_message_is_aborted_and_not_retried(h, pg_url, schema):
     message = work.send()
     assert started.wait(10)
     abort(message.message_id)
-    wait_until(lambda: h.ran("aborted", "work"), 5, "Abort raised in the actor")
+    wait_for(lambda: h.ran("aborted", "work"), 5, "Abort raised in the actor")
     worker.join()
     assert broker.outcomes.flush(10)
     job = broker.store.get(message.message_id)
@@ -228,6 +222,6 @@ def test_an_actor_aborting_itself_is_interrupted(h, pg_url, schema):
 
     worker = h.start(broker)
     message = work.send()
-    wait_until(lambda: len(sentinel) >= 2, 10, "the actor interrupted")
+    wait_for(lambda: len(sentinel) >= 2, 10, "the actor interrupted")
     worker.join()
     assert sentinel == [True, False]

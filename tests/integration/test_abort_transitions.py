@@ -11,17 +11,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.errors import InvalidTransition, JobAlreadyFinished, JobNotFound
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, abort_payload, channel_name
-
-
-@pytest.fixture(scope="module")
-def store(pg_url, schema):
-    store = JobStore(ProcessPool(Settings(url=pg_url, schema=schema)), schema)
-    yield store
-    store.pool.close()
 
 
 def new_job(store: JobStore, queue: str | None = None, **fields) -> str:

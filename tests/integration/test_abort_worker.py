@@ -14,16 +14,10 @@ import pytest
 from dramatiq_pg_broker import current_job
 from dramatiq_pg_broker.errors import JobAborted
 
-from .control_support import Harness, wait_until
+from ..helpers import wait_for
+from .harness import Harness
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
 
 
 def declare_actors(h: Harness, broker):
@@ -63,7 +57,7 @@ def abort_and_time(broker, job_id: str, by: str = "ops") -> float:
     """Abort, then return the seconds until the job was cancelled (at most 2)."""
     started = time.monotonic()
     broker.store.abort(job_id, by=by)
-    wait_until(lambda: broker.store.get(job_id)["status"] == "cancelled", 2, "the job cancelled")
+    wait_for(lambda: broker.store.get(job_id)["status"] == "cancelled", 2, "the job cancelled")
     return time.monotonic() - started
 
 
@@ -72,12 +66,12 @@ def test_an_actor_in_a_busy_loop_is_interrupted_and_never_retried(h):
     spin, _ = declare_actors(h, broker)
     worker = h.start(broker)
     job_id = spin.send().message_id
-    wait_until(lambda: h.ran("start", job_id), 10, "the actor starting")
+    wait_for(lambda: h.ran("start", job_id), 10, "the actor starting")
 
     took = abort_and_time(broker, job_id)
 
     assert took < 2, f"the job was cancelled {took:.2f}s after the abort"
-    wait_until(lambda: h.ran("interrupted", job_id), 5, "JobAborted raised in the actor")
+    wait_for(lambda: h.ran("interrupted", job_id), 5, "JobAborted raised in the actor")
     settle(broker, worker)  # every message processed: a retry would be written by now
     assert broker.store.get(job_id)["status"] == "cancelled"
     assert events(broker, job_id)[2:] == [("abort_requested", "ops"), ("aborted", "ops")]
@@ -90,7 +84,7 @@ def test_a_job_blocked_in_sleep_is_cancelled_before_the_call_returns(h):
     _, nap = declare_actors(h, broker)
     worker = h.start(broker)
     job_id = nap.send(1.5).message_id
-    wait_until(lambda: h.ran("start", job_id), 10, "the actor starting")
+    wait_for(lambda: h.ran("start", job_id), 10, "the actor starting")
 
     took = abort_and_time(broker, job_id)
 
@@ -108,12 +102,12 @@ def test_without_notify_the_heartbeat_delivers_the_abort(h):
     spin, _ = declare_actors(h, broker)
     worker = h.start(broker)
     job_id = spin.send().message_id
-    wait_until(lambda: h.ran("start", job_id), 10, "the actor starting")
+    wait_for(lambda: h.ran("start", job_id), 10, "the actor starting")
 
     took = abort_and_time(broker, job_id)
 
     assert took < 2
-    wait_until(lambda: h.ran("interrupted", job_id), 5, "JobAborted raised in the actor")
+    wait_for(lambda: h.ran("interrupted", job_id), 5, "JobAborted raised in the actor")
     settle(broker, worker)
     assert broker.store.get(job_id)["status"] == "cancelled"
 
@@ -145,7 +139,7 @@ def test_an_actor_that_checks_for_itself_stops_where_it_chooses(h):
 
     worker = h.start(broker)
     first, second = careful.send().message_id, stubborn.send().message_id
-    wait_until(lambda: h.ran("start", first) and h.ran("start", second), 10, "both started")
+    wait_for(lambda: h.ran("start", first) and h.ran("start", second), 10, "both started")
 
     # The request is seen by the actor; the job ends when it stops.
     abort_and_time(broker, first)
@@ -170,11 +164,9 @@ def test_a_prefetched_message_is_cancelled_without_running(h):
 
     worker = h.start(broker, threads=1)
     busy = hold.send("busy").message_id
-    wait_until(lambda: h.ran("start", busy), 10, "the first message running")
+    wait_for(lambda: h.ran("start", busy), 10, "the first message running")
     waiting = hold.send("waiting").message_id
-    wait_until(
-        lambda: broker.store.get(waiting)["status"] == "running", 10, "the second prefetched"
-    )
+    wait_for(lambda: broker.store.get(waiting)["status"] == "running", 10, "the second prefetched")
 
     abort_and_time(broker, waiting)
     release.set()

@@ -21,10 +21,8 @@ ADMINS = frozenset({"admin"})
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema, cors_origins=("https://ops.example.com",))
-    yield env
-    env.close()
+def admin_settings():
+    return dict(cors_origins=("https://ops.example.com",))
 
 
 def endpoints(env: AdminEnv) -> list[Endpoint]:

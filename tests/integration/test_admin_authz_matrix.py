@@ -7,14 +7,12 @@ from __future__ import annotations
 import datetime as dt
 import secrets
 
-import pytest
 from psycopg import sql
 
 from admin_api import openapi
 from admin_api.accounts import hash_secret
 
-from .admin_support import CSRF, PASSWORD, AdminEnv
-from .test_admin_openapi import Walk
+from .admin_support import CSRF, PASSWORD, AdminEnv, Walk
 
 ANY = frozenset({"viewer", "operator", "admin", "member"})
 OBSERVERS = frozenset({"viewer", "operator", "admin"})
@@ -57,13 +55,6 @@ EXPECTED = {
     ("post", "/api/users/{user_id}/tokens"): ADMINS,
     ("delete", "/api/tokens/{token_id}"): ADMINS,
 }
-
-
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
 
 
 class Credentials:

@@ -6,15 +6,6 @@ import uuid
 
 import pytest
 
-from .admin_support import AdminEnv
-
-
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
-
 
 def path_of(link: str) -> str:
     assert link.startswith("/api/"), link

@@ -12,11 +12,8 @@ import json
 import string
 from urllib.parse import quote
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from .admin_support import AdminEnv
 
 FUZZ = settings(
     max_examples=200,
@@ -82,13 +79,6 @@ ids = st.one_of(
     st.text(alphabet=string.printable, min_size=1, max_size=40),
     st.sampled_from(["0", "-1", "99999999999999999999", "%00", "..", "stats"]),
 )
-
-
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
 
 
 def check(result) -> None:

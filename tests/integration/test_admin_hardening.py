@@ -15,10 +15,8 @@ from .admin_support import CSRF, PASSWORD, AdminEnv
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema, cors_origins=("https://ops.example.com",))
-    yield env
-    env.close()
+def admin_settings():
+    return dict(cors_origins=("https://ops.example.com",))
 
 
 def test_links_are_relative_whatever_the_host_header(env):

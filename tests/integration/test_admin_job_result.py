@@ -12,15 +12,6 @@ from dramatiq.message import Message
 
 from dramatiq_pg_broker.results import PostgresBackend
 
-from .admin_support import AdminEnv
-
-
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
-
 
 @pytest.fixture
 def backend(pg_url, schema):

@@ -18,13 +18,6 @@ from dramatiq_pg_broker.jobs import NewJob
 from .admin_support import AdminEnv
 
 
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
-
-
 def unique(prefix: str = "q") -> str:
     return f"{prefix}{uuid.uuid4().hex[:10]}"
 

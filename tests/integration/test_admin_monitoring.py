@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import psycopg
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
@@ -19,17 +18,10 @@ from admin_api.monitoring import Monitor
 from admin_api.resources import dashboard as dashboard_resource
 from dramatiq_pg_broker import Attempt
 
-from .admin_support import CSRF, AdminEnv
+from .admin_support import CSRF
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "docs" / "guides" / "prometheus-alerts.yml"
-
-
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
 
 
 def table_counts(pg_url: str, schema: str) -> dict[str, dict[str, int]]:

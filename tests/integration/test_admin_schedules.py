@@ -5,19 +5,9 @@ from __future__ import annotations
 import datetime as dt
 
 import dramatiq
-import pytest
 
 from dramatiq_pg_broker import PostgresBroker, periodic
 from dramatiq_pg_broker.periodic import Scheduler
-
-from .admin_support import AdminEnv
-
-
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
 
 
 def test_schedules_are_listed_read_only(env, pg_url, schema):

@@ -15,13 +15,6 @@ from dramatiq_pg_broker.config import Settings
 from .admin_support import AdminEnv
 
 
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
-
-
 def test_stats_count_every_state(env, pg_url, schema):
     empty = env.get("/api/jobs/stats").json
     assert empty == {

@@ -22,10 +22,8 @@ from .admin_support import CSRF, PASSWORD, AdminEnv
 
 
 @pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema, trusted_proxies=("10.0.0.1",))
-    yield env
-    env.close()
+def admin_settings():
+    return dict(trusted_proxies=("10.0.0.1",))
 
 
 def new_user(env) -> str:

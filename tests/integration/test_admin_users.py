@@ -17,13 +17,6 @@ from dramatiq_pg_broker.migrate import migrate
 from .admin_support import CSRF, PASSWORD, AdminEnv
 
 
-@pytest.fixture(scope="module")
-def env(pg_url, schema):
-    env = AdminEnv(pg_url, schema)
-    yield env
-    env.close()
-
-
 def email() -> str:
     return f"u{uuid.uuid4().hex[:10]}@example.com"
 

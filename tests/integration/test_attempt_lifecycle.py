@@ -19,25 +19,7 @@ from dramatiq_pg_broker.db import _CappedAttempt, translate_errors
 from dramatiq_pg_broker.inflight import State
 from dramatiq_pg_broker.jobs import NewJob
 
-from .test_broker_retries import Harness
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+from ..helpers import wait_for
 
 
 def row(broker, message):
@@ -293,10 +275,7 @@ def test_shutdown_returns_unstarted_messages_at_once(h):
 
     long.send()
     waiting = [quick.send(n) for n in range(3)]
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-    worker.queue_prefetch = 4
-    worker.start()
-    h.workers.append(worker)
+    worker = h.start(broker, threads=1, prefetch=4)
     assert started.wait(10)
     wait_for(lambda: len(broker.ledger) == 4, 10, "the prefetch to fill")
     stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 30_000})
@@ -520,10 +499,7 @@ def test_a_message_whose_lease_was_lost_while_it_waited_is_not_run(h, conn):
 
     blocker.send()
     stolen = waiting.send()
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-    worker.queue_prefetch = 2
-    worker.start()
-    h.workers.append(worker)
+    h.start(broker, threads=1, prefetch=2)
     assert blocker_started.wait(10)
     wait_for(lambda: len(broker.ledger) == 2, 10, "the second message to be prefetched")
     # Its lease expired and another worker claimed it, while it waited here.
@@ -560,10 +536,7 @@ def test_messages_sent_while_paused_run_in_priority_order(h, by):
     def high(n):
         order.append(("high", n))
 
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-    worker.queue_prefetch = 20
-    worker.start()
-    h.workers.append(worker)
+    worker = h.start(broker, threads=1, prefetch=20)
     broker.declare_queue(h.queue)
     worker.pause()
     for n in range(10):

@@ -8,16 +8,6 @@ import time
 import uuid
 
 import dramatiq
-import pytest
-
-from .test_broker_retries import Harness
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
 
 
 def pickup_latencies(h, broker, samples):
@@ -32,9 +22,7 @@ def pickup_latencies(h, broker, samples):
 
     # The CLI's default worker_timeout: an idle consumer looks again once a second even
     # without a notification, so only NOTIFY can make the pick-up much faster than that.
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=1000)
-    worker.start()
-    h.workers.append(worker)
+    h.start(broker, threads=1, timeout=1000)
     for _ in range(samples):
         time.sleep(0.3)  # let the consumer go idle
         started.clear()

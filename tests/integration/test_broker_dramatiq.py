@@ -17,14 +17,8 @@ from dramatiq.middleware import AsyncIO, CurrentMessage
 
 from dramatiq_pg_broker import JobFailed, current_job
 
-from .test_broker_retries import Harness, of_type
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
+from ..helpers import wait_for
+from .harness import of_type
 
 
 def booted(broker):
@@ -32,14 +26,6 @@ def booted(broker):
     TimeLimit and ShutdownNotifications start their helpers here."""
     broker.emit_after("process_boot")
     return broker
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def status(broker, message):

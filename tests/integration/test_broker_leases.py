@@ -11,21 +11,13 @@ import uuid
 
 import pytest
 
-from dramatiq_pg_broker import Attempt, JobStore, Settings
+from dramatiq_pg_broker import Attempt
 from dramatiq_pg_broker.backoff import backoff_table
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import NewJob
 
 BASE_MS = 1000
 MAX_MS = 10_000
 LEASE = 30
-
-
-@pytest.fixture(scope="module")
-def store(pg_url, schema):
-    store = JobStore(ProcessPool(Settings(url=pg_url, schema=schema)), schema)
-    yield store
-    store.pool.close()
 
 
 @pytest.fixture

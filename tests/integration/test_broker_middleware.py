@@ -5,61 +5,30 @@ failed attempt never recorded as a success, with or without a Retries middleware
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 
 import dramatiq
-import pytest
 from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware, TimeLimit
 
-from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker import Retries as PgRetries
 from dramatiq_pg_broker.current import JobContext
+
+from ..helpers import wait_for
 
 
 class Marker(Middleware):
     """A middleware that does nothing: only its place in the list matters."""
 
 
-@pytest.fixture
-def make_broker(pg_url, schema):
-    brokers, workers = [], []
-
-    def make(**options) -> PostgresBroker:
-        broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1, **options)
-        brokers.append(broker)
-        return broker
-
-    make.workers = workers
-    yield make
-    for worker in workers:
-        worker.stop(timeout=10_000)
-    for broker in brokers:
-        broker.close()
-
-
-def start_worker(make_broker, broker) -> dramatiq.Worker:
-    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-    worker.start()
-    make_broker.workers.append(worker)
-    return worker
-
-
-@pytest.fixture
-def queue():
-    return f"mw_{uuid.uuid4().hex[:8]}"
-
-
-def test_a_middleware_added_before_age_limit_comes_first(make_broker):
-    broker = make_broker()
+def test_a_middleware_added_before_age_limit_comes_first(h):
+    broker = h.broker()
     marker = Marker()
     broker.add_middleware(marker, before=AgeLimit)
     assert broker.middleware[0] is marker, [type(m).__name__ for m in broker.middleware]
     assert isinstance(broker.middleware[1], AgeLimit)
 
 
-def test_a_middleware_added_after_age_limit_comes_second(make_broker):
-    broker = make_broker()
+def test_a_middleware_added_after_age_limit_comes_second(h):
+    broker = h.broker()
     marker = Marker()
     broker.add_middleware(marker, after=AgeLimit)
     assert broker.middleware[1] is marker, [type(m).__name__ for m in broker.middleware]
@@ -70,8 +39,8 @@ def test_a_middleware_added_after_age_limit_comes_second(make_broker):
     assert names.index(JobContext) < names.index(TimeLimit)
 
 
-def test_the_default_list_is_dramatiqs_with_the_job_context_after_age_limit(make_broker):
-    broker = make_broker()
+def test_the_default_list_is_dramatiqs_with_the_job_context_after_age_limit(h):
+    broker = h.broker()
     kinds = [type(m) for m in broker.middleware]
     assert kinds[:2] == [AgeLimit, JobContext], kinds
     expected = [
@@ -83,22 +52,15 @@ def test_the_default_list_is_dramatiqs_with_the_job_context_after_age_limit(make
     assert CurrentMessage in kinds
 
 
-def test_a_list_without_age_limit_gets_the_job_context_first(make_broker):
-    broker = make_broker(middleware=[TimeLimit(), Marker()])
+def test_a_list_without_age_limit_gets_the_job_context_first(h):
+    broker = h.broker(middleware=[TimeLimit(), Marker()])
     kinds = [type(m) for m in broker.middleware]
     assert kinds[:3] == [JobContext, TimeLimit, Marker], kinds
     assert CurrentMessage not in kinds, "a list given is kept as it is"
 
 
-def wait_until(predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
-
-
-def test_current_message_works_in_an_actor_under_the_default_middleware(make_broker, queue):
-    broker = make_broker()
+def test_current_message_works_in_an_actor_under_the_default_middleware(h, queue):
+    broker = h.broker()
     seen: list = []
 
     @dramatiq.actor(broker=broker, queue_name=queue)
@@ -107,16 +69,16 @@ def test_current_message_works_in_an_actor_under_the_default_middleware(make_bro
         seen.append(None if message is None else message.message_id)
 
     sent = which.send()
-    start_worker(make_broker, broker)
+    h.start(broker, threads=1)
     broker.join(queue, timeout=20_000)
     assert seen == [sent.message_id], "CurrentMessage.get_current_message() in the actor"
     assert broker.store.get(sent.message_id)["status"] == "succeeded"
 
 
-def test_an_actor_that_raised_is_failed_without_a_retries_middleware(make_broker, queue):
+def test_an_actor_that_raised_is_failed_without_a_retries_middleware(h, queue):
     # Dramatiq acks a message whose actor raised when no Retries middleware is installed;
     # the job must still end failed, with its error, never succeeded.
-    broker = make_broker(middleware=[AgeLimit(), TimeLimit()])
+    broker = h.broker(middleware=[AgeLimit(), TimeLimit()])
     ran = threading.Event()
 
     @dramatiq.actor(broker=broker, queue_name=queue)
@@ -125,8 +87,8 @@ def test_an_actor_that_raised_is_failed_without_a_retries_middleware(make_broker
         raise ValueError("no retries here")
 
     sent = broken.send()
-    start_worker(make_broker, broker)
-    wait_until(ran.is_set, "the actor ran")
+    h.start(broker, threads=1)
+    wait_for(ran.is_set, 20, "the actor ran")
     broker.join(queue, timeout=20_000)
     assert broker.outcomes.flush(timeout=10)
     row = broker.store.get(sent.message_id)

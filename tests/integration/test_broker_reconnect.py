@@ -13,13 +13,7 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker
 
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+from ..helpers import wait_for
 
 
 def with_application_name(url: str, name: str) -> str:

@@ -5,74 +5,16 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import threading
 import time
-import uuid
 
 import dramatiq
-import pytest
 from dramatiq.middleware import Retries as StockRetries
 
-from dramatiq_pg_broker import PostgresBroker, current_job
 from dramatiq_pg_broker import Retries as PgRetries
+from dramatiq_pg_broker import current_job
 from dramatiq_pg_broker.retries import RETRYING_LINE
 
-
-class Harness:
-    """A broker on the module's schema, a unique queue, and in-process workers."""
-
-    def __init__(self, pg_url, schema):
-        self.pg_url = pg_url
-        self.schema = schema
-        self.queue = f"q_{uuid.uuid4().hex[:8]}"
-        self.brokers = []
-        self.workers = []
-        self.runs = []
-        self._lock = threading.Lock()
-        self._global_broker = dramatiq.broker.global_broker
-
-    def broker(self, **options):
-        """A new broker, also made Dramatiq's global one (group and pipeline use that)."""
-        options.setdefault("poll_interval", 0.1)
-        options.setdefault("url", self.pg_url)
-        broker = PostgresBroker(schema=self.schema, **options)
-        self.brokers.append(broker)
-        dramatiq.set_broker(broker)
-        return broker
-
-    def record(self, *item):
-        with self._lock:
-            self.runs.append(item)
-
-    def start(self, broker, threads=2):
-        worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
-        worker.start()
-        self.workers.append(worker)
-        return worker
-
-    def close(self):
-        for worker in self.workers:
-            worker.stop(timeout=10_000)
-        for broker in self.brokers:
-            broker.close()
-        dramatiq.broker.global_broker = self._global_broker
-
-    def rows(self, broker, conn):
-        return conn.execute(
-            f'SELECT id::text, status, attempts FROM "{self.schema}".jobs WHERE queue_name = %s',
-            (self.queue,),
-        ).fetchall()
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
-
-
-def of_type(events, kind):
-    return [e for e in events if e["type"] == kind]
+from .harness import of_type
 
 
 def deterministic(broker) -> PgRetries:

@@ -12,18 +12,6 @@ from dramatiq.common import current_millis
 from dramatiq_pg_broker import PostgresBroker
 
 
-@pytest.fixture
-def broker(pg_url, schema):
-    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def queue():
-    return f"q_{uuid.uuid4().hex[:8]}"
-
-
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 

@@ -7,35 +7,11 @@ from __future__ import annotations
 import json
 import uuid
 
-import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import cli
 from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.cli_control import printable
-from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import JobStore, NewJob
-
-
-@pytest.fixture(scope="module")
-def store(pg_url, schema):
-    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
-    yield JobStore(pool, schema)
-    pool.close()
-
-
-@pytest.fixture
-def run(pg_url, schema, capsys):
-    def run(*args: str) -> tuple[int, str, str]:
-        try:
-            code = cli.main(["--url", pg_url, "--schema", schema, *args])
-        except SystemExit as e:  # argparse's own errors exit from parse_args
-            code = e.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def declared(store: JobStore, name: str | None = None) -> str:

@@ -9,33 +9,15 @@ import uuid
 
 import pytest
 
-from dramatiq_pg_broker import cli
-from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
-from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
+from dramatiq_pg_broker.jobs import Attempt, NewJob
 
 
 @pytest.fixture
-def store(pg_url, schema):
-    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
-    store = JobStore(pool, schema)
-    with pool.connection() as conn:
+def store(store, schema):
+    """The module's job store, on an empty jobs table."""
+    with store.pool.connection() as conn:
         conn.execute(f"TRUNCATE {schema}.jobs CASCADE")
-    yield store
-    pool.close()
-
-
-@pytest.fixture
-def run(pg_url, schema, capsys):
-    def run(*args: str) -> tuple[int, str, str]:
-        try:
-            code = cli.main(["--url", pg_url, "--schema", schema, *args])
-        except SystemExit as e:  # argparse's own errors exit from parse_args
-            code = e.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    return store
 
 
 def enqueue(store, queue="mail", actor="send", *, delay_ms=0, now=None) -> str:

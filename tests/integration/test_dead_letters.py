@@ -5,29 +5,8 @@ from __future__ import annotations
 import uuid
 
 import dramatiq
-import pytest
 
-from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.jobs import Attempt, NewJob
-
-
-@pytest.fixture
-def broker(pg_url, schema):
-    previous = dramatiq.broker.global_broker
-    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
-    worker = None
-
-    def start():
-        nonlocal worker
-        worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
-        worker.start()
-
-    broker.start_worker = start
-    yield broker
-    if worker is not None:
-        worker.stop(timeout=10_000)
-    broker.close()
-    dramatiq.broker.global_broker = previous
 
 
 def test_a_message_for_an_undeclared_actor_is_dead_lettered(broker):

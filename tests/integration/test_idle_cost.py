@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import threading
 import time
 import uuid
 
 import dramatiq
-import psycopg
 import pytest
 from dramatiq import Worker
 
@@ -31,40 +29,14 @@ from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import NewJob
 from dramatiq_pg_broker.migrate import migrate
 
+from ..helpers import StatementCounter
+
 pytestmark = pytest.mark.timeout(120)
 
 QUEUES = ("idle_a", "idle_b", "idle_c")
 POLL_INTERVAL = 0.5
 REAPER_INTERVAL = 2.0
 SHORT_IDLE, LONG_IDLE = 1.0, 7.0
-
-
-class StatementCounter:
-    """Counts ``psycopg.Cursor.execute`` calls while installed (a context manager): all of
-    them in ``count``, and per statement text in ``of``."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        self.of: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._monkeypatch = monkeypatch
-        self._original = psycopg.Cursor.execute
-
-    def __enter__(self) -> StatementCounter:
-        original, counter = self._original, self
-
-        def execute(cursor, query, *args, **kwargs):
-            with counter._lock:
-                counter.count += 1
-                if isinstance(query, str):
-                    counter.of[query] = counter.of.get(query, 0) + 1
-            return original(cursor, query, *args, **kwargs)
-
-        self._monkeypatch.setattr(psycopg.Cursor, "execute", execute)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._monkeypatch.setattr(psycopg.Cursor, "execute", self._original)
 
 
 def _idle_run(pg_url: str, schema: str, monkeypatch, seconds: float) -> tuple[int, float]:

@@ -15,28 +15,12 @@ from psycopg import sql
 
 from dramatiq_pg_broker import current_job
 from dramatiq_pg_broker import queues as queue_control
-from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.errors import InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import PAUSE_PAYLOAD, JobStore, NewJob, channel_name
 
-from .control_support import Harness, wait_until
+from ..helpers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def store(pg_url, schema):
-    store = JobStore(ProcessPool(Settings(url=pg_url, schema=schema)), schema)
-    yield store
-    store.pool.close()
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
 
 
 def declared_queue(store: JobStore) -> str:
@@ -123,17 +107,15 @@ def test_a_worker_gives_back_what_it_prefetched_and_resumes_at_once(h, store):
 
     worker = h.start(broker, threads=1)
     first = hold.send("first").message_id
-    wait_until(lambda: h.ran("start", first), 10, "the first message running")
+    wait_for(lambda: h.ran("start", first), 10, "the first message running")
     later = [hold.send(f"later{i}").message_id for i in range(2)]
     # One thread, so a window of two messages: one of the later ones is prefetched.
-    wait_until(
-        lambda: any(store.get(i)["status"] == "running" for i in later), 10, "one prefetched"
-    )
+    wait_for(lambda: any(store.get(i)["status"] == "running" for i in later), 10, "one prefetched")
 
     with store.pool.connection() as conn:
         queue_control.pause(conn, store.schema, h.queue, by="ops")
     # The prefetched message goes back at once, uncharged; the running one goes on.
-    wait_until(
+    wait_for(
         lambda: all(store.get(i)["status"] == "queued" for i in later), 2, "prefetched given back"
     )
     assert all(store.get(i)["attempts"] == 0 for i in later)
@@ -142,7 +124,7 @@ def test_a_worker_gives_back_what_it_prefetched_and_resumes_at_once(h, store):
     ]  # fmt: skip
     assert store.get(first)["status"] == "running"
     release.set()
-    wait_until(lambda: store.get(first)["status"] == "succeeded", 10, "the running job finishing")
+    wait_for(lambda: store.get(first)["status"] == "succeeded", 10, "the running job finishing")
     # Ten poll intervals of an idle worker on a paused queue: nothing is claimed.
     time.sleep(1.0)  # the span observed, not a wait for a result
     assert all(store.get(i)["status"] == "queued" for i in later)
@@ -151,7 +133,7 @@ def test_a_worker_gives_back_what_it_prefetched_and_resumes_at_once(h, store):
     resumed_at = time.monotonic()
     with store.pool.connection() as conn:
         queue_control.resume(conn, store.schema, h.queue, by="ops")
-    wait_until(
+    wait_for(
         lambda: all(store.get(i)["status"] == "succeeded" for i in later), 5, "the queue draining"
     )
     assert time.monotonic() - resumed_at < 2

@@ -5,17 +5,7 @@ from __future__ import annotations
 import time
 
 import dramatiq
-import pytest
 from dramatiq.errors import ConnectionClosed
-
-from .test_broker_retries import Harness
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
 
 
 def wait_for_status(broker, job_id, status, timeout=15.0):

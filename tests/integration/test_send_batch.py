@@ -4,27 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import uuid
 
 import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import InvalidMessage, JobAlreadyFinished, PostgresBroker
+from dramatiq_pg_broker import InvalidMessage, JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
-
-
-@pytest.fixture
-def broker(pg_url, schema):
-    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def queue():
-    return f"b_{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

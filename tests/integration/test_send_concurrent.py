@@ -4,7 +4,6 @@ sends that do not wait for the WAL flush (``durable=False``)."""
 from __future__ import annotations
 
 import threading
-import uuid
 
 import dramatiq
 import psycopg
@@ -18,29 +17,8 @@ from dramatiq_pg_broker.jobs import Attempt
 THREADS = 8
 
 
-@pytest.fixture
-def queue():
-    return f"g_{uuid.uuid4().hex[:8]}"
-
-
 def make_broker(pg_url, schema, **options):
     return PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1, **options)
-
-
-@pytest.fixture
-def broker(pg_url, schema):
-    broker = make_broker(pg_url, schema)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def task(broker, queue):
-    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"task_{queue}")
-    def task(n):
-        pass
-
-    return task
 
 
 def stored(conn, schema, queue) -> dict[str, int]:

@@ -20,30 +20,7 @@ from dramatiq_pg_broker.broker import JobFailed
 from dramatiq_pg_broker.errors import InvalidMessage, JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 
-
-@pytest.fixture
-def broker(pg_url, schema):
-    previous = dramatiq.broker.global_broker
-    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
-    broker.add_middleware(CurrentMessage())
-    workers = []
-
-    def start(threads: int = 1):
-        worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=100)
-        worker.start()
-        workers.append(worker)
-
-    broker.start_worker = start
-    yield broker
-    for worker in workers:
-        worker.stop(timeout=10_000)
-    broker.close()
-    dramatiq.broker.global_broker = previous
-
-
-@pytest.fixture
-def queue():
-    return f"s_{uuid.uuid4().hex[:8]}"
+from ..helpers import wait_for
 
 
 @pytest.fixture
@@ -57,15 +34,6 @@ def count_rows(broker, conn, queue) -> int:
     return conn.execute(
         f'SELECT count(*) FROM "{broker.settings.schema}".jobs WHERE queue_name = %s', (queue,)
     ).fetchone()[0]
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # -- message fidelity ----------------------------------------------------------------------
@@ -219,7 +187,7 @@ def test_an_actor_that_snoozes_itself_runs_again(broker, queue):
 
     message = snoozer.send()
     broker.start_worker()
-    wait_for(lambda: len(runs) == 2, what="the snoozed job's second run")
+    wait_for(lambda: len(runs) == 2, 20, "the snoozed job's second run")
     broker.join(queue, timeout=20_000)
     row = broker.store.get(message.message_id)
     assert row["status"] == "succeeded"
@@ -339,10 +307,10 @@ def test_join_fail_fast_ignores_an_earlier_failure_when_this_host_runs_behind(
 
     message = doomed.send()
     broker.start_worker()
-    wait_for(lambda: broker.store.get(message.message_id)["status"] == "failed", what="failure")
+    wait_for(lambda: broker.store.get(message.message_id)["status"] == "failed", 20, "failure")
     # Past join's one-second grace, by the server's clock.
     finished = broker.store.get(message.message_id)["finished_at"]
-    wait_for(lambda: broker.store.server_now() - finished > dt.timedelta(seconds=1.5), what="time")
+    wait_for(lambda: broker.store.server_now() - finished > dt.timedelta(seconds=1.5), 20, "time")
     skewed_clock(monkeypatch, -5)
     broker.join(queue, timeout=20_000, fail_fast=True)  # an idle queue: returns at once
 

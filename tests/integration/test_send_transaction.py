@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import uuid
 
-import dramatiq
 import psycopg
 import pytest
 import sqlalchemy as sa
@@ -13,29 +12,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from sqlalchemy.orm import Session
 
-from dramatiq_pg_broker import PostgresBroker, TransactionError
+from dramatiq_pg_broker import TransactionError
 from dramatiq_pg_broker.jobs import channel_name
-
-
-@pytest.fixture
-def broker(pg_url, schema):
-    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def queue():
-    return f"tx_{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def task(broker, queue):
-    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"invoice_{queue}")
-    def send_invoice(n):
-        pass
-
-    return send_invoice
 
 
 @pytest.fixture

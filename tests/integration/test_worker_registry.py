@@ -15,16 +15,9 @@ from psycopg import sql
 from dramatiq_pg_broker import __version__, current_job
 from dramatiq_pg_broker.workers import actor_queue, list_actors, list_workers
 
-from .control_support import Harness, wait_until
+from ..helpers import wait_for
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def h(pg_url, schema):
-    harness = Harness(pg_url, schema)
-    yield harness
-    harness.close()
 
 
 def registered(broker, worker_id):
@@ -45,7 +38,7 @@ def test_a_worker_registers_refreshes_and_deregisters(h):
 
     worker = h.start(broker)
     worker_id = broker.presence.worker_id
-    row = wait_until(lambda: registered(broker, worker_id), 5, "the worker's row")
+    row = wait_for(lambda: registered(broker, worker_id), 5, "the worker's row")
     assert (row["host"], row["pid"], row["version"]) == (
         socket.gethostname(),
         os.getpid(),
@@ -55,8 +48,8 @@ def test_a_worker_registers_refreshes_and_deregisters(h):
     assert row["expires_at"] > row["heartbeat_at"]
 
     job_id = hold.send().message_id
-    wait_until(lambda: h.ran("start", job_id), 10, "the job running")
-    beat = wait_until(
+    wait_for(lambda: h.ran("start", job_id), 10, "the job running")
+    beat = wait_for(
         lambda: (r := registered(broker, worker_id)) and r["in_flight"] == 1 and r,
         5,
         "a heartbeat reporting the job in flight",

@@ -1,0 +1,84 @@
+"""Helpers every tier of the tests uses: bounded waits and a statement counter."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float,
+    what: str,
+    *,
+    on_timeout: Callable[[], str] | None = None,
+    interval: float = 0.02,
+    ignore: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """Poll ``predicate`` until it returns something true, and return that.
+
+    Parameters:
+      predicate(callable): the condition; its value is returned once it is true.
+      timeout(float): seconds before the test fails, naming ``what``.
+      what(str): what was awaited, for the failure message.
+      on_timeout(callable): its text (a log's tail) is added to the failure message.
+      interval(float): seconds between two looks.
+      ignore(tuple): exceptions that mean "not yet" (a server that is not listening).
+    """
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        with contextlib.suppress(*ignore):
+            last = predicate()
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            seen = f" (last seen: {last!r})" if last not in (None, False) else ""
+            extra = f"\n{on_timeout()}" if on_timeout else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{seen}{extra}")
+        time.sleep(interval)
+
+
+class StatementCounter:
+    """Counts ``psycopg.Cursor.execute`` calls while installed (a context manager): all of
+    them in ``count``, and per statement text in ``of``. Every statement the package sends
+    goes through a cursor's ``execute`` (``Connection.execute`` included), from any thread
+    of this process.
+
+    Parameters:
+      monkeypatch: the test's ``monkeypatch`` fixture (the patch is undone with it).
+    """
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        self.of: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.monkeypatch = monkeypatch
+        self.original = psycopg.Cursor.execute
+
+    def __enter__(self) -> StatementCounter:
+        original, counter = self.original, self
+
+        def execute(cursor, query, *args, **kwargs):
+            with counter.lock:
+                counter.count += 1
+                if isinstance(query, str):
+                    counter.of[query] = counter.of.get(query, 0) + 1
+            return original(cursor, query, *args, **kwargs)
+
+        self.monkeypatch.setattr(psycopg.Cursor, "execute", execute)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.monkeypatch.setattr(psycopg.Cursor, "execute", self.original)
+
+    def __getitem__(self, query: str) -> int:
+        """How many times the statement ``query`` ran while the counter was installed."""
+        with self.lock:
+            return self.of.get(query, 0)

@@ -1,0 +1,103 @@
+"""In-process workers for the integration tests: brokers on the module's schema, a queue of
+the test's own, and a record of what the actors did."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import dramatiq
+
+from dramatiq_pg_broker import PostgresBroker
+
+
+def start_worker(
+    broker: dramatiq.Broker,
+    workers: list[dramatiq.Worker],
+    *,
+    threads: int = 1,
+    prefetch: int | None = None,
+    timeout: int = 100,
+) -> dramatiq.Worker:
+    """Start an in-process worker of ``broker`` and add it to ``workers``.
+
+    Parameters:
+      threads(int): its worker threads.
+      prefetch(int): its ``queue_prefetch`` (Dramatiq's default: twice the threads).
+      timeout(int): its ``worker_timeout`` in milliseconds: how long an idle consumer
+        waits before it looks again (short, so that a stop is quick).
+    """
+    worker = dramatiq.Worker(broker, worker_threads=threads, worker_timeout=timeout)
+    if prefetch is not None:
+        worker.queue_prefetch = prefetch
+    worker.start()
+    workers.append(worker)
+    return worker
+
+
+def stop_workers(workers: list[dramatiq.Worker]) -> None:
+    """Stop every worker of the list, each within 10 s."""
+    for worker in workers:
+        worker.stop(timeout=10_000)
+
+
+class Harness:
+    """Brokers on one schema, a unique queue, and in-process workers; :meth:`close` stops
+    the workers, closes the brokers and gives Dramatiq its global broker back.
+
+    The actors of a test append what they did to :attr:`runs` with :meth:`record` (from
+    any worker thread); :meth:`ran` counts an entry.
+
+    Parameters:
+      pg_url(str), schema(str): the test database and the module's schema.
+    """
+
+    def __init__(self, pg_url: str, schema: str) -> None:
+        self.pg_url = pg_url
+        self.schema = schema
+        self.queue = f"q_{uuid.uuid4().hex[:8]}"
+        self.brokers: list[PostgresBroker] = []
+        self.workers: list[dramatiq.Worker] = []
+        self.runs: list[tuple] = []
+        self.lock = threading.Lock()
+        self.global_broker = dramatiq.broker.global_broker
+
+    def broker(self, **options) -> PostgresBroker:
+        """A new broker, also made Dramatiq's global one (group and pipeline use that)."""
+        options.setdefault("poll_interval", 0.1)
+        options.setdefault("url", self.pg_url)
+        broker = PostgresBroker(schema=self.schema, **options)
+        self.brokers.append(broker)
+        dramatiq.set_broker(broker)
+        return broker
+
+    def record(self, *item) -> None:
+        with self.lock:
+            self.runs.append(item)
+
+    def ran(self, *item) -> int:
+        """How many times ``item`` was recorded."""
+        with self.lock:
+            return self.runs.count(item)
+
+    def start(self, broker: PostgresBroker, threads: int = 2, **options) -> dramatiq.Worker:
+        """An in-process worker of ``broker`` (see :func:`start_worker`)."""
+        return start_worker(broker, self.workers, threads=threads, **options)
+
+    def close(self) -> None:
+        stop_workers(self.workers)
+        for broker in self.brokers:
+            broker.close()
+        dramatiq.broker.global_broker = self.global_broker
+
+    def rows(self, broker: PostgresBroker, conn) -> list[tuple]:
+        """(id, status, attempts) of every job of the test's queue."""
+        return conn.execute(
+            f'SELECT id::text, status, attempts FROM "{self.schema}".jobs WHERE queue_name = %s',
+            (self.queue,),
+        ).fetchall()
+
+
+def of_type(events: list[dict], kind: str) -> list[dict]:
+    """The events of a job's timeline (``store.events_of``) of one type."""
+    return [e for e in events if e["type"] == kind]

@@ -244,9 +244,9 @@ class AccountStore:
         self.pool = pool
         self.schema = schema
         self.bcrypt_rounds = bcrypt_rounds
-        self._hash_slots = (
-            threading.BoundedSemaphore(hash_concurrency) if hash_concurrency else None
-        )
+        #: The slots of the bound on concurrent bcrypt computations (None: no bound). A
+        #: test holds one with ``acquire()`` to see what a login does when all are busy.
+        self.hash_slots = threading.BoundedSemaphore(hash_concurrency) if hash_concurrency else None
         self.statements = Queries(schema, "accounts.sql", package="admin_api")
         self._dummy_hash: bytes | None = None
 
@@ -257,7 +257,7 @@ class AccountStore:
 
     def _bcrypt(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run one bcrypt computation, within the bound on how many run at once."""
-        slots = self._hash_slots
+        slots = self.hash_slots
         if slots is None:
             return fn(*args)
         if not slots.acquire(timeout=HASH_WAIT_SECONDS):

@@ -138,7 +138,8 @@ class PostgresEventBackend(EventBackend):
         self.schema = self.settings.schema
         self.statements = _queries(self.schema)
         self.channel = channel_for(self.schema, "aborts")
-        self._reclaimer = Reclaimer(
+        #: Deletes expired abort events as this backend writes (see :class:`~.db.Reclaimer`).
+        self.reclaimer = Reclaimer(
             lambda limit: self.prune(limit=limit),
             batch=prune_batch,
             interval=prune_interval,
@@ -163,7 +164,7 @@ class PostgresEventBackend(EventBackend):
         }
         with self.pool.connection() as conn:
             conn.execute(self.statements["notify_events"], params)
-        self._reclaimer.maybe_run()
+        self.reclaimer.maybe_run()
 
     def poll(self, key: str) -> Event | None:
         """Take the event of ``key`` if one was signalled (never waits)."""
@@ -205,7 +206,7 @@ class PostgresEventBackend(EventBackend):
         """Delete at most ``limit`` (default ``prune_batch``) expired events now; returns
         how many."""
         with self.pool.connection() as conn:
-            return prune_expired(conn, self.schema, limit=limit or self._reclaimer.batch)
+            return prune_expired(conn, self.schema, limit=limit or self.reclaimer.batch)
 
     def close(self) -> None:
         """Close this backend's own pool (a broker's pool is left to the broker)."""

@@ -1,12 +1,12 @@
 """PostgresConsumer: claims batches of job rows and hands them to Dramatiq.
 
 Claiming: a consumer holds at most its window of messages (Dramatiq's prefetch, grown
-while jobs are short, see :meth:`PostgresConsumer._adapt_window`) and claims in batches of
-at most half the window, as soon as its outstanding messages fall to half the window. So a
-busy worker pays one round trip per batch, not per message, and the next batch is claimed
-while the workers still run the last one: right after a batch is handed over, not once it
-is done. A slot stays taken until the attempt's outcome is written, within the
-write-behind allowance (see :mod:`.inflight`).
+while jobs are short, see :class:`ClaimWindow`) and claims in batches of at most half the
+window, as soon as its outstanding messages fall to half the window. So a busy worker
+pays one round trip per batch, not per message, and the next batch is claimed while the
+workers still run the last one: right after a batch is handed over, not once it is done.
+A slot stays taken until the attempt's outcome is written, within the write-behind
+allowance (see :mod:`.inflight`).
 
 An idle consumer claims once (a claim that finds nothing reports, in the same statement,
 when the earliest delayed job becomes runnable), then waits on LISTEN (its own connection)
@@ -42,7 +42,7 @@ from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError
 
 from .db import connect, translate_errors
-from .inflight import RETRY_CAP_SECONDS
+from .inflight import RETRY_CAP_SECONDS, Slots
 from .jobs import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
 
 if TYPE_CHECKING:
@@ -104,6 +104,57 @@ class PgMessageProxy(MessageProxy):
         return self._attempt
 
 
+class ClaimWindow:
+    """How many messages one consumer may hold: its prefetch, grown while its jobs are
+    short. Adapted once per claim, from how the last claim went (:meth:`adapt`), and given
+    to the consumer's slots as their write-behind allowance (see :mod:`.inflight`).
+
+    The window doubles, up to ``growth`` times the prefetch, when the last claim came back
+    full and found the workers out of work (every message handed over before it was done:
+    short jobs, whose threads idle through each claim's round trip); it halves, down to
+    the prefetch, when the next claim became due only after more than
+    :data:`WINDOW_SHRINK_CLAIMS` claims' time (longer jobs); and it returns to the
+    prefetch when a claim comes back short (the queue runs dry).
+
+    Parameters:
+      prefetch(int): Dramatiq's prefetch, the smallest window.
+      growth(int): the largest window, in prefetches (the ``prefetch_growth`` setting).
+      slots(Slots): the consumer's slots, whose allowance follows the window.
+    """
+
+    def __init__(self, prefetch: int, growth: int, slots: Slots) -> None:
+        self.prefetch = prefetch
+        self.growth = growth
+        self.slots = slots
+        #: The window: how many messages the consumer may hold now.
+        self.size = prefetch
+        #: What the last claim said, used once: (when it returned, its seconds, whether it
+        #: came back full, whether the workers had run dry by then).
+        self._last: tuple[float, float, bool, bool] | None = None
+
+    def claimed(self, *, sent: float, returned: float, full: bool, starved: bool) -> None:
+        """A claim sent at ``sent`` came back at ``returned`` (monotonic seconds): ``full``
+        when it brought as many jobs as it asked for, ``starved`` when every message handed
+        over before it was done by then."""
+        self._last = (returned, returned - sent, full, starved)
+
+    def adapt(self, now: float) -> int:
+        """Adapt the window before a claim sent at ``now`` (monotonic seconds), from what
+        the last claim said (once: a second call without a claim in between changes
+        nothing). Returns the window."""
+        last, self._last = self._last, None
+        if last is not None:
+            returned, seconds, full, starved = last
+            if not full:
+                self.size = self.prefetch
+            elif now - returned >= WINDOW_SHRINK_CLAIMS * seconds:
+                self.size = max(self.prefetch, self.size // 2)
+            elif starved:
+                self.size = min(self.size * 2, self.prefetch * self.growth)
+            self.slots.allowance = self.size
+        return self.size
+
+
 class PostgresConsumer(Consumer):
     """Consumes one queue for one Dramatiq consumer thread. See the module docstring."""
 
@@ -115,13 +166,8 @@ class PostgresConsumer(Consumer):
         self.queue_name = queue_name
         self.prefetch = max(1, prefetch)
         self.slots = self.ledger.slots(self.prefetch)
-        #: How many messages this consumer may hold: the prefetch, grown while jobs are
-        #: short (see :meth:`_adapt_window`).
-        self.window = self.prefetch
-        self._claim_returned: float | None = None
-        self._claim_seconds = 0.0
-        self._claim_was_full = False
-        self._claim_starved = False
+        #: How many messages this consumer may hold (see :class:`ClaimWindow`).
+        self.claim_window = ClaimWindow(self.prefetch, self.settings.prefetch_growth, self.slots)
         self.timeout = max(0.0, timeout / 1000)
         self.owner = new_owner_id()
         self._buffer: deque[PgMessageProxy] = deque()
@@ -133,6 +179,11 @@ class PostgresConsumer(Consumer):
         self._last_drain = 0.0
         #: Whether the last claim found the queue paused (logged once per pause).
         self._paused = False
+
+    @property
+    def window(self) -> int:
+        """How many messages this consumer may hold now (see :class:`ClaimWindow`)."""
+        return self.claim_window.size
 
     # -- claiming ------------------------------------------------------------------------
 
@@ -218,21 +269,23 @@ class PostgresConsumer(Consumer):
     def _claim(self) -> bool:
         lease = self.settings.lease_seconds
         sent = time.monotonic()
-        self._adapt_window(sent)
+        window = self.claim_window.adapt(sent)
         # At most half the window at once: the claim after this one is due as soon as
         # this batch is handed over, and overlaps its running.
-        limit = min(self.window - self.slots.held, self.window - self.window // 2)
+        limit = min(window - self.slots.held, window - window // 2)
         if limit <= 0:
             # The window just shrank below what is held: wait for slots instead.
             return False
         self._notified = False
         claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
-        self._claim_returned = time.monotonic()
-        self._claim_seconds = self._claim_returned - sent
-        self._claim_was_full = len(claim.jobs) >= limit
-        # Every message handed over before this claim was done when it came back: the
-        # workers ran dry while it was on its way.
-        self._claim_starved = self.slots.in_use == 0
+        self.claim_window.claimed(
+            sent=sent,
+            returned=time.monotonic(),
+            full=len(claim.jobs) >= limit,
+            # Every message handed over before this claim was done when it came back: the
+            # workers ran dry while it was on its way.
+            starved=self.slots.in_use == 0,
+        )
         if not claim.jobs:
             if claim.lease_seconds_left is not None:
                 self.broker.leases.leases_report(sent, claim.lease_seconds_left)
@@ -273,27 +326,6 @@ class PostgresConsumer(Consumer):
                     e,
                 )
         return bool(self._buffer)
-
-    def _adapt_window(self, now: float) -> None:
-        """Adapt the claim window once per claim, from how the last one went.
-
-        It doubles, up to ``prefetch_growth`` times the prefetch, when the last claim came
-        back full and found the workers out of work (every message handed over before it
-        was done: short jobs, whose threads idle through each claim's round trip); it
-        halves, down to the prefetch, when the next claim became due only after more than
-        a few claims' time (longer jobs), and returns to the prefetch when a claim comes
-        back short (the queue runs dry)."""
-        if self._claim_returned is None:
-            return
-        since = now - self._claim_returned
-        self._claim_returned = None  # what the last claim says is used once
-        if not self._claim_was_full:
-            self.window = self.prefetch
-        elif since >= WINDOW_SHRINK_CLAIMS * self._claim_seconds:
-            self.window = max(self.prefetch, self.window // 2)
-        elif self._claim_starved:
-            self.window = min(self.window * 2, self.prefetch * self.settings.prefetch_growth)
-        self.slots.allowance = self.window
 
     def _proxy(
         self, job: ClaimedJob, leased_until: float, undecodable: list[tuple[Attempt, str]]

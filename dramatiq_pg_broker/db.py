@@ -127,7 +127,7 @@ def is_connection_error(error: psycopg.Error) -> bool:
     return state.startswith("08") or state in _SESSION_LOST
 
 
-class _CappedAttempt(AttemptWithBackoff):
+class CappedAttempt(AttemptWithBackoff):
     """psycopg_pool's reconnection backoff, with the wait between two tries capped, so that
     a pool resumes within about a second of the server's return however long it was gone
     (the stock delay doubles without a bound)."""
@@ -161,7 +161,7 @@ class ReconnectingPool(ConnectionPool):
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         if attempt is None:
-            attempt = _CappedAttempt(timeout=self.reconnect_timeout)
+            attempt = CappedAttempt(timeout=self.reconnect_timeout)
         with outage.quiet_pool():
             super()._add_connection(attempt, growing)
 
@@ -420,17 +420,19 @@ class Reclaimer:
         self.interval = interval
         self._what = what
         self._lock = threading.Lock()
-        self._next = 0.0
+        #: Monotonic time before which :meth:`maybe_run` runs no pass. Set by each pass;
+        #: a test sets it to ``math.inf`` (no pass at all) or 0 (a pass at the next call).
+        self.next_run = 0.0
 
     def maybe_run(self) -> None:
         now = time.monotonic()
-        if now < self._next or not self._lock.acquire(blocking=False):
+        if now < self.next_run or not self._lock.acquire(blocking=False):
             return
         try:
             deleted = self._prune(self.batch)
-            self._next = now if deleted >= self.batch else now + self.interval
+            self.next_run = now if deleted >= self.batch else now + self.interval
         except Exception as e:
-            self._next = now + self.interval
+            self.next_run = now + self.interval
             logger.warning("Reclaiming expired %s failed: %s", self._what, e)
         finally:
             self._lock.release()

@@ -97,7 +97,7 @@ class Slots:
         #: Outcomes waiting for the writer whose slots were given back early.
         self._behind = 0
         #: How many outcomes may wait for the writer without holding their slots: the
-        #: consumer's window (see :meth:`~.consumer.PostgresConsumer._adapt_window`).
+        #: consumer's window (see :class:`~.consumer.ClaimWindow`).
         self.allowance = prefetch
         self._cond = threading.Condition()
 

@@ -120,14 +120,14 @@ class LeaseKeeper(Service):
             if next_starts is not None and now >= next_starts:
                 # Disarm before looking, so that a start deferred meanwhile arms it again.
                 self._starts_armed = False
-                if self._guard(self.record_starts):
+                if self.guarded(self.record_starts):
                     next_starts = self._next_start_due
                 else:
                     next_starts = now + RETRY_CAP_SECONDS
                 if next_starts is not None:
                     self._starts_armed = True
             if now >= next_heartbeat:
-                if self._guard(self.heartbeat):
+                if self.guarded(self.heartbeat):
                     next_heartbeat = now + heartbeat
                 else:
                     # Unreachable: try again soon, so that leases are renewed within a
@@ -136,13 +136,16 @@ class LeaseKeeper(Service):
             if now >= next_reap and self.broker.schema_gate.is_open:
                 # (A worker whose schema handshake has not passed reaps nothing: see
                 # handshake.SchemaGate. Renewals and starts concern claims it made after.)
-                self._guard(self.reap)
+                self.guarded(self.reap)
                 next_reap = now + reaper
             wake_at = min(next_heartbeat, next_reap, next_starts or next_reap)
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
 
-    def _guard(self, fn) -> bool:
+    def guarded(self, fn) -> bool:
+        """Run one piece of lease maintenance (``fn``); True if it ran, False if it failed.
+        An unreachable database is not raised, and holds the next reaper run back by a
+        lease; any other error is logged."""
         try:
             fn()
             return True

@@ -277,6 +277,13 @@ class Scheduler:
     def running(self) -> bool:
         return self._scheduler is not None
 
+    def next_fire_time(self, name: str) -> dt.datetime | None:
+        """When the schedule ``name`` fires next in this process (None while the scheduler
+        is not running, or for a name it does not run)."""
+        scheduler = self._scheduler
+        job = scheduler.get_job(name) if scheduler is not None else None
+        return job.next_run_time if job is not None else None
+
     # -- lifecycle -----------------------------------------------------------------------
 
     @property
@@ -314,9 +321,9 @@ class Scheduler:
         for schedule in schedules:
             if self._stop.is_set():
                 return
-            self._registered(schedule, now)
+            self.try_register(schedule, now)
         if self.settings.retention and not self._stop.is_set():
-            self._registered(self.retention, now, kind="maintenance")
+            self.try_register(self.retention, now, kind="maintenance")
 
         for name in ("apscheduler.scheduler", "apscheduler.executors.default"):
             quiet = logging.getLogger(name)
@@ -369,7 +376,14 @@ class Scheduler:
 
     # -- ticks ---------------------------------------------------------------------------
 
-    def _upsert(self, schedule: Schedule, now: dt.datetime, *, kind: str = "actor"):
+    def upsert(self, schedule: Schedule, now: dt.datetime, *, kind: str = "actor"):
+        """Write a schedule's definition row (``kind``: ``actor`` or ``maintenance``), its
+        next run computed from ``now``. Returns the last tick enqueued for it (None for a
+        new schedule).
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database cannot be reached.
+        """
         actor = self.broker.actors.get(schedule.actor_name) if kind == "actor" else None
         params = {
             "name": schedule.name,
@@ -384,16 +398,17 @@ class Scheduler:
         with self.broker.pool.connection() as conn:
             return conn.execute(self.queries["upsert_schedule"], params).fetchone()[0]
 
-    def _registered(self, schedule: Schedule, boot: dt.datetime, *, kind: str = "actor") -> bool:
-        """Register a schedule (once); a database that cannot be reached leaves it pending,
-        and its next firing tries again with the same boot time, so no tick is lost."""
+    def try_register(self, schedule: Schedule, boot: dt.datetime, *, kind: str = "actor") -> bool:
+        """Register a schedule (once), as the scheduler's start does. False when the
+        database cannot be reached: the schedule is left pending, and its next firing tries
+        again with the same boot time, so no tick is lost."""
         with self._lock:
             boot = self._pending.get(schedule.name, boot)
         try:
             if kind == "actor":
                 self.register(schedule, boot)
             else:
-                self._upsert(schedule, boot, kind=kind)
+                self.upsert(schedule, boot, kind=kind)
         except BrokerConnectionError as e:
             # The outage is told once by the process (outage.py); nothing is lost here.
             logger.debug(
@@ -413,7 +428,7 @@ class Scheduler:
         """Write the schedule's definition and, under ``run_once``, enqueue one job for the
         latest tick missed since its last enqueued tick. Ticks after ``now`` are this
         process's to fire. Returns the catch-up tick, if one was enqueued."""
-        last_tick = self._upsert(schedule, now)
+        last_tick = self.upsert(schedule, now)
         with self._lock:
             self._seen[schedule.name] = now
         if last_tick is None or schedule.missed == "skip":
@@ -439,7 +454,7 @@ class Scheduler:
         """Enqueue every tick of ``schedule`` due since this process last fired it (one, on
         time; more if this process fell behind). Returns the ticks enqueued."""
         now = now or dt.datetime.now(UTC)
-        if schedule.name in self._pending and not self._registered(schedule, now):
+        if schedule.name in self._pending and not self.try_register(schedule, now):
             return []
         with self._lock:
             seen = self._seen.get(schedule.name, now)
@@ -500,7 +515,7 @@ class Scheduler:
     def fire_retention(self, now: dt.datetime | None = None):
         """Run retention if this process wins the tick. Returns the report, or None."""
         now = now or dt.datetime.now(UTC)
-        if self.retention.name in self._pending and not self._registered(
+        if self.retention.name in self._pending and not self.try_register(
             self.retention, now, kind="maintenance"
         ):
             return None

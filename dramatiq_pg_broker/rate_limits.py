@@ -100,7 +100,8 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         self.schema = self.settings.schema
         self.statements = _queries(self.schema)
         self.channel = channel_for(self.schema, "rate_limits")
-        self._reclaimer = Reclaimer(
+        #: Deletes expired rate-limiter keys as this backend writes (see :class:`~.db.Reclaimer`).
+        self.reclaimer = Reclaimer(
             lambda limit: self.prune(limit=limit),
             batch=prune_batch,
             interval=prune_interval,
@@ -110,7 +111,7 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple]:
         with self.pool.connection() as conn:
             rows = conn.execute(self.statements[name], params).fetchall()
-        self._reclaimer.maybe_run()
+        self.reclaimer.maybe_run()
         return rows
 
     def add(self, key: str, value: int, ttl: int) -> bool:
@@ -163,7 +164,7 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
                     "ttl_ms": ttl_ms,
                 },
             ).fetchall()
-        self._reclaimer.maybe_run()
+        self.reclaimer.maybe_run()
         return bool(rows)
 
     def wait(self, key: str, timeout: int | None) -> bool:
@@ -206,7 +207,7 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         """Delete at most ``limit`` (default ``prune_batch``) expired keys now; returns how
         many."""
         with self.pool.connection() as conn:
-            return prune_expired(conn, self.schema, limit=limit or self._reclaimer.batch)
+            return prune_expired(conn, self.schema, limit=limit or self.reclaimer.batch)
 
     def close(self) -> None:
         """Close this backend's own pool (a broker's pool is left to the broker)."""

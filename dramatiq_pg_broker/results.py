@@ -127,7 +127,8 @@ class PostgresBackend(ResultBackend):
         self.schema = self.settings.schema
         self.statements = _queries(self.schema)
         self.channel = channel_for(self.schema, "results")
-        self._reclaimer = Reclaimer(
+        #: Deletes expired results as this backend writes (see :class:`~.db.Reclaimer`).
+        self.reclaimer = Reclaimer(
             lambda limit: self.prune(limit=limit),
             batch=prune_batch,
             interval=prune_interval,
@@ -213,7 +214,7 @@ class PostgresBackend(ResultBackend):
         }
         with self.pool.connection() as conn:
             conn.execute(self.statements["store_result"], params)
-        self._reclaimer.maybe_run()
+        self.reclaimer.maybe_run()
 
     # -- reclaiming ------------------------------------------------------------------------
 
@@ -221,7 +222,7 @@ class PostgresBackend(ResultBackend):
         """Delete at most ``limit`` (default ``prune_batch``) expired results now; returns
         how many."""
         with self.pool.connection() as conn:
-            return prune_expired(conn, self.schema, limit=limit or self._reclaimer.batch)
+            return prune_expired(conn, self.schema, limit=limit or self.reclaimer.batch)
 
     def close(self) -> None:
         """Close this backend's own pool (a broker's pool is left to the broker)."""

@@ -361,6 +361,13 @@ class Sender:
         self._group = forks.PerProcess(lambda: GroupCommit(self._write_group))
         self._identity: tuple | None = None
 
+    @property
+    def waiting(self) -> int:
+        """How many sends of this process wait for the group commit in progress to end
+        (they go together in the next statement)."""
+        group = self._group.peek()
+        return 0 if group is None else group.waiting
+
     # -- building the row ----------------------------------------------------------------
 
     def job_for(

@@ -6,11 +6,11 @@ The server is ``DRAMATIQ_PG_TEST_URL`` when set, else the embedded one (pgserver
 from __future__ import annotations
 
 import os
-import uuid
 
 import psycopg
 import pytest
-from psycopg import sql
+
+from .helpers import drop_schema, new_schema_name
 
 
 def pytest_report_header(config) -> list[str]:
@@ -33,6 +33,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     """After pytest removed a green run's temporary directory, remove its now empty
     ``pytest-of-<user>`` parent as well (left alone while it holds anything, such as
     another run's directory)."""
+    # pytest has no public way to ask for its base directory without making one: its own
+    # attributes are read, and anything missing leaves the folder alone.
     factory = getattr(session.config, "_tmp_path_factory", None)
     basetemp = getattr(factory, "_basetemp", None)
     if basetemp is None or basetemp.exists() or factory._given_basetemp is not None:
@@ -56,15 +58,6 @@ def pg_url() -> str:
     from dramatiq_pg_broker.embedded import embedded_url
 
     return embedded_url()
-
-
-def new_schema_name(prefix: str = "t") -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:12]}"
-
-
-def drop_schema(url: str, schema: str) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,28 @@
-"""Helpers every tier of the tests uses: bounded waits and a statement counter."""
+"""Helpers every tier of the tests uses: schemas of their own, bounded waits, and a
+statement counter."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
+
+
+def new_schema_name(prefix: str = "t") -> str:
+    """A schema name no other test uses."""
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def drop_schema(url: str, schema: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 def wait_for(

@@ -34,6 +34,7 @@ def server_binaries(*tools: str) -> Path | None:
         from dramatiq_pg_broker.embedded import import_pgserver
 
         import_pgserver()  # with its lock file where the embedded server keeps it
+        # pgserver names the folder of the binaries it ships only in this module of its own.
         from pgserver._commands import POSTGRES_BIN_PATH
 
         candidates.append(str(POSTGRES_BIN_PATH))

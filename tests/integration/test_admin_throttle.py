@@ -174,10 +174,10 @@ def test_password_hashing_is_bounded(env, monkeypatch):
     monkeypatch.setattr(accounts_module, "HASH_WAIT_SECONDS", 0.01)
     app = create_app(env.settings, store=env.store, accounts=store, engine=env.engine)
     client = testing.TestClient(app)
-    store._hash_slots.acquire()
+    store.hash_slots.acquire()
     try:
         busy = login(client, email, PASSWORD, new_client())
     finally:
-        store._hash_slots.release()
+        store.hash_slots.release()
     assert busy.status_code == 429, busy.text
     assert busy.headers["retry-after"] == "1"

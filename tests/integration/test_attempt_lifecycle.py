@@ -15,7 +15,7 @@ from dramatiq.results import ResultFailure, ResultMissing, Results
 from dramatiq.results.backends import StubBackend
 
 from dramatiq_pg_broker import Attempt, current_job
-from dramatiq_pg_broker.db import _CappedAttempt, translate_errors
+from dramatiq_pg_broker.db import CappedAttempt, translate_errors
 from dramatiq_pg_broker.inflight import State
 from dramatiq_pg_broker.jobs import NewJob
 
@@ -407,7 +407,7 @@ def test_a_process_that_lost_the_database_waits_a_lease_before_reaping(h):
     def unreachable():
         raise dramatiq.errors.ConnectionClosed(OSError("gone"))
 
-    assert broker.leases._guard(unreachable) is False
+    assert broker.leases.guarded(unreachable) is False
     assert broker.leases.reap() is None, "reaped right after an outage"
 
 
@@ -415,7 +415,7 @@ def test_a_process_that_lost_the_database_waits_a_lease_before_reaping(h):
 
 
 def test_the_pool_retries_connecting_at_least_twice_a_second():
-    attempt = _CappedAttempt(timeout=300)
+    attempt = CappedAttempt(timeout=300)
     now = 0.0
     delays = []
     for _ in range(12):
@@ -630,36 +630,6 @@ def test_an_attempt_let_go_before_its_start_was_written_counts_as_interrupted(h,
 # -- the claim window grows for short jobs, and only for them -------------------------------
 
 
-def test_the_claim_window_grows_only_while_the_workers_run_dry_during_claims(h):
-    broker = h.broker(prefetch_growth=4)
-    broker.declare_queue(h.queue)
-    consumer = broker.consume(h.queue, prefetch=4, timeout=100)
-
-    def after_claim(*, full=True, starved=True, seconds_later=0.005):
-        # The last claim took 10 ms; the next one is due `seconds_later` after it returned.
-        consumer._claim_returned, consumer._claim_seconds = 100.0, 0.010
-        consumer._claim_was_full, consumer._claim_starved = full, starved
-        consumer._adapt_window(100.0 + seconds_later)
-
-    try:
-        assert consumer.window == 4
-        after_claim()  # full, and everything handed over before it was done: threads idled
-        assert consumer.window == 8 and consumer.slots.allowance == 8
-        after_claim(starved=False)  # work was still in hand when it came back: enough
-        assert consumer.window == 8
-        after_claim()
-        after_claim()
-        assert consumer.window == 16, "the window grew past prefetch_growth times the prefetch"
-        consumer._adapt_window(100.5)  # nothing new since the last claim: no second change
-        assert consumer.window == 16
-        after_claim(seconds_later=0.5)  # the next claim was due 50 claims' time later
-        assert consumer.window == 8 and consumer.slots.allowance == 8
-        after_claim(full=False)  # the queue ran dry
-        assert consumer.window == 4
-    finally:
-        consumer.close()
-
-
 def test_outcomes_behind_a_shrunken_window_count_as_held(h):
     """When the window shrinks below the outcomes already waiting for the writer, the
     excess holds slots: the consumer claims nothing until the writer catches up, so it
@@ -674,7 +644,7 @@ def test_outcomes_behind_a_shrunken_window_count_as_held(h):
     broker.enqueue_many([noop.message(n) for n in range(20)])
     consumer = broker.consume(h.queue, prefetch=2, timeout=300)
     try:
-        consumer.window = consumer.slots.allowance = 8
+        consumer.claim_window.size = consumer.slots.allowance = 8
         for _ in range(8):
             proxy = next(consumer)
             assert proxy is not None
@@ -683,7 +653,8 @@ def test_outcomes_behind_a_shrunken_window_count_as_held(h):
         assert consumer.slots.in_use == 0 and len(broker.ledger) == 8
         # The queue looks dry to the window logic: it falls back to the prefetch (2), and
         # 6 of the 8 outcomes behind now count as held.
-        consumer._claim_returned, consumer._claim_was_full = time.monotonic(), False
+        now = time.monotonic()
+        consumer.claim_window.claimed(sent=now, returned=now, full=False, starved=False)
         assert next(consumer) is None, "claimed while 8 outcomes were unwritten, window 2"
         assert consumer.window == 2 and consumer.slots.held == 6
         gate.set()

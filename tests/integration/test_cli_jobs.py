@@ -11,6 +11,8 @@ import pytest
 
 from dramatiq_pg_broker.jobs import Attempt, NewJob
 
+from ..helpers import StatementCounter
+
 
 @pytest.fixture
 def store(store, schema):
@@ -119,27 +121,21 @@ def test_retry_all_failed_of_one_queue(store, run):
 
 def test_retrying_every_failed_job_goes_in_bounded_committed_batches(store, monkeypatch):
     jobs = [failed_job(store, "mail") for _ in range(5)]
-    statements = []
-    fetch = store._fetch
-
-    def counted(name, *args, **kwargs):
-        statements.append(name)
-        return fetch(name, *args, **kwargs)
-
-    monkeypatch.setattr(store, "_fetch", counted)
-    batches = store.retry_all_failed(queue_name="mail", by="test", batch=2)
-    first = next(batches)
-    assert len(first) == 2
-    assert {store.get(j)["status"] for j in first} == {"queued"}, "a batch commits at once"
-    # Both fail again while the run goes on: they are not retried a second time.
-    claimed = store.claim("mail", 10, "w", 30)
-    assert sorted(c.id for c in claimed) == sorted(first)
-    store.fail([Attempt(c.id, "w", c.attempts) for c in claimed], ["again"] * 2)
-    rest = [list(batch) for batch in batches]
-    assert [len(batch) for batch in rest] == [2, 1]
-    assert sorted(first + [i for batch in rest for i in batch]) == sorted(jobs)
-    assert {store.get(j)["status"] for j in first} == {"failed"}
-    assert statements.count("retry_failed") == 4, "one statement a batch, and one that is empty"
+    with StatementCounter(monkeypatch) as statements:
+        batches = store.retry_all_failed(queue_name="mail", by="test", batch=2)
+        first = next(batches)
+        assert len(first) == 2
+        assert {store.get(j)["status"] for j in first} == {"queued"}, "a batch commits at once"
+        # Both fail again while the run goes on: they are not retried a second time.
+        claimed = store.claim("mail", 10, "w", 30)
+        assert sorted(c.id for c in claimed) == sorted(first)
+        store.fail([Attempt(c.id, "w", c.attempts) for c in claimed], ["again"] * 2)
+        rest = [list(batch) for batch in batches]
+        assert [len(batch) for batch in rest] == [2, 1]
+        assert sorted(first + [i for batch in rest for i in batch]) == sorted(jobs)
+        assert {store.get(j)["status"] for j in first} == {"failed"}
+        retries = statements[store.queries["retry_failed"]]
+        assert retries == 4, "one statement a batch, and one that is empty"
 
 
 def test_retry_all_failed_streams_its_batches(store, run, monkeypatch):

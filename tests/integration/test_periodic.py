@@ -195,7 +195,7 @@ def test_an_undeclared_actor_stops_the_scheduler_from_starting(make_broker):
 def test_exactly_one_process_runs_each_retention_tick(make_broker):
     schedulers = [Scheduler(make_broker(retention_interval=60)) for _ in range(3)]
     for scheduler in schedulers:
-        scheduler._upsert(scheduler.retention, at(0), kind="maintenance")
+        scheduler.upsert(scheduler.retention, at(0), kind="maintenance")
     winners = [s for s in schedulers if s.claim_tick(s.retention, at(61)) is not None]
     assert len(winners) == 1
     assert all(s.claim_tick(s.retention, at(100)) is None for s in schedulers)
@@ -231,7 +231,7 @@ def test_a_registration_the_database_refused_is_retried_at_the_next_tick(make_br
     before.fire(broker.schedules[0], at(1.1))  # tick 1, then every worker stops
 
     booting = Scheduler(broker)
-    real_upsert = booting._upsert
+    real_upsert = booting.upsert
     calls = {"n": 0}
 
     def upsert_down_once(*args, **kwargs):
@@ -240,8 +240,8 @@ def test_a_registration_the_database_refused_is_retried_at_the_next_tick(make_br
             raise ConnectionClosed(RuntimeError("the database is restarting"))
         return real_upsert(*args, **kwargs)
 
-    booting._upsert = upsert_down_once
-    assert not booting._registered(broker.schedules[0], at(5.5))
+    booting.upsert = upsert_down_once
+    assert not booting.try_register(broker.schedules[0], at(5.5))
     assert tick_jobs(broker)[-1]["periodic"]["tick"] == at(1).isoformat()
     # The next firing registers it with the original boot time: the ticks missed before the
     # boot are caught up (run once), and the ticks since the boot are enqueued one by one.
@@ -280,11 +280,11 @@ def test_the_scheduler_fires_on_the_aligned_ticks(make_broker):
     scheduler.start()
     try:
         schedule = broker.schedules[0]
-        job = scheduler._scheduler.get_job(schedule.name)
+        next_run_time = scheduler.next_fire_time(schedule.name)
         expected = schedule.next_run(dt.datetime.now(UTC) - dt.timedelta(seconds=7))
         # Its next run is a tick of the schedule (a whole multiple of 7 s since the origin),
         # not the start time plus 7 s.
-        assert (job.next_run_time - INTERVAL_ORIGIN) % dt.timedelta(seconds=7) == dt.timedelta(0)
-        assert job.next_run_time >= expected
+        assert (next_run_time - INTERVAL_ORIGIN) % dt.timedelta(seconds=7) == dt.timedelta(0)
+        assert next_run_time >= expected
     finally:
         scheduler.stop()

@@ -145,18 +145,16 @@ def test_wait_wakes_on_notify_and_times_out_without(backend, key):
 
 
 def test_expired_keys_are_reclaimed_through_the_index(backend, key, conn, schema):
-    backend._reclaimer._next = float("inf")  # no opportunistic pass in this test
+    backend.reclaimer.next_run = float("inf")  # no opportunistic pass in this test
     for i in range(5):
         backend.add(f"{key}-dead-{i}", 1, 1)
     backend.add(f"{key}-live", 1, 60_000)
     time.sleep(0.01)
     assert len(rows(conn, schema, f"{key}%")) == 6
-    from dramatiq_pg_broker.rate_limits import _queries
-
     with conn.transaction():
         conn.execute("SET LOCAL enable_seqscan = off")
         plan = conn.execute(
-            "EXPLAIN " + _queries(schema)["prune_rate_limits"], {"limit": 10}
+            "EXPLAIN " + backend.statements["prune_rate_limits"], {"limit": 10}
         ).fetchall()
     assert "rate_limits_expires_at_idx" in "\n".join(r[0] for r in plan)
     assert prune_expired(conn, schema, limit=2) == 2
@@ -167,11 +165,11 @@ def test_expired_keys_are_reclaimed_through_the_index(backend, key, conn, schema
 def test_writers_reclaim_expired_keys_as_they_go(pg_url, schema, key, conn):
     backend = PostgresRateLimiterBackend(url=pg_url, schema=schema, prune_batch=3)
     try:
-        backend._reclaimer._next = float("inf")
+        backend.reclaimer.next_run = float("inf")
         for i in range(7):
             backend.add(f"{key}-{i}", 1, 1)
         time.sleep(0.01)
-        backend._reclaimer._next = 0.0
+        backend.reclaimer.next_run = 0.0
         for _ in range(4):
             backend.incr(f"{key}-live", 1, 100, 60_000)
         assert [k for k, _ in rows(conn, schema, f"{key}%")] == [f"{key}-live"]

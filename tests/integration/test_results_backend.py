@@ -21,7 +21,7 @@ from psycopg import sql
 
 from dramatiq_pg_broker.results import PostgresBackend, describe_stored, prune_expired
 
-from ..conftest import drop_schema, new_schema_name
+from ..helpers import StatementCounter, drop_schema, new_schema_name
 from .results_support import BROKER_KINDS, BrokerHarness
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,6 +186,7 @@ def test_a_skipped_message_that_did_not_fail_stores_none(pg_url, schema, backend
 def test_results_stored_directly_are_read_back(backend):
     message = a_message()
     key = backend.build_message_key(message)
+    # _store is the method Dramatiq's ResultBackend contract has backends implement.
     backend._store(key, 42, 3_600_000)
     assert backend.get_result(message, block=True) == 42
     assert backend.get_result(message) == 42
@@ -210,37 +211,35 @@ def test_namespace_prefix_keys_are_readable(pg_url, schema, conn):
         backend.close()
 
 
-def test_a_blocked_reader_wakes_on_the_notification_without_polling(backend):
+def test_a_blocked_reader_wakes_on_the_notification_without_polling(backend, monkeypatch):
     message = a_message()
-    reads = []
-    fetch = backend._fetch
-
-    def counting_fetch(key):
-        reads.append(time.monotonic())
-        return fetch(key)
-
-    backend._fetch = counting_fetch
+    lookup = backend.statements["get_result"]
     got = {}
 
     def reader():
         got["value"] = backend.get_result(message, block=True, timeout=60_000)
         got["at"] = time.monotonic()
 
-    thread = threading.Thread(target=reader)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not reads and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert reads, "the reader never looked for its result"
-    # Long enough that a polling reader (Dramatiq's base backend backs off 100, 200, 400,
-    # 800 ms ...) would have looked several times.
-    time.sleep(1.5)
-    assert len(reads) == 1, f"the blocked reader looked {len(reads)} times before any store"
-    stored_at = time.monotonic()
-    backend.store_result(message, "done", 60_000)
-    thread.join(30)
-    assert got["value"] == "done"
-    assert len(reads) == 2, f"one wake-up should need one more read, not {len(reads) - 1}"
+    with StatementCounter(monkeypatch) as statements:
+
+        def reads() -> int:
+            return statements[lookup]
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not reads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reads(), "the reader never looked for its result"
+        # Long enough that a polling reader (Dramatiq's base backend backs off 100, 200,
+        # 400, 800 ms ...) would have looked several times.
+        time.sleep(1.5)
+        assert reads() == 1, f"the blocked reader looked {reads()} times before any store"
+        stored_at = time.monotonic()
+        backend.store_result(message, "done", 60_000)
+        thread.join(30)
+        assert got["value"] == "done"
+        assert reads() == 2, f"one wake-up should need one more read, not {reads() - 1}"
     latency = got["at"] - stored_at
     assert latency < 1.0, f"the reader woke {latency:.3f}s after the store"
 
@@ -282,7 +281,7 @@ def test_many_readers_of_different_keys_each_wake_for_their_own(backend):
 
 def test_an_expired_result_is_gone_at_once_and_reclaimed_through_the_index(backend, conn, schema):
     message = a_message()
-    backend._reclaimer._next = float("inf")  # no opportunistic pass in this test
+    backend.reclaimer.next_run = float("inf")  # no opportunistic pass in this test
     backend.store_result(message, 1, 1)
     time.sleep(0.01)
     # Still in the table, but no reader sees it.
@@ -295,7 +294,7 @@ def test_an_expired_result_is_gone_at_once_and_reclaimed_through_the_index(backe
     assert stored_rows(conn, schema, message) == 0
 
 
-def test_reclaiming_reads_the_expiry_index_not_the_table(conn, schema):
+def test_reclaiming_reads_the_expiry_index_not_the_table(backend, conn, schema):
     table = sql.SQL("{}.results").format(sql.Identifier(schema))
     conn.execute(
         sql.SQL(
@@ -312,9 +311,7 @@ def test_reclaiming_reads_the_expiry_index_not_the_table(conn, schema):
         ).format(table)
     )
     conn.execute(sql.SQL("ANALYZE {}").format(table))
-    from dramatiq_pg_broker.results import _queries
-
-    statement = _queries(schema)["prune_results"]
+    statement = backend.statements["prune_results"]
     with conn.transaction():
         plan = "\n".join(
             r[0] for r in conn.execute("EXPLAIN " + statement, {"limit": 10}).fetchall()
@@ -338,7 +335,7 @@ def test_writers_reclaim_expired_results_as_they_go(pg_url, schema, conn):
         time.sleep(0.01)
         # The first store ran a pass (nothing had expired yet); the interval holds further
         # passes back until a pass finds a full batch.
-        backend._reclaimer._next = 0.0
+        backend.reclaimer.next_run = 0.0
         for _ in range(4):
             backend.store_result(a_message(), 1, 60_000)
         left = sum(stored_rows(conn, schema, m) for m in expired)

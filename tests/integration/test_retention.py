@@ -235,6 +235,7 @@ def test_a_run_reclaims_expired_results_and_rate_limit_keys(store):
     results = PostgresBackend(url=url, schema=schema, listen=False, prune_interval=3600)
     limits = PostgresRateLimiterBackend(url=url, schema=schema, prune_interval=3600)
     try:
+        # _store: the write Dramatiq's ResultBackend contract has backends implement.
         results._store("expired-result", "old", 60_000)
         results._store("live-result", "new", 3_600_000)
         assert limits.add("expired-key", 1, 60_000)

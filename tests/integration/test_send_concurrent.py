@@ -34,27 +34,45 @@ def stored(conn, schema, queue) -> dict[str, int]:
 
 
 class HeldWrite:
-    """Holds the first write of the broker's group commit until ``waiting`` other sends
-    have queued behind it, so that they must share the next statement."""
+    """Holds the first write of the broker's group commit (a send alone: the store's
+    ``enqueue``) until ``waiting`` other sends have queued behind it, so that they must
+    share the next statement (the store's ``send_many``); ``writes`` holds how many sends
+    each write carried."""
 
-    def __init__(self, broker, waiting: int) -> None:
+    def __init__(self, broker, monkeypatch, waiting: int) -> None:
         self.broker = broker
         self.waiting = waiting
         self.release = threading.Event()
         self.writes: list[int] = []
-        group = self.group = broker.sender._group.get()
-        write = group._write
+        store = broker.store
+        enqueue, send_many = store.enqueue, store.send_many
 
-        def held(items):
-            self.writes.append(len(items))
+        def held(job, **options):
+            self.writes.append(1)
             if len(self.writes) == 1:
                 assert self.release.wait(30), "the other sends never queued up"
-            return write(items)
+            return enqueue(job, **options)
 
-        group._write = held
+        def together(sends):
+            self.writes.append(len(sends))
+            return send_many(sends)
+
+        monkeypatch.setattr(store, "enqueue", held)
+        monkeypatch.setattr(store, "send_many", together)
 
     def queued(self) -> int:
-        return self.group.waiting
+        """How many sends wait behind the held write (at most 10 s for all of them)."""
+        for _ in range(1000):
+            if self.broker.sender.waiting == self.waiting:
+                break
+            threading.Event().wait(0.01)
+        return self.broker.sender.waiting
+
+    def finish(self, threads: list[threading.Thread]) -> None:
+        """Let the held write go, and wait for every sending thread."""
+        self.release.set()
+        for t in threads:
+            t.join(30)
 
 
 def send_from_threads(count: int, send) -> list:
@@ -75,23 +93,21 @@ def send_from_threads(count: int, send) -> list:
     return threads, results
 
 
-def test_sends_waiting_for_a_write_share_the_next_statement(broker, task, queue, schema, conn):
-    held = HeldWrite(broker, THREADS - 1)
+def test_sends_waiting_for_a_write_share_the_next_statement(
+    broker, task, queue, schema, conn, monkeypatch
+):
+    held = HeldWrite(broker, monkeypatch, THREADS - 1)
     threads, results = send_from_threads(THREADS, lambda i: task.send(i))
-    for _ in range(1000):
-        if held.queued() == THREADS - 1:
-            break
-        threading.Event().wait(0.01)
     assert held.queued() == THREADS - 1, "the other sends did not queue behind the write"
-    held.release.set()
-    for t in threads:
-        t.join(30)
+    held.finish(threads)
     assert held.writes == [1, THREADS - 1], "one write alone, then every waiting send in one"
     sent = {m.message_id for m in results}
     assert stored(conn, schema, queue) == {i: 1 for i in sent}, "each job once, one event each"
 
 
-def test_a_conflict_in_a_shared_statement_is_only_its_senders(broker, task, queue, schema, conn):
+def test_a_conflict_in_a_shared_statement_is_only_its_senders(
+    broker, task, queue, schema, conn, monkeypatch
+):
     finished = task.send(-2)
     [claimed] = broker.store.claim(queue, 1, "w", 60)
     broker.store.complete([Attempt(claimed.id, "w", claimed.attempts)])
@@ -104,15 +120,10 @@ def test_a_conflict_in_a_shared_statement_is_only_its_senders(broker, task, queu
             return broker.enqueue(finished.copy())
         return task.send(i)
 
-    held = HeldWrite(broker, THREADS - 1)
+    held = HeldWrite(broker, monkeypatch, THREADS - 1)
     threads, results = send_from_threads(THREADS, send)
-    for _ in range(1000):
-        if held.queued() == THREADS - 1:
-            break
-        threading.Event().wait(0.01)
-    held.release.set()
-    for t in threads:
-        t.join(30)
+    held.queued()
+    held.finish(threads)
     assert held.writes == [1, THREADS - 1]
     # The key already used: the existing job's message, as for a send alone.
     assert results[0].message_id == keyed.message_id and results[0].args == (-1,)
@@ -124,24 +135,19 @@ def test_a_conflict_in_a_shared_statement_is_only_its_senders(broker, task, queu
     assert set(rows.values()) == {1}
 
 
-def test_a_row_the_server_refuses_fails_only_its_own_send(broker, task, queue, schema, conn):
+def test_a_row_the_server_refuses_fails_only_its_own_send(
+    broker, task, queue, schema, conn, monkeypatch
+):
     def send(i):
         if i == 0:
             # A queue name the jobs table refuses (empty), past the broker's own checks.
-            message = task.message(0).copy(queue_name="")
-            job, _ = broker.sender.job_for(message)
-            return broker.sender._send_alone(job, True)
+            return broker.enqueue(task.message(0).copy(queue_name=""))
         return task.send(i)
 
-    held = HeldWrite(broker, THREADS - 1)
+    held = HeldWrite(broker, monkeypatch, THREADS - 1)
     threads, results = send_from_threads(THREADS, send)
-    for _ in range(1000):
-        if held.queued() == THREADS - 1:
-            break
-        threading.Event().wait(0.01)
-    held.release.set()
-    for t in threads:
-        t.join(30)
+    held.queued()
+    held.finish(threads)
     assert isinstance(results[0], psycopg.errors.CheckViolation), results[0]
     assert all(isinstance(r, dramatiq.Message) for r in results[1:]), results
     assert set(stored(conn, schema, queue)) == {m.message_id for m in results[1:]}
@@ -152,6 +158,8 @@ def test_a_row_the_server_refuses_fails_only_its_own_send(broker, task, queue, s
 
 def flush_setting_after_insert(broker, job) -> str:
     """synchronous_commit as the insert left it, read in the insert's own transaction."""
+    # The single insert's statement with its own parameters, run on a connection of the
+    # test's: no public call leaves its transaction open to read the setting in.
     params = broker.store._new_job_params(job, None)
     with broker.pool.connection() as c, c.transaction(force_rollback=True):
         c.execute(broker.store.queries["insert_job"], params).fetchall()

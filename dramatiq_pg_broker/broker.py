@@ -75,6 +75,10 @@ class PostgresBroker(dramatiq.Broker):
       schedules(list[Schedule]): periodic schedules the workers run (see
         :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
       settings(Settings): every other knob (see :class:`Settings`); keyword arguments win.
+      store(JobStore): the job store every statement of the broker goes through (default:
+        one on the pool). The worker side (consumers, the in-flight ledger, the outcome
+        writer, the heartbeat) calls only its transition methods, so a test can pass an
+        in-memory stand-in of them.
       **options: any other :class:`Settings` field (``poll_interval``, ``events``, ...).
 
     The broker adds two middleware of its own: :class:`~dramatiq_pg_broker.current.JobContext`
@@ -94,6 +98,7 @@ class PostgresBroker(dramatiq.Broker):
         middleware: list[Middleware] | None = None,
         schedules: list[Schedule] | None = None,
         settings: Settings | None = None,
+        store: JobStore | None = None,
         **options: Any,
     ) -> None:
         given = {"url": url, "schema": schema, "listen": listen, "lease_seconds": lease_seconds}
@@ -138,7 +143,11 @@ class PostgresBroker(dramatiq.Broker):
 
         self.queues: dict[str, None] = {}
         self.pool = ProcessPool(settings, pool=pool)
-        self.store = JobStore(self.pool, settings.schema, events=settings.events)
+        self.store = (
+            store
+            if store is not None
+            else JobStore(self.pool, settings.schema, events=settings.events)
+        )
         self.leases = LeaseKeeper(self)
         self.outcomes = OutcomeWriter(self)
         #: Every attempt this process holds: the one owner of their states.

@@ -1,0 +1,186 @@
+"""The in-flight ledger without a database: the moves an attempt may make, the ones it
+refuses, and what it asks of the job store, on a store held in memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from dramatiq_pg_broker.inflight import State
+
+from ..helpers import wait_for
+
+
+def test_a_start_is_deferred_while_the_claim_is_surely_held(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    writes = memory_store.hold("start")
+    assert ledger.start(attempt), "the start waited for a write"
+    assert ledger.state_of(attempt) is State.STARTED
+    writes.set()
+    wait_for(lambda: memory_store.rows[attempt.id].started, 5, "the deferred start written")
+
+
+def test_a_claim_whose_lease_may_have_lapsed_records_its_start_before_the_actor_runs(
+    memory_broker, memory_store, claim
+):
+    # Less than half the lease surely left: the start is written first, guarded.
+    attempt = claim(leased_until=time.monotonic() + 1)
+    assert memory_broker.ledger.start(attempt)
+    assert memory_store.rows[attempt.id].started, "the actor may run on a start not written"
+
+
+def test_a_claim_another_worker_took_does_not_start(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim(start_first=True)
+    memory_store.take_over(attempt.id)
+    assert not ledger.start(attempt), "a lost claim started"
+    assert ledger.state_of(attempt) is State.DONE and len(ledger) == 0
+
+
+def test_an_attempt_gets_one_outcome(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    assert ledger.settle(attempt, "complete")
+    assert not ledger.settle(attempt, "fail", "late"), "a second outcome was taken"
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "succeeded"
+    assert memory_store.called("fail") == []
+    assert len(ledger) == 0
+
+
+def test_an_ack_of_an_attempt_whose_actor_raised_is_written_as_a_failure(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    ledger.failed_with(attempt, "ValueError: boom")
+    assert ledger.settle(attempt, "complete")
+    assert memory_broker.outcomes.flush(timeout=5)
+    row = memory_store.rows[attempt.id]
+    assert (row.status, row.last_error) == ("failed", "ValueError: boom")
+
+
+def test_release_gives_back_claimed_attempts_and_leaves_started_ones(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    waiting, running = claim(), claim()
+    assert ledger.start(running)
+    assert ledger.release([waiting, running]) == {waiting.id}
+    row = memory_store.rows[waiting.id]
+    assert (row.status, row.attempts) == ("queued", 0), "given back uncharged"
+    assert ledger.state_of(running) is State.STARTED
+    assert not ledger.start(waiting), "a message given back started"
+
+
+def test_shutdown_gives_back_what_has_not_started_and_claims_nothing_more(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    waiting, running = claim(), claim()
+    assert ledger.start(running)
+    assert ledger.begin_shutdown() == {waiting.id}
+    assert ledger.closing
+    assert memory_store.status(waiting.id) == "queued"
+    assert ledger.holds(running), "a running actor's attempt was dropped at shutdown"
+    ledger.open()
+    assert not ledger.closing
+
+
+def test_the_heartbeat_lets_go_of_attempts_another_worker_owns(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    kept, lost = claim(), claim()
+    assert ledger.start(kept) and ledger.start(lost)
+    memory_store.take_over(lost.id)
+    assert memory_broker.leases.renew() == {kept.id}
+    assert ledger.holds(kept) and not ledger.holds(lost)
+    assert not ledger.settle(lost, "complete"), "a lost attempt's outcome was taken"
+
+
+def test_the_heartbeat_delivers_an_abort_no_notification_told(memory_broker, memory_store, claim):
+    attempt = claim()
+    memory_store.request_abort(attempt.id)
+    memory_broker.leases.renew()
+    assert not memory_broker.ledger.start(attempt), "an aborted message started"
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "cancelled"
+
+
+def test_a_rescheduled_attempt_takes_no_outcome(memory_broker, memory_store, claim, queue):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+
+    def retry() -> bool:
+        return memory_store.reschedule(attempt, queue, 0, "ValueError: again")
+
+    assert ledger.reschedule(attempt, retry)
+    assert not ledger.settle(attempt, "complete"), "an ack after the retry was taken"
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "queued"
+    assert memory_store.called("complete") == []
+
+
+def test_a_retry_that_was_not_written_leaves_the_attempt_to_its_lease(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    writes = memory_store.hold("start")
+    assert ledger.start(attempt)  # deferred: not written yet
+    assert not ledger.reschedule(attempt, lambda: False)
+    assert not ledger.holds(attempt), "still renewed: the job would never run again"
+    # Its start is written still, so that the reaper counts an interrupted attempt.
+    writes.set()
+    wait_for(lambda: memory_store.rows[attempt.id].started, 5, "the let-go start written")
+
+
+def test_an_abort_stops_a_claimed_attempt_once(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    memory_store.request_abort(attempt.id)
+    assert ledger.abort(attempt.id)
+    ledger.abort(attempt.id)  # a second request for the same attempt changes nothing
+    assert not ledger.start(attempt), "an aborted message started"
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.called("abort_attempts") == [[attempt.id]]
+    assert memory_store.status(attempt.id) == "cancelled"
+    assert not ledger.abort(attempt.id), "an abort of an attempt no longer held"
+
+
+def test_an_actor_that_checks_for_its_abort_is_only_flagged_and_ends_cancelled(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    assert ledger.running_in(attempt, threading.get_ident(), interrupt=False)
+    memory_store.request_abort(attempt.id)
+    assert ledger.abort(attempt.id)
+    assert ledger.abort_requested(attempt)
+    assert ledger.state_of(attempt) is State.STARTED, "an actor that stops itself was stopped"
+    ledger.left(attempt)
+    assert ledger.settle(attempt, "fail", "RuntimeError: stopped")
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "cancelled"
+
+
+def test_unwritten_outcomes_beyond_the_allowance_keep_their_slots(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    slots = ledger.slots(2)
+    attempts = [claim(slots=slots) for _ in range(3)]
+    writes = memory_store.hold("complete")
+    for attempt in attempts:
+        assert ledger.start(attempt)
+        assert ledger.settle(attempt, "complete")
+    assert slots.in_use == 1, "two outcomes give their slots back at once, the third keeps it"
+    slots.allowance = 1  # the window shrank
+    assert slots.held == 2, "the outcome behind the allowance counts as held"
+    writes.set()
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert (slots.in_use, slots.held, len(ledger)) == (0, 0, 0)

@@ -18,8 +18,15 @@ from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, abort_payload, ch
 def new_job(store: JobStore, queue: str | None = None, **fields) -> str:
     job_id = str(uuid.uuid4())
     queue = queue or f"q_{uuid.uuid4().hex[:8]}"
-    fields.setdefault("max_attempts", 21)
-    store.enqueue(NewJob(id=job_id, queue_name=queue, actor_name="tests.a", message={}, **fields))
+    store.enqueue(
+        NewJob(
+            id=job_id,
+            queue_name=queue,
+            actor_name="tests.a",
+            message={},
+            **{"max_attempts": 21, **fields},
+        )
+    )
     return job_id
 
 

@@ -616,8 +616,8 @@ class JobStore:
         return results  # type: ignore[return-value]
 
     #: Whether a batch of :attr:`BULK_COPY_MIN` jobs or more is first copied straight into
-    #: the tables (the direct bulk path). False writes every batch as one with a conflict
-    #: is written, by :meth:`_insert_resolving`: the tests compare what the two paths store.
+    #: the tables (the direct bulk path). False sends every batch down the path a batch
+    #: with a conflict takes (:meth:`_insert_resolving`): the tests compare the two.
     DIRECT_COPY = True
     #: Rows per COPY statement of the direct bulk path (measured on 100,000 messages: 2,500
     #: and 5,000 were alike, 10,000 slower, since the first and last chunks are not

@@ -60,9 +60,7 @@ def test_a_batch_as_the_first_statement_of_a_sqlalchemy_transaction_rolls_back_w
     assert [status_of(broker.store, m.message_id) for m in sent] == [None] * 3
 
 
-def test_a_dict_row_connection_with_a_text_jsonb_loader_gets_the_existing_job(
-    broker, task, pg_url
-):
+def test_a_dict_row_connection_with_a_text_jsonb_loader_gets_the_existing_job(broker, task, pg_url):
     first = task.send_with_options(args=(1,), idempotency_key="k1")
     with psycopg.connect(pg_url, row_factory=dict_row) as app:
         # What Django configures: jsonb read as text; rows as dicts is the application's.

@@ -281,9 +281,7 @@ def test_a_task_that_outlives_its_block_cannot_send_into_it(broker, task, pg_url
     asyncio.run(main())
 
 
-def test_an_application_s_row_factory_and_json_loader_do_not_reach_the_store(
-    broker, task, pg_url
-):
+def test_an_application_s_row_factory_and_json_loader_do_not_reach_the_store(broker, task, pg_url):
     async def main():
         first = await send_with_options_async(task, args=(2,), idempotency_key="order-2")
         async with await psycopg.AsyncConnection.connect(pg_url, row_factory=dict_row) as app:

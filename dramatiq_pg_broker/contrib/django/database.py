@@ -13,7 +13,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 from django.db.utils import load_backend
-from dramatiq.errors import ConnectionError as BrokerConnectionError
+from dramatiq.errors import BrokerConnectionError
 from psycopg.conninfo import make_conninfo
 
 from ...errors import SchemaMissing
@@ -53,15 +53,17 @@ def database_settings(alias: str) -> dict[str, Any]:
 
 
 def conninfo(alias: str) -> str:
-    """The libpq connection string of a Django database alias: its NAME, USER, PASSWORD,
-    HOST, PORT and the libpq parameters of its OPTIONS (``sslmode``, ``sslrootcert``,
-    ``service``, ``options``, ``connect_timeout`` ...), as Django's PostgreSQL backend
-    connects.
+    """The libpq connection string of a Django database alias (see :func:`conninfo_from`),
+    read from the connection's live settings, so that a test runner's switch to its test
+    database is followed when the broker connects after it."""
+    return conninfo_from(connections[alias].settings_dict)
 
-    Read from the connection's live settings, so that a test runner's switch to its test
-    database is followed when the broker connects after it.
-    """
-    settings_dict = connections[alias].settings_dict
+
+def conninfo_from(settings_dict: dict[str, Any]) -> str:
+    """The libpq connection string of a ``DATABASES`` entry, as Django's PostgreSQL
+    backend connects: its NAME, USER, PASSWORD, HOST, PORT and the libpq parameters of its
+    OPTIONS (``sslmode``, ``sslrootcert``, ``service``, ``options``, ``connect_timeout``
+    ...), without the options Django reads itself (:data:`NOT_LIBPQ`)."""
     options = dict(settings_dict.get("OPTIONS") or {})
     params: dict[str, Any] = {}
     name = settings_dict.get("NAME")
@@ -81,54 +83,46 @@ def conninfo(alias: str) -> str:
     return make_conninfo("", **params)
 
 
-def backend_problem(alias: str) -> str | None:
-    """Why Django's connection for ``alias`` cannot carry the broker's jobs, or None.
-
-    The broker writes on Django's own connection only through Django's psycopg 3 backend
-    (Django 4.2 and later, with psycopg 3 installed, which this package requires): the
-    PostgreSQL backend, or one built on it (PostGIS).
-    """
-    engine = database_settings(alias).get("ENGINE") or ""
-    try:
-        wrapper = load_backend(engine).DatabaseWrapper
-    except ImproperlyConfigured as e:
-        return str(e)
-    vendor = getattr(wrapper, "vendor", "?")
-    if vendor != "postgresql":
-        return f"database {alias!r} uses {engine!r}, a {vendor} backend, not PostgreSQL"
+def backend_of(alias: str) -> tuple[str, str]:
+    """The vendor of the alias's Django backend (``postgresql`` for Django's PostgreSQL
+    backend and the ones built on it, such as PostGIS) and the driver it goes through
+    (``psycopg`` for psycopg 3, ``psycopg2``)."""
+    wrapper = load_backend(database_settings(alias).get("ENGINE") or "").DatabaseWrapper
     driver = getattr(getattr(wrapper, "Database", None), "__name__", "?")
-    if driver != "psycopg":
-        return (
-            f"database {alias!r} goes through {driver} (Django's psycopg 3 backend needs "
-            "Django 4.2 or later): the broker cannot write on Django's psycopg2 connections"
-        )
-    return None
+    return getattr(wrapper, "vendor", "?"), driver
 
 
 def check_alias(alias: str, *, join_atomic: bool, url_given: bool) -> None:
     """Refuse, at start-up, a configuration that could only fail at the first send.
 
+    The broker writes on Django's connection (``join_atomic``) only through Django's
+    PostgreSQL backend on psycopg 3 (Django 4.2 and later, with psycopg 3 installed, which
+    this package requires). Its own connections need only a PostgreSQL database.
+
     Raises:
-      ImproperlyConfigured: the alias is unknown; or its backend is not PostgreSQL and the
-        broker was to connect to it (no ``url``); or ``join_atomic`` is on and Django's
-        connection is not psycopg 3 on PostgreSQL.
+      ImproperlyConfigured: the alias is unknown; or it is not PostgreSQL, and the broker
+        was to connect to it (no ``url``) or to join its atomic blocks; or it goes through
+        psycopg2 and ``join_atomic`` is on.
     """
     engine = database_settings(alias).get("ENGINE") or ""
-    problem = backend_problem(alias)
-    if problem is None:
+    vendor, driver = backend_of(alias)
+    if vendor != "postgresql":
+        if join_atomic or not url_given:
+            raise ImproperlyConfigured(
+                f"dramatiq_pg_broker: database {alias!r} uses {engine!r}, a {vendor} "
+                "backend, not PostgreSQL: name a PostgreSQL database in the `database` "
+                "option of DRAMATIQ_BROKER, or give the broker a `url` of its own with "
+                "`join_atomic: False`"
+            )
         return
-    if join_atomic:
+    if driver != "psycopg" and join_atomic:
         raise ImproperlyConfigured(
-            f"dramatiq_pg_broker: {problem}. Sends inside transaction.atomic() are written "
-            "on Django's connection (the `join_atomic` option, on by default), which "
-            "needs Django's PostgreSQL backend on psycopg 3 (Django 4.2 or later). Upgrade "
-            "Django, or set `join_atomic: False` in DRAMATIQ_BROKER's OPTIONS (sends then "
-            "commit at once, through the broker's own connections)."
-        )
-    if not url_given and "postgresql" not in engine and "postgis" not in engine:
-        raise ImproperlyConfigured(
-            f"dramatiq_pg_broker: {problem}; give the broker a PostgreSQL database: the "
-            "`database` or `url` option of DRAMATIQ_BROKER"
+            f"dramatiq_pg_broker: database {alias!r} goes through {driver}, not psycopg 3 "
+            "(Django's psycopg 3 backend needs Django 4.2 or later). Sends inside "
+            "transaction.atomic() are written on Django's connection (the `join_atomic` "
+            "option, on by default), which must be psycopg 3: upgrade Django, or set "
+            "`join_atomic: False` in DRAMATIQ_BROKER's OPTIONS (sends then commit at once, "
+            "through the broker's own connections)."
         )
 
 

@@ -11,13 +11,18 @@
   middleware, a snooze) for what it is: that attempt's row rescheduled, not a new row;
 - writes the row where the send belongs: inside ``broker.batch()``, collected and written
   with the block's other sends at its end; inside ``broker.transaction(conn)``, on the
-  application's connection; otherwise through the pool, sharing one statement and its
-  commit with the sends other threads make at that moment (:class:`GroupCommit`), and
-  tried again after a connection error (:func:`retrying`).
+  application's connection (as :mod:`.app_connections` wraps it); inside ``async with
+  broker.transaction(conn)``, collected and written on the application's asyncio
+  connection at the block's end (:mod:`.async_sending`); with no block open, in the
+  transaction the :attr:`Sender.resolver` finds (Django's ``atomic()`` block, see
+  :mod:`dramatiq_pg_broker.contrib.django`); otherwise through the pool, sharing one
+  statement and its commit with the sends other threads make at that moment
+  (:class:`GroupCommit`), and tried again after a connection error (:func:`retrying`).
 
 The blocks are bound to the current thread (and asyncio task): a context variable holds a
 stack of the blocks entered, and a send goes to the innermost one. Another thread's sends
-are not part of a block this thread opened.
+are not part of a block this thread opened; tasks created inside an async block inherit it
+while it is open.
 
 The worker side (the ledger, the consumer) imports this module for :class:`GroupCommit`,
 so nothing of it is imported here: what the send path asks of it (is this message an

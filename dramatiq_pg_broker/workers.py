@@ -121,9 +121,8 @@ class Presence(Middleware):
         try:
             self.refresh()
         except BrokerConnectionError as e:
-            logger.warning(
-                "Could not register this worker (%s); the next heartbeat tries again.", e
-            )
+            # The process's outage lines (outage.py) tell of the database; this is a detail.
+            logger.debug("Could not register this worker (%s); the next heartbeat tries again.", e)
         except Exception:
             logger.exception("Could not register this worker; the next heartbeat tries again.")
 

@@ -121,7 +121,13 @@ class AdminEnv:
             "message_timestamp": 0,
         }
         fields.setdefault("max_attempts", self.settings.max_attempts)
-        job = NewJob(id=job_id, queue_name=queue, actor_name=actor, message=message, **fields)
+        job = NewJob(
+            id=job_id,
+            queue_name=queue,
+            actor_name=actor,
+            message=message,
+            **{"max_attempts": 21, **fields},
+        )
         assert self.store.enqueue(job).created
         return job_id
 

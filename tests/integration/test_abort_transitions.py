@@ -27,7 +27,15 @@ def store(pg_url, schema):
 def new_job(store: JobStore, queue: str | None = None, **fields) -> str:
     job_id = str(uuid.uuid4())
     queue = queue or f"q_{uuid.uuid4().hex[:8]}"
-    store.enqueue(NewJob(id=job_id, queue_name=queue, actor_name="tests.a", message={}, **fields))
+    store.enqueue(
+        NewJob(
+            id=job_id,
+            queue_name=queue,
+            actor_name="tests.a",
+            message={},
+            **{"max_attempts": 21, **fields},
+        )
+    )
     return job_id
 
 
@@ -128,7 +136,13 @@ def test_an_aborted_job_is_never_enqueued_again(store):
     attempt = running(store)
     store.abort(attempt.id, by="ops")
     job = store.get(attempt.id)
-    again = NewJob(id=attempt.id, queue_name=job["queue_name"], actor_name="tests.a", message={})
+    again = NewJob(
+        id=attempt.id,
+        queue_name=job["queue_name"],
+        actor_name="tests.a",
+        message={},
+        max_attempts=21,
+    )
     with pytest.raises(JobAlreadyFinished, match="being aborted"):
         store.enqueue(again)
     assert store.get(attempt.id)["status"] == "running"

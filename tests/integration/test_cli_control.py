@@ -47,7 +47,9 @@ def declared(store: JobStore, name: str | None = None) -> str:
 
 def enqueue(store: JobStore, queue: str) -> str:
     job_id = str(uuid.uuid4())
-    store.enqueue(NewJob(job_id, queue, "tests.a", message={"args": [], "kwargs": {}}))
+    store.enqueue(
+        NewJob(job_id, queue, "tests.a", message={"args": [], "kwargs": {}}, max_attempts=21)
+    )
     return job_id
 
 

@@ -290,7 +290,9 @@ def test_an_ambiguous_prefix_lists_its_candidates_and_changes_nothing(store, run
     prefix = uuid.uuid4().hex[:8]
     ids = [with_prefix(prefix, n) for n in (1, 2, 3)]
     for job_id, queue in zip(ids, ("mail", "reports", "mail")):
-        store.enqueue(NewJob(job_id, queue, "send", message={"args": [], "kwargs": {}}))
+        store.enqueue(
+            NewJob(job_id, queue, "send", message={"args": [], "kwargs": {}}, max_attempts=21)
+        )
     code, out, err = run("jobs", "cancel", prefix)
     assert code == 2 and out == ""
     lines = err.splitlines()
@@ -309,7 +311,9 @@ def test_an_ambiguous_prefix_lists_its_candidates_and_changes_nothing(store, run
 def test_a_prefix_matching_many_jobs_lists_the_first_ten(store, run):
     prefix = uuid.uuid4().hex[:8]
     for n in range(12):
-        store.enqueue(NewJob(with_prefix(prefix, n), "mail", "send", message={"args": []}))
+        store.enqueue(
+            NewJob(with_prefix(prefix, n), "mail", "send", message={"args": []}, max_attempts=21)
+        )
     code, _, err = run("jobs", "show", prefix)
     assert code == 2
     lines = err.splitlines()

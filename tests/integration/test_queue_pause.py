@@ -48,7 +48,9 @@ def declared_queue(store: JobStore) -> str:
 
 def send(store: JobStore, queue: str) -> str:
     job_id = str(uuid.uuid4())
-    store.enqueue(NewJob(id=job_id, queue_name=queue, actor_name="tests.a", message={}))
+    store.enqueue(
+        NewJob(id=job_id, queue_name=queue, actor_name="tests.a", message={}, max_attempts=21)
+    )
     return job_id
 
 

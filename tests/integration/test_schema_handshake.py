@@ -21,7 +21,7 @@ from dramatiq_pg_broker import PostgresBroker, handshake
 from dramatiq_pg_broker.cli import main
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.errors import CodeTooOld, MigrationsPending
-from dramatiq_pg_broker.migrate import migrate, migrations_dir
+from dramatiq_pg_broker.migrate import discover, migrate, migrations_dir
 
 #: The last migration released before the handshake (0.1.0's schema).
 RELEASED = 9
@@ -227,7 +227,9 @@ def cli(pg_url: str, schema: str, *args: str) -> list[str]:
 def test_migrate_check_exits_1_listing_pending_migrations_then_0(pg_url, behind, capsys):
     assert main(cli(pg_url, behind, "migrate", "--check")) == 1
     out = capsys.readouterr().out
-    assert "1 migration(s) pending" in out and "0010_schema_handshake.sql (compatible:" in out
+    pending = [m for m in discover() if m.version > RELEASED]
+    assert f"{len(pending)} migration(s) pending" in out, out
+    assert "0010_schema_handshake.sql (compatible:" in out
 
     assert main(cli(pg_url, behind, "migrate")) == 0
     capsys.readouterr()

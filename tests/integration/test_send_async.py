@@ -340,6 +340,37 @@ def test_send_async_commits_at_once_through_the_pool(broker, task):
     assert {status_of(broker.store, m.message_id) for m in sent} == {"queued"}
 
 
+def test_a_task_cancelled_while_its_sends_are_written_rolls_back_after_the_write(
+    broker, task, pg_url
+):
+    async def main():
+        async with await psycopg.AsyncConnection.connect(pg_url) as app:
+            written = asyncio.Event()
+
+            async def body():
+                async with broker.transaction(app):
+                    sent = [task.send(n) for n in range(300)]  # the COPY path, several steps
+                    writing = asyncio.ensure_future(broker.write_pending_sends())
+                    written.set()
+                    await writing
+                    return sent
+
+            running = asyncio.create_task(body())
+            await written.wait()
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            # Every thread's work is over once the executor has shut down: what a write
+            # left running after the rollback would have done (commit the jobs), it did.
+            await asyncio.get_running_loop().shutdown_default_executor()
+            # The write ended before the rollback: the connection is idle and usable.
+            assert app.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            assert (await (await app.execute("SELECT 1")).fetchone()) == (1,)
+            return broker.store.count_unfinished(task.queue_name)
+
+    assert asyncio.run(main()) == 0
+
+
 # -- the event loop is never blocked -------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """dramatiq-pg-broker: a PostgreSQL broker for Dramatiq."""
 
+from .async_sending import send_async, send_with_options_async
 from .broker import JobFailed, PostgresBroker
 from .config import Settings
 from .current import CurrentJob, current_job
@@ -54,6 +55,8 @@ __all__ = [
     "Settings",
     "current_job",
     "periodic",
+    "send_async",
+    "send_with_options_async",
 ]
 
 #: The package version, in one place: setup.cfg reads it (``attr:``), and so do the admin

@@ -20,7 +20,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import dramatiq
-import psycopg
 from dramatiq.errors import QueueJoinTimeout
 from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
@@ -39,7 +38,7 @@ from .leases import LeaseKeeper
 from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
-from .sending import Batch, Sender
+from .sending import Batch, Sender, TransactionBlock
 from .workers import Presence
 
 logger = logging.getLogger(__name__)
@@ -248,10 +247,16 @@ class PostgresBroker(dramatiq.Broker):
         """
         return self.sender.batch()
 
-    def transaction(self, conn: Any) -> contextlib.AbstractContextManager[psycopg.Connection]:
+    def transaction(self, conn: Any) -> TransactionBlock:
         """Send inside the application's own transaction: every send of this thread in the
         block is written on ``conn``, so the job commits with the application's writes
         (and its NOTIFY reaches workers at that commit) or disappears with a rollback.
+
+        ``with broker.transaction(conn)`` for a synchronous connection, ``async with
+        broker.transaction(conn)`` for a psycopg ``AsyncConnection`` or a SQLAlchemy
+        ``AsyncSession`` or ``AsyncConnection``: there the sends are collected and written
+        on ``conn`` when the block ends, or at :meth:`write_pending_sends` (see
+        :mod:`dramatiq_pg_broker.async_sending`).
 
         ``conn`` is a psycopg 3 ``Connection`` (autocommit or not): the block is then
         ``conn.transaction()``, which begins a transaction and commits it at the end of the
@@ -265,13 +270,48 @@ class PostgresBroker(dramatiq.Broker):
         broker's pool as usual.
 
         Yields:
-          psycopg.Connection: the connection the sends are written on.
+          psycopg.Connection: the connection the sends are written on (a psycopg
+          ``AsyncConnection`` in an ``async with`` block).
 
         Raises:
-          TransactionError: ``conn`` is not one of the above, or reaches another database
-            (another name or another server) than the broker's.
+          TransactionError: ``conn`` is not one of the above (or an asyncio connection in a
+            ``with`` block, a synchronous one in an ``async with`` block), or reaches
+            another database (another name or another server) than the broker's.
         """
         return self.sender.transaction(conn)
+
+    async def write_pending_sends(self) -> list[dramatiq.Message]:
+        """Write the sends collected so far by the innermost ``async with
+        broker.transaction(conn)`` block of this task, on its connection, now (they are
+        otherwise written when the block ends). A send whose idempotency key was already
+        used learns its job here: the returned list holds, in order, each send's stored
+        message (the existing job's for such a key).
+
+        Raises:
+          TransactionError: no ``async with broker.transaction()`` block is open.
+          JobAlreadyFinished: a message's id is a job that already finished.
+        """
+        from .async_sending import innermost, write_pending
+
+        return await write_pending(self.sender, innermost(self.sender))
+
+    async def enqueue_async(
+        self, message: dramatiq.Message, *, delay: int | None = None
+    ) -> dramatiq.Message:
+        """:meth:`enqueue` for asyncio code, without blocking the event loop: the send runs
+        in a thread of the loop's default executor (through the pool, as ``enqueue``
+        sends), or, inside an ``async with broker.transaction()`` block, is collected by it
+        (no I/O). :func:`dramatiq_pg_broker.send_async` is the same for an actor and its
+        arguments.
+
+        A cancelled call may still have sent the message: the thread finishes its send.
+
+        Raises:
+          As :meth:`enqueue`.
+        """
+        from .async_sending import enqueue_async
+
+        return await enqueue_async(self.sender, message, delay)
 
     def decode_message(self, data: Any, data_bytes: bytes | None) -> dramatiq.Message:
         """Rebuild a message from its row (see :func:`dramatiq_pg_broker.messages.decode`)."""

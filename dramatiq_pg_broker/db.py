@@ -247,6 +247,9 @@ class ProcessPool:
             forks.PerProcess(self._open) if pool is None else forks.PerProcess(self._open, pool)
         )
         self._url: str | None = None
+        #: Builds the URL on first use when the settings name none, instead of the embedded
+        #: server: the Django integration reads the project's DATABASES then.
+        self.conninfo: Callable[[], str] | None = None
         #: The pool (one per process) whose connections passed the schema handshake.
         self._checked: ConnectionPool | None = None
         #: What the handshake read (:class:`~.handshake.SchemaState`), once it passed.
@@ -258,6 +261,8 @@ class ProcessPool:
             if self._given is not None and not self.settings.url:
                 # Dedicated connections (LISTEN) go where the given pool goes.
                 self._url = self._given.conninfo
+            elif not self.settings.url and self.conninfo is not None:
+                self._url = self.conninfo()
             else:
                 self._url = resolve_url(self.settings)
         return self._url

@@ -11,13 +11,18 @@
   middleware, a snooze) for what it is: that attempt's row rescheduled, not a new row;
 - writes the row where the send belongs: inside ``broker.batch()``, collected and written
   with the block's other sends at its end; inside ``broker.transaction(conn)``, on the
-  application's connection; otherwise through the pool, sharing one statement and its
-  commit with the sends other threads make at that moment (:class:`GroupCommit`), and
-  tried again after a connection error (:func:`retrying`).
+  application's connection (as :mod:`.app_connections` wraps it); inside ``async with
+  broker.transaction(conn)``, collected and written on the application's asyncio
+  connection at the block's end (:mod:`.async_sending`); with no block open, in the
+  transaction the :attr:`Sender.resolver` finds (Django's ``atomic()`` block, see
+  :mod:`dramatiq_pg_broker.contrib.django`); otherwise through the pool, sharing one
+  statement and its commit with the sends other threads make at that moment
+  (:class:`GroupCommit`), and tried again after a connection error (:func:`retrying`).
 
 The blocks are bound to the current thread (and asyncio task): a context variable holds a
 stack of the blocks entered, and a send goes to the innermost one. Another thread's sends
-are not part of a block this thread opened.
+are not part of a block this thread opened; tasks created inside an async block inherit it
+while it is open.
 
 The worker side (the ledger, the consumer) imports this module for :class:`GroupCommit`,
 so nothing of it is imported here: what the send path asks of it (is this message an
@@ -35,6 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
 
 import dramatiq
@@ -44,10 +50,12 @@ from dramatiq.middleware import Middleware, MiddlewareError
 from psycopg_pool import PoolTimeout
 
 from . import forks, messages
+from .app_connections import AppConnection
 from .errors import InvalidMessage, TransactionError
 from .jobs import EnqueueResult, NewJob, clean_text
 
 if TYPE_CHECKING:
+    from .async_sending import AsyncBlock
     from .broker import PostgresBroker
     from .consumer import PgMessageProxy
 
@@ -205,11 +213,23 @@ class LazyJobs(Sequence[NewJob]):
         return (self[index] for index in range(self._count))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Transaction:
-    """A ``broker.transaction(conn)`` block: sends write on ``conn``."""
+    """A transaction block: sends write on ``conn``, the application's connection (a
+    ``broker.transaction(conn)`` block, or one a :attr:`Sender.resolver` found)."""
 
     conn: psycopg.Connection
+    #: Entered around each write on ``conn``: a framework's bookkeeping (Django marks its
+    #: ``atomic()`` block for rollback when a write fails). None: nothing.
+    guard: Callable[[], ContextManager[Any]] | None = None
+    #: ``conn`` as the job store writes on it.
+    view: AppConnection = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.view = AppConnection(self.conn)
+
+    def writing(self) -> ContextManager[Any]:
+        return self.guard() if self.guard is not None else contextlib.nullcontext()
 
 
 class SendContext:
@@ -225,22 +245,29 @@ class SendContext:
         stack = self._stack.get()
         return stack[-1] if stack else None
 
-    def connection_below(self, block: Batch) -> psycopg.Connection | None:
-        """The connection of the innermost transaction block around ``block``, if any."""
+    def transaction_below(self, block: Batch) -> Transaction | None:
+        """The innermost transaction block around ``block``, if any."""
         stack = self._stack.get()
         index = next(i for i in range(len(stack) - 1, -1, -1) if stack[i] is block)
         for entry in reversed(stack[:index]):
             if isinstance(entry, Transaction):
-                return entry.conn
+                return entry
         return None
+
+    def push(self, entry: Transaction | Batch) -> contextvars.Token:
+        """Enter a block; :meth:`pop` with the token leaves it (in the same context)."""
+        return self._stack.set((*self._stack.get(), entry))
+
+    def pop(self, token: contextvars.Token) -> None:
+        self._stack.reset(token)
 
     @contextlib.contextmanager
     def pushed(self, entry: Transaction | Batch) -> Iterator[None]:
-        token = self._stack.set((*self._stack.get(), entry))
+        token = self.push(entry)
         try:
             yield
         finally:
-            self._stack.reset(token)
+            self.pop(token)
 
 
 def _sqlalchemy_connection(obj: Any):
@@ -262,6 +289,12 @@ def _sqlalchemy_connection(obj: Any):
     return None
 
 
+def _is_sqlalchemy_async(obj: Any) -> bool:
+    """Whether ``obj`` is a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``."""
+    module = sys.modules.get("sqlalchemy.ext.asyncio")
+    return module is not None and isinstance(obj, (module.AsyncSession, module.AsyncConnection))
+
+
 def resolve_connection(obj: Any) -> tuple[psycopg.Connection, bool]:
     """The psycopg connection to write on, and whether the block must open its own
     transaction on it (a psycopg connection given directly).
@@ -274,10 +307,10 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, bool]:
         if obj.closed:
             raise TransactionError("broker.transaction() was given a closed connection")
         return obj, True
-    if isinstance(obj, psycopg.AsyncConnection):
+    if isinstance(obj, psycopg.AsyncConnection) or _is_sqlalchemy_async(obj):
         raise TransactionError(
-            "broker.transaction() needs a synchronous psycopg.Connection; sends are "
-            "synchronous, so an AsyncConnection cannot carry them"
+            f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
+            "`async with broker.transaction(conn)`, not `with`"
         )
     sa_conn = _sqlalchemy_connection(obj)
     if sa_conn is None:
@@ -315,13 +348,44 @@ _identities: weakref.WeakKeyDictionary[psycopg.Connection, tuple] = weakref.Weak
 IDENTITY_SQL = "SELECT current_database(), pg_postmaster_start_time()"
 
 
-def identity(conn: psycopg.Connection) -> tuple:
+def identity(conn: psycopg.Connection | AppConnection) -> tuple:
     """Which database on which server ``conn`` is connected to (cached per connection)."""
-    known = _identities.get(conn)
+    key = conn.raw if isinstance(conn, AppConnection) else conn
+    known = _identities.get(key)
     if known is None:
         known = tuple(conn.execute(IDENTITY_SQL).fetchone())
-        _identities[conn] = known
+        _identities[key] = known
     return known
+
+
+class TransactionBlock:
+    """What ``broker.transaction(conn)`` returns: ``with`` it for a synchronous connection
+    (:meth:`Sender.sync_transaction`), ``async with`` it for an asyncio one
+    (:mod:`.async_sending`)."""
+
+    def __init__(self, sender: Sender, conn: Any) -> None:
+        self._sender = sender
+        self._conn = conn
+        self._sync: ContextManager[psycopg.Connection] | None = None
+        self._async: AsyncBlock | None = None
+
+    def __enter__(self) -> psycopg.Connection:
+        self._sync = self._sender.sync_transaction(self._conn)
+        return self._sync.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        assert self._sync is not None
+        return self._sync.__exit__(*exc)
+
+    async def __aenter__(self) -> Any:
+        from .async_sending import AsyncBlock
+
+        self._async = AsyncBlock(self._sender, self._conn)
+        return await self._async.enter()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        assert self._async is not None
+        return await self._async.exit(*exc)
 
 
 # -- the sender ------------------------------------------------------------------------------
@@ -360,6 +424,19 @@ class Sender:
         #: Concurrent sends through the pool share a statement: one group per process.
         self._group = forks.PerProcess(lambda: GroupCommit(self._write_group))
         self._identity: tuple | None = None
+        #: Asked for the transaction a send joins when no ``broker.transaction()`` or
+        #: ``batch()`` block is open: ``resolver()`` returns a :class:`Transaction` on the
+        #: application's connection, or None to send through the pool. The Django
+        #: integration sets it to join ``transaction.atomic()`` blocks.
+        self.resolver: Callable[[], Transaction | None] | None = None
+
+    def _block(self) -> Transaction | Batch | None:
+        """Where a send of this thread (or task) goes: the innermost block it opened, else
+        the transaction the :attr:`resolver` finds, else None (the pool)."""
+        block = self._blocks.top()
+        if block is None and self.resolver is not None:
+            block = self.resolver()
+        return block
 
     @property
     def waiting(self) -> int:
@@ -412,13 +489,14 @@ class Sender:
             broker.emit_after("enqueue", message, delay)
             return message
         job, stored = self.job_for(message, delay)
-        block = self._blocks.top()
+        block = self._block()
         if isinstance(block, Batch):
             block.add(job, stored, delay)
             return stored
         if block is not None:
             # The application's transaction: no retry (a failed statement aborts it).
-            result = self.store.enqueue(job, conn=block.conn)
+            with block.writing():
+                result = self.store.enqueue(job, conn=block.view)
         else:
             result = retrying(
                 lambda first: self._send_alone(job, first), self.settings.enqueue_retries
@@ -557,21 +635,26 @@ class Sender:
             return job
 
         jobs = LazyJobs(len(messages), build)
-        block = self._blocks.top()
+        block = self._block()
         if isinstance(block, Batch):
             for index, job in enumerate(jobs):
                 block.add(job, stored[index], delay)
             return list(stored)
-        conn = block.conn if block is not None else None
-        return self._write_batch(jobs, stored, [delay] * len(messages), conn)
+        if block is not None:
+            with block.writing():
+                return self._write_batch(jobs, stored, [delay] * len(messages), block.view)
+        return self._write_batch(jobs, stored, [delay] * len(messages), None)
 
     def _write_batch(
         self,
         jobs: Sequence[NewJob],
         stored: list[dramatiq.Message],
         delays: list[int | None],
-        conn: psycopg.Connection | None,
+        conn: Any,
     ) -> list[dramatiq.Message]:
+        """Write collected sends in one transaction: on ``conn`` (the application's
+        connection, as :mod:`.app_connections` wraps it), else through the pool, retried
+        after a connection error."""
         if conn is not None:
             results = self.store.enqueue_many(jobs, conn=conn)
         else:
@@ -628,29 +711,54 @@ class Sender:
         batch = Batch()
         with self._blocks.pushed(batch):
             yield batch
-            conn = self._blocks.connection_below(batch)
-        if batch.jobs:
-            self._write_batch(batch.jobs, batch.messages, batch.delays, conn)
+            below = self._blocks.transaction_below(batch)
+        if below is None and self.resolver is not None:
+            below = self.resolver()
+        if not batch.jobs:
+            return
+        if below is None:
+            self._write_batch(batch.jobs, batch.messages, batch.delays, None)
+            return
+        with below.writing():
+            self._write_batch(batch.jobs, batch.messages, batch.delays, below.view)
 
     # -- the application's transaction ---------------------------------------------------
 
-    @contextlib.contextmanager
-    def transaction(self, conn: Any) -> Iterator[psycopg.Connection]:
+    def transaction(self, conn: Any) -> TransactionBlock:
         """:meth:`PostgresBroker.transaction
         <dramatiq_pg_broker.PostgresBroker.transaction>`."""
+        return TransactionBlock(self, conn)
+
+    @contextlib.contextmanager
+    def sync_transaction(self, conn: Any) -> Iterator[psycopg.Connection]:
+        """``with broker.transaction(conn)``."""
         pg_conn, own = resolve_connection(conn)
         with pg_conn.transaction() if own else contextlib.nullcontext():
-            self._check_database(pg_conn)
-            with self._blocks.pushed(Transaction(pg_conn)):
+            block = Transaction(pg_conn)
+            self.check_database(identity(block.view))
+            with self._blocks.pushed(block):
                 yield pg_conn
 
-    def _check_database(self, conn: psycopg.Connection) -> None:
-        theirs = identity(conn)
+    def broker_identity(self) -> tuple:
+        """What the broker's own connections reach (see :func:`identity`)."""
+        with self.broker.pool.connection() as pooled:
+            return identity(pooled)
+
+    def check_database(self, theirs: tuple, *, learn: Callable[[], tuple] | None = None) -> None:
+        """Refuse an application's connection that reaches ``theirs`` (its
+        :func:`identity`) when the broker's jobs are in another database.
+
+        Parameters:
+          learn(callable): how to read the broker's identity (default
+            :meth:`broker_identity`; an async block reads it in a thread first).
+
+        Raises:
+          TransactionError: the databases differ.
+        """
         if theirs != self._identity:
             # Learned at the first transaction, and again whenever it differs: a server
             # restart or a failover gives the broker's database another server start.
-            with self.broker.pool.connection() as pooled:
-                self._identity = identity(pooled)
+            self._identity = (learn or self.broker_identity)()
         if theirs != self._identity:
             where = (
                 f"database {theirs[0]!r}"

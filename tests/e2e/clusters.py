@@ -140,13 +140,40 @@ class Cluster:
         )
 
     def start(self) -> None:
-        options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
-            "-c fsync=off -c max_connections=100"
-        )
-        for name, value in self.settings.items():
-            options += f" -c {name}={value}"
-        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
+        """Start the server. A port taken between :func:`free_ports` and the start (by a
+        test run beside this one) moves it to another free port (``port`` and ``url``
+        change); any other failure raises with the end of the server's log."""
+        for _ in range(5):
+            seen = self.log.stat().st_size if self.log.exists() else 0
+            options = (
+                f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+                "-c fsync=off -c max_connections=100"
+            )
+            for name, value in self.settings.items():
+                options += f" -c {name}={value}"
+            try:
+                self.run(
+                    "pg_ctl",
+                    "-D",
+                    str(self.data),
+                    "-l",
+                    str(self.log),
+                    "-o",
+                    options,
+                    "-w",
+                    "start",
+                )
+                return
+            except subprocess.CalledProcessError as e:
+                with open(self.log, "rb") as log:
+                    log.seek(seen)
+                    said = log.read().decode(errors="replace")
+                ports = free_ports(1, [p for p in PORTS if p != self.port])
+                if "could not bind" not in said or ports is None:
+                    raise RuntimeError(f"the test cluster did not start:\n{said[-2000:]}") from e
+                self.port = ports[0]
+                self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        raise RuntimeError("the test cluster found no free port in five tries")
 
     def stop(self, mode: str = "fast") -> None:
         self.run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")

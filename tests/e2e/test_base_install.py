@@ -32,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 #: What the ``admin`` extra adds; none of it may be in a base install.
 ADMIN_ONLY = ("falcon", "gunicorn", "bcrypt", "sqlalchemy")
+#: The frameworks of the integrations (``dramatiq_pg_broker.contrib``); none of them either.
+FRAMEWORKS = ("django", "django_dramatiq", "fastapi", "uvicorn", "httpx")
 #: The only top-level packages the wheel may install.
 INSTALLED_PACKAGES = {"dramatiq_pg_broker", "admin_api"}
 
@@ -54,8 +56,10 @@ JOBS = 20
 CHECK_IMPORTS = """
 import importlib, json, pkgutil, sys
 import dramatiq_pg_broker
+# The integrations (dramatiq_pg_broker.contrib.<framework>) import their framework.
 names = [m.name for m in pkgutil.walk_packages(dramatiq_pg_broker.__path__, "dramatiq_pg_broker.")
-         if m.name not in ("dramatiq_pg_broker.__main__",)]
+         if m.name not in ("dramatiq_pg_broker.__main__",)
+         and not m.name.startswith("dramatiq_pg_broker.contrib.")]
 for name in names:
     importlib.import_module(name)
 found = {name: importlib.util.find_spec(name) is not None for name in %r}
@@ -151,12 +155,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 def test_base_install_migrates_sends_and_runs_a_worker(base_venv, pg_url, empty_schema, tmp_path):
     env = clean_env(DRAMATIQ_PG_URL=pg_url, DRAMATIQ_PG_SCHEMA=empty_schema, PYTHONUNBUFFERED="1")
 
-    # Importing every module of the broker loads nothing of the admin side, and the admin
-    # side's dependencies are not even installed.
-    code = CHECK_IMPORTS % (ADMIN_ONLY, ADMIN_ONLY)
+    # Importing every module of the broker (the framework integrations aside) loads nothing
+    # of the admin side or of a web framework, and none of them is even installed.
+    code = CHECK_IMPORTS % (ADMIN_ONLY + FRAMEWORKS, ADMIN_ONLY + FRAMEWORKS)
     checked = json.loads(run(base_venv, "python", "-c", code, cwd=tmp_path, env=env).stdout)
     assert "dramatiq_pg_broker.broker" in checked["modules"]
-    assert checked["installed"] == dict.fromkeys(ADMIN_ONLY, False), checked
+    assert "dramatiq_pg_broker.async_sending" in checked["modules"]
+    assert checked["installed"] == dict.fromkeys(ADMIN_ONLY + FRAMEWORKS, False), checked
     assert checked["loaded"] == [], checked
     # What runs is the installed wheel, not this checkout.
     assert Path(checked["file"]).is_relative_to(base_venv), checked["file"]

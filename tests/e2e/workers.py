@@ -130,7 +130,8 @@ class WorkerProcess:
     """``python -m dramatiq <app> --processes P --threads N`` in its own process group, with
     its output in a log file. ``app`` defaults to ``tests.e2e.worker_app``, P to 1;
     ``python`` (another environment's interpreter) to this one, ``cwd`` to the checkout;
-    ``options`` are more of the ``dramatiq`` command's options."""
+    ``options`` are more of the ``dramatiq`` command's options. ``command`` replaces the
+    whole command line (``manage.py rundramatiq ...``, say)."""
 
     def __init__(
         self,
@@ -144,6 +145,7 @@ class WorkerProcess:
         python: str | Path = sys.executable,
         cwd: Path = REPO,
         options: tuple[str, ...] = (),
+        command: list[str] | None = None,
         **env,
     ):
         self.log_path = log_path
@@ -154,7 +156,8 @@ class WorkerProcess:
         environ["PYTHONUNBUFFERED"] = "1"
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            [
+            command
+            or [
                 str(python),
                 "-m",
                 "dramatiq",

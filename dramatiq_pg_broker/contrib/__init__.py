@@ -1,0 +1,2 @@
+"""Integrations with frameworks, each importable only where its framework is installed:
+nothing in the broker imports them."""

@@ -1,0 +1,6 @@
+import types
+
+
+class DatabaseWrapper:
+    vendor = "postgresql"
+    Database = types.ModuleType("psycopg2")

@@ -1,0 +1,34 @@
+"""Reading a job in tests through the job store's own API (so that the tests follow the
+tables wherever the store keeps them), on the store's pooled connections: only committed
+rows are seen."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import sql
+
+from dramatiq_pg_broker.errors import JobNotFound
+from dramatiq_pg_broker.jobs import JobStore
+
+
+def status_of(store: JobStore, job_id: str) -> str | None:
+    """A job's status, None if there is no such job."""
+    try:
+        return store.get(job_id)["status"]
+    except JobNotFound:
+        return None
+
+
+def event_types(store: JobStore, job_id: str) -> list[str]:
+    """A job's event types, oldest first."""
+    return [event["type"] for event in store.events_of(job_id)]
+
+
+def created_count(conn: psycopg.Connection, schema: str) -> int:
+    """How many jobs were ever created in ``schema`` (their ``created`` events, which only
+    retention deletes, days later): a send that left no job leaves this unchanged, whether
+    or not workers ran other jobs meanwhile."""
+    query = sql.SQL("SELECT count(*) FROM {} WHERE type = 'created'").format(
+        sql.Identifier(schema, "job_events")
+    )
+    return conn.execute(query).fetchone()[0]

@@ -25,9 +25,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from dramatiq_pg_broker import PostgresBroker
 from examples.fastapi.models import Order, sqlalchemy_url
-from tests.rows import created_count, status_of
+from tests.rows import created_count
 
-from .workers import REPO, wait_for
+from .workers import REPO, wait_for, wait_until_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -115,15 +115,6 @@ def broker(pg_url, schema):
 
 def receipt_sent(client: httpx.Client, order_id: int) -> bool:
     return client.get(f"/orders/{order_id}").json()["receipt_sent_at"] is not None
-
-
-def wait_until_run(broker, worker, job_id: str) -> None:
-    wait_for(
-        lambda: status_of(broker.store, job_id) == "succeeded",
-        30,
-        f"the worker to run job {job_id}",
-        on_timeout=lambda: f"status: {status_of(broker.store, job_id)}\n{worker.log_tail()}",
-    )
 
 
 def test_the_endpoint_commits_the_order_with_its_job_and_the_worker_runs_it(server, worker, broker):

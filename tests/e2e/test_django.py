@@ -21,10 +21,10 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from dramatiq_pg_broker import TransactionError
-from tests.conftest import drop_schema, new_schema_name
+from tests.helpers import drop_schema, new_schema_name
 from tests.rows import created_count, event_types, status_of
 
-from .workers import REPO, WorkerProcess, wait_for
+from .workers import REPO, WorkerProcess, wait_for, wait_until_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -118,15 +118,6 @@ def worker(migrated, pg_url, tmp_path_factory):
     )
     yield process
     process.kill_group()
-
-
-def wait_until_run(broker, worker, job_id: str) -> None:
-    wait_for(
-        lambda: status_of(broker.store, job_id) == "succeeded",
-        30,
-        f"the worker to run job {job_id}",
-        on_timeout=lambda: f"status: {status_of(broker.store, job_id)}\n{worker.log_tail()}",
-    )
 
 
 def test_the_broker_is_the_django_one_on_django_s_database(django_project, migrated):

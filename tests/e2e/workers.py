@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .. import helpers
+from ..rows import status_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,6 +125,17 @@ def wait_for(predicate, timeout: float, what: str, *, on_timeout=None):
     """:func:`tests.helpers.wait_for`, looking every 0.05 s (these predicates read logs or
     open connections)."""
     return helpers.wait_for(predicate, timeout, what, on_timeout=on_timeout, interval=0.05)
+
+
+def wait_until_run(broker, worker: WorkerProcess, job_id: str) -> None:
+    """Wait (30 s at most) for ``worker`` to run job ``job_id`` to success; on a timeout, say
+    the job's status and show the worker's log."""
+    wait_for(
+        lambda: status_of(broker.store, job_id) == "succeeded",
+        30,
+        f"the worker to run job {job_id}",
+        on_timeout=lambda: f"status: {status_of(broker.store, job_id)}\n{worker.log_tail()}",
+    )
 
 
 class WorkerProcess:

@@ -4,36 +4,13 @@ its transaction began, the jobs are written in that transaction and read back ri
 
 from __future__ import annotations
 
-import uuid
-
-import dramatiq
 import psycopg
-import pytest
 import sqlalchemy as sa
 from psycopg.rows import dict_row
 from psycopg.types.string import TextLoader
 from sqlalchemy.orm import Session
 
-from dramatiq_pg_broker import PostgresBroker
 from tests.rows import status_of
-
-
-@pytest.fixture
-def broker(pg_url, schema):
-    broker = PostgresBroker(url=pg_url, schema=schema)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def task(broker):
-    queue = f"app_{uuid.uuid4().hex[:8]}"
-
-    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"receipt_{queue}")
-    def send_receipt(n):
-        pass
-
-    return send_receipt
 
 
 def test_a_batch_as_the_first_statement_of_a_sqlalchemy_transaction_rolls_back_with_it(

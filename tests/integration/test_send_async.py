@@ -13,7 +13,6 @@ import contextlib
 import time
 import uuid
 
-import dramatiq
 import psycopg
 import pytest
 from psycopg import sql
@@ -22,7 +21,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from dramatiq_pg_broker import (
     JobAlreadyFinished,
-    PostgresBroker,
     TransactionError,
     send_async,
     send_with_options_async,
@@ -35,27 +33,6 @@ from tests.rows import event_types, status_of
 #: late by the time of every send it made, hundreds of milliseconds for 1,000.
 WORST_TICK_MS = 50
 P99_TICK_MS = 10
-
-
-@pytest.fixture
-def broker(pg_url, schema):
-    broker = PostgresBroker(url=pg_url, schema=schema, poll_interval=0.1)
-    yield broker
-    broker.close()
-
-
-@pytest.fixture
-def queue():
-    return f"async_{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def task(broker, queue):
-    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"receipt_{queue}")
-    def send_receipt(n):
-        pass
-
-    return send_receipt
 
 
 @pytest.fixture

@@ -51,12 +51,7 @@ def worker(pg_url, schema, database_url, tmp_path_factory):
     process = WorkerProcess(
         pg_url, schema, log, app="examples.fastapi.tasks", DATABASE_URL=database_url
     )
-    wait_for(
-        lambda: "ready for action" in log.read_text(errors="replace"),
-        60,
-        "the worker to start",
-        on_timeout=process.log_tail,
-    )
+    process.wait_ready()
     yield process
     process.kill_group()
 

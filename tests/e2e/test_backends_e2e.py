@@ -39,12 +39,7 @@ def start_both(start_worker):
     worker = start_worker(
         app="tests.e2e.limits_app", processes=2, threads=4, dramatiq_queue_prefetch=PREFETCH
     )
-    wait_for(
-        lambda: worker.log_path.read_text(errors="replace").count("ready for action") >= 2,
-        120,
-        "both worker processes to be ready",
-        on_timeout=worker.log_tail,
-    )
+    worker.wait_ready(120, "both worker processes to be ready")
     return worker
 
 

@@ -24,7 +24,7 @@ from dramatiq_pg_broker import TransactionError
 from tests.helpers import drop_schema, new_schema_name
 from tests.rows import created_count, event_types, status_of
 
-from .workers import REPO, WorkerProcess, wait_for, wait_until_run
+from .workers import REPO, WorkerProcess, wait_until_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -110,12 +110,7 @@ def worker(migrated, pg_url, tmp_path_factory):
         command=[sys.executable, "manage.py", "rundramatiq", "--processes", "1", "--threads", "2"],
         DATABASE_URL=migrated["DATABASE_URL"],
     )
-    wait_for(
-        lambda: "ready for action" in log.read_text(errors="replace"),
-        60,
-        "the rundramatiq worker to start",
-        on_timeout=process.log_tail,
-    )
+    process.wait_ready(what="the rundramatiq worker to start")
     yield process
     process.kill_group()
 

@@ -161,6 +161,8 @@ class WorkerProcess:
         **env,
     ):
         self.log_path = log_path
+        #: How many worker processes it starts (one with ``command``).
+        self.processes = 1 if command else processes
         environ = dict(os.environ)
         environ.update(FAST_SETTINGS)
         environ.update({"DRAMATIQ_PG_URL": url, "DRAMATIQ_PG_SCHEMA": schema})
@@ -195,6 +197,18 @@ class WorkerProcess:
         self._log.flush()
         text = self.log_path.read_text(errors="replace").splitlines()
         return "worker log (last lines):\n" + "\n".join(text[-lines:])
+
+    def wait_ready(self, timeout: float = 60, what: str = "the worker to start") -> None:
+        """Wait until every one of its processes logged that it is ready for action."""
+        wait_for(
+            lambda: (
+                self.log_path.read_text(errors="replace").count("ready for action")
+                >= self.processes
+            ),
+            timeout,
+            what,
+            on_timeout=self.log_tail,
+        )
 
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)

@@ -8,6 +8,7 @@ import uuid
 
 import dramatiq
 import pytest
+from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.config import Settings
@@ -72,6 +73,20 @@ def task(broker, queue):
         pass
 
     return task
+
+
+@pytest.fixture
+def app_table(conn, schema):
+    """``app_table(name)``: an application's own table ``name`` (one int column ``n``)
+    next to the broker's, emptied; returns its INSERT statement (one parameter)."""
+
+    def make(name: str) -> sql.Composed:
+        table = sql.Identifier(schema, name)
+        conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (n int)").format(table))
+        conn.execute(sql.SQL("TRUNCATE {}").format(table))
+        return sql.SQL("INSERT INTO {} VALUES (%s)").format(table)
+
+    return make
 
 
 @pytest.fixture

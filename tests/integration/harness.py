@@ -1,5 +1,5 @@
 """In-process workers for the integration tests: brokers on the module's schema, a queue of
-the test's own, and a record of what the actors did."""
+the test's own, and a record of what the actors did; declared queues and job timelines."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import uuid
 import dramatiq
 
 from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.jobs import JobStore
 
 
 def start_worker(
@@ -96,6 +97,17 @@ class Harness:
             f'SELECT id::text, status, attempts FROM "{self.schema}".jobs WHERE queue_name = %s',
             (self.queue,),
         ).fetchall()
+
+
+def declared_queue(store: JobStore, name: str | None = None) -> str:
+    """A queue declared as a worker of it declares it (a new name unless ``name`` is given);
+    returns its name."""
+    from dramatiq_pg_broker import queues
+
+    name = name or f"dq_{uuid.uuid4().hex[:8]}"
+    with store.pool.connection() as conn:
+        queues.declare(conn, store.schema, [name])
+    return name
 
 
 def of_type(events: list[dict], kind: str) -> list[dict]:

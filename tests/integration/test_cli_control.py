@@ -9,16 +9,10 @@ import uuid
 
 from psycopg import sql
 
-from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.cli_control import printable
 from dramatiq_pg_broker.jobs import JobStore, NewJob
 
-
-def declared(store: JobStore, name: str | None = None) -> str:
-    name = name or f"cq_{uuid.uuid4().hex[:6]}"
-    with store.pool.connection() as conn:
-        queue_control.declare(conn, store.schema, [name])
-    return name
+from .harness import declared_queue
 
 
 def enqueue(store: JobStore, queue: str) -> str:
@@ -30,7 +24,7 @@ def enqueue(store: JobStore, queue: str) -> str:
 
 
 def test_jobs_abort_cancels_a_waiting_job_and_marks_a_running_one(store, run):
-    queue = declared(store)
+    queue = declared_queue(store)
     waiting = enqueue(store, queue)
     code, out, _ = run("jobs", "abort", waiting)
     assert code == 0 and out.strip() == f"job {waiting} is cancelled"
@@ -53,7 +47,7 @@ def test_jobs_abort_cancels_a_waiting_job_and_marks_a_running_one(store, run):
 
 
 def test_queues_pause_list_and_resume(store, run):
-    queue = declared(store)
+    queue = declared_queue(store)
     enqueue(store, queue)
     code, out, _ = run("queues", "pause", queue)
     assert code == 0 and out.startswith(f"queue {queue} is paused by cli")

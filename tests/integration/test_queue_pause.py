@@ -19,15 +19,9 @@ from dramatiq_pg_broker.errors import InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import PAUSE_PAYLOAD, JobStore, NewJob, channel_name
 
 from ..helpers import wait_for
+from .harness import declared_queue
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def declared_queue(store: JobStore) -> str:
-    name = f"p_{uuid.uuid4().hex[:8]}"
-    with store.pool.connection() as conn:
-        queue_control.declare(conn, store.schema, [name])
-    return name
 
 
 def send(store: JobStore, queue: str) -> str:

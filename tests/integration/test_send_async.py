@@ -36,12 +36,9 @@ P99_TICK_MS = 10
 
 
 @pytest.fixture
-def orders(conn, schema):
-    """The application's own table, next to the broker's."""
-    table = sql.Identifier(schema, "orders")
-    conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (n int)").format(table))
-    conn.execute(sql.SQL("TRUNCATE {}").format(table))
-    return sql.SQL("INSERT INTO {} VALUES (%s)").format(table)
+def orders(app_table):
+    """The application's own table, next to the broker's: its INSERT statement."""
+    return app_table("orders")
 
 
 def sqlalchemy_url(pg_url: str) -> str:

@@ -17,12 +17,9 @@ from dramatiq_pg_broker.jobs import channel_name
 
 
 @pytest.fixture
-def invoices(conn, schema):
-    """The application's own table, next to the broker's."""
-    table = sql.Identifier(schema, "invoices")
-    conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (n int)").format(table))
-    conn.execute(sql.SQL("TRUNCATE {}").format(table))
-    return sql.SQL("INSERT INTO {} VALUES (%s)").format(table)
+def invoices(app_table):
+    """The application's own table, next to the broker's: its INSERT statement."""
+    return app_table("invoices")
 
 
 def jobs_of(conn, schema, queue) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -22,8 +23,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-#: Ports the test clusters may use.
-PORTS = range(55431, 55450)
+#: Ports the test clusters may use, tried in a random order so that two test runs on one
+#: machine seldom reach for the same one.
+PORTS = range(55431, 55631)
 
 
 def server_binaries(*tools: str) -> Path | None:
@@ -53,7 +55,7 @@ def free_ports(count: int, ports: Iterable[int] = PORTS) -> list[int] | None:
     is free: PostgreSQL binds its port with SO_REUSEADDR, and so does this check.
     """
     found: list[int] = []
-    for port in ports:
+    for port in random.sample(list(ports), len(ports)):
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:

@@ -252,6 +252,7 @@ def test_a_broker_url_of_its_own_is_checked_against_django_s_connection(
                 raise RuntimeError("rolled back")
         assert status_of(same.store, message.message_id) is None
         # The check itself: a connection that reaches another database is refused.
+        # What the sender learned at the block above; no public call makes it learn again.
         same.sender._identity = ("another", None)
         same.sender.broker_identity = lambda: ("another", None)
         with transaction.atomic():

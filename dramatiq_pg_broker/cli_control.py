@@ -12,37 +12,19 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import unicodedata
 
 from . import queues as queue_control
-from .cli_jobs import Context, _json_flag, command, operator_name, relative, table, to_json
+from .cli_jobs import (
+    Context,
+    _json_flag,
+    command,
+    operator_name,
+    printable,
+    relative,
+    table,
+    to_json,
+)
 from .workers import list_actors, list_workers
-
-#: Unicode categories escaped when a name is printed: controls, format characters (the
-#: bidirectional overrides and isolates, zero-width characters), line and paragraph
-#: separators, unassigned and private-use code points.
-ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cn", "Co", "Cs"})
-
-
-def printable(text: object) -> str:
-    """``text`` with every character of :data:`ESCAPED_CATEGORIES` written as its escape
-    (``\\u202e``), so that what a terminal shows is what the name holds."""
-    if text is None:
-        return ""
-    out = []
-    for char in str(text):
-        if unicodedata.category(char) in ESCAPED_CATEGORIES:
-            code = ord(char)
-            out.append(
-                f"\\x{code:02x}"
-                if code < 0x100
-                else f"\\u{code:04x}"
-                if code < 0x10000
-                else f"\\U{code:08x}"
-            )
-        else:
-            out.append(char)
-    return "".join(out)
 
 
 @command

@@ -4,7 +4,9 @@
 Reads use the named statements of ``sql/operator.sql``; every change goes through the
 :class:`~dramatiq_pg_broker.jobs.JobStore` transitions (the same functions, and so the same
 events, as the admin API's). Output is aligned columns with relative times for a terminal;
-``--json`` prints the same data for scripts. Bad arguments print one line and exit 2.
+``--json`` prints the same data for scripts. Names and errors are printed with control and
+bidirectional characters escaped (:func:`printable`). Bad arguments print one line and
+exit 2.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import datetime as dt
 import getpass
 import json
 import sys
+import unicodedata
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -63,9 +66,37 @@ def duration(seconds: float | None) -> str:
     )
 
 
+#: Unicode categories escaped when a name is printed: controls, format characters (the
+#: bidirectional overrides and isolates, zero-width characters), line and paragraph
+#: separators, unassigned and private-use code points.
+ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cn", "Co", "Cs"})
+
+
+def printable(text: object) -> str:
+    """``text`` with every character of :data:`ESCAPED_CATEGORIES` written as its escape
+    (``\\u202e``), so that what a terminal shows is what the name holds."""
+    if text is None:
+        return ""
+    out = []
+    for char in str(text):
+        if unicodedata.category(char) in ESCAPED_CATEGORIES:
+            code = ord(char)
+            out.append(
+                f"\\x{code:02x}"
+                if code < 0x100
+                else f"\\u{code:04x}"
+                if code < 0x10000
+                else f"\\U{code:08x}"
+            )
+        else:
+            out.append(char)
+    return "".join(out)
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """Columns aligned to their widest cell; numbers right-aligned."""
-    rows = [["" if v is None else str(v) for v in row] for row in rows]
+    """Columns aligned to their widest cell; numbers right-aligned. Every cell is
+    :func:`printable`: a name or an error cannot pass for another on a terminal."""
+    rows = [[printable(v) for v in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     numeric = [
         bool(rows) and all(r[i].lstrip("-").isdigit() for r in rows if r[i])
@@ -228,9 +259,9 @@ def run_jobs_show(ctx: Context, args) -> int:
         value = job[name]
         if isinstance(value, dt.datetime):
             value = f"{value.isoformat(timespec='seconds')}  ({relative(value, now)})"
-        text = "" if value is None else str(value)
-        # A multi-line error (a traceback) stays under its column.
-        print(f"{name.ljust(width)}  " + text.replace("\n", "\n" + " " * (width + 2)))
+        # A multi-line error (a traceback) stays under its column, each line printable.
+        lines = ("" if value is None else str(value)).split("\n")
+        print(f"{name.ljust(width)}  " + ("\n" + " " * (width + 2)).join(map(printable, lines)))
     message = job["message"]
     if message is not None:
         shown = {k: message.get(k) for k in ("args", "kwargs") if k in message}

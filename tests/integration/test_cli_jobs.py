@@ -88,6 +88,23 @@ def test_jobs_show_prints_the_row_and_its_timeline(store, run):
     assert [e["type"] for e in data["events"]] == ["created", "claimed", "failed"]
 
 
+def test_names_and_errors_are_printed_escaped(store, run):
+    """A bidirectional override in an actor name, an escape sequence in an error: the
+    terminal shows what the row holds, in the list and on the job's page."""
+    job = enqueue(store, "mail", "invoice\u202egnp.exe")
+    (claimed,) = store.claim("mail", 1, "w", 30)
+    store.fail([Attempt(job, "w", claimed.attempts)], ["bad\x1b[2Jline\nnext\u200bline"])
+    code, out, _ = run("jobs", "list")
+    assert code == 0 and "invoice\\u202egnp.exe" in out and "bad\\x1b[2Jline" in out
+    assert not any(ch in out for ch in "\u202e\x1b\u200b")
+    code, out, _ = run("jobs", "show", job)
+    assert code == 0 and "invoice\\u202egnp.exe" in out and "next\\u200bline" in out
+    assert not any(ch in out for ch in "\u202e\x1b\u200b")
+    # The traceback's lines stay lines, each under the value column.
+    error_line = next(line for line in out.splitlines() if line.startswith("last_error"))
+    assert error_line.endswith("bad\\x1b[2Jline")
+
+
 def test_jobs_retry_and_cancel_use_the_job_store_transitions(store, run):
     job = failed_job(store)
     code, out, _ = run("jobs", "retry", job)

@@ -29,6 +29,7 @@ import json
 import math
 import struct
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -383,6 +384,28 @@ def id_prefix_range(text: str) -> str | tuple[str, str]:
     return str(low), str(high)
 
 
+#: One cursor per pooled connection, reused by the statements a send, a claim or an outcome
+#: runs on it: a new cursor per statement looks up the adapters of every parameter and
+#: result column afresh (about 40 µs of a send's Python on a 15-parameter statement). A
+#: pooled connection is used by one thread at a time, and each statement's rows are read
+#: before it goes back to the pool; the entry goes with the connection.
+_cursors: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.Cursor] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _execute(c: Any, query: str, params: dict[str, Any]) -> Any:
+    """``c.execute(query, params)``, on the connection's reused cursor when ``c`` is a
+    plain psycopg connection (a pooled one); a caller's connection (an application's
+    transaction) is used as it is."""
+    if type(c) is not psycopg.Connection:
+        return c.execute(query, params)
+    cursor = _cursors.get(c)
+    if cursor is None or cursor.closed:
+        cursor = _cursors[c] = c.cursor()
+    return cursor.execute(query, params)
+
+
 class _RepeatedId(Exception):
     """Two jobs of one bulk enqueue share an id: the staged path resolves it."""
 
@@ -413,7 +436,7 @@ class JobStore:
         params.setdefault("now", None)
         params.setdefault("events", self.events)
         with self.pool.use(conn) as c:
-            return c.execute(self.queries[name], params).fetchall()
+            return _execute(c, self.queries[name], params).fetchall()
 
     @staticmethod
     def _attempt_params(attempts: Sequence[Attempt]) -> dict[str, Any]:
@@ -463,7 +486,7 @@ class JobStore:
     def _insert_one(
         self, c: psycopg.Connection, job: NewJob, params: dict[str, Any], again: bool
     ) -> EnqueueResult:
-        row = c.execute(self.queries["insert_job"], params).fetchone()
+        row = _execute(c, self.queries["insert_job"], params).fetchone()
         if row is not None:
             return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
         return self._not_inserted(c, job, params, again)

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
+from psycopg.copy import LibpqWriter
 from psycopg.types.json import Jsonb
 
 from .db import ProcessPool, Queries
@@ -406,6 +407,18 @@ def _execute(c: Any, query: str, params: dict[str, Any]) -> Any:
     return cursor.execute(query, params)
 
 
+def _buffering_writer(cursor: psycopg.Cursor) -> Any:
+    """A COPY writer that hands the data to libpq without waiting for it to reach the
+    server (psycopg's default waits for a full flush after every megabyte): the direct
+    bulk path then encodes the next chunk at once, and pushes the buffered data out as it
+    goes (see :attr:`JobStore.COPY_PUMP_ROWS`); the COPY's end waits for all of it. None
+    (psycopg's default writer) where this psycopg has no flush threshold."""
+    try:
+        return LibpqWriter(cursor, flush_threshold=1 << 62)
+    except TypeError:  # pragma: no cover - psycopg without flush_threshold
+        return None
+
+
 class _RepeatedId(Exception):
     """Two jobs of one bulk enqueue share an id: the staged path resolves it."""
 
@@ -650,6 +663,10 @@ class JobStore:
     #: jobs, in percent; the rest is encoded while it inserts their events. Measured: the
     #: job rows take longer (five indexes and the jsonb view) than the events.
     COPY_SPLIT = 80
+    #: While the next chunk is encoded, whatever of the current one libpq still holds is
+    #: pushed to the server every this many rows (a non-blocking flush), so the server
+    #: keeps inserting while this process encodes.
+    COPY_PUMP_ROWS = 200
 
     def _copy_new(
         self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None
@@ -666,6 +683,10 @@ class JobStore:
         works on it, so the two cores of a small machine are both busy.
         """
         now_us = _timestamp_us(c.execute(self.queries["bulk_now"], {"now": now}).fetchone()[0])
+        cur = c.cursor()
+        # libpq's non-blocking flush: sends what the socket takes now, never waits.
+        pump = cur.connection.pgconn.flush
+        pump_rows = self.COPY_PUMP_ROWS
         fields: dict[str, bytes] = {}
         seen: set[str] = set()
         total = len(jobs)
@@ -673,6 +694,8 @@ class JobStore:
         def build(start: int, stop: int, job_rows: list[bytes], event_rows: list[bytes]):
             updated = _TIMESTAMP.pack(8, now_us)
             for position in range(start, stop):
+                if not position % pump_rows:
+                    pump()
                 job = jobs[position]
                 if job.id in seen:
                     raise _RepeatedId(job.id)
@@ -730,7 +753,6 @@ class JobStore:
 
         try:
             with c.transaction():
-                cur = c.cursor()
                 job_rows: list[bytes] = []
                 event_rows: list[bytes] = []
                 start = 0
@@ -741,12 +763,14 @@ class JobStore:
                     split = stop + (following - stop) * self.COPY_SPLIT // 100
                     next_jobs: list[bytes] = []
                     next_events: list[bytes] = []
-                    with cur.copy(self.queries["copy_jobs"]) as copy:
+                    with cur.copy(self.queries["copy_jobs"], writer=_buffering_writer(cur)) as copy:
                         copy.write(block(job_rows))
                         # Encoded while the server inserts the rows just sent.
                         build(stop, split if self.events else following, next_jobs, next_events)
                     if self.events:
-                        with cur.copy(self.queries["copy_created_events"]) as copy:
+                        with cur.copy(
+                            self.queries["copy_created_events"], writer=_buffering_writer(cur)
+                        ) as copy:
                             copy.write(block(event_rows))
                             build(split, following, next_jobs, next_events)
                     job_rows, event_rows, start = next_jobs, next_events, stop

@@ -407,6 +407,10 @@ def _execute(c: Any, query: str, params: dict[str, Any]) -> Any:
     return cursor.execute(query, params)
 
 
+def _nothing() -> None:
+    pass
+
+
 def _buffering_writer(cursor: psycopg.Cursor) -> Any:
     """A COPY writer that hands the data to libpq without waiting for it to reach the
     server (psycopg's default waits for a full flush after every megabyte): the direct
@@ -684,8 +688,11 @@ class JobStore:
         """
         now_us = _timestamp_us(c.execute(self.queries["bulk_now"], {"now": now}).fetchone()[0])
         cur = c.cursor()
-        # libpq's non-blocking flush: sends what the socket takes now, never waits.
-        pump = cur.connection.pgconn.flush
+        # A psycopg cursor: libpq's non-blocking flush, which sends what the socket takes
+        # now and never waits (an application's asyncio connection runs its COPY its way).
+        direct = isinstance(cur, psycopg.Cursor)
+        pump = cur.connection.pgconn.flush if direct else _nothing
+        copy_options = (lambda: {"writer": _buffering_writer(cur)}) if direct else dict
         pump_rows = self.COPY_PUMP_ROWS
         fields: dict[str, bytes] = {}
         seen: set[str] = set()
@@ -763,13 +770,13 @@ class JobStore:
                     split = stop + (following - stop) * self.COPY_SPLIT // 100
                     next_jobs: list[bytes] = []
                     next_events: list[bytes] = []
-                    with cur.copy(self.queries["copy_jobs"], writer=_buffering_writer(cur)) as copy:
+                    with cur.copy(self.queries["copy_jobs"], **copy_options()) as copy:
                         copy.write(block(job_rows))
                         # Encoded while the server inserts the rows just sent.
                         build(stop, split if self.events else following, next_jobs, next_events)
                     if self.events:
                         with cur.copy(
-                            self.queries["copy_created_events"], writer=_buffering_writer(cur)
+                            self.queries["copy_created_events"], **copy_options()
                         ) as copy:
                             copy.write(block(event_rows))
                             build(split, following, next_jobs, next_events)

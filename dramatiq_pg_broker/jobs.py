@@ -395,11 +395,11 @@ _cursors: weakref.WeakKeyDictionary[psycopg.Connection, psycopg.Cursor] = (
 )
 
 
-def _execute(c: Any, query: str, params: dict[str, Any]) -> Any:
-    """``c.execute(query, params)``, on the connection's reused cursor when ``c`` is a
-    plain psycopg connection (a pooled one); a caller's connection (an application's
-    transaction) is used as it is."""
-    if type(c) is not psycopg.Connection:
+def _execute(c: Any, query: str, params: dict[str, Any], pooled: bool) -> Any:
+    """``c.execute(query, params)``, on the connection's reused cursor when ``c`` is one of
+    the pool's connections (``pooled``); a connection a caller holds (an application's
+    transaction, which other threads of the application may share) gets a new cursor."""
+    if not pooled or type(c) is not psycopg.Connection:
         return c.execute(query, params)
     cursor = _cursors.get(c)
     if cursor is None or cursor.closed:
@@ -453,7 +453,7 @@ class JobStore:
         params.setdefault("now", None)
         params.setdefault("events", self.events)
         with self.pool.use(conn) as c:
-            return _execute(c, self.queries[name], params).fetchall()
+            return _execute(c, self.queries[name], params, conn is None).fetchall()
 
     @staticmethod
     def _attempt_params(attempts: Sequence[Attempt]) -> dict[str, Any]:
@@ -498,12 +498,18 @@ class JobStore:
             # The caller's transaction: its commit is the caller's to make durable or not.
             params["durable"] = True
         with self.pool.use(conn) as c:
-            return self._insert_one(c, job, params, again)
+            return self._insert_one(c, job, params, again, pooled=conn is None)
 
     def _insert_one(
-        self, c: psycopg.Connection, job: NewJob, params: dict[str, Any], again: bool
+        self,
+        c: psycopg.Connection,
+        job: NewJob,
+        params: dict[str, Any],
+        again: bool,
+        *,
+        pooled: bool = False,
     ) -> EnqueueResult:
-        row = _execute(c, self.queries["insert_job"], params).fetchone()
+        row = _execute(c, self.queries["insert_job"], params, pooled).fetchone()
         if row is not None:
             return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
         return self._not_inserted(c, job, params, again)
@@ -543,7 +549,8 @@ class JobStore:
                     )
                     continue
                 try:
-                    results.append(self._insert_one(c, job, self._new_job_params(job, None), again))
+                    alone = self._new_job_params(job, None)
+                    results.append(self._insert_one(c, job, alone, again, pooled=True))
                 except (JobAlreadyFinished, *_REFUSED) as e:
                     results.append(e)
         return results

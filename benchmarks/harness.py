@@ -300,6 +300,12 @@ class Harness:
     def raw_copy(self, count: int) -> dict:
         return {"rate": pgdata.raw_copy_rate(self.url, self.schema, count)}
 
+    def latency_floor(self, count: int, gap: float) -> dict:
+        """PostgreSQL's own floor of the latency workload (:mod:`.floor`), on this server."""
+        from . import floor
+
+        return floor.latency(self.url, self.schema, count, gap)
+
     def raw_insert(self, count: int, *, autocommit: bool = False) -> dict:
         rate = pgdata.raw_insert_rate(self.url, self.schema, count, autocommit=autocommit)
         return {"rate": rate}

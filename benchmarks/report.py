@@ -14,7 +14,7 @@ TARGETS = (
      ("drain", "postgres", "rate"), ("drain", "redis", "rate"), ">=", 2.5),
     ("enqueue-vs-raw", "enqueue ≥ 0.9 × raw INSERT+COMMIT (created event included)",
      ("enqueue", "postgres", "rate"), ("enqueue", "raw-insert", "rate"), ">=", 0.9),
-    ("bulk-vs-copy", "bulk enqueue ≥ 0.4 × raw COPY into a plain table (events on)",
+    ("bulk-vs-copy", "bulk enqueue ≥ 0.4 × raw COPY into a logged table (events on)",
      ("bulk", "postgres", "rate"), ("bulk", "raw-copy", "rate"), ">=", 0.4),
     ("enqueue-vs-raw-autocommit", "enqueue ≥ 0.9 × raw autocommit INSERT",
      ("enqueue", "postgres", "rate"), ("enqueue", "raw-insert-autocommit", "rate"), ">=", 0.9),
@@ -22,6 +22,10 @@ TARGETS = (
      ("enqueue8", "postgres", "rate"), ("enqueue8", "redis", "rate"), ">=", 1.0),
     ("nondurable-vs-redis", "non-durable send (durable=False) ≥ Redis, one thread",
      ("enqueue", "postgres-nondurable", "rate"), ("enqueue", "redis", "rate"), ">=", 1.0),
+    ("latency-p50-vs-floor", "latency p50 ≤ 1.25 × PostgreSQL's floor (no framework)",
+     ("latency", "postgres", "p50_ms"), ("latency", "floor", "p50_ms"), "<=", 1.25),
+    ("latency-p99-vs-floor", "latency p99 ≤ 2 × PostgreSQL's floor (no framework)",
+     ("latency", "postgres", "p99_ms"), ("latency", "floor", "p99_ms"), "<=", 2.0),
     ("latency-p50-vs-rabbitmq", "latency p50 ≤ 1.5 × RabbitMQ's",
      ("latency", "postgres", "p50_ms"), ("latency", "rabbitmq", "p50_ms"), "<=", 1.5),
     ("latency-p99-vs-rabbitmq", "latency p99 ≤ 3 × RabbitMQ's",
@@ -42,6 +46,11 @@ TARGETS = (
      ("idle", "postgres", "per_queue_per_poll"), None, "<=", 1.0),
 )  # fmt: skip
 
+#: Which figure of the same server is PostgreSQL's own floor of a workload (the "vs floor"
+#: column): the latency floor script, a one-thread autocommit INSERT, a COPY of the same
+#: bytes into a logged table.
+FLOOR_OF = {"latency": "floor", "enqueue": "raw-insert-autocommit", "bulk": "raw-copy"}
+
 #: No collapse: a step of the scaling workload may fall at most this far below the best
 #: drain measured with fewer processes.
 SCALING_FLOOR = 0.8
@@ -49,7 +58,8 @@ SCALING_FLOOR = 0.8
 LABELS = {
     "raw-insert": "raw INSERT+COMMIT",
     "raw-insert-autocommit": "raw INSERT, autocommit",
-    "raw-copy": "raw COPY, plain table",
+    "raw-copy": "raw COPY, logged table",
+    "floor": "PostgreSQL floor (no framework)",
     "postgres": "postgres (this broker)",
     "postgres-noevents": "postgres, events off",
     "postgres-nondurable": "postgres, durable=False",
@@ -59,7 +69,7 @@ LABELS = {
 SERVER_LABELS = {"embedded": "embedded server", "tcp": "standalone server (TCP)"}
 #: Figures that depend on the PostgreSQL server set-up (the rest are Redis and RabbitMQ).
 PG_NAMES = (
-    "raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents",
+    "floor", "raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents",
     "postgres-nondurable",
 )  # fmt: skip
 
@@ -126,8 +136,22 @@ def targets(data: dict) -> list[dict]:
                 continue
             ratio = a["median"] / b["median"]
             out.append({**base, "ratio": ratio, "status": _status(ratio, op, bound)})
+        out.append(_every_round(data, server))
         out.extend(_group_targets(data, server))
     return out
+
+
+def _every_round(data: dict, server: str) -> dict:
+    """Drain ≥ 2 × RabbitMQ in every round: the worst ratio of the two drains measured in
+    the same round (the samples are in round order)."""
+    base = {"id": "drain-vs-rabbitmq-every-round", "server": server, "required": ">= 2",
+            "target": "drain ≥ 2 × RabbitMQ in every round (worst round)"}  # fmt: skip
+    ours = _fig(data, "drain", "postgres", "rate", server)
+    theirs = _fig(data, "drain", "rabbitmq", "rate")
+    if not ours or not theirs or len(ours["samples"]) != len(theirs["samples"]):
+        return {**base, "ratio": None, "status": "not measured"}
+    worst = min(a / b for a, b in zip(ours["samples"], theirs["samples"]))
+    return {**base, "ratio": worst, "status": _status(worst, ">=", 2.0)}
 
 
 def _steps(data: dict, workload: str, server: str) -> list[tuple[int, dict]]:
@@ -202,7 +226,7 @@ def _rows(data: dict) -> list[list[str]]:
     rows = []
     results = data.get("results", {})
     where = servers(data)
-    brokers = ["raw-insert", "raw-insert-autocommit", "raw-copy", *data.get("brokers", {})]
+    brokers = ["floor", "raw-insert", "raw-insert-autocommit", "raw-copy", *data.get("brokers", {})]
     skipped = data.get("skipped", {})
     for title, workload, metric, unit, _ in ROWS:
         if workload not in results and workload not in data.get("errors", {}):
@@ -215,9 +239,9 @@ def _rows(data: dict) -> list[list[str]]:
                     and (workload not in {"backlog", "idle", "retention", "churn"})
                 ):
                     rows.append([title, _label(broker), *["skipped: not reachable"] * len(where),
-                                 *[""] * 2])  # fmt: skip
+                                 *[""] * 3])  # fmt: skip
                 continue
-            cells, ratios = [], {"redis": [], "rabbitmq": []}
+            cells, ratios = [], {"redis": [], "rabbitmq": [], "floor": []}
             seen = False
             for server in where:
                 fig = _fig(data, workload, broker, metric, server=server)
@@ -232,7 +256,10 @@ def _rows(data: dict) -> list[list[str]]:
                 seen = True
                 cells.append(_cell(fig, unit))
                 for other in ratios:
-                    ref = _fig(data, workload, other, metric)
+                    if other == "floor":
+                        ref = _fig(data, workload, FLOOR_OF.get(workload, ""), metric, server)
+                    else:
+                        ref = _fig(data, workload, other, metric)
                     if broker.startswith("postgres") and ref and ref["median"]:
                         ratios[other].append(f"{fig['median'] / ref['median']:.2f}×")
                     else:
@@ -248,7 +275,8 @@ def header(data: dict) -> list[str]:
     where = servers(data)
     per = " / ".join(where)
     return ["workload", "broker", *[SERVER_LABELS.get(s, s) for s in where],
-            f"vs redis ({per})", f"vs rabbitmq ({per})"]  # fmt: skip
+            f"vs redis ({per})", f"vs rabbitmq ({per})",
+            f"vs PostgreSQL floor, same server ({per})"]  # fmt: skip
 
 
 GROUP_HEADER = ["processes × 2 threads", "server", "drain msg/s", "lock waits (share of "

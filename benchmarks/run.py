@@ -388,6 +388,12 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
         for n in names:
             each(n, lambda h, v=VARIANTS[n]: h.drain(v, cfg["drain"]))
     elif workload == "latency":
+        if "postgres" in brokers:
+            # PostgreSQL's own floor (benchmarks/floor.py), beside the broker on each server.
+            for server in server_order:
+                h = harnesses[server]
+                floor = lambda h=h: h.latency_floor(cfg["latency"], cfg["latency_gap"])  # noqa: E731
+                measure("latency", pg_key("floor", server), floor)
         for n in names:
             each(n, lambda h, v=VARIANTS[n]: h.latency(v, cfg["latency"], cfg["latency_gap"]))
     elif workload == "backlog":

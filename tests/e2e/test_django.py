@@ -190,7 +190,13 @@ def test_outside_an_atomic_block_a_send_commits_at_once(django_project):
     from shop.tasks import send_receipt
 
     message = send_receipt.send(Order.objects.create(item="salt").pk)
-    assert status_of(django_project.store, message.message_id) == "queued"
+    # Committed at once: the row is there. The module's worker (started by an earlier
+    # test) may already have claimed or even run it by the time this reads it.
+    assert status_of(django_project.store, message.message_id) in {
+        "queued",
+        "running",
+        "succeeded",
+    }
 
 
 def test_the_view_commits_the_order_with_its_job_and_the_worker_runs_it(django_project, worker):

@@ -40,8 +40,9 @@ SCHEMA = "bench_admin_reads"
 RESULTS = Path(__file__).with_name("results") / "admin_reads.json"
 TARGET_MS = 100.0
 
+# Finished jobs, straight into history (migration 0012).
 _JOBS = """
-INSERT INTO {schema}.jobs AS j (
+INSERT INTO {schema}.jobs_history AS j (
     id, queue_name, actor_name, message, status, priority, available_at, attempts,
     max_attempts, last_error, created_at, updated_at, started_at, finished_at)
 SELECT n.id, n.queue, n.actor,
@@ -103,10 +104,11 @@ def build(url: str, count: int) -> None:
             )
         )
         conn.execute(_q("VACUUM ANALYZE {schema}.jobs"))
+        conn.execute(_q("VACUUM ANALYZE {schema}.jobs_history"))
         conn.execute(_q("VACUUM ANALYZE {schema}.job_events"))
         jobs, events = conn.execute(
             _q(
-                "SELECT (SELECT count(*) FROM {schema}.jobs), "
+                "SELECT (SELECT count(*) FROM {schema}.all_jobs), "
                 "(SELECT count(*) FROM {schema}.job_events)"
             )
         ).fetchone()
@@ -133,7 +135,8 @@ def accounts(url: str) -> tuple[str, str, str]:
         conn.execute(
             _q(
                 """INSERT INTO {schema}.job_owners (job_id, user_id)
-                   SELECT id, %(user)s FROM {schema}.jobs TABLESAMPLE SYSTEM (1) LIMIT 1000
+                   SELECT id, %(user)s FROM {schema}.jobs_history WHERE random() < 0.01
+                   LIMIT 1000
                    ON CONFLICT DO NOTHING"""
             ),
             {"user": member.id},
@@ -150,7 +153,7 @@ def requests(url: str, owned_job: str) -> list[tuple[str, str]]:
     with psycopg.connect(url, autocommit=True) as conn:
         failed_job, some_event = conn.execute(
             _q(
-                "SELECT (SELECT id FROM {schema}.jobs WHERE status = 'failed' LIMIT 1), "
+                "SELECT (SELECT id FROM {schema}.jobs_history WHERE status = 'failed' LIMIT 1), "
                 "(SELECT max(id) FROM {schema}.job_events)"
             )
         ).fetchone()

@@ -41,7 +41,9 @@ def log_lines(worker: WorkerProcess) -> list[str]:
 
 def status_of(pg_url: str, schema: str, job_id: str) -> str:
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        query = sql.SQL("SELECT status FROM {}.jobs WHERE id = %s").format(sql.Identifier(schema))
+        query = sql.SQL("SELECT status FROM {}.all_jobs WHERE id = %s").format(
+            sql.Identifier(schema)
+        )
         return conn.execute(query, (job_id,)).fetchone()[0]
 
 

@@ -7,6 +7,7 @@ events are on), so a worker cannot tell them from sent messages.
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 import uuid
@@ -404,6 +405,27 @@ def table_sizes(url: str, schema: str) -> dict[str, int]:
             ).fetchone()[0]
             for table in ("jobs", "jobs_history", "job_events")
         }
+
+
+def history_partitions(conn, schema: str, *, days_back: int, days_ahead: int = 7) -> int:
+    """Create the daily partitions of history and events from ``days_back`` days ago to
+    ``days_ahead`` days ahead (those missing), as the workers' retention runs do."""
+    from dramatiq_pg_broker.retention import create_partitions
+
+    (now,) = conn.execute("SELECT now()").fetchone()
+    return create_partitions(
+        conn, schema, now - dt.timedelta(days=days_back), days_back + days_ahead
+    )
+
+
+def dead_rows(url: str, schema: str, table: str) -> int:
+    """The table's dead rows, by the statistics collector (``n_dead_tup``)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
+            (schema, table),
+        ).fetchone()
+    return row[0] if row else 0
 
 
 def autovacuum_on(url: str) -> bool:

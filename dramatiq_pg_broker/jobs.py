@@ -740,16 +740,24 @@ class JobStore:
         return True
 
     def _copied_in_history(self, c: psycopg.Connection, jobs: Sequence[NewJob]) -> bool:
-        """Whether a job :meth:`_copy_new` wrote has its id or its idempotency key in
-        history (one statement for the whole bulk; COPY cannot probe as it inserts)."""
-        stamps = [job.sent_at_ms for job in jobs]
+        """Register the idempotency keys of the jobs :meth:`_copy_new` wrote (a key already
+        held raises a unique violation), and say whether one of their ids is in history:
+        a statement each for the whole bulk (COPY cannot probe as it inserts)."""
         keyed = [job for job in jobs if job.idempotency_key is not None]
+        if keyed:
+            c.execute(
+                self.queries["copy_keys"],
+                {
+                    "key_actors": [job.actor_name for job in keyed],
+                    "key_scopes": [job.idempotency_scope for job in keyed],
+                    "keys": [job.idempotency_key for job in keyed],
+                    "key_ids": [job.id for job in keyed],
+                },
+            )
+        stamps = [job.sent_at_ms for job in jobs]
         params = {
             "ids": [job.id for job in jobs],
             "sent_at_ms": None if None in stamps else min(stamps, default=None),
-            "key_actors": [job.actor_name for job in keyed],
-            "key_scopes": [job.idempotency_scope for job in keyed],
-            "keys": [job.idempotency_key for job in keyed],
         }
         return c.execute(self.queries["copied_in_history"], params).fetchone()[0]
 

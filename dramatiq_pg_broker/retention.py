@@ -226,6 +226,7 @@ def prune(
                 if ids:
                     events = conn.execute(queries["delete_events_of"], {"ids": ids}).rowcount
                     conn.execute(queries["delete_owners_of"], {"ids": ids})
+                    conn.execute(queries["delete_keys_of"], {"ids": ids})
                     jobs = conn.execute(_for(queries["delete_jobs"], default), {"ids": ids})
                     report.jobs[status] += jobs.rowcount
                     report.events[status] += events
@@ -318,6 +319,7 @@ def _drop_expired(
                     conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
                     if status is not None:
                         conn.execute(_for(queries["delete_owners_in"], partition))
+                        conn.execute(_for(queries["delete_keys_in"], partition))
                     conn.execute(_for(queries["drop_partition"], partition))
         except psycopg.errors.LockNotAvailable:
             logger.info("Partition %s is in use; the next retention run drops it.", partition)

@@ -210,6 +210,24 @@ SELECT * FROM jobs
 UNION ALL
 SELECT * FROM jobs_history;
 
+-- Idempotency keys, held for the whole life of their job, unfinished or in history (until
+-- retention deletes the job). A send registers its key here in the statement that inserts
+-- the job, and inserts the job only if the key was new: a real unique index, so two sends
+-- with one key never both get a job, even when one of them races with the first job's
+-- move to history (a probe of history could not see a move committed after the send's
+-- statement began). Keyed sends only: sends without a key never touch it.
+CREATE TABLE job_keys (
+    actor_name          text    NOT NULL,
+    idempotency_scope   text    NOT NULL,
+    idempotency_key     text    NOT NULL,
+    job_id              uuid    NOT NULL,
+    PRIMARY KEY (actor_name, idempotency_scope, idempotency_key)
+);
+INSERT INTO job_keys
+SELECT actor_name, idempotency_scope, idempotency_key, id
+FROM all_jobs
+WHERE idempotency_key IS NOT NULL;
+
 ANALYZE jobs;
 ANALYZE jobs_history;
 ANALYZE job_events;

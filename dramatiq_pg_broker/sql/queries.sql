@@ -19,14 +19,22 @@
 -- the partitions from the message's timestamp (%(sent_at_ms)s, less an hour for the
 -- clocks of senders and server to differ) on: one or two days of each status, pruned at
 -- execution even in a generic plan. Without a timestamp every partition is probed. A key
--- is probed in every partition (its partial index), for keyed sends only. message_bytes is what workers decode; the jsonb view is for display only: either
+-- is registered in job_keys, which holds it for its job's whole life: the job is inserted
+-- only if the key was new (keyed sends only; a real unique index, so no race with a move
+-- to history can let a second job in). message_bytes is what workers decode; the jsonb view is for display only: either
 -- given (a display-safe copy) or parsed here from the bytes when the sender knows jsonb
 -- holds them as they are (%(view_from_bytes)s), so the message crosses the wire once.
 -- A send that is not %(durable)s commits without waiting for its WAL flush: set_config(...,
 -- true) is local to this statement's own transaction (the pool's connections autocommit;
 -- a caller's transaction always passes durable). A server crash can then lose the sends
 -- of its last moments (up to three times wal_writer_delay); nothing else changes.
-WITH inserted AS (
+WITH new_key AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT %(actor_name)s, %(idempotency_scope)s, %(idempotency_key)s, %(id)s::uuid
+    WHERE %(idempotency_key)s::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
+), inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
@@ -45,13 +53,7 @@ WITH inserted AS (
           AND h.finished_at >= coalesce(
               'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
               '-infinity')
-    ) AND NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs_history AS h
-        WHERE %(idempotency_key)s::text IS NOT NULL
-          AND h.idempotency_key = %(idempotency_key)s::text
-          AND h.actor_name = %(actor_name)s::text
-          AND h.idempotency_scope = %(idempotency_scope)s::text
-    )
+    ) AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -64,7 +66,7 @@ SELECT id, pg_notify(%(channel)s, '') FROM inserted LEFT JOIN no_flush_wait ON t
 
 -- find_existing --
 -- The job that made an insert a no-op: the same message id, or the same idempotency key
--- of the same actor and scope, unfinished or in history (probed as insert_job probes it).
+-- of the same actor and scope, unfinished or in history (the key's job, from job_keys).
 -- The jsonb view is returned only for an older row that has no bytes (a worker or sender
 -- decodes the bytes).
 SELECT id, status, CASE WHEN message_bytes IS NULL THEN message END, message_bytes
@@ -84,8 +86,9 @@ FROM (
     UNION ALL
     SELECT id, status, message, message_bytes
     FROM {schema}.jobs_history
-    WHERE idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
-      AND idempotency_scope = %(idempotency_scope)s
+    WHERE id = (SELECT job_id FROM {schema}.job_keys
+                WHERE idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
+                  AND idempotency_scope = %(idempotency_scope)s)
 ) AS found
 ORDER BY (id = %(id)s::uuid) DESC
 LIMIT 1
@@ -147,6 +150,14 @@ WITH given AS (
         id, queue_name, actor_name, message, message_bytes, view_from_bytes, priority,
         delay_ms, max_attempts, idempotency_key, idempotency_scope, sent_at_ms, position
     )
+), new_keys AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT actor_name, idempotency_scope, idempotency_key, id
+    FROM given
+    WHERE idempotency_key IS NOT NULL
+    ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
 ), inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
@@ -167,12 +178,7 @@ WITH given AS (
           AND h.finished_at >= coalesce(
               'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
               '-infinity')
-    ) AND NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs_history AS h
-        WHERE g.idempotency_key IS NOT NULL
-          AND h.idempotency_key = g.idempotency_key AND h.actor_name = g.actor_name
-          AND h.idempotency_scope = g.idempotency_scope
-    )
+    ) AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -206,24 +212,25 @@ COPY {schema}.jobs (
 -- The `created` events of the rows copy_jobs wrote (binary COPY, in this column order).
 COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT BINARY)
 
+-- copy_keys --
+-- The idempotency keys of the jobs copy_jobs wrote, registered as insert_jobs registers
+-- them, but with no ON CONFLICT: a key already held aborts with a unique violation, and
+-- the caller takes the resolving path (as for a conflict of copy_jobs itself).
+INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+SELECT * FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[],
+                     %(key_ids)s::uuid[])
+
 -- copied_in_history --
--- Whether a job just written by copy_jobs (%(ids)s) has its id, or its idempotency key,
--- in history (COPY cannot probe it as insert_jobs does): the caller then rolls the COPY
--- back and takes the staged path, which resolves each conflict. As in insert_job, the
--- probe by id reads the partitions from the oldest message's timestamp on.
+-- Whether a job just written by copy_jobs (%(ids)s) has its id in history (COPY cannot
+-- probe it as insert_jobs does): the caller then rolls the COPY back and takes the staged
+-- path, which resolves each conflict. As in insert_job, the probe reads the partitions
+-- from the oldest message's timestamp on.
 SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])
       AND h.finished_at >= coalesce(
           'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
           '-infinity')
-) OR EXISTS (
-    SELECT 1
-    FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[])
-        AS k (actor_name, idempotency_scope, idempotency_key)
-    JOIN {schema}.jobs_history AS h
-      ON h.idempotency_key = k.idempotency_key AND h.actor_name = k.actor_name
-     AND h.idempotency_scope = k.idempotency_scope
 )
 
 -- stage_jobs --
@@ -243,7 +250,15 @@ COPY dramatiq_pg_broker_staged_jobs FROM STDIN (FORMAT BINARY)
 
 -- insert_staged_jobs --
 -- insert_jobs, reading the staged rows instead of arrays (same rules, same events).
-WITH inserted AS (
+WITH new_keys AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT actor_name, idempotency_scope, idempotency_key, id::uuid
+    FROM dramatiq_pg_broker_staged_jobs
+    WHERE idempotency_key IS NOT NULL
+    ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
+), inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
@@ -263,12 +278,7 @@ WITH inserted AS (
           AND h.finished_at >= coalesce(
               'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
               '-infinity')
-    ) AND NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs_history AS h
-        WHERE g.idempotency_key IS NOT NULL
-          AND h.idempotency_key = g.idempotency_key AND h.actor_name = g.actor_name
-          AND h.idempotency_scope = g.idempotency_scope
-    )
+    ) AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -1024,15 +1034,20 @@ GROUP BY queue_name
 ORDER BY queue_name
 
 -- flush_queue --
--- Drop the waiting and running jobs of a queue (Dramatiq's flush), with their events;
--- finished history stays. Returns how many jobs went.
+-- Drop the waiting and running jobs of a queue (Dramatiq's flush), with their events and
+-- idempotency keys; finished history stays. Returns how many jobs went.
 WITH flushed AS (
     DELETE FROM {schema}.jobs
     WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')
-    RETURNING id
+    RETURNING id, actor_name, idempotency_scope, idempotency_key
 ), events AS (
     DELETE FROM {schema}.job_events AS e
     USING flushed
     WHERE e.job_id = flushed.id
+), keys AS (
+    DELETE FROM {schema}.job_keys AS k
+    USING flushed
+    WHERE k.actor_name = flushed.actor_name AND k.idempotency_scope = flushed.idempotency_scope
+      AND k.idempotency_key = flushed.idempotency_key AND k.job_id = flushed.id
 )
 SELECT count(*) FROM flushed

@@ -29,6 +29,15 @@ DELETE FROM {schema}.job_owners AS o
 USING {schema}.{{partition}} AS h
 WHERE o.job_id = h.id
 
+-- delete_keys_in --
+-- The idempotency keys of the jobs of a partition about to be dropped (the partition's
+-- partial index on keys finds them; job_keys' primary key each key row).
+DELETE FROM {schema}.job_keys AS k
+USING {schema}.{{partition}} AS h
+WHERE h.idempotency_key IS NOT NULL
+  AND k.actor_name = h.actor_name AND k.idempotency_scope = h.idempotency_scope
+  AND k.idempotency_key = h.idempotency_key AND k.job_id = h.id
+
 -- drop_partition --
 -- A whole day of history or events: constant time, no dead rows. It takes an ACCESS
 -- EXCLUSIVE lock on the parent for an instant; the caller sets a lock_timeout so that a
@@ -58,6 +67,14 @@ WHERE job_id = ANY(%(ids)s::uuid[])
 -- Their owner rows (the admin API's job_owners).
 DELETE FROM {schema}.job_owners
 WHERE job_id = ANY(%(ids)s::uuid[])
+
+-- delete_keys_of --
+-- Their idempotency keys.
+DELETE FROM {schema}.job_keys AS k
+USING {schema}.jobs_history AS h
+WHERE h.id = ANY(%(ids)s::uuid[]) AND h.idempotency_key IS NOT NULL
+  AND k.actor_name = h.actor_name AND k.idempotency_scope = h.idempotency_scope
+  AND k.idempotency_key = h.idempotency_key AND k.job_id = h.id
 
 -- delete_jobs --
 -- The locked batch itself.

@@ -41,7 +41,7 @@ from dramatiq.results import Results
 
 from dramatiq_pg_broker import PostgresBroker, outage
 from dramatiq_pg_broker.listener import listener_for
-from dramatiq_pg_broker.migrate import migrate
+from dramatiq_pg_broker.migrate import discover, migrate
 
 from .failover_actors import create_runs_table, declare
 from .tcp_proxy import Proxy
@@ -288,7 +288,20 @@ def test_a_pool_led_to_the_standby_by_a_name_not_yet_moved_follows_it_to_the_pri
     primary, the pool replaces the connections it holds to the standby instead of handing
     them out forever: the next send, claim and outcome go to the primary."""
     primary, standby = servers
-    migrate(primary.url, SCHEMA)
+    applied = migrate(primary.url, SCHEMA)
+    # Synchronous replication waits for the standby's flush, not its replay: let the
+    # standby show the migrated schema before the broker's handshake reads it there.
+    latest = max(m.version for m in discover())
+
+    def replayed() -> bool:
+        try:
+            found = _query(standby.url, f"SELECT max(version) FROM {SCHEMA}.schema_migrations")
+        except psycopg.errors.UndefinedTable:
+            return False
+        return found == [(latest,)]
+
+    if applied:
+        wait_for(replayed, 30, "the standby to replay the migrations")
     monkeypatch.setattr(outage, "tracker", outage.Outage())
     caplog.set_level(logging.WARNING)
     proxy = Proxy(standby.port)

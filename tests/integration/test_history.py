@@ -188,3 +188,45 @@ def test_flush_deletes_the_unfinished_jobs_and_their_events_and_keeps_history(
     ).fetchone()
     assert events == 0
     assert where(conn, schema, kept.message_id) == [("history", "succeeded")]
+
+
+def test_a_keyed_send_racing_with_the_first_jobs_move_to_history_gets_that_job(
+    broker, queue, conn, schema, pg_url
+):
+    """The periodic scheduler's case: several processes send one tick's key while the
+    first tick's job finishes. A probe of history alone would miss a move committed after
+    the send's statement began, and the send would insert a second job once the moving
+    transaction let go of the row; the key held in job_keys for the job's whole life
+    answers at once instead."""
+    import threading
+
+    import psycopg
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name="race_keyed")
+    def keyed(n):
+        pass
+
+    key = f"tick-{uuid.uuid4()}"
+    first = keyed.send_with_options(args=(1,), idempotency_key=key)
+    [claimed] = [c for c in broker.store.claim(queue, 10, "w", 60) if c.id == first.message_id]
+    results = []
+    with psycopg.connect(pg_url) as mover:
+        # The ack's statement, its transaction still open: the row is being moved.
+        broker.store.complete([Attempt(claimed.id, "w", claimed.attempts)], conn=mover)
+        sender = threading.Thread(
+            target=lambda: results.append(
+                keyed.send_with_options(args=(2,), idempotency_key=key).message_id
+            )
+        )
+        sender.start()
+        sender.join(1.0)
+        mover.commit()
+    sender.join(20)
+    assert results == [first.message_id]
+    rows = conn.execute(
+        sql.SQL("SELECT id::text, status FROM {}.all_jobs WHERE idempotency_key = %s").format(
+            sql.Identifier(schema)
+        ),
+        (key,),
+    ).fetchall()
+    assert rows == [(first.message_id, "succeeded")]

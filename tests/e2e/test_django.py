@@ -190,7 +190,9 @@ def test_outside_an_atomic_block_a_send_commits_at_once(django_project):
     from shop.tasks import send_receipt
 
     message = send_receipt.send(Order.objects.create(item="salt").pk)
-    assert status_of(django_project.store, message.message_id) == "queued"
+    # Committed at once: the job exists (the module's worker may already have claimed it,
+    # or even run it, by the time it is read).
+    assert status_of(django_project.store, message.message_id) in ("queued", "running", "succeeded")
 
 
 def test_the_view_commits_the_order_with_its_job_and_the_worker_runs_it(django_project, worker):

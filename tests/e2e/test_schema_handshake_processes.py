@@ -41,8 +41,12 @@ def log_lines(worker: WorkerProcess) -> list[str]:
 
 def status_of(pg_url: str, schema: str, job_id: str) -> str:
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        query = sql.SQL("SELECT status FROM {}.all_jobs WHERE id = %s").format(
-            sql.Identifier(schema)
+        # Before migration 0012 every job is in jobs; from it on, all_jobs holds both.
+        (upgraded,) = conn.execute(
+            "SELECT to_regclass(%s) IS NOT NULL", (f'"{schema}".all_jobs',)
+        ).fetchone()
+        query = sql.SQL("SELECT status FROM {}.{} WHERE id = %s").format(
+            sql.Identifier(schema), sql.Identifier("all_jobs" if upgraded else "jobs")
         )
         return conn.execute(query, (job_id,)).fetchone()[0]
 

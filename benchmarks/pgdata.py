@@ -399,8 +399,10 @@ def table_sizes(url: str, schema: str) -> dict[str, int]:
     with psycopg.connect(url, autocommit=True) as conn:
         return {
             table: conn.execute(
-                "SELECT coalesce(sum(pg_total_relation_size(relid)), 0)::bigint "
-                "FROM pg_partition_tree(%s::regclass)",
+                "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT coalesce(sum("
+                "pg_total_relation_size(t.relid)), 0) FROM pg_partition_tree(c.oid) AS t) "
+                "ELSE pg_total_relation_size(c.oid) END::bigint "
+                "FROM pg_class AS c WHERE c.oid = %s::regclass",
                 (f"{schema}.{table}",),
             ).fetchone()[0]
             for table in ("jobs", "jobs_history", "job_events")

@@ -176,7 +176,7 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             "mid_mb": mid,
             "q3_mb": size_at(0.75),
             "end_mb": samples[-1][1],
-            "max_mb": max(size for _, size in samples),
+            "max_mb": max(size for _, size, _ in samples),
             "mb_per_10k_jobs_second_half": (samples[-1][1] - mid) / max(fed / 2, 1) * 10_000,
             "hot_q1_mb": size_at(0.25, 2),
             "hot_mid_mb": size_at(0.5, 2),

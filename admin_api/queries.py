@@ -26,7 +26,12 @@ from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import queue_counts_of
 from dramatiq_pg_broker.results import describe_stored
 
-from .tables import Timestamp, job_events, job_owners, jobs, results, users
+from .tables import Timestamp, job_events, job_owners, results, users
+
+# Every read of jobs goes through the view of unfinished and finished jobs (0012): a
+# reader never needs to know where a job lives. Conditions, order and limit reach both
+# tables (and, on status, the planner leaves out the table that cannot hold it).
+from .tables import all_jobs as jobs
 
 #: Up to this size the ``jobs`` heap is counted exactly by the stats (a sequential scan of
 #: 32 MiB takes a few tens of milliseconds); above it, succeeded jobs are estimated.
@@ -258,7 +263,9 @@ class JobQueries:
 
         - a page is a walk of an index in ``(created_at, id)`` order: ``jobs_created_at_idx``,
           or, under a queue or actor filter, ``jobs_queue_created_idx`` /
-          ``jobs_actor_created_idx``; ``jobs_dead_idx`` for failed and cancelled jobs;
+          ``jobs_actor_created_idx``, and their counterparts in each partition of
+          ``jobs_history`` (the view ``all_jobs`` merges both in order; a status filter
+          leaves out the table that cannot hold it);
         - deep pages are keyset (``cursor``): a position, not a number of rows to skip;
         - the count stops at :data:`COUNT_CAP` rows (``count_exact`` is then false);
         - the actor filter (a case-insensitive substring) is first resolved to the actor
@@ -501,13 +508,13 @@ class JobQueries:
           (``jobs_lease_expiry_idx``); they hold only unfinished jobs. The counts per
           queue are the job store's (``count_by_queue``), which the CLI and the metrics
           show too.
-        - ``failed`` and ``cancelled`` are exact, from the partial index ``jobs_dead_idx``.
-        - ``total`` is exact while the table is small (under
-          :data:`EXACT_STATS_MAX_BYTES`). Above that it is PostgreSQL's own row estimate
-          (``pg_class.reltuples`` per page, times the table's current pages: what the
-          planner uses), and ``succeeded`` is the total minus the exact counts;
-          ``estimated`` is then true. The table's autovacuum settings (analyze after 2 %
-          of rows changed) keep the estimate close.
+        - ``failed`` and ``cancelled`` are exact, counted in their partitions of
+          ``jobs_history`` (the hot table holds none).
+        - ``succeeded`` is exact while its partitions of history are small (under
+          :data:`EXACT_STATS_MAX_BYTES` together). Above that it is PostgreSQL's own row
+          estimate (``pg_class.reltuples`` per page, times the partitions' current pages:
+          what the planner uses), and ``estimated`` is then true. Partitions are only
+          ever inserted into, and autovacuum analyzes them as they fill.
 
         ``by_queue`` counts unfinished jobs only (queued and running per queue): counting
         the history per queue would mean reading every finished row.
@@ -543,11 +550,14 @@ class JobQueries:
             .order_by(waiting.c.created_at, waiting.c.id)
             .limit(1)
         )
+        # The partitions of succeeded history, added up (a partition's reltuples is -1
+        # until its first ANALYZE: then the whole count is exact).
         size = sa.text(
-            "SELECT c.reltuples, c.relpages, pg_relation_size(c.oid), "
-            "current_setting('block_size')::int "
-            "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = :schema AND c.relname = 'jobs'"
+            "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.reltuples > 0), 0), "
+            "coalesce(sum(c.relpages), 0), coalesce(sum(pg_relation_size(c.oid)), 0), "
+            "current_setting('block_size')::int, coalesce(bool_and(c.reltuples >= 0), true) "
+            "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(:parent)"
         )
         with self.engine.connect() as conn:
             by_status = dict.fromkeys(STATUSES, 0)
@@ -561,15 +571,15 @@ class JobQueries:
                     by_queue[queue_name] = {"queued": waiting, "running": counts.running}
             for status, n in conn.execute(dead):
                 by_status[status] = n
-            reltuples, relpages, size_bytes, block = conn.execute(
-                size, {"schema": self.schema}
+            parent = f'"{self.schema}".jobs_history_succeeded'
+            reltuples, relpages, size_bytes, block, analyzed = conn.execute(
+                size, {"parent": parent}
             ).one()
+            reltuples, relpages, size_bytes = float(reltuples), int(relpages), int(size_bytes)
             # reltuples is -1 until the first ANALYZE: count exactly until then.
-            estimated = size_bytes > EXACT_STATS_MAX_BYTES and relpages > 0 and reltuples >= 0
+            estimated = size_bytes > EXACT_STATS_MAX_BYTES and relpages > 0 and analyzed
             if estimated:
-                estimate = round(reltuples / relpages * (size_bytes / block))
-                others = sum(n for status, n in by_status.items() if status != "succeeded")
-                by_status["succeeded"] = max(0, estimate - others)
+                by_status["succeeded"] = round(reltuples / relpages * (size_bytes / block))
             else:
                 by_status["succeeded"] = conn.execute(
                     sa.select(sa.func.count()).select_from(jobs).where(jobs.c.status == "succeeded")

@@ -28,51 +28,68 @@ metadata = MetaData()
 #: A timestamp with time zone, as every timestamp of the schema is.
 Timestamp = TIMESTAMP(timezone=True)
 
-jobs = Table(
-    "jobs",
-    metadata,
-    Column("id", UUID(as_uuid=False), primary_key=True),
-    Column("queue_name", Text, nullable=False),
-    Column("actor_name", Text, nullable=False),
-    Column("message", JSONB),
-    Column("message_bytes", LargeBinary),
-    Column("status", Text, nullable=False),
-    Column("priority", Integer, nullable=False),
-    Column("available_at", Timestamp, nullable=False),
-    Column("attempts", Integer, nullable=False),
-    Column("max_attempts", Integer, nullable=False),
-    Column("idempotency_key", Text),
-    Column("locked_by", Text),
-    Column("locked_until", Timestamp),
-    Column("last_error", Text),
-    Column("result", JSONB),
-    Column("created_at", Timestamp, nullable=False),
-    Column("updated_at", Timestamp, nullable=False),
-    Column("started_at", Timestamp),
-    Column("finished_at", Timestamp),
-    # Whether the current claim's actor started; failed attempts; interrupted attempts;
-    # claims whose lease expired before a start was recorded.
-    Column("started", Boolean, nullable=False),
-    Column("failures", Integer, nullable=False),
-    Column("interruptions", Integer, nullable=False),
-    Column("idempotency_scope", Text, nullable=False),
-    Column("abandoned_claims", Integer, nullable=False),
-    # Who asked for the job's abort, and when (0011).
-    Column("abort_requested_at", Timestamp),
-    Column("abort_requested_by", Text),
-)
+
+def _job_columns(*, primary_key: bool) -> list[Column]:
+    """The columns of a job row, in the order of the migrations' tables."""
+    return [
+        Column("id", UUID(as_uuid=False), primary_key=primary_key, nullable=False),
+        Column("queue_name", Text, nullable=False),
+        Column("actor_name", Text, nullable=False),
+        Column("message", JSONB),
+        Column("message_bytes", LargeBinary),
+        Column("status", Text, nullable=False),
+        Column("priority", Integer, nullable=False),
+        Column("available_at", Timestamp, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("max_attempts", Integer, nullable=False),
+        Column("idempotency_key", Text),
+        Column("locked_by", Text),
+        Column("locked_until", Timestamp),
+        Column("last_error", Text),
+        Column("result", JSONB),
+        Column("created_at", Timestamp, nullable=False),
+        Column("updated_at", Timestamp, nullable=False),
+        Column("started_at", Timestamp),
+        Column("finished_at", Timestamp),
+        # Whether the current claim's actor started; failed attempts; interrupted attempts;
+        # claims whose lease expired before a start was recorded.
+        Column("started", Boolean, nullable=False),
+        Column("failures", Integer, nullable=False),
+        Column("interruptions", Integer, nullable=False),
+        Column("idempotency_scope", Text, nullable=False),
+        Column("abandoned_claims", Integer, nullable=False),
+        # Who asked for the job's abort, and when (0011).
+        Column("abort_requested_at", Timestamp),
+        Column("abort_requested_by", Text),
+    ]
+
+
+jobs = Table("jobs", metadata, *_job_columns(primary_key=True))
+
+#: Finished jobs (migration 0012): the same columns, partitioned by status and day; no
+#: primary key (a partitioned table's keys must hold the partition key), ids are indexed.
+jobs_history = Table("jobs_history", metadata, *_job_columns(primary_key=False))
+jobs_history.c.finished_at.nullable = False
+
+#: The views of the schema, apart from the tables (the schema test compares both).
+views = MetaData()
+
+#: Every job, unfinished (jobs) or finished (jobs_history): what the admin API reads.
+all_jobs = Table("all_jobs", views, *_job_columns(primary_key=False))
 
 job_events = Table(
     "job_events",
     metadata,
     Column("id", BigInteger, primary_key=True),
-    # No foreign key: a statement-level trigger deletes a job's events with it (0009).
+    # No foreign key: events live in daily partitions of their own (0012) and go when
+    # retention drops their day.
     Column("job_id", UUID(as_uuid=False), nullable=False),
     Column("type", Text, nullable=False),
     Column("attempt", Integer, nullable=False),
     Column("actor", Text),
     Column("data", JSONB),
-    Column("created_at", Timestamp, nullable=False),
+    # Part of the primary key: the table is partitioned by it (0012).
+    Column("created_at", Timestamp, nullable=False, primary_key=True),
 )
 
 users = Table(
@@ -110,7 +127,8 @@ api_tokens = Table(
 job_owners = Table(
     "job_owners",
     metadata,
-    Column("job_id", UUID(as_uuid=False), ForeignKey("jobs.id"), primary_key=True),
+    # No foreign key since 0012: a job's row moves between jobs and jobs_history.
+    Column("job_id", UUID(as_uuid=False), primary_key=True),
     Column("user_id", BigInteger, ForeignKey("users.id"), nullable=False),
 )
 

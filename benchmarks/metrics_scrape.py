@@ -57,20 +57,30 @@ def build(url: str, finished: int, backlog: int) -> None:
             ),
             {"n": max(1, backlog // 100)},
         )
+        # Failed jobs live in history (migration 0012): moved there as an outcome moves them.
         conn.execute(
             _q(
-                """UPDATE {schema}.jobs SET status = 'failed', attempts = 1,
-                          finished_at = now(), last_error = 'RuntimeError: bench'
-                   WHERE id IN (SELECT id FROM {schema}.jobs WHERE status = 'queued'
-                                AND available_at <= now() ORDER BY random() LIMIT %(n)s)"""
+                """WITH gone AS (
+                       DELETE FROM {schema}.jobs
+                       WHERE id IN (SELECT id FROM {schema}.jobs WHERE status = 'queued'
+                                    AND available_at <= now() ORDER BY random() LIMIT %(n)s)
+                       RETURNING *)
+                   INSERT INTO {schema}.jobs_history
+                   SELECT (jsonb_populate_record(
+                       NULL::{schema}.jobs_history,
+                       to_jsonb(gone) || jsonb_build_object(
+                           'status', 'failed', 'attempts', 1, 'finished_at', now(),
+                           'last_error', 'RuntimeError: bench'))).*
+                   FROM gone"""
             ),
             {"n": max(1, backlog // 50)},
         )
         conn.execute(_q("VACUUM ANALYZE {schema}.jobs"))
+        conn.execute(_q("VACUUM ANALYZE {schema}.jobs_history"))
         conn.execute(_q("VACUUM ANALYZE {schema}.job_events"))
         jobs, events = conn.execute(
             _q(
-                "SELECT (SELECT count(*) FROM {schema}.jobs), "
+                "SELECT (SELECT count(*) FROM {schema}.all_jobs), "
                 "(SELECT count(*) FROM {schema}.job_events)"
             )
         ).fetchone()
@@ -85,7 +95,8 @@ def traffic(conn: psycopg.Connection, n: int) -> None:
             """INSERT INTO {schema}.job_events (job_id, type, attempt, actor, created_at)
                SELECT id, CASE WHEN g %% 2 = 0 THEN 'claimed' ELSE 'succeeded' END, 1,
                       'bench:0:0:0', now() - interval '10 seconds'
-               FROM (SELECT id FROM {schema}.jobs WHERE status = 'succeeded' LIMIT 1) AS one,
+               FROM (SELECT id FROM {schema}.jobs_history WHERE status = 'succeeded' LIMIT 1)
+                    AS one,
                     generate_series(1, %(n)s) AS g"""
         ),
         {"n": n},

@@ -7,6 +7,7 @@ events are on), so a worker cannot tell them from sent messages.
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 import uuid
@@ -42,11 +43,14 @@ def empty(url: str, schema: str) -> None:
         # No ANALYZE here: statistics saying "empty" would make every session that starts
         # now plan the job_events foreign-key check (cached for the session) as a
         # sequential scan of jobs, which a real, long-lived table never sees.
-        conn.execute(_q("TRUNCATE {schema}.job_events, {schema}.jobs CASCADE", schema))
+        conn.execute(
+            _q("TRUNCATE {schema}.job_events, {schema}.jobs, {schema}.jobs_history CASCADE", schema)
+        )
 
 
+# Finished jobs live in history (migration 0012), unfinished ones in jobs: {table}.
 _INSERT_JOBS = """
-INSERT INTO {schema}.jobs AS j (
+INSERT INTO {schema}.{table} AS j (
     id, queue_name, actor_name, message, status, priority, available_at, attempts,
     max_attempts, created_at, updated_at, started_at, finished_at)
 SELECT n.id, %(queue)s::text, 'noop',
@@ -107,13 +111,18 @@ def load(
         "count": count,
         "finished_ago_s": finished_ago_s,
     }
+    table = "jobs" if status in ("queued", "running") else "jobs_history"
+    statement = sql.SQL(_INSERT_EVENTS if events else _INSERT_JOBS).format(
+        schema=sql.Identifier(schema), table=sql.Identifier(table)
+    )
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(_q(_INSERT_EVENTS if events else _INSERT_JOBS, schema), params)
+        conn.execute(statement, params)
     if not vacuum:
         return time.perf_counter() - started
     with psycopg.connect(url, autocommit=True) as conn:
         # What autovacuum would do soon after such a load: statistics and visibility map.
         conn.execute(_q("VACUUM ANALYZE {schema}.jobs", schema))
+        conn.execute(_q("VACUUM ANALYZE {schema}.jobs_history", schema))
         conn.execute(_q("VACUUM ANALYZE {schema}.job_events", schema))
     return time.perf_counter() - started
 
@@ -344,7 +353,7 @@ def drain_outcome(url: str, schema: str, queue: str = QUEUE) -> dict:
             _q(
                 "SELECT count(*) FILTER (WHERE status = 'succeeded'), "
                 "extract(epoch FROM max(finished_at) - min(started_at))::float8 "
-                "FROM {schema}.jobs WHERE queue_name = %s",
+                "FROM {schema}.all_jobs WHERE queue_name = %s",
                 schema,
             ),
             (queue,),
@@ -385,14 +394,40 @@ def server_settings(url: str, names) -> dict[str, str]:
 
 
 def table_sizes(url: str, schema: str) -> dict[str, int]:
-    """Bytes on disk of each job table, its indexes and TOAST included."""
+    """Bytes on disk of each job table, its indexes and TOAST included; a partitioned
+    table (history, events: migration 0012) with all its partitions."""
     with psycopg.connect(url, autocommit=True) as conn:
         return {
             table: conn.execute(
-                "SELECT pg_total_relation_size(%s::regclass)", (f"{schema}.{table}",)
+                "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT coalesce(sum("
+                "pg_total_relation_size(t.relid)), 0) FROM pg_partition_tree(c.oid) AS t) "
+                "ELSE pg_total_relation_size(c.oid) END::bigint "
+                "FROM pg_class AS c WHERE c.oid = %s::regclass",
+                (f"{schema}.{table}",),
             ).fetchone()[0]
-            for table in ("jobs", "job_events")
+            for table in ("jobs", "jobs_history", "job_events")
         }
+
+
+def history_partitions(conn, schema: str, *, days_back: int, days_ahead: int = 7) -> int:
+    """Create the daily partitions of history and events from ``days_back`` days ago to
+    ``days_ahead`` days ahead (those missing), as the workers' retention runs do."""
+    from dramatiq_pg_broker.retention import create_partitions
+
+    (now,) = conn.execute("SELECT now()").fetchone()
+    return create_partitions(
+        conn, schema, now - dt.timedelta(days=days_back), days_back + days_ahead
+    )
+
+
+def dead_rows(url: str, schema: str, table: str) -> int:
+    """The table's dead rows, by the statistics collector (``n_dead_tup``)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
+            (schema, table),
+        ).fetchone()
+    return row[0] if row else 0
 
 
 def autovacuum_on(url: str) -> bool:

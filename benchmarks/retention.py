@@ -15,12 +15,20 @@ stay bounded under churn.
   than a few minutes ends before the sizes settle. On a server running with autovacuum
   off, the workload vacuums both tables every 30 s itself (``autovacuum`` is 0 in the
   result): without any vacuum, no deleted row's space is ever reused.
+
+  Since migration 0012 finished jobs move to ``jobs_history``, partitioned by day, and
+  retention drops whole days: within one day nothing is dropped, so history and events
+  grow with the jobs processed, as they must, and go a day at a time. What must stay flat
+  is the hot ``jobs`` table the claim reads: ``hot_*_mb`` are its sizes at the same
+  moments, ``hot_dead_rows_end`` its dead rows at the end (``pg_stat_user_tables``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+
+import psycopg
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
@@ -56,6 +64,10 @@ def retention_round(harness: Harness, variant, cfg: dict) -> dict:
     url = harness.url
     pgdata.reset_schema(url, RETENTION_SCHEMA)
     try:
+        # The days' partitions exist, as the workers' retention runs create them ahead
+        # (migration 0012): the backlog goes by dropping its day, not row by row.
+        with psycopg.connect(url, autocommit=True) as conn:
+            pgdata.history_partitions(conn, RETENTION_SCHEMA, days_back=31)
         # Finished 30 days ago: past the 7-day default for succeeded jobs.
         pgdata.load(
             url, RETENTION_SCHEMA, cfg["retention_finished"], status="succeeded",
@@ -118,7 +130,12 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
     seconds = cfg["churn_seconds"]
     rate = cfg["churn_rate"]
     pgdata.reset_schema(url, CHURN_SCHEMA)
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[float, float, float]] = []
+
+    def sample(at: float) -> None:
+        sizes = pgdata.table_sizes(url, CHURN_SCHEMA)
+        samples.append((at, _mb(sizes), sizes["jobs"] / 2**20))
+
     fed = 0
     try:
         with harness.worker(variant, "churn", schema=CHURN_SCHEMA, extra_env=CHURN_RETENTION) as (
@@ -140,14 +157,15 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
                     pgdata.load(url, CHURN_SCHEMA, due, events=variant.events, vacuum=False)
                     fed += due
                 if now >= next_sample:
-                    samples.append((now - started, _mb(pgdata.table_sizes(url, CHURN_SCHEMA))))
+                    sample(now - started)
                     next_sample += max(1.0, seconds / 60)
                 time.sleep(0.1)
-            samples.append((time.monotonic() - started, _mb(pgdata.table_sizes(url, CHURN_SCHEMA))))
+            sample(time.monotonic() - started)
             unfinished = pgdata.count_unfinished(url, CHURN_SCHEMA)
+            dead_rows = pgdata.dead_rows(url, CHURN_SCHEMA, "jobs")
 
-        def size_at(fraction: float) -> float:
-            return min(samples, key=lambda s: abs(s[0] - seconds * fraction))[1]
+        def size_at(fraction: float, column: int = 1) -> float:
+            return min(samples, key=lambda s: abs(s[0] - seconds * fraction))[column]
 
         mid = size_at(0.5)
         return {
@@ -158,8 +176,13 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             "mid_mb": mid,
             "q3_mb": size_at(0.75),
             "end_mb": samples[-1][1],
-            "max_mb": max(size for _, size in samples),
+            "max_mb": max(size for _, size, _ in samples),
             "mb_per_10k_jobs_second_half": (samples[-1][1] - mid) / max(fed / 2, 1) * 10_000,
+            "hot_q1_mb": size_at(0.25, 2),
+            "hot_mid_mb": size_at(0.5, 2),
+            "hot_end_mb": samples[-1][2],
+            "hot_max_mb": max(hot for _, _, hot in samples),
+            "hot_dead_rows_end": float(dead_rows),
         }
     finally:
         pgdata.drop_schema(url, CHURN_SCHEMA)

@@ -148,6 +148,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="finished jobs the retention workload deletes (default 1,000,000)",
     )
     p.add_argument("--churn-seconds", type=int, help="length of the churn workload (default 600)")
+    p.add_argument(
+        "--backlog-finished",
+        type=int,
+        help="finished jobs in history for the backlog workload (default 1,000,000)",
+    )
+    p.add_argument(
+        "--backlog-queued",
+        type=int,
+        help="queued jobs of the backlog workload (default 100,000); equal to the drain's "
+        "count, the backlog drain differs from the plain drain by the history alone",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     p.add_argument(
         "--results-md",
@@ -218,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg["retention_finished"] = args.retention_finished
     if args.churn_seconds:
         cfg["churn_seconds"] = args.churn_seconds
+    if args.backlog_finished:
+        cfg["backlog_finished"] = args.backlog_finished
+    if args.backlog_queued:
+        cfg["backlog_queued"] = args.backlog_queued
     started = time.monotonic()
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -345,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         and set(args.workloads) == set(WORKLOADS)
         and cfg["retention_finished"] == FULL["retention_finished"]
         and cfg["churn_seconds"] == FULL["churn_seconds"]
+        and cfg["backlog_finished"] == FULL["backlog_finished"]
+        and cfg["backlog_queued"] == FULL["backlog_queued"]
     )
     if args.results_md == "yes" or (args.results_md == "auto" and full):
         (HERE / "RESULTS.md").write_text(table)

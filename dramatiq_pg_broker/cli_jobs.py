@@ -406,6 +406,7 @@ def run_prune(ctx: Context, args) -> int:
         batch=ctx.settings.retention_batch,
         dry_run=args.dry_run,
         rest=False,
+        partitions_ahead=ctx.settings.history_partitions_ahead,
     )
     if args.json:
         print(to_json(report.as_dict()))
@@ -420,6 +421,10 @@ def run_prune(ctx: Context, args) -> int:
         else:
             rows.append([status, "forever", 0, 0])
     print(table(["STATUS", "KEPT FOR", "JOBS", "EVENTS"], rows))
+    if report.expired_events:
+        print(f"events {verb} by their own day: {report.expired_events}")
+    if report.dropped:
+        print(f"partitions dropped: {', '.join(report.dropped)}")
     for name, count in report.reclaimed.items():
         print(f"{name}: {count} expired row(s) reclaimed")
     print(f"{verb} {report.total_jobs} finished job(s)" + (" (dry run)" if args.dry_run else ""))

@@ -197,22 +197,34 @@ class Settings:
     )
     retention_batch: int = _setting(
         1000,
-        "Most jobs one retention transaction deletes.",
+        "Most rows one retention transaction deletes from a DEFAULT partition of history "
+        "(whole days go by dropping their partition).",
         group="Periodic jobs and retention",
     )
     retain_succeeded_days: float = _setting(
         7.0,
-        "Days succeeded jobs (and their events) are kept; `0` keeps them forever.",
+        "Days succeeded jobs are kept; `0` keeps them forever. History is partitioned by "
+        "UTC day, so a job goes with its day's partition: between this age and one day "
+        "more.",
         group="Periodic jobs and retention",
     )
     retain_failed_days: float = _setting(
         30.0,
-        "Days failed jobs (the dead letters) are kept; `0` keeps them forever.",
+        "Days failed jobs (the dead letters) are kept; `0` keeps them forever (dropped by "
+        "day, as succeeded jobs are).",
         group="Periodic jobs and retention",
     )
     retain_cancelled_days: float = _setting(
         7.0,
-        "Days cancelled jobs are kept; `0` keeps them forever.",
+        "Days cancelled jobs are kept; `0` keeps them forever (dropped by day, as succeeded "
+        "jobs are).",
+        group="Periodic jobs and retention",
+    )
+    history_partitions_ahead: int = _setting(
+        7,
+        "Days ahead for which each retention run creates the daily partitions of history "
+        "and events. Rows of a day without its partition go to a DEFAULT partition, which "
+        "retention empties in batches instead of dropping.",
         group="Periodic jobs and retention",
     )
     public_url: str | None = _setting(
@@ -300,6 +312,7 @@ class Settings:
             "login_concurrency",
             "max_interruptions",
             "prefetch_growth",
+            "history_partitions_ahead",
         )
         for name in minimum_one:
             if getattr(self, name) < 1:

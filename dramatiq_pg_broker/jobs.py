@@ -121,6 +121,10 @@ class NewJob:
     #: False: the send's own commit does not wait for its WAL flush (see
     #: ``Settings.durable_sends``); ignored in a transaction the caller holds.
     durable: bool = True
+    #: The message's timestamp (Dramatiq's ``message_timestamp``, milliseconds since the
+    #: epoch): its job cannot have finished before it, so the send's probe of the history
+    #: for the same id reads only the partitions from then on. None probes them all.
+    sent_at_ms: int | None = None
 
 
 class EnqueueResult(NamedTuple):
@@ -196,6 +200,7 @@ SEND_FIELDS: tuple[tuple[str, str], ...] = (
     ("max_attempts", "int4"),
     ("idempotency_key", "text"),
     ("idempotency_scope", "text"),
+    ("sent_at_ms", "int8"),
 )
 SEND_NAMES = tuple(name for name, _ in SEND_FIELDS)
 
@@ -216,6 +221,7 @@ def send_values(job: NewJob) -> tuple:
         job.max_attempts,
         job.idempotency_key,
         job.idempotency_scope,
+        job.sent_at_ms,
     )
 
 
@@ -788,9 +794,33 @@ class JobStore:
                             copy.write(block(event_rows))
                             build(split, following, next_jobs, next_events)
                     job_rows, event_rows, start = next_jobs, next_events, stop
+                if self._copied_in_history(c, jobs):
+                    raise _RepeatedId("a job's id or idempotency key is in history")
         except (psycopg.errors.UniqueViolation, _RepeatedId):
             return False
         return True
+
+    def _copied_in_history(self, c: psycopg.Connection, jobs: Sequence[NewJob]) -> bool:
+        """Register the idempotency keys of the jobs :meth:`_copy_new` wrote (a key already
+        held raises a unique violation), and say whether one of their ids is in history:
+        a statement each for the whole bulk (COPY cannot probe as it inserts)."""
+        keyed = [job for job in jobs if job.idempotency_key is not None]
+        if keyed:
+            c.execute(
+                self.queries["copy_keys"],
+                {
+                    "key_actors": [job.actor_name for job in keyed],
+                    "key_scopes": [job.idempotency_scope for job in keyed],
+                    "keys": [job.idempotency_key for job in keyed],
+                    "key_ids": [job.id for job in keyed],
+                },
+            )
+        stamps = [job.sent_at_ms for job in jobs]
+        params = {
+            "ids": [job.id for job in jobs],
+            "sent_at_ms": None if None in stamps else min(stamps, default=None),
+        }
+        return c.execute(self.queries["copied_in_history"], params).fetchone()[0]
 
     def _insert_staged(
         self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None
@@ -1260,4 +1290,4 @@ class JobStore:
     def flush(self, queue_name: str, *, conn=None) -> int:
         """Delete the waiting and running jobs of a queue; returns how many."""
         with self.pool.use(conn) as c:
-            return c.execute(self.queries["flush_queue"], {"queue_name": queue_name}).rowcount
+            return c.execute(self.queries["flush_queue"], {"queue_name": queue_name}).fetchone()[0]

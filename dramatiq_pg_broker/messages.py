@@ -337,5 +337,18 @@ def job_from_message(
         idempotency_key=key,
         idempotency_scope=scope,
         durable=durable,
+        sent_at_ms=_sent_at_ms(message),
     )
     return job, message
+
+
+#: Message timestamps outside these bounds (milliseconds since the epoch: 2001 to 2286)
+#: are not trusted to bound the send's probe of history (see NewJob.sent_at_ms).
+_SENT_AT_RANGE = (10**12, 10**13)
+
+
+def _sent_at_ms(message) -> int | None:
+    stamp = getattr(message, "message_timestamp", None)
+    if type(stamp) is int and _SENT_AT_RANGE[0] <= stamp < _SENT_AT_RANGE[1]:
+        return stamp
+    return None

@@ -529,6 +529,7 @@ class Scheduler:
                 batch=self.settings.retention_batch,
                 budget_seconds=self.settings.retention_interval * 0.8,
                 stop=self._stop,
+                partitions_ahead=self.settings.history_partitions_ahead,
             )
         except BrokerConnectionError as e:
             # Told once per outage by the process (outage.py); the next run catches up.

@@ -7,7 +7,7 @@
 -- The newest jobs first, each filter applied only when given.
 SELECT id, queue_name, actor_name, status, priority, attempts, max_attempts, available_at,
        created_at, updated_at, finished_at, last_error
-FROM {schema}.jobs
+FROM {schema}.all_jobs
 WHERE (%(status)s::text IS NULL OR status = %(status)s)
   AND (%(queue)s::text IS NULL OR queue_name = %(queue)s)
   AND (%(actor)s::text IS NULL OR actor_name = %(actor)s)

@@ -47,5 +47,5 @@ RETURNING name
 SELECT s.name, s.kind, s.actor_name, s.queue_name, s.trigger, s.timezone, s.missed,
        s.last_tick, s.next_run, s.last_job_id, j.status AS last_job_status, s.updated_at
 FROM {schema}.schedules AS s
-LEFT JOIN {schema}.jobs AS j ON j.id = s.last_job_id
+LEFT JOIN {schema}.all_jobs AS j ON j.id = s.last_job_id
 ORDER BY s.kind, s.name

@@ -14,19 +14,32 @@
 -- Store one message as a queued job with its `created` event, and wake the queue's
 -- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
 -- An existing id or idempotency key (per actor and scope) inserts nothing and returns no
--- row. message_bytes is what workers decode; the jsonb view is for display only: either
+-- row, whether its job is unfinished (jobs) or finished (jobs_history, see 0012). A job
+-- cannot finish before its message was built, so the probe of history by id reads only
+-- the partitions from the message's timestamp (%(sent_at_ms)s, less an hour for the
+-- clocks of senders and server to differ) on: one or two days of each status, pruned at
+-- execution even in a generic plan. Without a timestamp every partition is probed. A key
+-- is registered in job_keys, which holds it for its job's whole life: the job is inserted
+-- only if the key was new (keyed sends only; a real unique index, so no race with a move
+-- to history can let a second job in). message_bytes is what workers decode; the jsonb view is for display only: either
 -- given (a display-safe copy) or parsed here from the bytes when the sender knows jsonb
 -- holds them as they are (%(view_from_bytes)s), so the message crosses the wire once.
 -- A send that is not %(durable)s commits without waiting for its WAL flush: set_config(...,
 -- true) is local to this statement's own transaction (the pool's connections autocommit;
 -- a caller's transaction always passes durable). A server crash can then lose the sends
 -- of its last moments (up to three times wal_writer_delay); nothing else changes.
-WITH inserted AS (
+WITH new_key AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT %(actor_name)s, %(idempotency_scope)s, %(idempotency_key)s, %(id)s::uuid
+    WHERE %(idempotency_key)s::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
+), inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
     )
-    VALUES (
+    SELECT
         %(id)s, %(queue_name)s, %(actor_name)s,
         coalesce(%(message)s::jsonb, CASE WHEN %(view_from_bytes)s
             THEN convert_from(%(message_bytes)s::bytea, 'UTF8')::jsonb END),
@@ -34,7 +47,13 @@ WITH inserted AS (
         coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         %(max_attempts)s, %(idempotency_key)s, %(idempotency_scope)s,
         coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
-    )
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {schema}.jobs_history AS h
+        WHERE h.id = %(id)s::uuid
+          AND h.finished_at >= coalesce(
+              'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+              '-infinity')
+    ) AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -47,14 +66,31 @@ SELECT id, pg_notify(%(channel)s, '') FROM inserted LEFT JOIN no_flush_wait ON t
 
 -- find_existing --
 -- The job that made an insert a no-op: the same message id, or the same idempotency key
--- of the same actor and scope. The jsonb view is returned only for an older row that has
--- no bytes (a worker or sender decodes the bytes).
+-- of the same actor and scope, unfinished or in history (the key's job, from job_keys).
+-- The jsonb view is returned only for an older row that has no bytes (a worker or sender
+-- decodes the bytes).
 SELECT id, status, CASE WHEN message_bytes IS NULL THEN message END, message_bytes
-FROM {schema}.jobs
-WHERE id = %(id)s
-   OR (idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
-       AND idempotency_scope = %(idempotency_scope)s)
-ORDER BY (id = %(id)s) DESC
+FROM (
+    SELECT id, status, message, message_bytes
+    FROM {schema}.jobs
+    WHERE id = %(id)s
+       OR (idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
+           AND idempotency_scope = %(idempotency_scope)s)
+    UNION ALL
+    SELECT id, status, message, message_bytes
+    FROM {schema}.jobs_history
+    WHERE id = %(id)s::uuid
+      AND finished_at >= coalesce(
+          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+          '-infinity')
+    UNION ALL
+    SELECT id, status, message, message_bytes
+    FROM {schema}.jobs_history
+    WHERE id = (SELECT job_id FROM {schema}.job_keys
+                WHERE idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
+                  AND idempotency_scope = %(idempotency_scope)s)
+) AS found
+ORDER BY (id = %(id)s::uuid) DESC
 LIMIT 1
 
 -- reenqueue_job --
@@ -96,8 +132,8 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- insert_jobs --
 -- Many messages in one statement (bulk enqueue), each with its `created` event; the arrays
 -- are parallel, one element per message, each named as insert_job's parameter of the same
--- field (jobs.py SEND_FIELDS). As insert_job: an existing id or idempotency key
--- inserts nothing, and the rows that were inserted are returned with their position (from
+-- field (jobs.py SEND_FIELDS). As insert_job: an existing id or idempotency key, unfinished
+-- or in history, inserts nothing, and the rows that were inserted are returned with their position (from
 -- 1). All the rows get the same now(), so created_at is advanced by one microsecond per
 -- position: jobs of equal priority and availability are then claimed in the order sent.
 -- Concurrent single sends share this statement (group commit, one autocommit transaction):
@@ -109,11 +145,19 @@ WITH given AS (
         %(id)s::uuid[], %(queue_name)s::text[], %(actor_name)s::text[],
         %(message)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
         %(priority)s::integer[], %(delay_ms)s::bigint[], %(max_attempts)s::integer[],
-        %(idempotency_key)s::text[], %(idempotency_scope)s::text[]
+        %(idempotency_key)s::text[], %(idempotency_scope)s::text[], %(sent_at_ms)s::bigint[]
     ) WITH ORDINALITY AS g (
         id, queue_name, actor_name, message, message_bytes, view_from_bytes, priority,
-        delay_ms, max_attempts, idempotency_key, idempotency_scope, position
+        delay_ms, max_attempts, idempotency_key, idempotency_scope, sent_at_ms, position
     )
+), new_keys AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT actor_name, idempotency_scope, idempotency_key, id
+    FROM given
+    WHERE idempotency_key IS NOT NULL
+    ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
 ), inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
@@ -127,7 +171,14 @@ WITH given AS (
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
            coalesce(%(now)s::timestamptz, now())
-    FROM given
+    FROM given AS g
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {schema}.jobs_history AS h
+        WHERE h.id = g.id
+          AND h.finished_at >= coalesce(
+              'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
+              '-infinity')
+    ) AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -161,6 +212,27 @@ COPY {schema}.jobs (
 -- The `created` events of the rows copy_jobs wrote (binary COPY, in this column order).
 COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT BINARY)
 
+-- copy_keys --
+-- The idempotency keys of the jobs copy_jobs wrote, registered as insert_jobs registers
+-- them, but with no ON CONFLICT: a key already held aborts with a unique violation, and
+-- the caller takes the resolving path (as for a conflict of copy_jobs itself).
+INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+SELECT * FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[],
+                     %(key_ids)s::uuid[])
+
+-- copied_in_history --
+-- Whether a job just written by copy_jobs (%(ids)s) has its id in history (COPY cannot
+-- probe it as insert_jobs does): the caller then rolls the COPY back and takes the staged
+-- path, which resolves each conflict. As in insert_job, the probe reads the partitions
+-- from the oldest message's timestamp on.
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.jobs_history AS h
+    WHERE h.id = ANY(%(ids)s::uuid[])
+      AND h.finished_at >= coalesce(
+          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+          '-infinity')
+)
+
 -- stage_jobs --
 -- A temporary table for a large bulk enqueue, filled with COPY (much cheaper than one huge
 -- statement's parameters), read by insert_staged_jobs, dropped at once after. Temporary
@@ -169,7 +241,7 @@ COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT 
 CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
     id text, queue_name text, actor_name text, message jsonb, message_bytes bytea,
     view_from_bytes boolean, priority integer, delay_ms bigint, max_attempts integer,
-    idempotency_key text, idempotency_scope text, position bigint
+    idempotency_key text, idempotency_scope text, sent_at_ms bigint, position bigint
 ) ON COMMIT DROP
 
 -- copy_staged_jobs --
@@ -178,7 +250,15 @@ COPY dramatiq_pg_broker_staged_jobs FROM STDIN (FORMAT BINARY)
 
 -- insert_staged_jobs --
 -- insert_jobs, reading the staged rows instead of arrays (same rules, same events).
-WITH inserted AS (
+WITH new_keys AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT actor_name, idempotency_scope, idempotency_key, id::uuid
+    FROM dramatiq_pg_broker_staged_jobs
+    WHERE idempotency_key IS NOT NULL
+    ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
+), inserted AS (
     INSERT INTO {schema}.jobs AS j (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
@@ -191,7 +271,14 @@ WITH inserted AS (
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
            coalesce(%(now)s::timestamptz, now())
-    FROM dramatiq_pg_broker_staged_jobs
+    FROM dramatiq_pg_broker_staged_jobs AS g
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {schema}.jobs_history AS h
+        WHERE h.id = g.id::uuid
+          AND h.finished_at >= coalesce(
+              'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
+              '-infinity')
+    ) AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -349,7 +436,9 @@ WITH owned AS MATERIALIZED (
 SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
 
 -- complete_jobs --
--- running -> succeeded for many attempts at once (acks are written in batches).
+-- running -> succeeded for many attempts at once (acks are written in batches). A finished
+-- job leaves the jobs table for jobs_history in this statement: the row is deleted and
+-- inserted there as it ends (the same columns, in the same order; see 0012).
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
     -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
@@ -363,16 +452,23 @@ WITH owned AS MATERIALIZED (
     ORDER BY j.id
     FOR UPDATE OF j
 ), done AS (
-    UPDATE {schema}.jobs AS j
-    SET status = 'succeeded',
-        started = false,
-        locked_by = NULL,
-        locked_until = NULL,
-        finished_at = coalesce(%(now)s::timestamptz, now()),
-        updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM owned
+    DELETE FROM {schema}.jobs AS j
+    USING owned
     WHERE j.id = owned.id
-    RETURNING j.id, j.attempts, owned.owner
+    RETURNING j.*, owned.owner
+), moved AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'succeeded', attempts, owner FROM done WHERE %(events)s
@@ -381,7 +477,7 @@ SELECT id FROM done
 
 -- fail_jobs --
 -- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
--- The attempt counts as a failure.
+-- The attempt counts as a failure. The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
     -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
@@ -395,18 +491,23 @@ WITH owned AS MATERIALIZED (
     ORDER BY j.id
     FOR UPDATE OF j
 ), done AS (
-    UPDATE {schema}.jobs AS j
-    SET status = 'failed',
-        started = false,
-        failures = j.failures + 1,
-        locked_by = NULL,
-        locked_until = NULL,
-        last_error = owned.error,
-        finished_at = coalesce(%(now)s::timestamptz, now()),
-        updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM owned
+    DELETE FROM {schema}.jobs AS j
+    USING owned
     WHERE j.id = owned.id
-    RETURNING j.id, j.attempts, owned.owner, owned.error
+    RETURNING j.*, owned.owner, owned.error
+), moved AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'failed', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, error,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures + 1, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'failed', attempts, owner, jsonb_build_object('error', error)
@@ -422,17 +523,13 @@ SELECT id FROM done
 -- just scheduled, see messages.max_attempts_for).
 -- A job whose abort was requested is never retried: its failed attempt ends it cancelled,
 -- with an `aborted` event naming who asked (the request reached the row before it reached
--- the worker).
-WITH moved AS (
+-- the worker), and moves to jobs_history, as in complete_jobs.
+WITH requeued AS (
     UPDATE {schema}.jobs AS j
-    SET status = CASE WHEN j.abort_requested_at IS NULL THEN 'queued' ELSE 'cancelled' END,
+    SET status = 'queued',
         locked_by = NULL,
         locked_until = NULL,
-        available_at = CASE WHEN j.abort_requested_at IS NULL
-            THEN coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond'
-            ELSE j.available_at END,
-        finished_at = CASE WHEN j.abort_requested_at IS NOT NULL
-            THEN coalesce(%(now)s::timestamptz, now()) END,
+        available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         last_error = coalesce(%(error)s, j.last_error),
         message = CASE WHEN %(replace_message)s THEN %(message)s ELSE j.message END,
         message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE j.message_bytes END,
@@ -441,7 +538,33 @@ WITH moved AS (
         started = false,
         updated_at = coalesce(%(now)s::timestamptz, now())
     WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+      AND j.abort_requested_at IS NULL
     RETURNING j.id, j.attempts, j.available_at, j.queue_name, j.status, j.abort_requested_by
+), removed AS (
+    DELETE FROM {schema}.jobs AS j
+    WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+      AND j.abort_requested_at IS NOT NULL
+    RETURNING j.*
+), cancelled AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name,
+           CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
+           CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
+           'cancelled', priority, available_at, attempts,
+           coalesce(%(max_attempts)s::integer, max_attempts), idempotency_key, NULL, NULL,
+           coalesce(%(error)s, last_error), result, created_at,
+           coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures + 1, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM removed
+    RETURNING id, attempts, available_at, queue_name, status, abort_requested_by
+), moved AS (
+    SELECT * FROM requeued UNION ALL SELECT * FROM cancelled
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'retry_scheduled', attempts, %(owner)s,
@@ -548,7 +671,10 @@ SELECT id FROM owned
 -- different rows, and an idle run costs one index probe. The error of an expired lease
 -- begins with %(lease_expired)s (jobs.py LEASE_EXPIRED), which the monitoring looks for.
 WITH expired AS MATERIALIZED (
-    SELECT id, locked_by, started
+    SELECT id, locked_by, started,
+           -- The attempt ends the job (cancelled or failed): it moves to jobs_history.
+           abort_requested_at IS NOT NULL
+               OR (started AND interruptions + 1 >= %(max_interruptions)s) AS ends
     FROM {schema}.jobs
     WHERE status = 'running' AND locked_until < coalesce(%(now)s::timestamptz, now())
       AND pg_postmaster_start_time() + %(lease_ms)s * interval '1 millisecond'
@@ -593,10 +719,46 @@ WITH expired AS MATERIALIZED (
         locked_until = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM expired
-    WHERE j.id = expired.id
+    WHERE j.id = expired.id AND NOT expired.ends
     RETURNING j.id, j.status, j.attempts, j.available_at, j.last_error, j.queue_name,
               j.actor_name, j.message, j.message_bytes, j.failures, j.interruptions,
               expired.locked_by AS previous_owner, expired.started, j.abort_requested_by
+), removed AS (
+    DELETE FROM {schema}.jobs AS j
+    USING expired
+    WHERE j.id = expired.id AND expired.ends
+    RETURNING j.*, expired.locked_by AS previous_owner, expired.started AS was_started
+), ended AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes,
+           CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
+           priority, available_at,
+           CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
+           max_attempts, idempotency_key, NULL, NULL,
+           CASE WHEN abort_requested_at IS NOT NULL THEN last_error
+                ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
+                     || attempts || '; interrupted ' || (interruptions + 1)
+                     || ' times (the limit): its worker died, hung or lost its lease each time'
+           END,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures,
+           interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
+           idempotency_scope,
+           abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END,
+           abort_requested_at, abort_requested_by
+    FROM removed
+    RETURNING id, status, attempts, available_at, last_error, queue_name, actor_name,
+              message, message_bytes, failures, interruptions
+), ended_with_owner AS (
+    SELECT e.*, r.previous_owner, r.was_started AS started, r.abort_requested_by
+    FROM ended AS e JOIN removed AS r ON r.id = e.id
+), changed AS (
+    SELECT * FROM moved UNION ALL SELECT * FROM ended_with_owner
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id,
@@ -612,11 +774,11 @@ WITH expired AS MATERIALIZED (
                 THEN jsonb_build_object('error', last_error, 'available_at', available_at,
                                         'interruptions', interruptions)
            END
-    FROM moved WHERE %(events)s OR status = 'cancelled'
+    FROM changed WHERE %(events)s OR status = 'cancelled'
 )
 SELECT id, status, queue_name, started, actor_name, message, message_bytes, failures,
        interruptions, last_error
-FROM moved
+FROM changed
 
 -- retry_failed --
 -- failed -> queued by an operator: attempts start again from zero, runnable at once. The
@@ -624,15 +786,17 @@ FROM moved
 -- given) that failed at or before %(failed_before)s, oldest failure first, after the
 -- (%(after_finished_at)s, %(after_id)s) the previous batch ended at: `jobs retry
 -- --all-failed` goes through every failed job in bounded batches, one statement and one
--- commit each, reading jobs_finished_idx from where the last batch stopped, and never picks
+-- commit each, reading jobs_history_finished_idx from where the last batch stopped, and never picks
 -- up a job that failed anew after it began. Rows are locked in the order picked (two
 -- operators never deadlock); a row another one retried meanwhile is left out. The caller
 -- wakes the queues returned. An abort requested while a job last ran (it failed before its
--- worker stopped it) is forgotten: the operator wants it to run.
+-- worker stopped it) is forgotten: the operator wants it to run. The job moves back from
+-- jobs_history to the jobs table in this statement (its partition is found from the
+-- finish time picked, so only that one partition is touched per job).
 WITH picked AS (
     SELECT id, finished_at
-    FROM {schema}.jobs
-    WHERE status = 'failed' AND finished_at IS NOT NULL
+    FROM {schema}.jobs_history
+    WHERE status = 'failed'
       AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
       AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
       AND (%(failed_before)s::timestamptz IS NULL OR finished_at <= %(failed_before)s)
@@ -642,36 +806,51 @@ WITH picked AS (
     ORDER BY finished_at, id
     LIMIT %(limit)s
     FOR UPDATE
+), removed AS (
+    DELETE FROM {schema}.jobs_history AS h
+    USING picked
+    WHERE h.id = picked.id AND h.status = 'failed' AND h.finished_at = picked.finished_at
+    RETURNING h.*
 ), moved AS (
-    UPDATE {schema}.jobs AS j
-    SET status = 'queued',
-        abort_requested_at = NULL,
-        abort_requested_by = NULL,
-        attempts = 0,
-        failures = 0,
-        interruptions = 0,
-        abandoned_claims = 0,
-        available_at = coalesce(%(now)s::timestamptz, now()),
-        finished_at = NULL,
-        updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM picked
-    WHERE j.id = picked.id
-    RETURNING j.id, j.queue_name, picked.finished_at
+    INSERT INTO {schema}.jobs (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'queued', priority,
+           coalesce(%(now)s::timestamptz, now()), 0, max_attempts, idempotency_key, NULL,
+           NULL, last_error, result, created_at, coalesce(%(now)s::timestamptz, now()),
+           started_at, NULL, false, 0, 0, idempotency_scope, 0, NULL, NULL
+    FROM removed
+    RETURNING id, queue_name
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'manual_retry', 0, %(by)s FROM moved
 )
-SELECT id, queue_name, finished_at FROM moved
+SELECT moved.id, moved.queue_name, picked.finished_at
+FROM moved JOIN picked ON picked.id = moved.id
 
 -- cancel_job --
 -- queued -> cancelled by an operator. A running job cannot be cancelled (its worker owns it).
+-- The job moves to jobs_history, as in complete_jobs.
 WITH moved AS (
-    UPDATE {schema}.jobs AS j
-    SET status = 'cancelled',
-        finished_at = coalesce(%(now)s::timestamptz, now()),
-        updated_at = coalesce(%(now)s::timestamptz, now())
+    DELETE FROM {schema}.jobs AS j
     WHERE j.id = %(id)s AND j.status = 'queued'
-    RETURNING j.id, j.attempts
+    RETURNING j.*
+), finished AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM moved
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'cancelled', attempts, %(by)s FROM moved
@@ -684,19 +863,29 @@ SELECT id FROM moved
 -- is kept) with an `abort_requested` event: the worker that owns the attempt learns it
 -- from the NOTIFY the caller sends (notify_abort), or from its next lease heartbeat, and
 -- ends it cancelled (abort_attempts). Returns the job's status and queue, nothing for a
--- job that does not exist or has finished (the caller says which).
+-- job that does not exist or has finished (the caller says which). A cancelled job moves
+-- to jobs_history, as in complete_jobs.
 WITH target AS MATERIALIZED (
     SELECT id, status FROM {schema}.jobs WHERE id = %(id)s FOR UPDATE
-), cancelled AS (
-    UPDATE {schema}.jobs AS j
-    SET status = 'cancelled',
-        abort_requested_at = coalesce(%(now)s::timestamptz, now()),
-        abort_requested_by = %(by)s,
-        finished_at = coalesce(%(now)s::timestamptz, now()),
-        updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM target
+), removed AS (
+    DELETE FROM {schema}.jobs AS j
+    USING target
     WHERE j.id = target.id AND target.status = 'queued'
-    RETURNING j.id, j.attempts, j.status, j.queue_name, NULL::text AS locked_by
+    RETURNING j.*
+), cancelled AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
+           idempotency_scope, abandoned_claims, coalesce(%(now)s::timestamptz, now()), %(by)s
+    FROM removed
+    RETURNING id, attempts, status, queue_name, NULL::text AS locked_by
 ), flagged AS (
     UPDATE {schema}.jobs AS j
     SET abort_requested_at = coalesce(j.abort_requested_at, coalesce(%(now)s::timestamptz, now())),
@@ -728,6 +917,7 @@ SELECT pg_notify(%(channel)s, %(payload)s)
 -- else ends a running job cancelled). The `aborted` event names who asked (its actor) and
 -- the worker that stopped the attempt; it is written whatever %(events)s says, as every
 -- operator action's event is. The attempt stays counted: it ran, or was claimed to run.
+-- The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
     -- Lock the rows first, in id order, whatever plan the update gets: two statements on
     -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
@@ -742,16 +932,23 @@ WITH owned AS MATERIALIZED (
     ORDER BY j.id
     FOR UPDATE OF j
 ), done AS (
-    UPDATE {schema}.jobs AS j
-    SET status = 'cancelled',
-        started = false,
-        locked_by = NULL,
-        locked_until = NULL,
-        finished_at = coalesce(%(now)s::timestamptz, now()),
-        updated_at = coalesce(%(now)s::timestamptz, now())
-    FROM owned
+    DELETE FROM {schema}.jobs AS j
+    USING owned
     WHERE j.id = owned.id
-    RETURNING j.id, j.attempts, owned.owner, j.abort_requested_by
+    RETURNING j.*, owned.owner
+), moved AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'aborted', attempts, abort_requested_by, jsonb_build_object('worker', owner)
@@ -760,11 +957,11 @@ WITH owned AS MATERIALIZED (
 SELECT id FROM done
 
 -- get_job --
--- One job row.
+-- One job row, unfinished or finished (the view all_jobs reads both tables).
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
        attempts, max_attempts, failures, interruptions, abandoned_claims, started, idempotency_key, locked_by, locked_until, last_error, result,
        created_at, updated_at, started_at, finished_at, abort_requested_at, abort_requested_by
-FROM {schema}.jobs
+FROM {schema}.all_jobs
 WHERE id = %(id)s
 
 -- find_job_ids --
@@ -772,7 +969,7 @@ WHERE id = %(id)s
 -- sorts as its hex text, so "starts with 3dd0ad24" is the range from 3dd0ad24-0000-... to
 -- 3dd0ad24-ffff-...: a range scan of the primary key, never a scan of id::text.
 SELECT id, queue_name, actor_name, status, created_at
-FROM {schema}.jobs
+FROM {schema}.all_jobs
 WHERE id BETWEEN %(low)s::uuid AND %(high)s::uuid
 ORDER BY id
 LIMIT %(limit)s
@@ -791,17 +988,18 @@ FROM {schema}.jobs
 WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')
 
 -- count_failed_since --
--- Jobs of a queue that failed at or after a moment (join's fail-fast check).
+-- Jobs of a queue that failed at or after a moment (join's fail-fast check): the failed
+-- partitions of history from that moment on.
 SELECT count(*)
-FROM {schema}.jobs
+FROM {schema}.jobs_history
 WHERE queue_name = %(queue_name)s AND status = 'failed' AND finished_at >= %(since)s
 
 -- count_by_queue --
 -- Per queue: waiting jobs runnable now and delayed, running jobs, failed jobs, and how long
 -- the oldest runnable job has been runnable (seconds, by the server's clock; NULL when none
--- is). Three aggregates, one per partial index, added up: each part's status is the
--- predicate of a partial index (claim order, lease expiry, dead letters), so the succeeded
--- rows of a big table are never read; the waiting jobs, usually the most numerous, are
+-- is). Three aggregates added up: the waiting and running parts each read a partial index
+-- of the jobs table (claim order, lease expiry), the failed part the failed partitions of
+-- jobs_history, so the succeeded rows are never read; the waiting jobs, usually the most numerous, are
 -- counted from the claim-order index alone (it holds queue_name and available_at). The
 -- CLI's stats, the admin API and its metrics all read this one count.
 WITH parts AS (
@@ -824,7 +1022,7 @@ WITH parts AS (
     GROUP BY queue_name
     UNION ALL
     SELECT queue_name, 0, 0, 0, count(*), NULL
-    FROM {schema}.jobs
+    FROM {schema}.jobs_history
     WHERE status = 'failed'
     GROUP BY queue_name
 )
@@ -836,6 +1034,20 @@ GROUP BY queue_name
 ORDER BY queue_name
 
 -- flush_queue --
--- Drop the waiting and running jobs of a queue (Dramatiq's flush); finished history stays.
-DELETE FROM {schema}.jobs
-WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')
+-- Drop the waiting and running jobs of a queue (Dramatiq's flush), with their events and
+-- idempotency keys; finished history stays. Returns how many jobs went.
+WITH flushed AS (
+    DELETE FROM {schema}.jobs
+    WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')
+    RETURNING id, actor_name, idempotency_scope, idempotency_key
+), events AS (
+    DELETE FROM {schema}.job_events AS e
+    USING flushed
+    WHERE e.job_id = flushed.id
+), keys AS (
+    DELETE FROM {schema}.job_keys AS k
+    USING flushed
+    WHERE k.actor_name = flushed.actor_name AND k.idempotency_scope = flushed.idempotency_scope
+      AND k.idempotency_key = flushed.idempotency_key AND k.job_id = flushed.id
+)
+SELECT count(*) FROM flushed

@@ -117,7 +117,8 @@ def test_a_group_completion_callback_runs_once_across_processes(
 
     def callback_runs():
         query = sql.SQL(
-            "SELECT e.job_id::text, e.pid FROM {s}.executions e JOIN {s}.jobs j ON j.id = e.job_id "
+            "SELECT e.job_id::text, e.pid FROM {s}.executions e "
+            "JOIN {s}.all_jobs j ON j.id = e.job_id "
             "WHERE j.actor_name = 'group_done' AND j.created_at > %s"
         ).format(s=sql.Identifier(schema))
         return conn.execute(query, (started,)).fetchall()

@@ -210,7 +210,7 @@ def test_base_install_migrates_sends_and_runs_a_worker(base_venv, pg_url, empty_
         with psycopg.connect(pg_url, autocommit=True) as conn:
             query = sql.SQL(
                 "SELECT count(*) FILTER (WHERE status = 'succeeded'), count(*) "
-                "FROM {}.jobs WHERE id = ANY(%s::uuid[])"
+                "FROM {}.all_jobs WHERE id = ANY(%s::uuid[])"
             ).format(sql.Identifier(empty_schema))
 
             def drained():

@@ -438,7 +438,7 @@ def test_names_arguments_and_errors_cannot_pass_for_others(stack, accounts, brow
         accounts.enqueue(actor=actor, queue="names_q")
     with accounts.pool.connection() as conn:
         conn.execute(
-            f'UPDATE "{accounts.settings.schema}".jobs SET last_error = %s, message = %s'
+            f'UPDATE "{accounts.settings.schema}".jobs_history SET last_error = %s, message = %s'
             " WHERE id = %s",
             ("boom \u202eevil\nsecond line", '{"args": ["a\u200bb"], "kwargs": {}}', failed),
         )

@@ -60,7 +60,8 @@ def test_outages_and_a_crash_fail_nothing_and_draining_resumes_at_once(cluster, 
     steady = declare(broker)["steady"]
 
     def succeeded() -> int:
-        return _query(url, f"SELECT count(*) FROM {SCHEMA}.jobs WHERE status = 'succeeded'")[0][0]
+        query = f"SELECT count(*) FROM {SCHEMA}.all_jobs WHERE status = 'succeeded'"
+        return _query(url, query)[0][0]
 
     workers = [
         WorkerProcess(url, SCHEMA, tmp_path / f"worker{n}.log", threads=4, **WORKER_SETTINGS)
@@ -128,7 +129,7 @@ def test_outages_and_a_crash_fail_nothing_and_draining_resumes_at_once(cluster, 
             180,
             "every job to succeed",
             on_timeout=lambda: (
-                str(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.jobs GROUP BY status"))
+                str(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.all_jobs GROUP BY status"))
                 + "\n"
                 + workers[0].log_tail()
             ),
@@ -138,7 +139,7 @@ def test_outages_and_a_crash_fail_nothing_and_draining_resumes_at_once(cluster, 
             worker.kill_group()
         broker.close()
 
-    statuses = dict(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.jobs GROUP BY status"))
+    statuses = dict(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.all_jobs GROUP BY status"))
     assert statuses == {"succeeded": len(sent)}, statuses
     starts = collections.Counter(
         r[0]

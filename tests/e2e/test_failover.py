@@ -41,7 +41,7 @@ from dramatiq.results import Results
 
 from dramatiq_pg_broker import PostgresBroker, outage
 from dramatiq_pg_broker.listener import listener_for
-from dramatiq_pg_broker.migrate import migrate
+from dramatiq_pg_broker.migrate import discover, migrate
 
 from .failover_actors import create_runs_table, declare
 from .tcp_proxy import Proxy
@@ -123,7 +123,7 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
     (backend,) = [m.backend for m in broker.middleware if isinstance(m, Results)]
 
     def count(where: str, params=()) -> int:
-        return _query(url, f"SELECT count(*) FROM {SCHEMA}.jobs WHERE {where}", params)[0][0]
+        return _query(url, f"SELECT count(*) FROM {SCHEMA}.all_jobs WHERE {where}", params)[0][0]
 
     with broker.batch():
         backlog = [work.send(0.01).message_id for _ in range(BACKLOG)]
@@ -201,7 +201,7 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
             120,
             "every job to finish",
             on_timeout=lambda: (
-                str(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.jobs GROUP BY status"))
+                str(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.all_jobs GROUP BY status"))
                 + "\n"
                 + tails()
             ),
@@ -223,15 +223,16 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
     sent_during = {s.name: len(s.returned) for s in senders}
     assert all(sent_during.values()), f"a sender sent nothing: {sent_during}"
 
-    statuses = dict(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.jobs GROUP BY status"))
-    stored = {r[0] for r in _query(url, f"SELECT id::text FROM {SCHEMA}.jobs")}
+    statuses = dict(_query(url, f"SELECT status, count(*) FROM {SCHEMA}.all_jobs GROUP BY status"))
+    stored = {r[0] for r in _query(url, f"SELECT id::text FROM {SCHEMA}.all_jobs")}
     missing = returned - stored
     assert not missing, f"{len(missing)} job(s) whose send() returned are gone after failover"
     assert statuses == {"succeeded": len(stored)}, f"not every job succeeded: {statuses}"
 
     runs = collections.Counter(r[0] for r in _query(url, f"SELECT job_id::text FROM {SCHEMA}.runs"))
     worked = {
-        r[0] for r in _query(url, f"SELECT id::text FROM {SCHEMA}.jobs WHERE actor_name = 'work'")
+        r[0]
+        for r in _query(url, f"SELECT id::text FROM {SCHEMA}.all_jobs WHERE actor_name = 'work'")
     }
     never_ran = worked - set(runs)
     assert not never_ran, f"{len(never_ran)} succeeded job(s) never ran"
@@ -240,7 +241,7 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
         for r in _query(
             url,
             f"""SELECT DISTINCT e.job_id::text
-                FROM {SCHEMA}.job_events AS e JOIN {SCHEMA}.jobs AS j ON j.id = e.job_id
+                FROM {SCHEMA}.job_events AS e JOIN {SCHEMA}.all_jobs AS j ON j.id = e.job_id
                 WHERE e.type = 'claimed' AND e.created_at < %s AND j.finished_at >= %s""",
             (kill_at, kill_at),
         )
@@ -252,7 +253,7 @@ def test_failover_to_a_synchronous_standby_loses_nothing(servers, tmp_path):
 
     (resumed_after,) = _query(
         url,
-        f"""SELECT extract(epoch FROM min(finished_at) - %s)::float8 FROM {SCHEMA}.jobs
+        f"""SELECT extract(epoch FROM min(finished_at) - %s)::float8 FROM {SCHEMA}.all_jobs
             WHERE started_at > %s""",
         (promoted_at, promoted_at),
     )[0]
@@ -287,7 +288,20 @@ def test_a_pool_led_to_the_standby_by_a_name_not_yet_moved_follows_it_to_the_pri
     primary, the pool replaces the connections it holds to the standby instead of handing
     them out forever: the next send, claim and outcome go to the primary."""
     primary, standby = servers
-    migrate(primary.url, SCHEMA)
+    applied = migrate(primary.url, SCHEMA)
+    # Synchronous replication waits for the standby's flush, not its replay: let the
+    # standby show the migrated schema before the broker's handshake reads it there.
+    latest = max(m.version for m in discover())
+
+    def replayed() -> bool:
+        try:
+            found = _query(standby.url, f"SELECT max(version) FROM {SCHEMA}.schema_migrations")
+        except psycopg.errors.UndefinedTable:
+            return False
+        return found == [(latest,)]
+
+    if applied:
+        wait_for(replayed, 30, "the standby to replay the migrations")
     monkeypatch.setattr(outage, "tracker", outage.Outage())
     caplog.set_level(logging.WARNING)
     proxy = Proxy(standby.port)
@@ -325,7 +339,7 @@ def test_a_pool_led_to_the_standby_by_a_name_not_yet_moved_follows_it_to_the_pri
         broker.close()
         proxy.close()
 
-    rows = _query(primary.url, f"SELECT id::text, status FROM {SCHEMA}.jobs")
+    rows = _query(primary.url, f"SELECT id::text, status FROM {SCHEMA}.all_jobs")
     assert rows == [(sent.message_id, "succeeded")], rows
     records = [r for r in caplog.records if r.name.startswith(("dramatiq", "psycopg"))]
     told = [r.getMessage() for r in records if r.name == "dramatiq_pg_broker.outage"]

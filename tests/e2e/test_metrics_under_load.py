@@ -37,7 +37,7 @@ def table(pg_url: str, schema: str) -> tuple[dict[str, int], dict[str, int]]:
             conn.execute(
                 sql.SQL(
                     "SELECT CASE WHEN status = 'queued' AND available_at > now() THEN 'delayed'"
-                    " ELSE status END, count(*) FROM {}.jobs WHERE queue_name = %s GROUP BY 1"
+                    " ELSE status END, count(*) FROM {}.all_jobs WHERE queue_name = %s GROUP BY 1"
                 ).format(name),
                 (QUEUE,),
             ).fetchall()

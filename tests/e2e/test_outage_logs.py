@@ -59,7 +59,7 @@ def test_a_worker_tells_each_outage_once_with_reminders_and_its_end(new_cluster,
     def succeeded() -> int:
         with psycopg.connect(cluster.url, autocommit=True) as conn:
             return conn.execute(
-                f"SELECT count(*) FROM {SCHEMA}.jobs WHERE status = 'succeeded'"
+                f"SELECT count(*) FROM {SCHEMA}.all_jobs WHERE status = 'succeeded'"
             ).fetchone()[0]
 
     cluster.stop()

@@ -20,7 +20,7 @@ def tick_jobs(pg_url: str, schema: str) -> list[tuple[dt.datetime, int, str]]:
         rows = conn.execute(
             f"SELECT (message -> 'options' -> 'periodic' ->> 'tick')::timestamptz, "
             f"(message -> 'options' -> 'periodic' ->> 'missed')::int, status "
-            f"FROM {schema}.jobs WHERE actor_name = 'every_second' ORDER BY 1"
+            f"FROM {schema}.all_jobs WHERE actor_name = 'every_second' ORDER BY 1"
         ).fetchall()
     return [(r[0], r[1], r[2]) for r in rows]
 

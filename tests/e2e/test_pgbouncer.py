@@ -108,7 +108,7 @@ def test_workers_drain_through_pgbouncer_in_transaction_mode(
 
     def statuses() -> collections.Counter:
         rows = conn.execute(
-            f'SELECT status, count(*) FROM "{schema}".jobs WHERE queue_name = %s GROUP BY 1',
+            f'SELECT status, count(*) FROM "{schema}".all_jobs WHERE queue_name = %s GROUP BY 1',
             (QUEUE,),
         ).fetchall()
         return collections.Counter(dict(rows))

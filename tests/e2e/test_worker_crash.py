@@ -39,7 +39,7 @@ def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(
 
     def statuses():
         rows = conn.execute(
-            f'SELECT id::text, status, locked_by FROM "{schema}".jobs WHERE queue_name = %s',
+            f'SELECT id::text, status, locked_by FROM "{schema}".all_jobs WHERE queue_name = %s',
             (QUEUE,),
         ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows}
@@ -134,7 +134,7 @@ def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
     that was running counts an interruption (not a failure)."""
     # The module's schema may hold another test's jobs and executions.
     conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
-    conn.execute(f'TRUNCATE "{schema}".jobs CASCADE')
+    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history CASCADE')
     create_executions_table(conn, schema)
     broker = PostgresBroker(url=pg_url, schema=schema)
     actors = declare(broker)
@@ -147,7 +147,7 @@ def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
             r[0]: r[1:]
             for r in conn.execute(
                 f"""SELECT id::text, status, locked_by, attempts, failures, interruptions
-                    FROM "{schema}".jobs WHERE queue_name = %s""",
+                    FROM "{schema}".all_jobs WHERE queue_name = %s""",
                 (QUEUE,),
             ).fetchall()
         }
@@ -215,7 +215,7 @@ def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, con
     uncharged; from then on the start is written before the actor runs, so every later
     death is an interruption, and the job fails once they reach the bound (2 here)."""
     conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
-    conn.execute(f'TRUNCATE "{schema}".jobs CASCADE')
+    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history CASCADE')
     create_executions_table(conn, schema)
     broker = PostgresBroker(url=pg_url, schema=schema)
     poison = declare(broker)["die_at_once"].send()
@@ -223,7 +223,7 @@ def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, con
     def job():
         return conn.execute(
             f"""SELECT status, attempts, failures, interruptions, abandoned_claims, last_error
-                FROM "{schema}".jobs WHERE id = %s""",
+                FROM "{schema}".all_jobs WHERE id = %s""",
             (poison.message_id,),
         ).fetchone()
 
@@ -261,7 +261,7 @@ def _wait_for_recorded_start(conn, schema: str, job_id: str, worker) -> None:
     on does its death count as an interruption."""
     wait_for(
         lambda: conn.execute(
-            f'SELECT started FROM "{schema}".jobs WHERE id = %s', (job_id,)
+            f'SELECT started FROM "{schema}".all_jobs WHERE id = %s', (job_id,)
         ).fetchone()[0],
         30,
         "the worker to record the start",

@@ -33,7 +33,7 @@ def test_sigterm_finishes_in_flight_jobs_and_releases_prefetched_ones(
 
     def jobs():
         rows = conn.execute(
-            f'SELECT id::text, status, attempts, locked_by FROM "{schema}".jobs '
+            f'SELECT id::text, status, attempts, locked_by FROM "{schema}".all_jobs '
             "WHERE queue_name = %s",
             (QUEUE,),
         ).fetchall()

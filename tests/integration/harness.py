@@ -94,7 +94,8 @@ class Harness:
     def rows(self, broker: PostgresBroker, conn) -> list[tuple]:
         """(id, status, attempts) of every job of the test's queue."""
         return conn.execute(
-            f'SELECT id::text, status, attempts FROM "{self.schema}".jobs WHERE queue_name = %s',
+            f'SELECT id::text, status, attempts FROM "{self.schema}".all_jobs '
+            "WHERE queue_name = %s",
             (self.queue,),
         ).fetchall()
 

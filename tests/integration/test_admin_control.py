@@ -211,7 +211,7 @@ def test_a_list_row_carries_bounded_previews_and_the_job_page_the_whole(adhoc):
     failed = adhoc.failed(queue="big_errors")
     with adhoc.pool.connection() as conn:
         conn.execute(
-            sql.SQL("UPDATE {}.jobs SET last_error = %s WHERE id = %s").format(
+            sql.SQL("UPDATE {}.jobs_history SET last_error = %s WHERE id = %s").format(
                 sql.Identifier(adhoc.settings.schema)
             ),
             ("E" * 5000, failed),

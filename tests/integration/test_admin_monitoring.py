@@ -33,7 +33,7 @@ def table_counts(pg_url: str, schema: str) -> dict[str, dict[str, int]]:
                   count(*) FILTER (WHERE status = 'queued' AND available_at > now()),
                   count(*) FILTER (WHERE status = 'running'),
                   count(*) FILTER (WHERE status = 'failed')
-           FROM {}.jobs WHERE status IN ('queued', 'running', 'failed') GROUP BY queue_name"""
+           FROM {}.all_jobs WHERE status IN ('queued', 'running', 'failed') GROUP BY queue_name"""
     ).format(sql.Identifier(schema))
     declared = sql.SQL("SELECT queue_name FROM {}.queues").format(sql.Identifier(schema))
     with psycopg.connect(pg_url) as conn:

@@ -74,6 +74,7 @@ def test_stats_estimate_a_big_table(env, monkeypatch, pg_url, schema):
     unfinished and dead-letter counts."""
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("ANALYZE {}.jobs").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("ANALYZE {}.jobs_history").format(sql.Identifier(schema)))
     monkeypatch.setattr("admin_api.queries.EXACT_STATS_MAX_BYTES", 0)
     stats = env.get("/api/jobs/stats").json
     assert stats["estimated"] is True

@@ -189,7 +189,7 @@ def test_every_job_is_claimed_once_per_attempt_and_succeeds_once(pg_url, schema,
     with psycopg.connect(pg_url, autocommit=True) as conn:
         statuses = dict(
             conn.execute(
-                f'SELECT status, count(*) FROM "{schema}".jobs WHERE queue_name = %s '
+                f'SELECT status, count(*) FROM "{schema}".all_jobs WHERE queue_name = %s '
                 "GROUP BY status",
                 (queue_name,),
             ).fetchall()
@@ -197,7 +197,7 @@ def test_every_job_is_claimed_once_per_attempt_and_succeeds_once(pg_url, schema,
         assert statuses == {"succeeded": JOBS}, f"end states: {statuses}"
         attempts = dict(
             conn.execute(
-                f'SELECT attempts, count(*) FROM "{schema}".jobs WHERE queue_name = %s '
+                f'SELECT attempts, count(*) FROM "{schema}".all_jobs WHERE queue_name = %s '
                 "GROUP BY attempts",
                 (queue_name,),
             ).fetchall()
@@ -206,7 +206,7 @@ def test_every_job_is_claimed_once_per_attempt_and_succeeds_once(pg_url, schema,
         events = conn.execute(
             f"""
             SELECT e.job_id::text, e.type, e.attempt, e.actor
-            FROM "{schema}".job_events e JOIN "{schema}".jobs j ON j.id = e.job_id
+            FROM "{schema}".job_events e JOIN "{schema}".all_jobs j ON j.id = e.job_id
             WHERE j.queue_name = %s AND e.type IN ('claimed', 'succeeded', 'retry_scheduled')
             """,
             (queue_name,),
@@ -292,14 +292,14 @@ def test_concurrent_reapers_requeue_each_expired_job_exactly_once(pg_url, schema
         counts = dict(
             conn.execute(
                 f"""SELECT e.type, count(*) FROM "{schema}".job_events e
-                    JOIN "{schema}".jobs j ON j.id = e.job_id
+                    JOIN "{schema}".all_jobs j ON j.id = e.job_id
                     WHERE j.queue_name = %s AND e.type = 'timeout_requeued'
                     GROUP BY e.type""",
                 (queue_name,),
             ).fetchall()
         )
         statuses = conn.execute(
-            f'SELECT status, attempts, count(*) FROM "{schema}".jobs WHERE queue_name = %s '
+            f'SELECT status, attempts, count(*) FROM "{schema}".all_jobs WHERE queue_name = %s '
             "GROUP BY status, attempts",
             (queue_name,),
         ).fetchall()

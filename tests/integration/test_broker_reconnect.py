@@ -52,7 +52,7 @@ def test_terminated_backends_are_survived(pg_url, schema, conn):
 
     def count(status) -> int:
         return conn.execute(
-            f'SELECT count(*) FROM "{schema}".jobs WHERE queue_name = %s AND status = %s',
+            f'SELECT count(*) FROM "{schema}".all_jobs WHERE queue_name = %s AND status = %s',
             (queue, status),
         ).fetchone()[0]
 
@@ -118,6 +118,6 @@ def test_send_after_the_server_dropped_every_pooled_connection(pg_url, schema, c
         broker.close()
     ids = {m.message_id for m in sent}
     stored = conn.execute(
-        f'SELECT id::text FROM "{schema}".jobs WHERE queue_name = %s', (queue,)
+        f'SELECT id::text FROM "{schema}".all_jobs WHERE queue_name = %s', (queue,)
     ).fetchall()
     assert ids <= {r[0] for r in stored}

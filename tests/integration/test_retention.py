@@ -22,7 +22,7 @@ def store(pg_url, schema):
     pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
     store = JobStore(pool, schema)
     with pool.connection() as conn:
-        conn.execute(f"TRUNCATE {schema}.jobs CASCADE")
+        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history CASCADE")
     yield store
     pool.close()
 
@@ -50,7 +50,9 @@ def make_job(store: JobStore, status: str, *, days_ago: float, queue: str = "q")
 
 
 def count(store: JobStore, table: str, job_ids) -> int:
+    """Jobs (unfinished or in history) or events of ``job_ids``."""
     column = "id" if table == "jobs" else "job_id"
+    table = "all_jobs" if table == "jobs" else table
     with store.pool.connection() as conn:
         return conn.execute(
             f"SELECT count(*) FROM {store.schema}.{table} WHERE {column} = ANY(%s::uuid[])",
@@ -59,6 +61,8 @@ def count(store: JobStore, table: str, job_ids) -> int:
 
 
 def test_each_status_has_its_own_age_and_events_go_with_their_job(store):
+    """Rows of days that had no partition (2030 here: the DEFAULT partitions) go in
+    batches, each job with its events, as every finished row did before partitions."""
     old_ok = [make_job(store, "succeeded", days_ago=8) for _ in range(3)]
     new_ok = make_job(store, "succeeded", days_ago=6)
     mid_failed = make_job(store, "failed", days_ago=8)  # kept: failed live 30 days
@@ -280,3 +284,173 @@ def test_a_run_reclaims_expired_results_and_rate_limit_keys(store):
     finally:
         results.close()
         limits.close()
+
+
+# -- partitions (migration 0012) ------------------------------------------------------------
+
+
+def _server_now(store: JobStore) -> dt.datetime:
+    with store.pool.connection() as conn:
+        return conn.execute("SELECT now()").fetchone()[0]
+
+
+def _partition_of(store: JobStore, job_id: str) -> str:
+    with store.pool.connection() as conn:
+        return conn.execute(
+            f"SELECT tableoid::regclass::text FROM {store.schema}.jobs_history WHERE id = %s",
+            (job_id,),
+        ).fetchone()[0]
+
+
+def _partitions(store: JobStore, parent: str) -> set[str]:
+    with store.pool.connection() as conn:
+        rows = conn.execute(
+            f"SELECT partition FROM {store.schema}.history_partitions WHERE parent = %s",
+            (parent,),
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
+def _day(moment: dt.datetime) -> str:
+    return moment.astimezone(dt.timezone.utc).strftime("%Y%m%d")
+
+
+def test_whole_days_of_history_are_dropped_with_their_owners(store):
+    from dramatiq_pg_broker.retention import create_partitions
+
+    now = _server_now(store)
+    with store.pool.connection() as conn:
+        create_partitions(conn, store.schema, now - dt.timedelta(days=12), 12)
+
+    def job_at(status: str, days_ago: float) -> str:
+        global NOW
+        saved, NOW = NOW, now
+        try:
+            return make_job(store, status, days_ago=days_ago)
+        finally:
+            NOW = saved
+
+    old = [job_at("succeeded", 9) for _ in range(3)]
+    recent = job_at("succeeded", 5)
+    failed = job_at("failed", 9)  # failed jobs live 30 days
+    assert _partition_of(store, old[0]).endswith(f"_succeeded_{_day(now - dt.timedelta(days=9))}")
+    with store.pool.connection() as conn:
+        conn.execute(
+            f"INSERT INTO {store.schema}.users (email, password_hash, role) "
+            "VALUES (%s, '$2b$x', 'member') RETURNING id",
+            (f"{uuid.uuid4().hex}@example.com",),
+        )
+        conn.execute(
+            f"INSERT INTO {store.schema}.job_owners (job_id, user_id) "
+            f"SELECT %s, max(id) FROM {store.schema}.users",
+            (old[0],),
+        )
+
+    report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+
+    assert report.complete
+    assert f"jobs_history_succeeded_{_day(now - dt.timedelta(days=9))}" in report.dropped
+    assert f"jobs_history_succeeded_{_day(now - dt.timedelta(days=5))}" not in report.dropped
+    assert report.jobs["succeeded"] == 3 and report.jobs["failed"] == 0
+    assert report.batches == 0, "a day with a partition is dropped, never deleted by rows"
+    assert count(store, "jobs", old) == 0
+    assert count(store, "jobs", [recent, failed]) == 2
+    # Events outlive their jobs up to the longest age (30 days): a timeline stays whole.
+    assert count(store, "job_events", old) == 9
+    with store.pool.connection() as conn:
+        owners = conn.execute(
+            f"SELECT count(*) FROM {store.schema}.job_owners WHERE job_id = %s", (old[0],)
+        ).fetchone()[0]
+    assert owners == 0
+    # Created ahead: today's partitions and the week after exist for every table.
+    for parent in ("jobs_history_succeeded", "jobs_history_failed", "job_events"):
+        names = _partitions(store, parent)
+        for ahead in range(8):
+            assert f"{parent}_{_day(now + dt.timedelta(days=ahead))}" in names
+
+    second = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert second.total_jobs == 0 and not second.dropped and second.created == 0
+
+
+def test_events_go_by_day_past_the_longest_age(store):
+    from dramatiq_pg_broker.retention import create_partitions
+
+    now = _server_now(store)
+    with store.pool.connection() as conn:
+        create_partitions(conn, store.schema, now - dt.timedelta(days=6), 6)
+    global NOW
+    saved, NOW = NOW, now
+    try:
+        old = make_job(store, "succeeded", days_ago=4)
+        new = make_job(store, "succeeded", days_ago=1)
+    finally:
+        NOW = saved
+    short = RetentionPolicy(
+        succeeded=dt.timedelta(days=1), failed=dt.timedelta(days=2), cancelled=dt.timedelta(days=1)
+    )
+    dry = prune(store.pool, store.schema, short, dry_run=True, now=now)
+    assert dry.expired_events >= 3 and count(store, "job_events", [old]) == 3
+
+    report = prune(store.pool, store.schema, short, rest=False, now=now)
+    assert f"job_events_{_day(now - dt.timedelta(days=4))}" in report.dropped
+    # Its `created` event was written at the injected time, four days ago, and went with
+    # its day; the claim and outcome events are stamped by the server's clock (today).
+    assert count(store, "job_events", [old]) == 2
+    assert count(store, "job_events", [new]) == 3
+    assert report.expired_events >= 3
+
+    # A status kept forever keeps every event.
+    forever = RetentionPolicy(succeeded=dt.timedelta(days=1), failed=None)
+    kept = prune(store.pool, store.schema, forever, rest=False, now=now + dt.timedelta(days=5))
+    assert not any(name.startswith("job_events") for name in kept.dropped)
+    assert count(store, "job_events", [new]) == 3
+
+
+def test_a_partition_in_use_is_left_to_the_next_run(store, pg_url):
+    """Dropping waits at most DROP_LOCK_TIMEOUT for its parent's lock, so a long reader of
+    history delays the drop instead of queueing every outcome behind it."""
+    import psycopg
+
+    from dramatiq_pg_broker.retention import create_partitions
+
+    now = _server_now(store)
+    with store.pool.connection() as conn:
+        create_partitions(conn, store.schema, now - dt.timedelta(days=10), 1)
+    global NOW
+    saved, NOW = NOW, now
+    try:
+        old = make_job(store, "succeeded", days_ago=10)
+    finally:
+        NOW = saved
+    with psycopg.connect(pg_url) as reader:
+        reader.execute(f"SELECT count(*) FROM {store.schema}.jobs_history_succeeded")
+        started = dt.datetime.now()
+        blocked = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+        waited = (dt.datetime.now() - started).total_seconds()
+        reader.rollback()
+    assert not blocked.complete
+    assert not [name for name in blocked.dropped if name.startswith("jobs_history_succeeded")]
+    assert 1.5 < waited < 30, f"the blocked drop waited {waited:.1f}s"
+    assert count(store, "jobs", [old]) == 1
+    after = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert after.complete and count(store, "jobs", [old]) == 0
+
+
+def test_concurrent_creators_make_each_partition_once(store):
+    from dramatiq_pg_broker.retention import create_partitions
+
+    start = _server_now(store) + dt.timedelta(days=40)
+    barrier = threading.Barrier(3)
+    created = []
+
+    def run():
+        with store.pool.connection() as conn:
+            barrier.wait(timeout=30)
+            created.append(create_partitions(conn, store.schema, start, 4))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(created) == [0, 0, 5 * 4], created  # 5 days x 4 tables, made once

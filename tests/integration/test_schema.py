@@ -103,43 +103,49 @@ def test_the_same_idempotency_key_for_two_actors_or_scopes_is_two_jobs(insert):
     insert(idempotency_key="order-43", actor_name="a", idempotency_scope="member:1")
 
 
-def test_deleting_a_job_deletes_its_events(insert, conn, schema):
-    job_id = insert()
-    s = sql.Identifier(schema)
-    conn.execute(
-        sql.SQL("INSERT INTO {}.job_events (job_id, type) VALUES (%s, 'created')").format(s),
-        (job_id,),
-    )
-    conn.execute(sql.SQL("DELETE FROM {}.jobs WHERE id = %s").format(s), (job_id,))
-    left = conn.execute(
-        sql.SQL("SELECT count(*) FROM {}.job_events WHERE job_id = %s").format(s), (job_id,)
-    ).fetchone()[0]
-    assert left == 0
+def test_a_finished_job_has_no_place_in_the_jobs_table(insert):
+    """Since 0012 the jobs table holds unfinished jobs only: a writer that would leave a
+    finished row there (an older release's outcome) is refused, not silently kept."""
+    with pytest.raises(psycopg.errors.CheckViolation) as excinfo:
+        insert(status="succeeded", finished_at="2030-01-01")
+    assert excinfo.value.diag.constraint_name == "jobs_unfinished"
 
 
-def test_one_statement_deleting_many_jobs_deletes_their_events_and_no_others(insert, conn, schema):
-    """The events follow their jobs through a statement-level trigger (no foreign key
-    checks every event row): whatever statement deletes jobs, their events go with them."""
+def test_finished_jobs_land_in_their_status_and_day_or_in_a_default_partition(conn, schema):
     s = sql.Identifier(schema)
-    doomed = f"doomed_{uuid.uuid4().hex[:8]}"
-    gone = [insert(queue_name=doomed) for _ in range(3)]
-    kept = insert(queue_name="kept")
-    for job_id in [*gone, kept]:
-        conn.execute(
-            sql.SQL("INSERT INTO {}.job_events (job_id, type) VALUES (%s, 'created')").format(s),
-            (job_id,),
-        )
-    conn.execute(sql.SQL("DELETE FROM {}.jobs WHERE queue_name = %s").format(s), (doomed,))
-    counts = dict(
+    (today,) = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()
+    rows = {
+        "succeeded": "now()",
+        "failed": "now()",
+        "cancelled": "'1999-01-01'::timestamptz",  # no partition for that day
+    }
+    placed = {}
+    for status, finished_at in rows.items():
+        job_id = str(uuid.uuid4())
         conn.execute(
             sql.SQL(
-                "SELECT job_id::text, count(*) FROM {}.job_events "
-                "WHERE job_id = ANY(%s::uuid[]) GROUP BY 1"
+                "INSERT INTO {}.jobs_history (id, queue_name, actor_name, message, status, "
+                "finished_at) VALUES (%s, 'q', 'a', '{{}}', %s, " + finished_at + ")"
             ).format(s),
-            ([*gone, kept],),
-        ).fetchall()
-    )
-    assert counts == {kept: 1}
+            (job_id, status),
+        )
+        placed[status] = conn.execute(
+            sql.SQL("SELECT tableoid::regclass::text FROM {}.jobs_history WHERE id = %s").format(s),
+            (job_id,),
+        ).fetchone()[0]
+    day = today.strftime("%Y%m%d")
+    assert placed["succeeded"].endswith(f"jobs_history_succeeded_{day}")
+    assert placed["failed"].endswith(f"jobs_history_failed_{day}")
+    assert placed["cancelled"].endswith("jobs_history_cancelled_default")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        # Nothing unfinished in history (no partition takes it).
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.jobs_history (id, queue_name, actor_name, message, status, "
+                "finished_at) VALUES (%s, 'q', 'a', '{{}}', 'queued', now())"
+            ).format(s),
+            (str(uuid.uuid4()),),
+        )
 
 
 def test_the_claim_and_reaper_indexes_are_partial(conn, schema):

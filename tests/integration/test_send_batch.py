@@ -43,7 +43,7 @@ def rows(conn, schema, queue) -> list[tuple]:
         sql.SQL(
             "SELECT id::text, priority, available_at, idempotency_key FROM {} "
             "WHERE queue_name = %s ORDER BY created_at"
-        ).format(sql.Identifier(schema, "jobs")),
+        ).format(sql.Identifier(schema, "all_jobs")),
         (queue,),
     ).fetchall()
 
@@ -53,7 +53,7 @@ def created_events(conn, schema, queue) -> int:
         sql.SQL(
             "SELECT count(*) FROM {} e JOIN {} j ON j.id = e.job_id "
             "WHERE j.queue_name = %s AND e.type = 'created'"
-        ).format(sql.Identifier(schema, "job_events"), sql.Identifier(schema, "jobs")),
+        ).format(sql.Identifier(schema, "job_events"), sql.Identifier(schema, "all_jobs")),
         (queue,),
     ).fetchone()[0]
 
@@ -218,7 +218,7 @@ def job_rows(conn, schema, queue) -> list[dict]:
             "available_at - updated_at AS wait, max_attempts, idempotency_key, "
             "idempotency_scope, attempts, created_at, updated_at, available_at "
             "FROM {} WHERE queue_name = %s ORDER BY created_at, id"
-        ).format(sql.Identifier(schema, "jobs")),
+        ).format(sql.Identifier(schema, "all_jobs")),
         (queue,),
     )
     names = [d.name for d in cur.description]
@@ -230,7 +230,7 @@ def event_rows(conn, schema, queue) -> list[tuple]:
         sql.SQL(
             "SELECT e.job_id::text, e.type, e.attempt, e.created_at = j.created_at "
             "FROM {} e JOIN {} j ON j.id = e.job_id WHERE j.queue_name = %s ORDER BY e.id"
-        ).format(sql.Identifier(schema, "job_events"), sql.Identifier(schema, "jobs")),
+        ).format(sql.Identifier(schema, "job_events"), sql.Identifier(schema, "all_jobs")),
         (queue,),
     ).fetchall()
 

@@ -27,7 +27,7 @@ def stored(conn, schema, queue) -> dict[str, int]:
         sql.SQL(
             "SELECT j.id::text, count(e.id) FROM {} j LEFT JOIN {} e "
             "ON e.job_id = j.id AND e.type = 'created' WHERE j.queue_name = %s GROUP BY j.id"
-        ).format(sql.Identifier(schema, "jobs"), sql.Identifier(schema, "job_events")),
+        ).format(sql.Identifier(schema, "all_jobs"), sql.Identifier(schema, "job_events")),
         (queue,),
     ).fetchall()
     return dict(rows)

@@ -24,7 +24,9 @@ def invoices(app_table):
 
 def jobs_of(conn, schema, queue) -> list[str]:
     rows = conn.execute(
-        sql.SQL("SELECT id FROM {} WHERE queue_name = %s").format(sql.Identifier(schema, "jobs")),
+        sql.SQL("SELECT id FROM {} WHERE queue_name = %s").format(
+            sql.Identifier(schema, "all_jobs")
+        ),
         (queue,),
     ).fetchall()
     return [str(r[0]) for r in rows]

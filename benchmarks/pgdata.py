@@ -44,7 +44,11 @@ def empty(url: str, schema: str) -> None:
         # now plan the job_events foreign-key check (cached for the session) as a
         # sequential scan of jobs, which a real, long-lived table never sees.
         conn.execute(
-            _q("TRUNCATE {schema}.job_events, {schema}.jobs, {schema}.jobs_history CASCADE", schema)
+            _q(
+                "TRUNCATE {schema}.job_events, {schema}.jobs, {schema}.jobs_history, "
+                "{schema}.job_keys CASCADE",
+                schema,
+            )
         )
 
 

@@ -567,6 +567,14 @@ class JobStore:
         """What a send whose insert was a no-op gets: the job with its idempotency key, or
         the job with its id rescheduled (see :meth:`enqueue`)."""
         existing = c.execute(self.queries["find_existing"], params).fetchone()
+        if existing is None and job.idempotency_key is not None and not params.get("_again"):
+            # The key's job was deleted by hand (not by retention or flush, which free its
+            # key): free the key and send once more.
+            c.execute(self.queries["release_stale_key"], params)
+            retried = c.execute(self.queries["insert_job"], params).fetchone()
+            if retried is not None:
+                return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+            return self._not_inserted(c, job, {**params, "_again": True}, again)
         if existing is None:  # pragma: no cover - deleted between the two statements
             raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
         job_id, status, message, message_bytes = existing

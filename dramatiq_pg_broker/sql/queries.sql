@@ -93,6 +93,14 @@ FROM (
 ORDER BY (id = %(id)s::uuid) DESC
 LIMIT 1
 
+-- release_stale_key --
+-- An idempotency key whose job no longer exists anywhere (deleted by hand: retention and
+-- flush free the keys of the jobs they delete) is freed, so that the send can take it.
+DELETE FROM {schema}.job_keys AS k
+WHERE k.idempotency_key = %(idempotency_key)s AND k.actor_name = %(actor_name)s
+  AND k.idempotency_scope = %(idempotency_scope)s
+  AND NOT EXISTS (SELECT 1 FROM {schema}.all_jobs AS j WHERE j.id = k.job_id)
+
 -- reenqueue_job --
 -- A message enqueued again with the id of a job that is waiting or running (a snooze:
 -- `broker.enqueue(message.copy(), delay=...)`): the row goes back to queued with the new

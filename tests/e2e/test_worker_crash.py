@@ -134,7 +134,7 @@ def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
     that was running counts an interruption (not a failure)."""
     # The module's schema may hold another test's jobs and executions.
     conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
-    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history CASCADE')
+    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history, "{schema}".job_keys CASCADE')
     create_executions_table(conn, schema)
     broker = PostgresBroker(url=pg_url, schema=schema)
     actors = declare(broker)
@@ -215,7 +215,7 @@ def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, con
     uncharged; from then on the start is written before the actor runs, so every later
     death is an interruption, and the job fails once they reach the bound (2 here)."""
     conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
-    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history CASCADE')
+    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history, "{schema}".job_keys CASCADE')
     create_executions_table(conn, schema)
     broker = PostgresBroker(url=pg_url, schema=schema)
     poison = declare(broker)["die_at_once"].send()

@@ -18,7 +18,7 @@ from ..helpers import StatementCounter
 def store(store, schema):
     """The module's job store, on an empty jobs table."""
     with store.pool.connection() as conn:
-        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history CASCADE")
+        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys CASCADE")
     return store
 
 

@@ -230,3 +230,19 @@ def test_a_keyed_send_racing_with_the_first_jobs_move_to_history_gets_that_job(
         (key,),
     ).fetchall()
     assert rows == [(first.message_id, "succeeded")]
+
+
+def test_a_key_whose_job_was_deleted_by_hand_is_taken_by_the_next_send(broker, queue, conn, schema):
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name="stale_keyed")
+    def keyed(n):
+        pass
+
+    key = f"k-{uuid.uuid4()}"
+    first = keyed.send_with_options(args=(1,), idempotency_key=key)
+    conn.execute(
+        sql.SQL("DELETE FROM {}.jobs WHERE id = %s").format(sql.Identifier(schema)),
+        (first.message_id,),
+    )
+    again = keyed.send_with_options(args=(2,), idempotency_key=key)
+    assert again.message_id != first.message_id and list(again.args) == [2]
+    assert where(conn, schema, again.message_id) == [("jobs", "queued")]

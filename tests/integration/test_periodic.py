@@ -36,7 +36,10 @@ def make_broker(pg_url, schema):
         return broker
 
     with PostgresBroker(url=pg_url, schema=schema).pool.connection() as conn:
-        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.schedules CASCADE")
+        conn.execute(
+            f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys, "
+            f"{schema}.schedules CASCADE"
+        )
     yield make
     for broker in brokers:
         broker.close()

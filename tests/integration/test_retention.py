@@ -22,7 +22,7 @@ def store(pg_url, schema):
     pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
     store = JobStore(pool, schema)
     with pool.connection() as conn:
-        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history CASCADE")
+        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys CASCADE")
     yield store
     pool.close()
 

@@ -378,10 +378,12 @@ class JobQueries:
         jobs in the list's order, ``(created_at, id)`` (an owner row holds its job's
         ``created_at``, so the cursor and the created filters apply to it), and each job is
         fetched by id from ``jobs`` and from the partitions of ``jobs_history`` that
-        finished at or after it was created: the planner prunes, per owner row, every day
-        before (``Subplans Removed`` in the plan). The status, queue and actor filters
-        apply to the fetched job; an owner row whose job is gone (a flushed queue) is
-        skipped, as the full list does.
+        finished at or after it was created: PostgreSQL prunes, per owner row, every day
+        before (in ``EXPLAIN ANALYZE``, those partitions are never executed). A page of
+        recent jobs reads the last days only; the count reads, for each of up to
+        :data:`COUNT_CAP` owned jobs, the days from its creation on. The status, queue and
+        actor filters apply to the fetched job; an owner row whose job is gone (a flushed
+        queue) is skipped, as the full list does.
         """
         owners = job_owners
         live = sa.select(

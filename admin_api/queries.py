@@ -26,12 +26,13 @@ from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import queue_counts_of
 from dramatiq_pg_broker.results import describe_stored
 
-from .tables import Timestamp, job_events, job_owners, results, users
+from .tables import Timestamp, job_events, job_owners, jobs_history, results, users
 
 # Every read of jobs goes through the view of unfinished and finished jobs (0012): a
 # reader never needs to know where a job lives. Conditions, order and limit reach both
 # tables (and, on status, the planner leaves out the table that cannot hold it).
 from .tables import all_jobs as jobs
+from .tables import jobs as jobs_table
 
 #: Up to this size the ``jobs`` heap is counted exactly by the stats (a sequential scan of
 #: 32 MiB takes a few tens of milliseconds); above it, succeeded jobs are estimated.
@@ -276,10 +277,11 @@ class JobQueries:
         Raises:
           TooManyActors: the actor filter matches more than :data:`MAX_ACTOR_MATCHES` names.
         """
-        conditions = self._conditions(filters)
         if owner_id is not None:
-            owned = sa.select(job_owners.c.job_id).where(job_owners.c.user_id == owner_id)
-            conditions.append(jobs.c.id.in_(owned))
+            return self._list_owned_jobs(
+                filters, limit=limit, offset=offset, cursor=cursor, owner_id=owner_id
+            )
+        conditions = self._conditions(filters)
         with self.engine.connect() as conn:
             branches: list[list[Any]] = [[]]
             names_condition: list[Any] = []
@@ -351,6 +353,114 @@ class JobQueries:
                 sa.select(sa.literal(1))
                 .select_from(jobs)
                 .where(*conditions, *names_condition)
+                .limit(COUNT_CAP + 1)
+                .subquery()
+            )
+            count = conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
+        exact = count <= COUNT_CAP
+        return JobPage(min(count, COUNT_CAP), exact, [summary_dict(row) for row in rows], more)
+
+    def _list_owned_jobs(
+        self,
+        filters: JobFilters,
+        *,
+        limit: int,
+        offset: int,
+        cursor: JobCursor | None,
+        owner_id: int,
+    ) -> JobPage:
+        """:meth:`list_jobs` for a member: the same page, order, cursor and count as the
+        full list restricted to the jobs they created.
+
+        A member's jobs are few, but scattered through history: a probe of ``all_jobs`` by
+        id reads the id index of every partition of history (they are by day of finish).
+        So the walk goes the other way: ``job_owners_user_created_idx`` gives the member's
+        jobs in the list's order, ``(created_at, id)`` (an owner row holds its job's
+        ``created_at``, so the cursor and the created filters apply to it), and each job is
+        fetched by id from ``jobs`` and from the partitions of ``jobs_history`` that
+        finished at or after it was created: PostgreSQL prunes, per owner row, every day
+        before (in ``EXPLAIN ANALYZE``, those partitions are never executed). A page of
+        recent jobs reads the last days only; the count reads, for each of up to
+        :data:`COUNT_CAP` owned jobs, the days from its creation on. The status, queue and
+        actor filters apply to the fetched job; an owner row whose job is gone (a flushed
+        queue) is skipped, as the full list does.
+        """
+        owners = job_owners
+        live = sa.select(
+            jobs_table.c.id, jobs_table.c.status, jobs_table.c.queue_name, jobs_table.c.actor_name
+        ).where(jobs_table.c.id == owners.c.job_id)
+        finished = sa.select(
+            jobs_history.c.id,
+            jobs_history.c.status,
+            jobs_history.c.queue_name,
+            jobs_history.c.actor_name,
+        ).where(
+            jobs_history.c.id == owners.c.job_id,
+            jobs_history.c.finished_at >= owners.c.created_at,
+        )
+        if filters.status is not None:
+            # Said on each side, so that the planner leaves out the table (or the status
+            # partitions) that cannot hold it.
+            live = live.where(jobs_table.c.status == filters.status)
+            finished = finished.where(jobs_history.c.status == filters.status)
+        job = sa.union_all(live, finished).lateral("job")
+        conditions: list[Any] = [owners.c.user_id == owner_id]
+        if filters.queue is not None:
+            conditions.append(job.c.queue_name == filters.queue)
+        if filters.created_after is not None:
+            conditions.append(owners.c.created_at >= filters.created_after)
+        if filters.created_before is not None:
+            conditions.append(owners.c.created_at < filters.created_before)
+        older = cursor is None or cursor.older
+        position: list[Any] = []
+        if cursor is not None:
+            key = sa.tuple_(owners.c.created_at, owners.c.job_id)
+            mark = sa.tuple_(
+                sa.literal(cursor.created_at, Timestamp),
+                sa.literal(cursor.id, owners.c.job_id.type),
+            )
+            position.append(key < mark if cursor.older else key > mark)
+        order = (
+            (owners.c.created_at.desc(), owners.c.job_id.desc())
+            if older
+            else (owners.c.created_at.asc(), owners.c.job_id.asc())
+        )
+        source = owners.join(job, sa.true())
+        with self.engine.connect() as conn:
+            if filters.actor is not None:
+                names, every_actor = self._matching_actors(conn, filters.actor)
+                if not names:
+                    return JobPage(0, True, [], False)
+                if not every_actor:  # a filter every job passes is left out
+                    conditions.append(job.c.actor_name.in_(names))
+            page = (
+                sa.select(owners.c.job_id, owners.c.created_at)
+                .select_from(source)
+                .where(*conditions, *position)
+                .order_by(*order)
+                .limit(limit + 1)
+                .offset(offset)
+            )
+            found = conn.execute(page).all()
+            more = len(found) > limit
+            found = found[:limit]
+            rows = []
+            if found:
+                # The page's jobs, from the partitions that can hold them: none finished
+                # before the oldest of them was created.
+                oldest = min(row.created_at for row in found)
+                rows = conn.execute(
+                    _summary_select()
+                    .where(
+                        jobs.c.id.in_([row.job_id for row in found]),
+                        sa.or_(jobs.c.finished_at.is_(None), jobs.c.finished_at >= oldest),
+                    )
+                    .order_by(jobs.c.created_at.desc(), jobs.c.id.desc())
+                ).all()
+            capped = (
+                sa.select(sa.literal(1))
+                .select_from(source)
+                .where(*conditions)
                 .limit(COUNT_CAP + 1)
                 .subquery()
             )

@@ -130,6 +130,8 @@ job_owners = Table(
     # No foreign key since 0012: a job's row moves between jobs and jobs_history.
     Column("job_id", UUID(as_uuid=False), primary_key=True),
     Column("user_id", BigInteger, ForeignKey("users.id"), nullable=False),
+    # The job's created_at (0012): a member's job list walks the owner rows in its order.
+    Column("created_at", Timestamp, nullable=False),
 )
 
 results = Table(

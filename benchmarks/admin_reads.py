@@ -137,8 +137,9 @@ def accounts(url: str) -> tuple[str, str, str]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(
             _q(
-                """INSERT INTO {schema}.job_owners (job_id, user_id)
-                   SELECT id, %(user)s FROM {schema}.jobs_history WHERE random() < 0.01
+                """INSERT INTO {schema}.job_owners (job_id, user_id, created_at)
+                   SELECT id, %(user)s, created_at FROM {schema}.jobs_history
+                   WHERE random() < 0.01
                    LIMIT 1000
                    ON CONFLICT DO NOTHING"""
             ),

@@ -210,6 +210,19 @@ SELECT * FROM jobs
 UNION ALL
 SELECT * FROM jobs_history;
 
+-- A member's job list (admin API) walks their owner rows in the list's order, and fetches
+-- each job by id: a probe by id cannot be pruned (history is partitioned by finish), so
+-- each owner row carries its job's created_at, copied from the job's row when the owner is
+-- recorded. A job finishes at or after it was created (both are the server's now()), so
+-- the fetch asks history for finished_at >= created_at, and PostgreSQL leaves out, per
+-- owner row, every partition of days before the job was created. Every owner row has its
+-- job here (the foreign key held until this migration).
+ALTER TABLE job_owners ADD COLUMN created_at timestamptz;
+UPDATE job_owners AS o SET created_at = j.created_at FROM all_jobs AS j WHERE j.id = o.job_id;
+ALTER TABLE job_owners ALTER COLUMN created_at SET NOT NULL;
+DROP INDEX job_owners_user_id_idx;
+CREATE INDEX job_owners_user_created_idx ON job_owners (user_id, created_at, job_id);
+
 -- Idempotency keys, held for the whole life of their job, unfinished or in history (until
 -- retention deletes the job). A send registers its key here in the statement that inserts
 -- the job, and inserts the job only if the key was new: a real unique index, so two sends
@@ -231,3 +244,4 @@ WHERE idempotency_key IS NOT NULL;
 ANALYZE jobs;
 ANALYZE jobs_history;
 ANALYZE job_events;
+ANALYZE job_owners;

@@ -113,7 +113,11 @@ RETURNING id, name, user_id, created_at, last_used_at, revoked
 UPDATE {schema}.api_tokens SET revoked = true WHERE user_id = %(user_id)s AND NOT revoked
 
 -- insert_job_owner --
--- Record the user who created a job through the admin API (in the enqueue's transaction).
-INSERT INTO {schema}.job_owners (job_id, user_id)
-VALUES (%(job_id)s, %(user_id)s)
+-- Record the user who created a job through the admin API (in the enqueue's transaction,
+-- which has just inserted it into jobs), with the job's created_at (a member's job list
+-- walks job_owners_user_created_idx in the list's order).
+INSERT INTO {schema}.job_owners (job_id, user_id, created_at)
+SELECT j.id, %(user_id)s, j.created_at
+FROM {schema}.jobs AS j
+WHERE j.id = %(job_id)s
 ON CONFLICT (job_id) DO NOTHING

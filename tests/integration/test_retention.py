@@ -341,8 +341,8 @@ def test_whole_days_of_history_are_dropped_with_their_owners(store):
             (f"{uuid.uuid4().hex}@example.com",),
         )
         conn.execute(
-            f"INSERT INTO {store.schema}.job_owners (job_id, user_id) "
-            f"SELECT %s, max(id) FROM {store.schema}.users",
+            f"INSERT INTO {store.schema}.job_owners (job_id, user_id, created_at) "
+            f"SELECT %s, max(id), now() FROM {store.schema}.users",
             (old[0],),
         )
 

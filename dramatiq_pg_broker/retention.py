@@ -176,19 +176,30 @@ def prune(
             return True
         return budget_seconds is not None and time.monotonic() - started >= budget_seconds
 
-    def resting(batch_started: float) -> None:
-        if not rest:
-            return
-        pause = (time.monotonic() - batch_started) * DUTY_CYCLE_REST
-        if stop is not None:
-            stop.wait(pause)
-        else:
-            time.sleep(pause)
+    def in_batches(step: Callable[[psycopg.Connection], int]) -> bool:
+        """Run ``step`` (rows handled in one transaction) until a batch comes back short,
+        resting between batches. False when the run is out of time (the report says
+        it is incomplete)."""
+        while True:
+            if out_of_time():
+                report.complete = False
+                return False
+            batch_started = time.monotonic()
+            with pool.connection() as conn, conn.transaction():
+                handled = step(conn)
+            if handled < batch:
+                return True
+            if rest:
+                pause = (time.monotonic() - batch_started) * DUTY_CYCLE_REST
+                if stop is not None:
+                    stop.wait(pause)
+                else:
+                    time.sleep(pause)
 
     with pool.connection() as conn:
         clock = now or conn.execute("SELECT now()").fetchone()[0]
         if not dry_run:
-            report.created = create_partitions(conn, schema, clock, partitions_ahead)
+            report.created = create_partitions(conn, schema, clock, partitions_ahead, queries)
 
     for status, age in policy.ages().items():
         report.jobs[status] = report.events[status] = 0
@@ -215,25 +226,24 @@ def prune(
             report.jobs[status] += jobs
             report.events[status] += events
             continue
-        while True:
-            if out_of_time():
-                report.complete = False
-                return report
-            batch_started = time.monotonic()
-            with pool.connection() as conn, conn.transaction():
-                rows = conn.execute(_for(queries["select_prunable"], default), params).fetchall()
-                ids = [r[0] for r in rows]
-                if ids:
-                    events = conn.execute(queries["delete_events_of"], {"ids": ids}).rowcount
-                    conn.execute(queries["delete_owners_of"], {"ids": ids})
-                    conn.execute(queries["delete_keys_of"], {"ids": ids})
-                    jobs = conn.execute(_for(queries["delete_jobs"], default), {"ids": ids})
-                    report.jobs[status] += jobs.rowcount
-                    report.events[status] += events
-                    report.batches += 1
-            if len(ids) < batch:
-                break
-            resting(batch_started)
+
+        def delete_default_batch(
+            conn: psycopg.Connection, status=status, default=default, params=params
+        ) -> int:
+            rows = conn.execute(_for(queries["select_prunable"], default), params).fetchall()
+            ids = [r[0] for r in rows]
+            if ids:
+                events = conn.execute(queries["delete_events_of"], {"ids": ids}).rowcount
+                conn.execute(queries["delete_owners_of"], {"ids": ids})
+                conn.execute(queries["delete_keys_of"], {"ids": ids})
+                jobs = conn.execute(_for(queries["delete_jobs"], default), {"ids": ids})
+                report.jobs[status] += jobs.rowcount
+                report.events[status] += events
+                report.batches += 1
+            return len(ids)
+
+        if not in_batches(delete_default_batch):
+            return report
 
     ages = policy.ages()
     if len(ages) == len(FINISHED):
@@ -248,19 +258,16 @@ def prune(
                 found = conn.execute(queries["count_old_events"], {"cutoff": cutoff}).fetchone()
             report.expired_events += found[0]
         else:
-            while True:
-                if out_of_time():
-                    report.complete = False
-                    return report
-                batch_started = time.monotonic()
-                with pool.connection() as conn, conn.transaction():
-                    deleted = conn.execute(
-                        queries["delete_old_events"], {"cutoff": cutoff, "limit": batch}
-                    ).rowcount
+
+            def delete_old_events(conn: psycopg.Connection) -> int:
+                deleted = conn.execute(
+                    queries["delete_old_events"], {"cutoff": cutoff, "limit": batch}
+                ).rowcount
                 report.expired_events += deleted
-                if deleted < batch:
-                    break
-                resting(batch_started)
+                return deleted
+
+            if not in_batches(delete_old_events):
+                return report
 
     if not dry_run:
         for name, fn in _reclaimers():
@@ -283,7 +290,9 @@ def _for(text: str, partition: str) -> sql.Composed:
     return sql.SQL(text).format(partition=sql.Identifier(partition))
 
 
-def create_partitions(conn, schema: str, today: dt.datetime, days_ahead: int) -> int:
+def create_partitions(
+    conn, schema: str, today: dt.datetime, days_ahead: int, queries: Queries | None = None
+) -> int:
     """Create the daily partitions of history and events from ``today``'s UTC day through
     ``days_ahead`` days later (those missing); returns how many were created."""
     first = today.astimezone(dt.timezone.utc).date()
@@ -292,7 +301,8 @@ def create_partitions(conn, schema: str, today: dt.datetime, days_ahead: int) ->
         # Creating a partition locks its parent (ACCESS EXCLUSIVE): never wait long for it,
         # or every outcome would queue behind the wait (the function skips that day).
         conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
-        created = conn.execute(Queries(schema, "retention.sql")["create_partitions"], params)
+        queries = queries or Queries(schema, "retention.sql")
+        created = conn.execute(queries["create_partitions"], params)
         return created.fetchone()[0]
 
 

@@ -300,6 +300,9 @@ def create_partitions(
     with conn.transaction():
         # Creating a partition locks its parent (ACCESS EXCLUSIVE): never wait long for it,
         # or every outcome would queue behind the wait (the function skips that day).
+        # Creators in several processes take turns on the function's advisory lock: wait
+        # for it here, before the lock timeout is set, so that a turn is never a failure.
+        conn.execute("SELECT pg_advisory_xact_lock(1685221479, hashtext(%s))", (schema,))
         conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
         queries = queries or Queries(schema, "retention.sql")
         created = conn.execute(queries["create_partitions"], params)

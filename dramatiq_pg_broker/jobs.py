@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
+from psycopg import sql
 from psycopg.copy import LibpqWriter
 from psycopg.types.json import Jsonb
 
@@ -45,6 +46,7 @@ from .errors import (
     JobAlreadyFinished,
     JobNotFound,
 )
+from .history_probe import HistoryProbe
 
 
 class Attempt(NamedTuple):
@@ -452,6 +454,9 @@ class JobStore:
         self.schema = schema
         self.events = events
         self.queries = Queries(schema)
+        self.history = HistoryProbe(
+            schema, sql.SQL("{}.jobs_history AS h").format(sql.Identifier(schema)).as_string(None)
+        )
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -515,10 +520,32 @@ class JobStore:
         *,
         pooled: bool = False,
     ) -> EnqueueResult:
-        row = _execute(c, self.queries["insert_job"], params, pooled).fetchone()
+        row = self._probing(c, "insert_job", params, job.sent_at_ms, pooled).fetchone()
         if row is not None:
             return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
         return self._not_inserted(c, job, params, again)
+
+    def _probing(
+        self,
+        c: psycopg.Connection,
+        name: str,
+        params: dict[str, Any],
+        sent_at_ms: int | None,
+        pooled: bool = True,
+    ) -> Any:
+        """Execute the send statement ``name``, its history probe on the partitions of the
+        message's days (see :mod:`.history_probe`). A partition it names that was dropped
+        by hand makes a pooled send forget them and probe the parent instead."""
+        text = self.queries[name]
+        if params.get("now") is None:
+            text = self.history.statement(c, name, text, sent_at_ms)
+        try:
+            return _execute(c, text, params, pooled)
+        except psycopg.errors.UndefinedTable:
+            if not pooled or text is self.queries[name]:
+                raise
+            self.history.forget()
+            return _execute(c, self.queries[name], params, pooled)
 
     def send_many(self, sends: Sequence[tuple[NewJob, bool]]) -> list[EnqueueResult | Exception]:
         """Single sends of several threads written together (group commit): one autocommit
@@ -539,10 +566,12 @@ class JobStore:
         params = self._bulk_params(jobs, None)
         params["channels"] = sorted({self.channel(job.queue_name) for job in jobs})
         params["durable"] = any(job.durable for job in jobs)
+        stamps = [job.sent_at_ms for job in jobs]
+        stamp = None if None in stamps else min(stamps)
         results: list[EnqueueResult | Exception] = []
         with self.pool.use() as c:
             try:
-                inserted = {str(r[0]) for r in c.execute(self.queries["insert_jobs"], params)}
+                inserted = {str(r[0]) for r in self._probing(c, "insert_jobs", params, stamp)}
             except _REFUSED:
                 # One send's row is refused by the server: none of the group was written
                 # (one statement), and each send now learns its own fate alone.

@@ -12,6 +12,7 @@ import dramatiq
 import pytest
 from psycopg import sql
 
+from dramatiq_pg_broker import history_probe
 from dramatiq_pg_broker.errors import JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.retention import create_partitions
@@ -246,3 +247,75 @@ def test_a_key_whose_job_was_deleted_by_hand_is_taken_by_the_next_send(broker, q
     again = keyed.send_with_options(args=(2,), idempotency_key=key)
     assert again.message_id != first.message_id and list(again.args) == [2]
     assert where(conn, schema, again.message_id) == [("jobs", "queued")]
+
+
+def history_locks(conn, schema: str) -> set[str]:
+    """The partitions of history this session holds a lock on (in its transaction)."""
+    rows = conn.execute(
+        "SELECT c.relname FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation "
+        "JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE l.pid = pg_backend_pid() "
+        "AND n.nspname = %s AND c.relkind = 'r' AND c.relname LIKE 'jobs_history_%%'",
+        (schema,),
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+@pytest.fixture
+def noon(monkeypatch):
+    """This process's clock at noon (UTC) of the server's day, and its ms timestamp: the
+    send probes that day's partitions only."""
+
+    def at(conn) -> int:
+        (today,) = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()
+        stamp = dt.datetime.combine(today, dt.time(12), dt.timezone.utc).timestamp()
+        monkeypatch.setattr(history_probe.time, "time", lambda: stamp)
+        return int(stamp * 1000), f"{today:%Y%m%d}"
+
+    return at
+
+
+def test_a_send_locks_only_the_partitions_of_its_day(broker, task, conn, schema, noon):
+    """A generic plan of the probe written against the parent locks every partition of
+    history at each execution (dozens with a month of retention); the send names its
+    day's three instead."""
+    (now,) = conn.execute("SELECT now()").fetchone()
+    create_partitions(conn, schema, now - dt.timedelta(days=30), 30)
+    stamp, day = noon(conn)
+    for n in range(7):  # past psycopg's prepare threshold: the plan is generic
+        with conn.transaction(), broker.transaction(conn):
+            broker.enqueue(task.message(n).copy(message_timestamp=stamp))
+            locked = history_locks(conn, schema)
+    assert locked == {f"jobs_history_{s}_{day}" for s in ("succeeded", "failed", "cancelled")}
+    # Without a timestamp to bound it, the probe reads the parent: every partition.
+    with conn.transaction(), broker.transaction(conn):
+        broker.enqueue(task.message(9).copy(message_timestamp=None))
+        assert len(history_locks(conn, schema)) > 3 * 30
+
+
+def test_a_finished_id_is_found_in_its_days_partition(broker, task, queue, conn, schema, noon):
+    stamp, _ = noon(conn)
+    done = task.message(0).copy(message_timestamp=stamp)
+    broker.enqueue(done)
+    finish(broker, queue, done.message_id, "failed")
+    for send in (broker.enqueue, lambda m: broker.enqueue_many([m])):
+        with pytest.raises(JobAlreadyFinished, match="already failed"):
+            send(done.copy())
+    assert where(conn, schema, done.message_id) == [("history", "failed")]
+
+
+def test_a_partition_dropped_by_hand_sends_through_the_parent(
+    broker, task, queue, conn, schema, noon
+):
+    stamp, day = noon(conn)
+    first = task.message(0).copy(message_timestamp=stamp)
+    broker.enqueue(first)  # the day's partitions are known (and the statement prepared)
+    conn.execute(
+        sql.SQL("DROP TABLE {}").format(sql.Identifier(schema, f"jobs_history_failed_{day}"))
+    )
+    second = task.message(1).copy(message_timestamp=stamp)
+    broker.enqueue(second)
+    assert where(conn, schema, second.message_id) == [("jobs", "queued")]
+    # The failed job now lands in the DEFAULT partition, where the parent's probe finds it.
+    finish(broker, queue, first.message_id, "failed")
+    with pytest.raises(JobAlreadyFinished):
+        broker.enqueue(first.copy())

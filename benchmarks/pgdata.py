@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from dramatiq_pg_broker.jobs import channel_name
 from dramatiq_pg_broker.migrate import migrate
 
 from .actors import QUEUE
@@ -100,12 +101,14 @@ def load(
     queue: str = QUEUE,
     finished_ago_s: float = 0.0,
     vacuum: bool = True,
+    notify: bool = False,
 ) -> float:
     """Insert ``count`` jobs of the benchmark's ``noop`` actor; returns seconds taken.
 
     ``status`` is ``queued`` (runnable after ``delay_s``; negative means already due) or
     ``succeeded`` (finished history, with its created/claimed/succeeded events, finished
     ``finished_ago_s`` seconds ago). ``vacuum``: VACUUM ANALYZE both tables afterwards.
+    ``notify``: wake the queue's listening workers at commit, as a send does.
     """
     started = time.perf_counter()
     params = {
@@ -119,8 +122,10 @@ def load(
     statement = sql.SQL(_INSERT_EVENTS if events else _INSERT_JOBS).format(
         schema=sql.Identifier(schema), table=sql.Identifier(table)
     )
-    with psycopg.connect(url, autocommit=True) as conn:
+    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
         conn.execute(statement, params)
+        if notify:
+            conn.execute("SELECT pg_notify(%s, '')", (channel_name(schema, queue),))
     if not vacuum:
         return time.perf_counter() - started
     with psycopg.connect(url, autocommit=True) as conn:
@@ -395,6 +400,32 @@ def server_settings(url: str, names) -> dict[str, str]:
             ).fetchone()[0]
             for name in names
         }
+
+
+def server_now(url: str) -> dt.datetime:
+    """The server's clock."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute("SELECT now()").fetchone()[0]
+
+
+def finished_between(
+    url: str, schema: str, start: dt.datetime, end: dt.datetime, *, delay_s: float = -1.0
+) -> tuple[int, float]:
+    """The jobs that finished in [start, end), and the 99th percentile of their wait from
+    their insert to their claim, in milliseconds (0 without jobs). The jobs were loaded by
+    :func:`load` with ``delay_s`` (runnable that long after their insert; its
+    ``created_at`` is made up), so the wait is ``started_at - available_at + delay_s``."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        count, p99 = conn.execute(
+            _q(
+                "SELECT count(*), percentile_cont(0.99) WITHIN GROUP (ORDER BY "
+                "(extract(epoch FROM started_at - available_at) + %s) * 1000) "
+                "FROM {schema}.jobs_history WHERE finished_at >= %s AND finished_at < %s",
+                schema,
+            ),
+            (delay_s, start, end),
+        ).fetchone()
+    return int(count), float(p99 or 0.0)
 
 
 def table_sizes(url: str, schema: str) -> dict[str, int]:

@@ -21,10 +21,16 @@ stay bounded under churn.
   grow with the jobs processed, as they must, and go a day at a time. What must stay flat
   is the hot ``jobs`` table the claim reads: ``hot_*_mb`` are its sizes at the same
   moments, ``hot_dead_rows_end`` its dead rows at the end (``pg_stat_user_tables``).
+  For a soak (``--churn-seconds 1800``), the first third is warm-up: ``hot_third_mb``
+  and ``hot_growth_after_third`` (the hot table at the end over its size at a third), and
+  per third ``finished_per_s_tN`` and ``claim_wait_p99_ms_tN`` (the 99th percentile of
+  the wait from insert to claim of the jobs that finished in that third, read from
+  history) say whether the drain and the claim stayed flat.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 
@@ -144,6 +150,7 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
         ):
             harness.wait_ready(proc, state)
             started = time.monotonic()
+            server_start = pgdata.server_now(url)
             next_sample = started
             autovacuum = pgdata.autovacuum_on(url)
             next_vacuum = started + VACUUM_EVERY
@@ -154,7 +161,9 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
                     next_vacuum = now + VACUUM_EVERY
                 due = int((now - started) * rate) - fed
                 if due > 0:
-                    pgdata.load(url, CHURN_SCHEMA, due, events=variant.events, vacuum=False)
+                    pgdata.load(
+                        url, CHURN_SCHEMA, due, events=variant.events, vacuum=False, notify=True
+                    )
                     fed += due
                 if now >= next_sample:
                     sample(now - started)
@@ -163,6 +172,15 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             sample(time.monotonic() - started)
             unfinished = pgdata.count_unfinished(url, CHURN_SCHEMA)
             dead_rows = pgdata.dead_rows(url, CHURN_SCHEMA, "jobs")
+            thirds = [
+                pgdata.finished_between(
+                    url,
+                    CHURN_SCHEMA,
+                    server_start + dt.timedelta(seconds=seconds * n / 3),
+                    server_start + dt.timedelta(seconds=seconds * (n + 1) / 3),
+                )
+                for n in range(3)
+            ]
 
         def size_at(fraction: float, column: int = 1) -> float:
             return min(samples, key=lambda s: abs(s[0] - seconds * fraction))[column]
@@ -183,6 +201,19 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             "hot_end_mb": samples[-1][2],
             "hot_max_mb": max(hot for _, _, hot in samples),
             "hot_dead_rows_end": float(dead_rows),
+            # The soak's flatness, after a third of the time as warm-up: the hot table's
+            # size at a third and at the end, and per third the jobs finished a second and
+            # the 99th percentile of their wait from insert to claim (the server's clock).
+            "hot_third_mb": size_at(1 / 3, 2),
+            "hot_growth_after_third": samples[-1][2] / max(size_at(1 / 3, 2), 1e-9),
+            **{
+                f"{what}_t{n + 1}": value
+                for n, (count, p99) in enumerate(thirds)
+                for what, value in (
+                    ("finished_per_s", count / (seconds / 3)),
+                    ("claim_wait_p99_ms", p99),
+                )
+            },
         }
     finally:
         pgdata.drop_schema(url, CHURN_SCHEMA)

@@ -29,16 +29,17 @@ def where(conn, schema: str, job_id: str) -> list[tuple[str, str]]:
     ).fetchall()
 
 
-def finish(broker, queue: str, job_id: str, outcome: str) -> None:
+def finish(broker, queue: str, job_id: str, outcome: str, now: dt.datetime | None = None) -> None:
+    """Claim the job (by the server's clock) and end it with ``outcome``, at ``now`` if given."""
     if outcome == "cancelled":
         broker.store.cancel(job_id)
         return
     claimed = [c for c in broker.store.claim(queue, 100, "w", 60) if c.id == job_id]
     attempt = Attempt(job_id, "w", claimed[0].attempts)
     if outcome == "succeeded":
-        assert broker.store.complete([attempt]) == {job_id}
+        assert broker.store.complete([attempt], now=now) == {job_id}
     else:
-        assert broker.store.fail([attempt], ["boom"]) == {job_id}
+        assert broker.store.fail([attempt], ["boom"], now=now) == {job_id}
 
 
 @pytest.mark.parametrize("outcome", ["succeeded", "failed", "cancelled"])
@@ -263,7 +264,9 @@ def history_locks(conn, schema: str) -> set[str]:
 @pytest.fixture
 def noon(monkeypatch):
     """This process's clock at noon (UTC) of the server's day, and its ms timestamp: the
-    send probes that day's partitions only."""
+    send probes that day's partitions only, whatever the real time. A job that must be
+    found finishes at noon too (``finish(..., now=at_noon(stamp))``): by the real clock it
+    could finish before the message's fake stamp, where no probe looks."""
 
     def at(conn) -> int:
         (today,) = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()
@@ -272,6 +275,11 @@ def noon(monkeypatch):
         return int(stamp * 1000), f"{today:%Y%m%d}"
 
     return at
+
+
+def at_noon(stamp: int) -> dt.datetime:
+    """A minute after the message stamped ``stamp`` (ms) was built."""
+    return dt.datetime.fromtimestamp(stamp / 1000 + 60, dt.timezone.utc)
 
 
 def test_a_send_locks_only_the_partitions_of_its_day(broker, task, conn, schema, noon):
@@ -296,7 +304,7 @@ def test_a_finished_id_is_found_in_its_days_partition(broker, task, queue, conn,
     stamp, _ = noon(conn)
     done = task.message(0).copy(message_timestamp=stamp)
     broker.enqueue(done)
-    finish(broker, queue, done.message_id, "failed")
+    finish(broker, queue, done.message_id, "failed", now=at_noon(stamp))
     for send in (broker.enqueue, lambda m: broker.enqueue_many([m])):
         with pytest.raises(JobAlreadyFinished, match="already failed"):
             send(done.copy())
@@ -316,6 +324,6 @@ def test_a_partition_dropped_by_hand_sends_through_the_parent(
     broker.enqueue(second)
     assert where(conn, schema, second.message_id) == [("jobs", "queued")]
     # The failed job now lands in the DEFAULT partition, where the parent's probe finds it.
-    finish(broker, queue, first.message_id, "failed")
+    finish(broker, queue, first.message_id, "failed", now=at_noon(stamp))
     with pytest.raises(JobAlreadyFinished):
         broker.enqueue(first.copy())

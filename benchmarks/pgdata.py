@@ -357,19 +357,17 @@ class Sampler(threading.Thread):
 def drain_outcome(url: str, schema: str, queue: str = QUEUE) -> dict:
     """Succeeded jobs of the queue, claims made (``claimed`` events), and the server's
     time from the first claim to the last outcome."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        succeeded, seconds = conn.execute(
-            _q(
-                "SELECT count(*) FILTER (WHERE status = 'succeeded'), "
-                "extract(epoch FROM max(finished_at) - min(started_at))::float8 "
-                "FROM {schema}.all_jobs WHERE queue_name = %s",
-                schema,
-            ),
-            (queue,),
-        ).fetchone()
-        claims = conn.execute(
-            _q("SELECT count(*) FROM {schema}.job_events WHERE type = 'claimed'", schema)
-        ).fetchone()[0]
+    succeeded, seconds = _one(
+        url,
+        "SELECT count(*) FILTER (WHERE status = 'succeeded'), "
+        "extract(epoch FROM max(finished_at) - min(started_at))::float8 "
+        "FROM {schema}.all_jobs WHERE queue_name = %s",
+        schema,
+        (queue,),
+    )
+    (claims,) = _one(
+        url, "SELECT count(*) FROM {schema}.job_events WHERE type = 'claimed'", schema, ()
+    )
     return {"succeeded": succeeded, "seconds": seconds, "claims": claims}
 
 
@@ -415,17 +413,21 @@ def finished_between(
     their insert to their claim, in milliseconds (0 without jobs). The jobs were loaded by
     :func:`load` with ``delay_s`` (runnable that long after their insert; its
     ``created_at`` is made up), so the wait is ``started_at - available_at + delay_s``."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        count, p99 = conn.execute(
-            _q(
-                "SELECT count(*), percentile_cont(0.99) WITHIN GROUP (ORDER BY "
-                "(extract(epoch FROM started_at - available_at) + %s) * 1000) "
-                "FROM {schema}.jobs_history WHERE finished_at >= %s AND finished_at < %s",
-                schema,
-            ),
-            (delay_s, start, end),
-        ).fetchone()
+    count, p99 = _one(
+        url,
+        "SELECT count(*), percentile_cont(0.99) WITHIN GROUP (ORDER BY "
+        "(extract(epoch FROM started_at - available_at) + %s) * 1000) "
+        "FROM {schema}.jobs_history WHERE finished_at >= %s AND finished_at < %s",
+        schema,
+        (delay_s, start, end),
+    )
     return int(count), float(p99 or 0.0)
+
+
+def _one(url: str, text: str, schema: str, params: tuple) -> tuple:
+    """The one row of a statement on the schema's tables, on a connection of its own."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(_q(text, schema), params).fetchone()
 
 
 def table_sizes(url: str, schema: str) -> dict[str, int]:

@@ -53,13 +53,12 @@ class HistoryProbe:
 
     Parameters:
       schema(str): the broker's schema.
-      parent(str): the probe's relation as the statements write it (``schema.jobs_history
-        AS h``), replaced by :meth:`statement`.
     """
 
-    def __init__(self, schema: str, parent: str) -> None:
+    def __init__(self, schema: str) -> None:
         self.schema = schema
-        self.parent = parent
+        #: The probe's relation as the send statements write it, replaced by :meth:`statement`.
+        self.parent = sql.SQL("{}.jobs_history AS h").format(sql.Identifier(schema)).as_string(None)
         self._lock = threading.Lock()
         #: day -> the partitions' relation text, or (None, when it was found missing).
         self._days: dict[dt.date, tuple[str | None, float]] = {}

@@ -34,7 +34,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg import sql
 from psycopg.copy import LibpqWriter
 from psycopg.types.json import Jsonb
 
@@ -454,9 +453,7 @@ class JobStore:
         self.schema = schema
         self.events = events
         self.queries = Queries(schema)
-        self.history = HistoryProbe(
-            schema, sql.SQL("{}.jobs_history AS h").format(sql.Identifier(schema)).as_string(None)
-        )
+        self.history = HistoryProbe(schema)
 
     # -- plumbing ------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ def ms(text: str) -> int:
     ],
 )
 def test_a_message_of_today_probes_its_days_by_name(sent_at, now, days):
-    probe = HistoryProbe("s", "s.jobs_history AS h")
+    probe = HistoryProbe("s")
     assert [str(day) for day in probe.days(ms(sent_at), ms(now))] == days
 
 
@@ -45,12 +45,12 @@ def test_a_message_of_today_probes_its_days_by_name(sent_at, now, days):
     ],
 )
 def test_other_messages_probe_the_parent(sent_at, now):
-    probe = HistoryProbe("s", "s.jobs_history AS h")
+    probe = HistoryProbe("s")
     assert probe.days(None if sent_at is None else ms(sent_at), ms(now)) == ()
 
 
 def test_a_message_stamped_ahead_of_this_clock_still_probes_today():
-    probe = HistoryProbe("s", "s.jobs_history AS h")
+    probe = HistoryProbe("s")
     days = probe.days(ms("2026-12-01T13:30"), ms("2026-12-01T12:00"))
     assert [str(day) for day in days] == ["2026-12-01"]
     # Stamped days ahead: the parent, whose bound says what it always said.

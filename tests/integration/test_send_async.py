@@ -27,12 +27,14 @@ from dramatiq_pg_broker import (
 )
 from tests.rows import event_types, status_of
 
-#: The event loop's worst tolerated delay beside the sends, and at the 99th percentile
-#: (milliseconds). An idle ticker on a loaded two-core machine already sees its worst tick
-#: at up to 20 ms (the operating system's scheduling); a loop blocked by the sends would be
-#: late by the time of every send it made, hundreds of milliseconds for 1,000.
-WORST_TICK_MS = 50
-P99_TICK_MS = 10
+#: The event loop's worst tolerated delay beside the sends, and at the 90th percentile
+#: (milliseconds). On a loaded two-core machine a loop that never blocks still sees ticks
+#: late by up to 55 ms at worst and 8 ms at the 90th percentile (the operating system's
+#: scheduling, the sends' own Python on the loop's thread); a loop blocked by the sends
+#: ticks about ten times a second and is late by hundreds of milliseconds at the 90th
+#: percentile (measured with sends through synchronous connections in coroutines).
+WORST_TICK_MS = 100
+P90_TICK_MS = 20
 
 
 @pytest.fixture
@@ -372,14 +374,14 @@ async def ticker_delays(work) -> tuple[list[float], float]:
 
 def assert_never_late(delays: list[float], took: float, what: str) -> None:
     ordered = sorted(delays)
-    worst, p99 = ordered[-1], ordered[int(len(ordered) * 0.99)]
+    worst, p90 = ordered[-1], ordered[int(len(ordered) * 0.9)]
     summary = (
         f"{what}: {len(delays)} ticks over {took:.2f}s, worst {worst:.1f} ms, "
-        f"99th percentile {p99:.1f} ms"
+        f"90th percentile {p90:.1f} ms"
     )
     assert len(delays) >= took * 100, f"the ticker hardly ran: {summary}"
     assert worst <= WORST_TICK_MS, f"the event loop was blocked: {summary}"
-    assert p99 <= P99_TICK_MS, f"the event loop was often late: {summary}"
+    assert p90 <= P90_TICK_MS, f"the event loop was often late: {summary}"
 
 
 def test_a_ticker_beside_1000_send_async_is_never_late(broker, task):
@@ -422,6 +424,31 @@ def test_a_ticker_beside_1000_sends_in_async_transactions_is_never_late(broker, 
     delays, took = asyncio.run(main())
     assert_never_late(delays, took, "1,000 sends in 100 async transaction blocks")
     assert broker.store.count_unfinished(task.queue_name) == 1001
+
+
+def test_the_bounds_fail_a_loop_blocked_by_synchronous_transactions(broker, task, pg_url):
+    """The control of the bounds: the same 100 transaction blocks through synchronous
+    connections, each commit blocking the loop, fail ``assert_never_late``."""
+
+    async def work():
+        async def client(app):
+            for _ in range(10):
+                with broker.transaction(app):
+                    for n in range(10):
+                        task.send(n)
+                await asyncio.sleep(0)
+
+        apps = [psycopg.connect(pg_url) for _ in range(10)]
+        try:
+            await asyncio.gather(*(client(app) for app in apps))
+        finally:
+            for app in apps:
+                app.close()
+
+    delays, took = asyncio.run(ticker_delays(work))
+    with pytest.raises(AssertionError):
+        assert_never_late(delays, took, "1,000 blocking sends in 100 transaction blocks")
+    assert broker.store.count_unfinished(task.queue_name) == 1000
 
 
 def test_the_ticker_sees_a_loop_blocked_by_synchronous_sends(broker, task):

@@ -77,12 +77,20 @@ def create_engine(url: str, settings: Settings) -> Engine:
     statement that runs longer than ``settings.statement_timeout`` (PostgreSQL's
     ``statement_timeout``, set once per connection): no request, whatever its filters,
     holds the database longer; the client gets a 503 that says so.
+
+    The connections also turn off PostgreSQL's JIT compilation (``jit``): the reads are
+    short index walks, but over dozens of partitions of history the planner's cost of one
+    passes ``jit_above_cost``, and compiling it took longer than running it (a second,
+    for a member's event feed of 5 ms).
     """
     timeout = statement_timeout_ms(settings)
 
     def connect() -> psycopg.Connection:
         conn = psycopg.connect(url, connect_timeout=DATABASE_WAIT_SECONDS, autocommit=True)
-        conn.execute("SELECT set_config('statement_timeout', %s, false)", (f"{timeout}ms",))
+        conn.execute(
+            "SELECT set_config('statement_timeout', %s, false), set_config('jit', 'off', false)",
+            (f"{timeout}ms",),
+        )
         conn.autocommit = False
         return conn
 

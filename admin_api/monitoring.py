@@ -97,7 +97,7 @@ class Monitor:
             return queues, self._new_events(conn, cursor, settle)
 
     def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueCounts]:
-        rows = conn.exec_driver_sql(self.queues_statement, {"now": now})
+        rows = conn.exec_driver_sql(self.queues_statement, {"now": now, "failed": True})
         found = {
             queue_name: dataclasses.replace(
                 counts, oldest_waiting_seconds=counts.oldest_waiting_seconds or 0.0

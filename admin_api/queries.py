@@ -45,6 +45,21 @@ COUNT_CAP = 10_000
 COMMON_EVENT_TYPES = ("created", "claimed", "succeeded")
 #: The most actor names an ``actor`` filter may match.
 MAX_ACTOR_MATCHES = 50
+#: How many rows of the list an ``actor`` filter matching several names reads, looking for
+#: its page, before walking each name's index range instead.
+ACTOR_SCAN_ROWS = 1000
+
+#: How far a job's ``created_at`` (which may come from the sender's clock) may be ahead of
+#: the server's clock that stamps its finish and its events: the reads that leave out the
+#: partitions of history and events before a job was created start this much earlier.
+CLOCK_SLACK = dt.timedelta(hours=1)
+#: Up to how many owned jobs a member's event feed may be read job by job (see
+#: ``JobQueries._feed_by_job``); past it, the feed is walked newest first and filtered.
+FEED_OWNED_CAP = 10_000
+#: What one index probe of a job's events in one partition costs, in events read by a
+#: walk of the feed (measured: about 0.1 ms a job over 15 partitions against 0.003 ms an
+#: event walked).
+FEED_PROBE_COST = 2
 
 #: The job columns the API shows, in order.
 JOB_COLUMNS = (
@@ -305,60 +320,120 @@ class JobQueries:
                     sa.literal(cursor.created_at, Timestamp), sa.literal(cursor.id, jobs.c.id.type)
                 )
                 position.append(key < mark if cursor.older else key > mark)
-            # One index walk per branch, each fetching what the page could need (the rows
-            # skipped by the offset, the page, and one more to tell whether more follow),
-            # then the page of the merged ids.
+            # The page: one walk of the list's order kept by actor when several names match
+            # (as long as the page is near the start); else one index walk per branch.
             wanted = offset + limit + 1
-            selects = [
-                sa.select(jobs.c.id, jobs.c.created_at)
-                .where(*conditions, *branch, *position)
-                .order_by(*order)
-                .limit(wanted)
-                for branch in branches
-            ]
-            if len(selects) == 1:
-                merged = selects[0].limit(limit + 1).offset(offset).subquery("page")
+            found, count = None, None
+            if len(branches) > 1 and wanted * 4 <= ACTOR_SCAN_ROWS:
+                found = self._scan_for_actors(conn, [*conditions, *position], order, names, wanted)
+            if found is None and len(branches) > 1:
+                # The names are rare here: when none of them matches at all (the count
+                # probes each partition's actor index once), no name needs its walk.
+                count = self._count(conn, [*conditions, *names_condition])
+                if count == 0:
+                    return JobPage(0, True, [], False)
+            if found is None:
+                found = self._walk_branches(
+                    conn, [*conditions, *position], branches, order, older, limit, offset
+                )
             else:
-                merged_all = sa.union_all(*(q.subquery().select() for q in selects)).subquery("b")
-                merged_order = (
-                    (merged_all.c.created_at.desc(), merged_all.c.id.desc())
-                    if older
-                    else (merged_all.c.created_at.asc(), merged_all.c.id.asc())
-                )
-                merged = (
-                    sa.select(merged_all.c.id, merged_all.c.created_at)
-                    .order_by(*merged_order)
-                    .limit(limit + 1)
-                    .offset(offset)
-                    .subquery("page")
-                )
-            found = conn.execute(
-                sa.select(merged.c.id).order_by(
-                    *(
-                        (merged.c.created_at.desc(), merged.c.id.desc())
-                        if older
-                        else (merged.c.created_at.asc(), merged.c.id.asc())
-                    )
-                )
-            ).all()
+                found = found[offset:]
             more = len(found) > limit
             ids = [row.id for row in found[:limit]]
             rows = []
             if ids:
+                # From the partitions that can hold them: none finished before the oldest
+                # of them was created (less CLOCK_SLACK).
+                oldest = min(row.created_at for row in found[:limit]) - CLOCK_SLACK
                 newest_first = (jobs.c.created_at.desc(), jobs.c.id.desc())
                 rows = conn.execute(
-                    _summary_select().where(jobs.c.id.in_(ids)).order_by(*newest_first)
+                    _summary_select()
+                    .where(
+                        jobs.c.id.in_(ids),
+                        sa.or_(jobs.c.finished_at.is_(None), jobs.c.finished_at >= oldest),
+                    )
+                    .order_by(*newest_first)
                 ).all()
-            capped = (
-                sa.select(sa.literal(1))
-                .select_from(jobs)
-                .where(*conditions, *names_condition)
-                .limit(COUNT_CAP + 1)
-                .subquery()
-            )
-            count = conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
+            if count is None:
+                count = self._count(conn, [*conditions, *names_condition])
         exact = count <= COUNT_CAP
         return JobPage(min(count, COUNT_CAP), exact, [summary_dict(row) for row in rows], more)
+
+    @staticmethod
+    def _count(conn, conditions) -> int:
+        """How many jobs of the list match, counted up to :data:`COUNT_CAP` + 1."""
+        capped = (
+            sa.select(sa.literal(1))
+            .select_from(jobs)
+            .where(*conditions)
+            .limit(COUNT_CAP + 1)
+            .subquery()
+        )
+        return conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
+
+    @staticmethod
+    def _scan_for_actors(conn, conditions, order, names, wanted: int):
+        """The first ``wanted`` jobs of a filter matching several actor names, read from
+        one walk of the list's order (``jobs_created_at_idx`` and its counterparts) and
+        kept when their actor is one of ``names``; None when :data:`ACTOR_SCAN_ROWS` rows
+        were read without finding as many (the names are rare: each then walks its own
+        index range, see :meth:`_walk_branches`).
+
+        A walk per name merges that name's range of every partition of history; with many
+        names, planning those walks alone costs more than reading the rows that a filter
+        matching many actors finds among the first of the list.
+        """
+        rows = conn.execute(
+            sa.select(jobs.c.id, jobs.c.created_at, jobs.c.actor_name)
+            .where(*conditions)
+            .order_by(*order)
+            .limit(ACTOR_SCAN_ROWS)
+        ).all()
+        kept = set(names)
+        found = [row for row in rows if row.actor_name in kept][:wanted]
+        if len(found) < wanted and len(rows) == ACTOR_SCAN_ROWS:
+            return None
+        return found
+
+    @staticmethod
+    def _walk_branches(conn, conditions, branches, order, older: bool, limit: int, offset: int):
+        """The page after ``offset`` jobs (and one more, to tell whether more follow): one
+        index walk per branch (an actor name each, or one branch without a name), each
+        fetching what the page could need, merged."""
+        wanted = offset + limit + 1
+        selects = [
+            sa.select(jobs.c.id, jobs.c.created_at)
+            .where(*conditions, *branch)
+            .order_by(*order)
+            .limit(wanted)
+            for branch in branches
+        ]
+        if len(selects) == 1:
+            merged = selects[0].limit(limit + 1).offset(offset).subquery("page")
+        else:
+            merged_all = sa.union_all(*(q.subquery().select() for q in selects)).subquery("b")
+            merged_order = (
+                (merged_all.c.created_at.desc(), merged_all.c.id.desc())
+                if older
+                else (merged_all.c.created_at.asc(), merged_all.c.id.asc())
+            )
+            merged = (
+                sa.select(merged_all.c.id, merged_all.c.created_at)
+                .order_by(*merged_order)
+                .limit(limit + 1)
+                .offset(offset)
+                .subquery("page")
+            )
+        found = conn.execute(
+            sa.select(merged.c.id, merged.c.created_at).order_by(
+                *(
+                    (merged.c.created_at.desc(), merged.c.id.desc())
+                    if older
+                    else (merged.c.created_at.asc(), merged.c.id.asc())
+                )
+            )
+        ).all()
+        return found
 
     def _list_owned_jobs(
         self,
@@ -380,10 +455,12 @@ class JobQueries:
         fetched by id from ``jobs`` and from the partitions of ``jobs_history`` that
         finished at or after it was created: PostgreSQL prunes, per owner row, every day
         before (in ``EXPLAIN ANALYZE``, those partitions are never executed). A page of
-        recent jobs reads the last days only; the count reads, for each of up to
-        :data:`COUNT_CAP` owned jobs, the days from its creation on. The status, queue and
-        actor filters apply to the fetched job; an owner row whose job is gone (a flushed
-        queue) is skipped, as the full list does.
+        recent jobs reads the last days only. The status, queue and actor filters apply to
+        the fetched job, and their count reads, for each of up to :data:`COUNT_CAP` owned
+        jobs, the days from its creation on until the job is found; without them the
+        count is of the member's owner rows alone (an owner row goes with its job:
+        retention and a queue's flush delete both). An owner row whose job is gone anyway
+        is skipped by the page.
         """
         owners = job_owners
         live = sa.select(
@@ -403,7 +480,10 @@ class JobQueries:
             # partitions) that cannot hold it.
             live = live.where(jobs_table.c.status == filters.status)
             finished = finished.where(jobs_history.c.status == filters.status)
-        job = sa.union_all(live, finished).lateral("job")
+        # A job is in one place (ids are unique across the hot table and history): the
+        # lateral stops at the first row found, so the job's later partitions are never
+        # read (the hot table first, then history's days from its creation on).
+        job = sa.union_all(live, finished).limit(1).lateral("job")
         conditions: list[Any] = [owners.c.user_id == owner_id]
         if filters.queue is not None:
             conditions.append(job.c.queue_name == filters.queue)
@@ -426,6 +506,7 @@ class JobQueries:
             else (owners.c.created_at.asc(), owners.c.job_id.asc())
         )
         source = owners.join(job, sa.true())
+        job_filtered = filters.status is not None or filters.queue is not None
         with self.engine.connect() as conn:
             if filters.actor is not None:
                 names, every_actor = self._matching_actors(conn, filters.actor)
@@ -433,6 +514,7 @@ class JobQueries:
                     return JobPage(0, True, [], False)
                 if not every_actor:  # a filter every job passes is left out
                     conditions.append(job.c.actor_name.in_(names))
+                    job_filtered = True
             page = (
                 sa.select(owners.c.job_id, owners.c.created_at)
                 .select_from(source)
@@ -457,13 +539,15 @@ class JobQueries:
                     )
                     .order_by(jobs.c.created_at.desc(), jobs.c.id.desc())
                 ).all()
-            capped = (
-                sa.select(sa.literal(1))
-                .select_from(source)
-                .where(*conditions)
-                .limit(COUNT_CAP + 1)
-                .subquery()
-            )
+            counted = sa.select(sa.literal(1)).where(*conditions)
+            if job_filtered:
+                counted = counted.select_from(source)
+            else:
+                # Nothing asked of the job itself: each owner row stands for its job (every
+                # path that deletes jobs deletes their owner rows: retention, a queue's
+                # flush), and the count reads the member's index entries alone.
+                counted = counted.select_from(owners)
+            capped = counted.limit(COUNT_CAP + 1).subquery()
             count = conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
         exact = count <= COUNT_CAP
         return JobPage(min(count, COUNT_CAP), exact, [summary_dict(row) for row in rows], more)
@@ -585,24 +669,89 @@ class JobQueries:
                 query = query.where(job_events.c.type.not_in(common))
         if job_id is not None:
             query = query.where(job_events.c.job_id == job_id)
-        if owner_id is not None:
-            query = query.join(job_owners, job_owners.c.job_id == job_events.c.job_id).where(
-                job_owners.c.user_id == owner_id
-            )
         newer = cursor is not None and not cursor.older
-        if cursor is None:
-            query = query.order_by(job_events.c.id.desc())
-        elif cursor.older:
-            query = query.where(job_events.c.id < cursor.event_id).order_by(job_events.c.id.desc())
-        else:
-            query = query.where(job_events.c.id > cursor.event_id).order_by(job_events.c.id)
+        if cursor is not None:
+            query = query.where(
+                job_events.c.id > cursor.event_id if newer else job_events.c.id < cursor.event_id
+            )
+        order = job_events.c.id.asc() if newer else job_events.c.id.desc()
         with self.engine.connect() as conn:
-            rows = conn.execute(query.limit(limit + 1)).all()
+            if owner_id is not None and job_id is None and self._feed_by_job(conn, owner_id, limit):
+                rows = conn.execute(self._owned_feed(query, newer, limit, owner_id)).all()
+            else:
+                if owner_id is not None:
+                    query = query.join(
+                        job_owners, job_owners.c.job_id == job_events.c.job_id
+                    ).where(job_owners.c.user_id == owner_id)
+                rows = conn.execute(query.order_by(order).limit(limit + 1)).all()
         more = len(rows) > limit
         rows = rows[:limit]
         if newer:
             rows.reverse()
         return [event_dict(row) for row in rows], more
+
+    def _feed_by_job(self, conn, owner_id: int, limit: int) -> bool:
+        """Whether a member's page of the feed is cheaper read job by job
+        (:meth:`_owned_feed`) than by walking the feed newest first and keeping their
+        events: by the member's share of the events. A walk reads about ``limit`` events
+        for each of the member's among all (everyone's events per the planner's
+        statistics, three per owned job); asking each owned job costs an index probe per
+        partition of events, about :data:`FEED_PROBE_COST` rows of a walk each. Up to
+        :data:`FEED_OWNED_CAP` owned jobs (counted from ``job_owners_user_created_idx``).
+        """
+        owned_rows = (
+            sa.select(sa.literal(1))
+            .select_from(job_owners)
+            .where(job_owners.c.user_id == owner_id)
+            .limit(FEED_OWNED_CAP + 1)
+            .subquery()
+        )
+        owned = conn.execute(sa.select(sa.func.count()).select_from(owned_rows)).scalar_one()
+        if owned == 0 or owned > FEED_OWNED_CAP:
+            return False
+        events, partitions = conn.execute(
+            sa.text(
+                "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.reltuples > 0), 0), count(*) "
+                "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = to_regclass(:parent)"
+            ),
+            {"parent": f'"{self.schema}".job_events'},
+        ).one()
+        walked = (limit + 1) * float(events) / (3 * owned)
+        return owned * int(partitions) * FEED_PROBE_COST < walked
+
+    @staticmethod
+    def _owned_feed(query, newer: bool, limit: int, owner_id: int):
+        """A member's page of the feed, driven by their jobs: for each job they own, its
+        own page of events (``job_events_job_id_idx``, in the partitions from the day the
+        job was created on), merged by event id.
+
+        Walking the feed newest first and keeping the member's events reads, for a member
+        whose jobs are old or rare, nearly every event of the retention period. Asking each
+        of their jobs instead costs an index probe per partition and job, however long
+        the feed is (:meth:`_feed_by_job` chooses). An event is never older than
+        its job; :data:`CLOCK_SLACK` covers a client clock ahead of the server's (the
+        job's ``created_at`` may be the sender's). ``newer``: the page after a cursor, oldest
+        first; else newest first.
+        """
+        owners = job_owners.alias("owners")
+        per_job = (
+            query.where(
+                job_events.c.job_id == owners.c.job_id,
+                job_events.c.created_at >= owners.c.created_at - CLOCK_SLACK,
+            )
+            .order_by(job_events.c.id.asc() if newer else job_events.c.id.desc())
+            .limit(limit + 1)
+            .lateral("event")
+        )
+        by_id = per_job.c.id.asc() if newer else per_job.c.id.desc()
+        return (
+            sa.select(*[per_job.c[column.name] for column in job_events.c])
+            .select_from(owners.join(per_job, sa.true()))
+            .where(owners.c.user_id == owner_id)
+            .order_by(by_id)
+            .limit(limit + 1)
+        )
 
     # -- stats ---------------------------------------------------------------------------
 
@@ -618,13 +767,13 @@ class JobQueries:
           (``jobs_lease_expiry_idx``); they hold only unfinished jobs. The counts per
           queue are the job store's (``count_by_queue``), which the CLI and the metrics
           show too.
-        - ``failed`` and ``cancelled`` are exact, counted in their partitions of
-          ``jobs_history`` (the hot table holds none).
-        - ``succeeded`` is exact while its partitions of history are small (under
-          :data:`EXACT_STATS_MAX_BYTES` together). Above that it is PostgreSQL's own row
-          estimate (``pg_class.reltuples`` per page, times the partitions' current pages:
-          what the planner uses), and ``estimated`` is then true. Partitions are only
-          ever inserted into, and autovacuum analyzes them as they fill.
+        - ``succeeded``, ``failed`` and ``cancelled`` (history only: the hot table holds
+          no finished job) are each exact while that status's partitions of history are
+          small (under :data:`EXACT_STATS_MAX_BYTES` together). Above that the count is
+          PostgreSQL's own row estimate (``pg_class.reltuples`` per page, times the
+          partitions' current pages: what the planner uses), and ``estimated`` is then
+          true. Partitions are only ever inserted into, and autovacuum analyzes them as
+          they fill.
 
         ``by_queue`` counts unfinished jobs only (queued and running per queue): counting
         the history per queue would mean reading every finished row.
@@ -632,11 +781,6 @@ class JobQueries:
         now_value = sa.literal(now, Timestamp) if now is not None else sa.func.now()
         queued = jobs.c.status == "queued"
         running = jobs.c.status == "running"
-        dead = (
-            sa.select(jobs.c.status, sa.func.count())
-            .where(jobs.c.status.in_(("failed", "cancelled")))
-            .group_by(jobs.c.status)
-        )
         expired = (
             sa.select(sa.func.count())
             .select_from(jobs)
@@ -660,8 +804,8 @@ class JobQueries:
             .order_by(waiting.c.created_at, waiting.c.id)
             .limit(1)
         )
-        # The partitions of succeeded history, added up (a partition's reltuples is -1
-        # until its first ANALYZE: then the whole count is exact).
+        # The partitions of one status's history, added up (a partition's reltuples is
+        # -1 until its first ANALYZE: then the whole count is exact).
         size = sa.text(
             "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.reltuples > 0), 0), "
             "coalesce(sum(c.relpages), 0), coalesce(sum(pg_relation_size(c.oid)), 0), "
@@ -672,28 +816,29 @@ class JobQueries:
         with self.engine.connect() as conn:
             by_status = dict.fromkeys(STATUSES, 0)
             by_queue: dict[str, dict[str, int]] = {}
-            per_queue = conn.exec_driver_sql(self._count_by_queue, {"now": now})
+            # by_queue holds no failed count: the statement leaves out its failed part.
+            per_queue = conn.exec_driver_sql(self._count_by_queue, {"now": now, "failed": False})
             for queue_name, counts in queue_counts_of(per_queue).items():
                 waiting = counts.queued + counts.delayed
                 by_status["queued"] += waiting
                 by_status["running"] += counts.running
                 if waiting or counts.running:
                     by_queue[queue_name] = {"queued": waiting, "running": counts.running}
-            for status, n in conn.execute(dead):
-                by_status[status] = n
-            parent = f'"{self.schema}".jobs_history_succeeded'
-            reltuples, relpages, size_bytes, block, analyzed = conn.execute(
-                size, {"parent": parent}
-            ).one()
-            reltuples, relpages, size_bytes = float(reltuples), int(relpages), int(size_bytes)
-            # reltuples is -1 until the first ANALYZE: count exactly until then.
-            estimated = size_bytes > EXACT_STATS_MAX_BYTES and relpages > 0 and analyzed
-            if estimated:
-                by_status["succeeded"] = round(reltuples / relpages * (size_bytes / block))
-            else:
-                by_status["succeeded"] = conn.execute(
-                    sa.select(sa.func.count()).select_from(jobs).where(jobs.c.status == "succeeded")
-                ).scalar_one()
+            estimated = False
+            for status in ("succeeded", "failed", "cancelled"):
+                parent = f'"{self.schema}".jobs_history_{status}'
+                reltuples, relpages, size_bytes, block, analyzed = conn.execute(
+                    size, {"parent": parent}
+                ).one()
+                reltuples, relpages, size_bytes = float(reltuples), int(relpages), int(size_bytes)
+                # reltuples is -1 until the first ANALYZE: count exactly until then.
+                if size_bytes > EXACT_STATS_MAX_BYTES and relpages > 0 and analyzed:
+                    by_status[status] = round(reltuples / relpages * (size_bytes / block))
+                    estimated = True
+                else:
+                    by_status[status] = conn.execute(
+                        sa.select(sa.func.count()).select_from(jobs).where(jobs.c.status == status)
+                    ).scalar_one()
             total = sum(by_status.values())
             expired_count = conn.execute(expired).scalar_one()
             retries_count = conn.execute(retries).scalar_one()

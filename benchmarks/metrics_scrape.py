@@ -112,7 +112,7 @@ def explain(url: str, monitor: Monitor) -> None:
             dialect=engine.dialect, compile_kwargs={"literal_binds": True}
         )
         for name, statement, params in (
-            ("queues", monitor.queues_statement, {"now": None}),
+            ("queues", monitor.queues_statement, {"now": None, "failed": True}),
             ("new events", str(events), None),
         ):
             plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + statement, params).fetchall()

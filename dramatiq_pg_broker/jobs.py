@@ -1313,13 +1313,16 @@ class JobStore:
             0
         ][0]
 
-    def queue_counts(self, *, conn=None, now=None) -> dict[str, QueueCounts]:
+    def queue_counts(self, *, conn=None, now=None, failed: bool = True) -> dict[str, QueueCounts]:
         """Per queue, its waiting (runnable and delayed), running and failed jobs, and how
         long the oldest runnable one has waited: the one count the CLI's ``stats``, the
         admin API and its metrics all show. It reads the partial indexes on waiting,
         running and dead rows, never the finished rows of a big table, so it costs what
-        the backlog costs. A queue with no unfinished or failed job does not appear."""
-        return queue_counts_of(self._fetch("count_by_queue", {"now": now}, conn))
+        the backlog costs, plus a count of the failed partitions of history (left out,
+        and 0, with ``failed=False``). A queue with no unfinished or failed job does not
+        appear."""
+        params = {"now": now, "failed": failed}
+        return queue_counts_of(self._fetch("count_by_queue", params, conn))
 
     def flush(self, queue_name: str, *, conn=None) -> int:
         """Delete the waiting and running jobs of a queue; returns how many."""

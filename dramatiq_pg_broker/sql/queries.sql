@@ -1009,7 +1009,9 @@ WHERE queue_name = %(queue_name)s AND status = 'failed' AND finished_at >= %(sin
 -- of the jobs table (claim order, lease expiry), the failed part the failed partitions of
 -- jobs_history, so the succeeded rows are never read; the waiting jobs, usually the most numerous, are
 -- counted from the claim-order index alone (it holds queue_name and available_at). The
--- CLI's stats, the admin API and its metrics all read this one count.
+-- CLI's stats, the admin API and its metrics all read this one count. With
+-- %(failed)s false the failed part is not run (its count is 0): a history of millions of
+-- failed jobs costs a count of them all, which the admin API's stats leave out.
 WITH parts AS (
     SELECT queue_name,
            count(*) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
@@ -1031,7 +1033,7 @@ WITH parts AS (
     UNION ALL
     SELECT queue_name, 0, 0, 0, count(*), NULL
     FROM {schema}.jobs_history
-    WHERE status = 'failed'
+    WHERE status = 'failed' AND %(failed)s::boolean
     GROUP BY queue_name
 )
 SELECT queue_name, sum(queued)::bigint, sum(delayed)::bigint, sum(running)::bigint,
@@ -1042,8 +1044,9 @@ GROUP BY queue_name
 ORDER BY queue_name
 
 -- flush_queue --
--- Drop the waiting and running jobs of a queue (Dramatiq's flush), with their events and
--- idempotency keys; finished history stays. Returns how many jobs went.
+-- Drop the waiting and running jobs of a queue (Dramatiq's flush), with their events,
+-- idempotency keys and owner rows (the admin API's job_owners); finished history stays.
+-- Returns how many jobs went.
 WITH flushed AS (
     DELETE FROM {schema}.jobs
     WHERE queue_name = %(queue_name)s AND status IN ('queued', 'running')
@@ -1057,5 +1060,9 @@ WITH flushed AS (
     USING flushed
     WHERE k.actor_name = flushed.actor_name AND k.idempotency_scope = flushed.idempotency_scope
       AND k.idempotency_key = flushed.idempotency_key AND k.job_id = flushed.id
+), owners AS (
+    DELETE FROM {schema}.job_owners AS o
+    USING flushed
+    WHERE o.job_id = flushed.id
 )
 SELECT count(*) FROM flushed

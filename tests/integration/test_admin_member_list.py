@@ -23,8 +23,8 @@ PARTITION_DAY = re.compile(r"^jobs_history_(?:succeeded|failed|cancelled)_(\d{8}
 def history(env, schema):
     """Finished jobs over the last six days in their daily partitions: the member owns
     those of the last three days (two of them created at the same instant), another member
-    some older ones, nobody the rest; the member also owns two queued jobs and an owner row
-    whose job is gone (a flushed queue)."""
+    some older ones, nobody the rest; the member also owns two queued jobs, and owned one
+    more whose queue was flushed (gone, with its owner row)."""
     member = env.users["member"].id
     other = env.accounts.create_user(f"{uuid.uuid4().hex}@example.com", "a password", "member")
     with env.pool.connection() as conn:
@@ -55,15 +55,17 @@ def history(env, schema):
             f'INSERT INTO "{schema}".job_owners (job_id, user_id, created_at) '
             "SELECT * FROM unnest(%s::uuid[], %s::bigint[], %s::timestamptz[])",
             (
-                [r[0] for r in rows if r[4]] + [str(uuid.uuid4())],
-                [r[4] for r in rows if r[4]] + [member],
-                [r[5] for r in rows if r[4]] + [now - dt.timedelta(days=1)],
+                [r[0] for r in rows if r[4]],
+                [r[4] for r in rows if r[4]],
+                [r[5] for r in rows if r[4]],
             ),
         )
         conn.execute(f'ANALYZE "{schema}".job_owners')
     live = [
         env.create_job("member", actor_name=f"tests.member_{n}", queue_name="mq0") for n in (0, 1)
     ]
+    env.create_job("member", actor_name="tests.member_0", queue_name="mq_flushed")
+    assert env.store.flush("mq_flushed") == 1
     owned = {r[0] for r in rows if r[4] == member} | {job["id"] for job in live}
     oldest = min(r[5] for r in rows if r[4] == member)
     return owned, oldest

@@ -217,7 +217,10 @@ _SCHEMAS: dict[str, Any] = {
             "total": {"type": "integer"},
             "estimated": {
                 "type": "boolean",
-                "description": "total and succeeded are estimates (a big table).",
+                "description": (
+                    "total and at least one of succeeded, failed and cancelled are "
+                    "estimates (that status's history is big)."
+                ),
             },
             "by_status": {
                 "type": "object",

@@ -75,6 +75,24 @@ class AdminEnv:
     def post(self, path: str, role: str | None = "admin", **kwargs):
         return self.request("POST", path, role, **kwargs)
 
+    def walk(self, path: str, role: str = "admin") -> tuple[list[Any], list[Any], dict]:
+        """Every item id of a paged list from ``path``, following its next links; the same
+        collected again from the last page back by its previous links (in the list's
+        order: equal to the first when the links agree); and the first page."""
+        first = self.get(path, role)
+        assert first.status_code == 200, first.text
+        page, forward = first.json, []
+        while True:
+            forward += [item["id"] for item in page["results"]]
+            if page["next"] is None:
+                break
+            page = self.get(page["next"], role).json
+        backward = [item["id"] for item in page["results"]]
+        while page["previous"] is not None:
+            page = self.get(page["previous"], role).json
+            backward = [item["id"] for item in page["results"]] + backward
+        return forward, backward, first.json
+
     def login(self, email: str, password: str = PASSWORD) -> str:
         """Log in and return the session cookie's value."""
         result = self.client.simulate_post(

@@ -201,6 +201,49 @@ def summary_dict(row: sa.Row) -> dict[str, Any]:
     return data
 
 
+def _capped_count(conn, rows: sa.Select, cap: int | None = None) -> int:
+    """How many rows ``rows`` (a select) gives, counted up to ``cap`` (by default
+    :data:`COUNT_CAP`) + 1: the read stops there."""
+    capped = rows.limit((COUNT_CAP if cap is None else cap) + 1).subquery()
+    return conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
+
+
+def _newest_first(created_at, id_, newest: bool = True) -> tuple:
+    """The list's order on these columns: ``(created_at, id)`` descending, or ascending
+    (``newest`` false, a page walked towards newer jobs)."""
+    if newest:
+        return created_at.desc(), id_.desc()
+    return created_at.asc(), id_.asc()
+
+
+def _page_rows(conn, ids: list, created: list[dt.datetime]) -> list[sa.Row]:
+    """A page's jobs (list rows, newest first) by id, read from the partitions that can
+    hold them: none finished before the oldest of them was created (less
+    :data:`CLOCK_SLACK`)."""
+    oldest = min(created) - CLOCK_SLACK
+    return conn.execute(
+        _summary_select()
+        .where(
+            jobs.c.id.in_(ids),
+            sa.or_(jobs.c.finished_at.is_(None), jobs.c.finished_at >= oldest),
+        )
+        .order_by(*_newest_first(jobs.c.created_at, jobs.c.id))
+    ).all()
+
+
+#: The partitions of a partitioned table, added up from the planner's statistics: rows
+#: (a partition's reltuples is -1 until its first ANALYZE), pages, bytes, the block size,
+#: whether every partition was analyzed, and how many partitions.
+_PARTITIONS = sa.text(
+    "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.reltuples > 0), 0), "
+    "coalesce(sum(c.relpages), 0), coalesce(sum(pg_relation_size(c.oid)), 0), "
+    "current_setting('block_size')::int, coalesce(bool_and(c.reltuples >= 0), true), "
+    "count(*) "
+    "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+    "WHERE i.inhparent = to_regclass(:parent)"
+)
+
+
 def _stored_result(job_id: str) -> sa.Select:
     """The job's unexpired result from the results backend's table, newest first (an expired
     one is already gone for every reader)."""
@@ -308,11 +351,7 @@ class JobQueries:
                     branches = [[jobs.c.actor_name == name] for name in names]
                     names_condition = [jobs.c.actor_name.in_(names)]
             older = cursor is None or cursor.older
-            order = (
-                (jobs.c.created_at.desc(), jobs.c.id.desc())
-                if older
-                else (jobs.c.created_at.asc(), jobs.c.id.asc())
-            )
+            order = _newest_first(jobs.c.created_at, jobs.c.id, older)
             position: list[Any] = []
             if cursor is not None:
                 key = sa.tuple_(jobs.c.created_at, jobs.c.id)
@@ -329,47 +368,29 @@ class JobQueries:
             if found is None and len(branches) > 1:
                 # The names are rare here: when none of them matches at all (the count
                 # probes each partition's actor index once), no name needs its walk.
-                count = self._count(conn, [*conditions, *names_condition])
+                count = _capped_count(conn, self._counted(conditions, names_condition))
                 if count == 0:
                     return JobPage(0, True, [], False)
             if found is None:
                 found = self._walk_branches(
-                    conn, [*conditions, *position], branches, order, older, limit, offset
+                    conn, [*conditions, *position], branches, older, limit, offset
                 )
             else:
                 found = found[offset:]
             more = len(found) > limit
-            ids = [row.id for row in found[:limit]]
+            page = found[:limit]
             rows = []
-            if ids:
-                # From the partitions that can hold them: none finished before the oldest
-                # of them was created (less CLOCK_SLACK).
-                oldest = min(row.created_at for row in found[:limit]) - CLOCK_SLACK
-                newest_first = (jobs.c.created_at.desc(), jobs.c.id.desc())
-                rows = conn.execute(
-                    _summary_select()
-                    .where(
-                        jobs.c.id.in_(ids),
-                        sa.or_(jobs.c.finished_at.is_(None), jobs.c.finished_at >= oldest),
-                    )
-                    .order_by(*newest_first)
-                ).all()
+            if page:
+                rows = _page_rows(conn, [r.id for r in page], [r.created_at for r in page])
             if count is None:
-                count = self._count(conn, [*conditions, *names_condition])
+                count = _capped_count(conn, self._counted(conditions, names_condition))
         exact = count <= COUNT_CAP
         return JobPage(min(count, COUNT_CAP), exact, [summary_dict(row) for row in rows], more)
 
     @staticmethod
-    def _count(conn, conditions) -> int:
-        """How many jobs of the list match, counted up to :data:`COUNT_CAP` + 1."""
-        capped = (
-            sa.select(sa.literal(1))
-            .select_from(jobs)
-            .where(*conditions)
-            .limit(COUNT_CAP + 1)
-            .subquery()
-        )
-        return conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
+    def _counted(conditions, names_condition) -> sa.Select:
+        """The jobs of the list that its count counts."""
+        return sa.select(sa.literal(1)).select_from(jobs).where(*conditions, *names_condition)
 
     @staticmethod
     def _scan_for_actors(conn, conditions, order, names, wanted: int):
@@ -396,11 +417,12 @@ class JobQueries:
         return found
 
     @staticmethod
-    def _walk_branches(conn, conditions, branches, order, older: bool, limit: int, offset: int):
+    def _walk_branches(conn, conditions, branches, older: bool, limit: int, offset: int):
         """The page after ``offset`` jobs (and one more, to tell whether more follow): one
         index walk per branch (an actor name each, or one branch without a name), each
         fetching what the page could need, merged."""
         wanted = offset + limit + 1
+        order = _newest_first(jobs.c.created_at, jobs.c.id, older)
         selects = [
             sa.select(jobs.c.id, jobs.c.created_at)
             .where(*conditions, *branch)
@@ -412,28 +434,18 @@ class JobQueries:
             merged = selects[0].limit(limit + 1).offset(offset).subquery("page")
         else:
             merged_all = sa.union_all(*(q.subquery().select() for q in selects)).subquery("b")
-            merged_order = (
-                (merged_all.c.created_at.desc(), merged_all.c.id.desc())
-                if older
-                else (merged_all.c.created_at.asc(), merged_all.c.id.asc())
-            )
             merged = (
                 sa.select(merged_all.c.id, merged_all.c.created_at)
-                .order_by(*merged_order)
+                .order_by(*_newest_first(merged_all.c.created_at, merged_all.c.id, older))
                 .limit(limit + 1)
                 .offset(offset)
                 .subquery("page")
             )
-        found = conn.execute(
+        return conn.execute(
             sa.select(merged.c.id, merged.c.created_at).order_by(
-                *(
-                    (merged.c.created_at.desc(), merged.c.id.desc())
-                    if older
-                    else (merged.c.created_at.asc(), merged.c.id.asc())
-                )
+                *_newest_first(merged.c.created_at, merged.c.id, older)
             )
         ).all()
-        return found
 
     def _list_owned_jobs(
         self,
@@ -500,11 +512,7 @@ class JobQueries:
                 sa.literal(cursor.id, owners.c.job_id.type),
             )
             position.append(key < mark if cursor.older else key > mark)
-        order = (
-            (owners.c.created_at.desc(), owners.c.job_id.desc())
-            if older
-            else (owners.c.created_at.asc(), owners.c.job_id.asc())
-        )
+        order = _newest_first(owners.c.created_at, owners.c.job_id, older)
         source = owners.join(job, sa.true())
         job_filtered = filters.status is not None or filters.queue is not None
         with self.engine.connect() as conn:
@@ -528,17 +536,7 @@ class JobQueries:
             found = found[:limit]
             rows = []
             if found:
-                # The page's jobs, from the partitions that can hold them: none finished
-                # before the oldest of them was created.
-                oldest = min(row.created_at for row in found)
-                rows = conn.execute(
-                    _summary_select()
-                    .where(
-                        jobs.c.id.in_([row.job_id for row in found]),
-                        sa.or_(jobs.c.finished_at.is_(None), jobs.c.finished_at >= oldest),
-                    )
-                    .order_by(jobs.c.created_at.desc(), jobs.c.id.desc())
-                ).all()
+                rows = _page_rows(conn, [r.job_id for r in found], [r.created_at for r in found])
             counted = sa.select(sa.literal(1)).where(*conditions)
             if job_filtered:
                 counted = counted.select_from(source)
@@ -547,8 +545,7 @@ class JobQueries:
                 # path that deletes jobs deletes their owner rows: retention, a queue's
                 # flush), and the count reads the member's index entries alone.
                 counted = counted.select_from(owners)
-            capped = counted.limit(COUNT_CAP + 1).subquery()
-            count = conn.execute(sa.select(sa.func.count()).select_from(capped)).scalar_one()
+            count = _capped_count(conn, counted)
         exact = count <= COUNT_CAP
         return JobPage(min(count, COUNT_CAP), exact, [summary_dict(row) for row in rows], more)
 
@@ -699,23 +696,12 @@ class JobQueries:
         partition of events, about :data:`FEED_PROBE_COST` rows of a walk each. Up to
         :data:`FEED_OWNED_CAP` owned jobs (counted from ``job_owners_user_created_idx``).
         """
-        owned_rows = (
-            sa.select(sa.literal(1))
-            .select_from(job_owners)
-            .where(job_owners.c.user_id == owner_id)
-            .limit(FEED_OWNED_CAP + 1)
-            .subquery()
-        )
-        owned = conn.execute(sa.select(sa.func.count()).select_from(owned_rows)).scalar_one()
+        owned_rows = sa.select(sa.literal(1)).where(job_owners.c.user_id == owner_id)
+        owned = _capped_count(conn, owned_rows, FEED_OWNED_CAP)
         if owned == 0 or owned > FEED_OWNED_CAP:
             return False
-        events, partitions = conn.execute(
-            sa.text(
-                "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.reltuples > 0), 0), count(*) "
-                "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-                "WHERE i.inhparent = to_regclass(:parent)"
-            ),
-            {"parent": f'"{self.schema}".job_events'},
+        events, *_, partitions = conn.execute(
+            _PARTITIONS, {"parent": f'"{self.schema}".job_events'}
         ).one()
         walked = (limit + 1) * float(events) / (3 * owned)
         return owned * int(partitions) * FEED_PROBE_COST < walked
@@ -804,15 +790,6 @@ class JobQueries:
             .order_by(waiting.c.created_at, waiting.c.id)
             .limit(1)
         )
-        # The partitions of one status's history, added up (a partition's reltuples is
-        # -1 until its first ANALYZE: then the whole count is exact).
-        size = sa.text(
-            "SELECT coalesce(sum(c.reltuples) FILTER (WHERE c.reltuples > 0), 0), "
-            "coalesce(sum(c.relpages), 0), coalesce(sum(pg_relation_size(c.oid)), 0), "
-            "current_setting('block_size')::int, coalesce(bool_and(c.reltuples >= 0), true) "
-            "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-            "WHERE i.inhparent = to_regclass(:parent)"
-        )
         with self.engine.connect() as conn:
             by_status = dict.fromkeys(STATUSES, 0)
             by_queue: dict[str, dict[str, int]] = {}
@@ -827,8 +804,8 @@ class JobQueries:
             estimated = False
             for status in ("succeeded", "failed", "cancelled"):
                 parent = f'"{self.schema}".jobs_history_{status}'
-                reltuples, relpages, size_bytes, block, analyzed = conn.execute(
-                    size, {"parent": parent}
+                reltuples, relpages, size_bytes, block, analyzed, _ = conn.execute(
+                    _PARTITIONS, {"parent": parent}
                 ).one()
                 reltuples, relpages, size_bytes = float(reltuples), int(relpages), int(size_bytes)
                 # reltuples is -1 until the first ANALYZE: count exactly until then.

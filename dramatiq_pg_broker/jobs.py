@@ -1313,15 +1313,14 @@ class JobStore:
             0
         ][0]
 
-    def queue_counts(self, *, conn=None, now=None, failed: bool = True) -> dict[str, QueueCounts]:
+    def queue_counts(self, *, conn=None, now=None) -> dict[str, QueueCounts]:
         """Per queue, its waiting (runnable and delayed), running and failed jobs, and how
         long the oldest runnable one has waited: the one count the CLI's ``stats``, the
         admin API and its metrics all show. It reads the partial indexes on waiting,
         running and dead rows, never the finished rows of a big table, so it costs what
-        the backlog costs, plus a count of the failed partitions of history (left out,
-        and 0, with ``failed=False``). A queue with no unfinished or failed job does not
-        appear."""
-        params = {"now": now, "failed": failed}
+        the backlog costs, plus a count of the failed partitions of history. A queue with
+        no unfinished or failed job does not appear."""
+        params = {"now": now, "failed": True}
         return queue_counts_of(self._fetch("count_by_queue", params, conn))
 
     def flush(self, queue_name: str, *, conn=None) -> int:

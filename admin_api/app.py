@@ -80,8 +80,8 @@ def create_engine(url: str, settings: Settings) -> Engine:
 
     The connections also turn off PostgreSQL's JIT compilation (``jit``): the reads are
     short index walks, but over dozens of partitions of history the planner's cost of one
-    passes ``jit_above_cost``, and compiling it took longer than running it (a second,
-    for a member's event feed of 5 ms).
+    passes ``jit_above_cost``, and compiling it took longer than running it (about a
+    second on top of a member's event feed of 0.3 s, at 1,000,000 jobs).
     """
     timeout = statement_timeout_ms(settings)
 

@@ -27,6 +27,7 @@ makes psycopg refuse a commit or rollback inside it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -68,9 +69,9 @@ class JoinedTransaction:
         before_savepoint: Callable[[], None] | None = None,
         after_savepoint_rollback: Callable[[], None] | None = None,
     ) -> None:
-        from sqlalchemy import event
-
-        self._event = event
+        # Never imported by the broker: a SQLAlchemy connection exists only if the
+        # application imported SQLAlchemy already.
+        event = self._event = sys.modules["sqlalchemy.event"]
         self.conn = conn
         self.root = conn.get_transaction()
         #: How the transaction ended inside the block ("was committed", ...); None while

@@ -301,9 +301,9 @@ def _write_from_sqlalchemy(sender: Sender, block: AsyncTransaction) -> None:
     its COMMIT) or ``begin_nested()`` (just before its SAVEPOINT): SQLAlchemy runs its
     synchronous core in a greenlet of the awaiting task, so the write is awaited there, as
     its driver awaits its own statements."""
-    from sqlalchemy import util
-
-    await_ = getattr(util, "await_", None) or util.await_only
+    # SQLAlchemy is imported: the block was given one of its connections.
+    util = sys.modules["sqlalchemy.util"]
+    await_ = getattr(util, "await_", None) or util.await_only  # await_only before 2.1
 
     async def write_all() -> None:
         while block.jobs:

@@ -313,8 +313,9 @@ def test_a_job_refused_at_the_commit_fails_the_commit(
 # -- psycopg's AsyncConnection ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("ending", ["commit", "rollback"])
 def test_a_psycopg_connection_commits_at_the_block_s_end_and_refuses_a_commit_inside(
-    broker, task, pg_url, conn, app_name, orders
+    broker, task, pg_url, conn, app_name, orders, ending
 ):
     async def main():
         async with await psycopg.AsyncConnection.connect(pg_url, application_name=app_name) as app:
@@ -326,7 +327,7 @@ def test_a_psycopg_connection_commits_at_the_block_s_end_and_refuses_a_commit_in
                 async with broker.transaction(app):
                     await app.execute(f"INSERT INTO {orders} VALUES (2)")
                     refused = task.send(2)
-                    await app.commit()
+                    await (app.commit() if ending == "commit" else app.rollback())
             # Inside the application's own transaction the block is a savepoint.
             async with app.transaction():
                 async with broker.transaction(app):

@@ -250,6 +250,30 @@ def test_savepoints_inside_the_block_take_their_sends_with_them(
     assert [committed(broker, m) for m in dropped] == [False] * 3
 
 
+def test_a_savepoint_block_that_raises_and_nested_broker_blocks(
+    broker, task, pg_url, conn, app_name, orders
+):
+    async def main(engine):
+        async with AsyncSession(engine) as session:
+            async with broker.transaction(session):
+                outer = task.send(1)
+                with contextlib.suppress(RuntimeError):
+                    async with session.begin_nested():
+                        dropped = task.send(2)
+                        raise RuntimeError("out of stock")
+                async with broker.transaction(session):
+                    inner = task.send(3)
+                    # Commits what both blocks collected.
+                    await session.commit()
+                    assert committed(broker, outer) and committed(broker, inner)
+                with pytest.raises(TransactionError, match="was committed"):
+                    task.send(4)
+            return dropped
+
+    dropped = run_async(main, pg_url, conn, app_name)
+    assert not committed(broker, dropped)
+
+
 def test_a_block_inside_a_savepoint_rolled_back_inside_it_drops_its_jobs(
     broker, task, pg_url, conn, app_name, orders
 ):

@@ -20,9 +20,13 @@ Two ways, both documented in the async guide (``docs/guides/async.md``):
 
 The transaction block follows the synchronous block's rules: a psycopg ``AsyncConnection``
 with no transaction open gets one that the block begins and commits (or rolls back if the
-block raises); inside an open one the block is a savepoint. A SQLAlchemy ``AsyncSession``
-or ``AsyncConnection`` is joined: its transaction is begun if needed, and the application
-commits or rolls it back.
+block raises); inside an open one the block is a savepoint (and psycopg refuses a commit
+inside it). A SQLAlchemy ``AsyncSession`` or ``AsyncConnection`` is joined: its
+transaction is begun if needed, and the application commits or rolls it back, after the
+block or inside it. SQLAlchemy's events tell the block (:mod:`.app_transactions`): the
+collected sends are written just before the COMMIT, or before a SAVEPOINT begins, and
+dropped with a rollback; a send after the transaction ended, or a block whose transaction
+ended unseen, raises ``TransactionError`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from .app_connections import LoopConnection
+from .app_transactions import JoinedTransaction
 from .errors import TransactionError
 from .sending import IDENTITY_SQL, Batch
 
@@ -67,6 +72,9 @@ class AsyncTransaction(Batch):
     #: One write at a time on the connection (tasks of the block may flush together).
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
+    #: The application's SQLAlchemy transaction, watched (None for a psycopg connection).
+    joined: JoinedTransaction | None = None
+
     def add(self, job: Any, message: dramatiq.Message, delay: int | None = None) -> None:
         if self.closed:
             raise TransactionError(
@@ -74,6 +82,8 @@ class AsyncTransaction(Batch):
                 "ended (a task created inside the block outlived it); send from inside the "
                 "block, or with `await broker.enqueue_async()` outside it"
             )
+        if self.joined is not None:
+            self.joined.check()
         super().add(job, message, delay)
 
     def take(self) -> Batch:
@@ -81,6 +91,10 @@ class AsyncTransaction(Batch):
         taken = Batch(self.jobs, self.messages, self.delays)
         self.jobs, self.messages, self.delays = [], [], []
         return taken
+
+    def drop(self) -> None:
+        """Forget the sends collected (the transaction was rolled back)."""
+        self.take()
 
 
 async def in_thread(function: Callable[..., T], *args: Any) -> T:
@@ -107,9 +121,10 @@ async def in_thread(function: Callable[..., T], *args: Any) -> T:
 # -- the application's connection -----------------------------------------------------------
 
 
-async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, bool]:
-    """The psycopg ``AsyncConnection`` to write on, and whether the block must open its own
-    transaction on it (an ``AsyncConnection`` given directly).
+async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, Any]:
+    """The psycopg ``AsyncConnection`` to write on, and the SQLAlchemy ``AsyncConnection``
+    whose transaction the block joins (None for a psycopg ``AsyncConnection`` given
+    directly: the block opens its own transaction on it).
 
     Raises:
       TransactionError: ``obj`` is not a psycopg ``AsyncConnection``, nor a SQLAlchemy 2
@@ -118,7 +133,7 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, b
     if isinstance(obj, psycopg.AsyncConnection):
         if obj.closed:
             raise TransactionError("broker.transaction() was given a closed connection")
-        return obj, True
+        return obj, None
     if isinstance(obj, psycopg.Connection) or _is_sqlalchemy_sync(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is a synchronous connection: enter the block with "
@@ -145,7 +160,7 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, b
             "this SQLAlchemy connection uses the AUTOCOMMIT isolation level: it has no "
             "transaction for the jobs to join"
         )
-    return driver, False
+    return driver, sa_conn
 
 
 def _is_sqlalchemy_sync(obj: Any) -> bool:
@@ -200,8 +215,8 @@ class AsyncBlock:
         self._token: contextvars.Token | None = None
 
     async def enter(self) -> psycopg.AsyncConnection:
-        conn, own = await resolve_async_connection(self._given)
-        if own:
+        conn, sa_conn = await resolve_async_connection(self._given)
+        if sa_conn is None:
             self._tx = conn.transaction()
             await self._tx.__aenter__()
         try:
@@ -210,8 +225,27 @@ class AsyncBlock:
             if self._tx is not None:
                 await self._tx.__aexit__(type(e), e, e.__traceback__)
             raise
-        self._block = AsyncTransaction(conn=conn, loop=asyncio.get_running_loop())
-        self._token = self._sender._blocks.push(self._block)
+        block = self._block = AsyncTransaction(conn=conn, loop=asyncio.get_running_loop())
+        if sa_conn is not None:
+            # The application may commit or roll back inside the block: its collected
+            # sends are then written just before the COMMIT, or dropped.
+            module = sys.modules["sqlalchemy.ext.asyncio"]
+            block.joined = JoinedTransaction(
+                sa_conn.sync_connection,
+                session=(
+                    self._given.sync_session
+                    if isinstance(self._given, module.AsyncSession)
+                    else None
+                ),
+                # What was collected goes into the transaction just before its COMMIT,
+                # and into the enclosing level before a savepoint begins: what is still
+                # collected when a savepoint rolls back was sent inside it.
+                before_commit=functools.partial(_write_from_sqlalchemy, self._sender, block),
+                after_rollback=block.drop,
+                before_savepoint=functools.partial(_write_from_sqlalchemy, self._sender, block),
+                after_savepoint_rollback=block.drop,
+            )
+        self._token = self._sender._blocks.push(block)
         return conn
 
     async def _check_database(self, conn: psycopg.AsyncConnection) -> None:
@@ -237,6 +271,8 @@ class AsyncBlock:
             raise
         finally:
             block.closed = True
+            if block.joined is not None:
+                block.joined.close()
             if self._tx is not None:
                 await self._tx.__aexit__(exc_type, exc, tb)
         return None
@@ -245,11 +281,35 @@ class AsyncBlock:
 async def write_pending(sender: Sender, block: AsyncTransaction) -> list[dramatiq.Message]:
     """Write the sends collected by ``block`` on its connection, now."""
     async with block.lock:
-        taken = block.take()
-        if not taken.jobs:
+        if not block.jobs:
             return []
+        if block.joined is not None:
+            # Never on a connection whose transaction is over: SQLAlchemy gave it back to
+            # its pool, and the write would open a transaction nobody commits.
+            try:
+                block.joined.check(f"{len(block.jobs)} send(s) collected by the block")
+            except TransactionError:
+                block.drop()
+                raise
+        taken = block.take()
         view = LoopConnection(block.conn, block.loop)
         return await in_thread(sender._write_batch, taken.jobs, taken.messages, taken.delays, view)
+
+
+def _write_from_sqlalchemy(sender: Sender, block: AsyncTransaction) -> None:
+    """Write ``block``'s collected sends from inside SQLAlchemy's ``commit()`` (just before
+    its COMMIT) or ``begin_nested()`` (just before its SAVEPOINT): SQLAlchemy runs its
+    synchronous core in a greenlet of the awaiting task, so the write is awaited there, as
+    its driver awaits its own statements."""
+    # SQLAlchemy is imported: the block was given one of its connections.
+    util = sys.modules["sqlalchemy.util"]
+    await_ = getattr(util, "await_", None) or util.await_only  # await_only before 2.1
+
+    async def write_all() -> None:
+        while block.jobs:
+            await write_pending(sender, block)
+
+    await_(write_all())
 
 
 def innermost(sender: Sender) -> AsyncTransaction:

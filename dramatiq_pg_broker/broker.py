@@ -263,7 +263,10 @@ class PostgresBroker(dramatiq.Broker):
         block (or rolls it back if the block raises), or is a savepoint when a transaction
         is already open on ``conn``. Or a SQLAlchemy 2 ``Session`` or ``Connection`` on the
         ``postgresql+psycopg`` driver: the sends join its transaction (begun if needed),
-        which the application commits or rolls back as usual.
+        which the application commits or rolls back as usual, after the block or inside
+        it (an async block writes what it collected just before that COMMIT, see
+        :mod:`dramatiq_pg_broker.app_transactions`). Once that transaction has ended
+        inside the block, a send in it raises ``TransactionError`` instead of writing.
 
         Blocks nest (the innermost one's connection is used). The block belongs to the
         thread (or asyncio task) that entered it: sends from other threads go through the
@@ -276,7 +279,9 @@ class PostgresBroker(dramatiq.Broker):
         Raises:
           TransactionError: ``conn`` is not one of the above (or an asyncio connection in a
             ``with`` block, a synchronous one in an ``async with`` block), or reaches
-            another database (another name or another server) than the broker's.
+            another database (another name or another server) than the broker's; or, from
+            a send or the block's end, the SQLAlchemy transaction the block joined ended
+            inside it (nothing is then written).
         """
         return self.sender.transaction(conn)
 

@@ -51,6 +51,7 @@ from psycopg_pool import PoolTimeout
 
 from . import forks, messages
 from .app_connections import AppConnection
+from .app_transactions import JoinedTransaction
 from .errors import InvalidMessage, TransactionError
 from .jobs import EnqueueResult, NewJob, clean_text
 
@@ -222,6 +223,9 @@ class Transaction:
     #: Entered around each write on ``conn``: a framework's bookkeeping (Django marks its
     #: ``atomic()`` block for rollback when a write fails). None: nothing.
     guard: Callable[[], ContextManager[Any]] | None = None
+    #: Called before each write: raises if the transaction the block joined has ended (a
+    #: SQLAlchemy Session or Connection committed inside the block). None: nothing.
+    check: Callable[[], None] | None = None
     #: ``conn`` as the job store writes on it.
     view: AppConnection = dataclasses.field(init=False)
 
@@ -229,6 +233,8 @@ class Transaction:
         self.view = AppConnection(self.conn)
 
     def writing(self) -> ContextManager[Any]:
+        if self.check is not None:
+            self.check()
         return self.guard() if self.guard is not None else contextlib.nullcontext()
 
 
@@ -295,9 +301,10 @@ def _is_sqlalchemy_async(obj: Any) -> bool:
     return module is not None and isinstance(obj, (module.AsyncSession, module.AsyncConnection))
 
 
-def resolve_connection(obj: Any) -> tuple[psycopg.Connection, bool]:
-    """The psycopg connection to write on, and whether the block must open its own
-    transaction on it (a psycopg connection given directly).
+def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
+    """The psycopg connection to write on, and the SQLAlchemy ``Connection`` whose
+    transaction the block joins (None for a psycopg connection given directly: the block
+    opens its own transaction on it).
 
     Raises:
       TransactionError: ``obj`` is not a synchronous psycopg 3 connection, nor a SQLAlchemy
@@ -306,7 +313,7 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, bool]:
     if isinstance(obj, psycopg.Connection):
         if obj.closed:
             raise TransactionError("broker.transaction() was given a closed connection")
-        return obj, True
+        return obj, None
     if isinstance(obj, psycopg.AsyncConnection) or _is_sqlalchemy_async(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
@@ -336,7 +343,7 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, bool]:
             "this SQLAlchemy connection uses the AUTOCOMMIT isolation level: it has no "
             "transaction for the jobs to join"
         )
-    return driver, False
+    return driver, sa_conn
 
 
 #: What each connection reached, checked once per connection: (database, server start).
@@ -732,12 +739,26 @@ class Sender:
     @contextlib.contextmanager
     def sync_transaction(self, conn: Any) -> Iterator[psycopg.Connection]:
         """``with broker.transaction(conn)``."""
-        pg_conn, own = resolve_connection(conn)
-        with pg_conn.transaction() if own else contextlib.nullcontext():
-            block = Transaction(pg_conn)
+        pg_conn, sa_conn = resolve_connection(conn)
+        if sa_conn is None:
+            with pg_conn.transaction():
+                block = Transaction(pg_conn)
+                self.check_database(identity(block.view))
+                with self._blocks.pushed(block):
+                    yield pg_conn
+            return
+        # Sends write at once, so a commit inside the block commits them; a send after it
+        # must not write on the psycopg connection SQLAlchemy gave back to its pool.
+        orm = sys.modules.get("sqlalchemy.orm")
+        session = conn if orm is not None and isinstance(conn, orm.Session) else None
+        joined = JoinedTransaction(sa_conn, session=session)
+        try:
+            block = Transaction(pg_conn, check=joined.check)
             self.check_database(identity(block.view))
             with self._blocks.pushed(block):
                 yield pg_conn
+        finally:
+            joined.close()
 
     def broker_identity(self) -> tuple:
         """What the broker's own connections reach (see :func:`identity`)."""

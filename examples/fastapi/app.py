@@ -1,5 +1,6 @@
 """A FastAPI shop: ``POST /orders`` commits an order and its receipt job together through
-an ``AsyncSession``, without blocking the event loop.
+an ``AsyncSession``, the way FastAPI code commits (``await session.commit()`` where the
+endpoint pleases), without blocking the event loop.
 
 Run it next to a worker::
 
@@ -58,19 +59,35 @@ class Refused(Exception):
 @app.post("/orders", status_code=201)
 async def create_order(order: NewOrder, db: AsyncSession = Depends(session)) -> dict:
     try:
-        # The job is written on the session's connection when the broker's block ends,
-        # and committed with the order when session.begin() ends: the worker can only see
-        # it once the order is there.
-        async with db.begin(), broker.transaction(db):
+        async with broker.transaction(db):
             row = Order(item=order.item, quantity=order.quantity)
             db.add(row)
             await db.flush()  # the order's id
+            # No I/O here: the job is collected by the block...
             message = send_receipt.send(row.id)
             if order.quantity > MAX_QUANTITY:
+                # ...so a refusal leaves nothing: the block writes nothing when it raises,
+                # and the session rolls the order back when it closes.
                 raise Refused(f"at most {MAX_QUANTITY} items an order")
+            # ...and written on the session's connection just before this COMMIT: the
+            # order and its job commit together, and the worker only ever sees a job
+            # whose order is there.
+            await db.commit()
     except Refused as e:
         raise HTTPException(status_code=409, detail=str(e)) from None
     return {"order": row.id, "job": message.message_id}
+
+
+@app.post("/orders/bulk", status_code=201)
+async def create_orders(orders: list[NewOrder], db: AsyncSession = Depends(session)) -> dict:
+    # The other way to commit: session.begin() around the block commits once it is over.
+    async with db.begin(), broker.transaction(db):
+        rows = [Order(item=o.item, quantity=min(o.quantity, MAX_QUANTITY)) for o in orders]
+        db.add_all(rows)
+        await db.flush()
+        # Collected, then written together (one statement) when the broker's block ends.
+        messages = [send_receipt.send(row.id) for row in rows]
+    return {"orders": [row.id for row in rows], "jobs": [m.message_id for m in messages]}
 
 
 @app.post("/orders/{order_id}/receipt", status_code=202)

@@ -44,6 +44,16 @@ def _body(fields) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": object_schema(fields)}}}
 
 
+def _optional_body(fields) -> dict[str, Any]:
+    """The body of an action endpoint: none at all, or a JSON object of ``fields`` (any
+    other field is a 400, a body that is not JSON a 415)."""
+    return {
+        "required": False,
+        "description": "Optional: send none, or an empty JSON object.",
+        "content": {"application/json": {"schema": object_schema(fields)}},
+    }
+
+
 def _param(name: str, where: str, schema: dict, description: str, required: bool = False):
     return {
         "name": name,
@@ -545,6 +555,7 @@ def _paths() -> dict[str, Any]:
             "post": _protected(
                 {
                     "summary": "Move a failed job back to the queue; attempts start from zero.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": _json(_ref("Job"), "The job, queued again."),
@@ -559,6 +570,7 @@ def _paths() -> dict[str, Any]:
             "post": _protected(
                 {
                     "summary": "Cancel a queued job.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": _json(_ref("Job"), "The job, cancelled."),
@@ -578,6 +590,7 @@ def _paths() -> dict[str, Any]:
                     "stops it: the job is still running, with abort_requested_at and "
                     "abort_requested_by set; it ends cancelled within about a second, with "
                     "an aborted event naming who asked.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": _json(
@@ -598,6 +611,7 @@ def _paths() -> dict[str, Any]:
                     "description": "Its workers give back the messages they prefetched and "
                     "had not started; running jobs finish. Pausing a paused queue changes "
                     "nothing.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_QUEUE_NAME],
                     "responses": {
                         "200": _json(_ref("QueueState"), "The queue, paused."),
@@ -611,6 +625,7 @@ def _paths() -> dict[str, Any]:
             "post": _protected(
                 {
                     "summary": "Resume a paused queue: its workers claim its jobs at once.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_QUEUE_NAME],
                     "responses": {
                         "200": _json(_ref("QueueState"), "The queue, active."),

@@ -26,7 +26,7 @@ from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import decode_job_cursor, job_links, link_to
 from ..queries import JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
-from ..validation import Field, Query, parse_uuid, read_object
+from ..validation import Field, Query, check_name, parse_uuid, read_object, read_optional_object
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
 DEFAULT_LIMIT = 25
@@ -44,14 +44,15 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 #: The body of ``POST /api/jobs``.
 JOB_FIELDS = {
     "actor_name": Field(
-        "string", "The actor's name, as declared with @dramatiq.actor.", required=True,
-        max_length=255,
+        "string", "The actor's name, as declared with @dramatiq.actor. Whitespace at "
+        "either end, control characters (tabs, line breaks) and U+2028/U+2029 are refused, "
+        "not stripped.", required=True, max_length=255, name=True,
     ),
     "queue_name": Field(
         "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'. "
         "Default: the queue the actor was declared on by the workers (a different one is a "
         "400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
-        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN,
+        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN, name=True,
     ),
     "args": Field("array", "Positional arguments of the actor.", default=[]),
     "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
@@ -79,6 +80,11 @@ JOB_FIELDS = {
         max_length=255, nullable=True,
     ),
 }  # fmt: skip
+
+#: The body of the action endpoints (retry, cancel, abort; pause and resume of a queue):
+#: none, or an empty JSON object. Any field is refused, like every endpoint's unknown
+#: fields.
+ACTION_FIELDS: dict[str, Field] = {}
 
 LIST_PARAMS = (
     "limit",
@@ -110,6 +116,7 @@ def _bounded(query: Query, name: str) -> str | None:
         return None
     if len(value) > MAX_FILTER_LENGTH:
         raise bad_request(f"{name} must be at most {MAX_FILTER_LENGTH} characters long")
+    check_name(name, value)
     return value
 
 
@@ -320,6 +327,7 @@ class JobTransition:
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
+        read_optional_object(req, ACTION_FIELDS)
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
         # read, so the response shows what the operator did, not what happened next.

@@ -11,7 +11,8 @@ from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.jobs import JobStore
 
 from ..auth import OPERATORS
-from ..validation import Query
+from ..validation import Query, read_optional_object
+from .jobs import ACTION_FIELDS
 
 
 class QueueAction:
@@ -32,6 +33,7 @@ class QueueAction:
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
         Query(req, ())
+        read_optional_object(req, ACTION_FIELDS)
         with self.store.pool.connection() as conn:
             state = self.action(conn, self.store.schema, queue_name, by=req.context.user.email)
         resp.media = state.as_dict()

@@ -64,6 +64,26 @@ def _param(name: str, where: str, schema: dict, description: str, required: bool
     }
 
 
+_IF_NONE_MATCH = _param(
+    "If-None-Match",
+    "header",
+    {"type": "string"},
+    "The ETag of an earlier answer: when the answer has not changed since, it is a 304 with "
+    "no body (how the dashboard polls an unfinished job).",
+)
+_304 = {"description": "Not modified: the answer still has the ETag sent in If-None-Match."}
+_ETAG = {
+    "ETag": {
+        "description": "A tag of this answer, to send back in If-None-Match.",
+        "schema": {"type": "string"},
+    }
+}
+
+
+def _tagged(response: dict[str, Any]) -> dict[str, Any]:
+    return {**response, "headers": _ETAG}
+
+
 _JOB_ID = _param("job_id", "path", {"type": "string", "format": "uuid"}, "The job's id.")
 _USER_ID = _param("user_id", "path", {"type": "integer", "minimum": 0}, "The user's id.")
 _TOKEN_ID = _param("token_id", "path", {"type": "integer", "minimum": 0}, "The token's id.")
@@ -535,8 +555,12 @@ def _paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "One job.",
-                    "parameters": [_JOB_ID],
-                    "responses": {"200": _json(_ref("Job"), "The job."), "404": _404},
+                    "parameters": [_JOB_ID, _IF_NONE_MATCH],
+                    "responses": {
+                        "200": _tagged(_json(_ref("Job"), "The job.")),
+                        "304": _304,
+                        "404": _404,
+                    },
                 },
                 "any (members: their jobs)",
             )
@@ -545,8 +569,12 @@ def _paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "A job's timeline, oldest first.",
-                    "parameters": [_JOB_ID],
-                    "responses": {"200": _json(_ref("JobTimeline"), "The events."), "404": _404},
+                    "parameters": [_JOB_ID, _IF_NONE_MATCH],
+                    "responses": {
+                        "200": _tagged(_json(_ref("JobTimeline"), "The events.")),
+                        "304": _304,
+                        "404": _404,
+                    },
                 },
                 "any (members: their jobs)",
             )

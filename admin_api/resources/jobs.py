@@ -21,6 +21,7 @@ from dramatiq_pg_broker.messages import (
 )
 from dramatiq_pg_broker.workers import actor_queue
 
+from .. import conditional
 from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
@@ -262,7 +263,8 @@ def _shown(name: str) -> str:
 
 
 class JobDetail:
-    """``GET /api/jobs/{id}``."""
+    """``GET /api/jobs/{id}``, with an ``ETag``: 304 with no body when ``If-None-Match``
+    names the job's current tag (see :mod:`admin_api.conditional`)."""
 
     permissions = {"GET": READERS}
 
@@ -272,11 +274,13 @@ class JobDetail:
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
-        resp.media = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
+        job = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
+        conditional.respond(req, resp, job)
 
 
 class JobEvents:
-    """``GET /api/jobs/{id}/events``: the job's timeline, oldest first."""
+    """``GET /api/jobs/{id}/events``: the job's timeline, oldest first, with an ``ETag``
+    (304 when unchanged, as for the job)."""
 
     permissions = {"GET": READERS}
 
@@ -287,7 +291,7 @@ class JobEvents:
         Query(req, ())
         job_id = job_id_param(job_id)
         events = self.queries.job_events(job_id, owner_id=owner_scope(req.context.user))
-        resp.media = {"job_id": job_id, "results": events}
+        conditional.respond(req, resp, {"job_id": job_id, "results": events})
 
 
 class JobStats:

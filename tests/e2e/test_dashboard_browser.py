@@ -495,3 +495,39 @@ def test_a_finished_jobs_page_stops_polling(stack, accounts, browser):
     before = browser.execute_script(count)
     time.sleep(2.5)  # a polling period of an unfinished job's page (2 s), and a margin
     assert browser.execute_script(count) == before == 1
+
+
+def test_an_open_job_page_polls_kilobytes_not_its_megabyte_of_arguments(stack, accounts, browser):
+    """A waiting job with 1 MiB of arguments, its page left open for ten polls (20 s):
+    after the first load, each poll is two 304s without a body."""
+    token = accounts.tokens["operator"]
+    job = stack.api(
+        "POST",
+        "/api/jobs",
+        token,
+        {
+            "actor_name": "dash.later",
+            "queue_name": "dash_later",
+            "args": ["x" * (1024 * 1024 - 200)],
+            "delay": 3_600_000,
+        },
+    )
+    log_in(browser, stack, "viewer", f"/dashboard/jobs/{job['id']}")
+    wait(browser, stack, "the job's page", lambda d: css(d, "#job-args"))
+    entries = f"""return performance.getEntriesByType('resource')
+        .filter((e) => e.name.endsWith('/api/jobs/{job["id"]}')
+                    || e.name.endsWith('/api/jobs/{job["id"]}/events'))
+        .map((e) => [e.name.endsWith('/events'), e.transferSize, e.encodedBodySize]);"""
+    found = wait(
+        browser,
+        stack,
+        "ten polls of the job and its timeline after the first load",
+        lambda d: (lambda e: e if len(e) >= 22 else None)(d.execute_script(entries)),
+        timeout=45,
+    )
+    first_job = next(entry for entry in found if not entry[0])
+    assert first_job[2] > 1024 * 1024, found[:2]
+    polled = found[2:]
+    moved = sum(transfer for _, transfer, _ in polled)
+    assert all(body == 0 for _, _, body in polled), polled
+    assert moved < 20_000, f"{moved} bytes in {len(polled)} polls after the first load"

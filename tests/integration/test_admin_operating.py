@@ -156,3 +156,51 @@ def test_a_queue_name_with_hidden_whitespace_is_refused_not_stripped(env, name):
 def test_a_plain_name_is_still_accepted(env):
     job = env.create_job(actor_name="tests.plain_name", queue_name="plain_q")
     assert (job["actor_name"], job["queue_name"]) == ("tests.plain_name", "plain_q")
+
+
+# -- a polled job costs a few hundred bytes while it does not change -------------------------
+
+
+def test_an_unchanged_job_and_timeline_answer_304_without_a_body(env):
+    job_id = env.enqueue()
+    for path in (f"/api/jobs/{job_id}", f"/api/jobs/{job_id}/events"):
+        first = env.get(path, "viewer")
+        tag = first.headers["etag"]
+        assert first.status_code == 200 and tag.startswith('"'), first.headers
+        again = env.get(path, "viewer", headers={"If-None-Match": tag})
+        assert again.status_code == 304 and again.content == b"", path
+        assert again.headers["etag"] == tag
+        # Weak comparison, a list, and "*" match; another tag does not.
+        for header in (f"W/{tag}", f'"other", {tag}', "*"):
+            assert env.get(path, "viewer", headers={"If-None-Match": header}).status_code == 304
+        other = env.get(path, "viewer", headers={"If-None-Match": '"other"'})
+        assert other.status_code == 200 and other.json == first.json
+    # A change (here: cancelled, with its event) is a new tag and the whole answer.
+    tags = {
+        p: env.get(p).headers["etag"] for p in (f"/api/jobs/{job_id}", f"/api/jobs/{job_id}/events")
+    }
+    assert post(env, f"/api/jobs/{job_id}/cancel").status_code == 200
+    for path, tag in tags.items():
+        changed = env.get(path, headers={"If-None-Match": tag})
+        assert changed.status_code == 200 and changed.headers["etag"] != tag, path
+    assert changed.json["results"][-1]["type"] == "cancelled"
+
+
+def test_polling_a_job_with_a_megabyte_of_arguments_moves_kilobytes_not_megabytes(env):
+    """The dashboard's poll of an unfinished job, ten times (20 s of a page left open),
+    counted in bytes of the answers."""
+    job = env.create_job(args=["x" * (1024 * 1024 - 100)], delay=3_600_000)
+    path = f"/api/jobs/{job['id']}"
+    first = env.get(path, "viewer")
+    assert len(first.content) > 1024 * 1024
+    tags = {path: first.headers["etag"]}
+    tags[path + "/events"] = env.get(path + "/events", "viewer").headers["etag"]
+    moved = 0
+    for _ in range(10):
+        for where, tag in tags.items():
+            result = env.get(where, "viewer", headers={"If-None-Match": tag})
+            assert result.status_code == 304
+            moved += len(result.content) + sum(
+                len(k) + len(v) + 4 for k, v in result.headers.items()
+            )
+    assert moved < 10_000, f"{moved} bytes in 10 polls"

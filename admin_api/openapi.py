@@ -426,7 +426,6 @@ def _list_of(name: str, description: str) -> dict[str, Any]:
 
 
 def _paths() -> dict[str, Any]:
-    statuses = {"type": "string", "enum": list(STATUSES)}
     return {
         "/api/health": {
             "get": {
@@ -478,7 +477,14 @@ def _paths() -> dict[str, Any]:
                             {"type": "string"},
                             "A position from a next or previous link.",
                         ),
-                        _param("status", "query", statuses, "Exact status."),
+                        _param(
+                            "status",
+                            "query",
+                            {"type": "string", "enum": list(jobs_resource.LIST_STATUSES)},
+                            "Exact status, or delayed: queued jobs whose available_at is "
+                            "still ahead (a delay, an eta, a retry backoff; the overview's "
+                            "Delayed count).",
+                        ),
                         _param(
                             "queue",
                             "query",
@@ -900,6 +906,11 @@ def _monitoring_paths() -> dict[str, Any]:
                 "type": "boolean",
                 "description": "A worker declared the queue (false: jobs wait in a queue no "
                 "worker consumes).",
+            },
+            "live_workers": {
+                **count,
+                "description": "Live worker processes consuming the queue now (0: its jobs "
+                "wait, whether or not a worker declared it before).",
             },
             "paused": {"type": "boolean", "description": "An operator paused the queue."},
             "paused_at": _NULLABLE_TIME,

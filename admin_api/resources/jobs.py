@@ -26,7 +26,7 @@ from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import decode_job_cursor, job_links, link_to
-from ..queries import JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
+from ..queries import DELAYED, JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
 from ..validation import Field, Query, check_name, parse_uuid, read_object, read_optional_object
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
@@ -86,6 +86,10 @@ JOB_FIELDS = {
 #: none, or an empty JSON object. Any field is refused, like every endpoint's unknown
 #: fields.
 ACTION_FIELDS: dict[str, Field] = {}
+
+#: The list's status filter: a status, or ``delayed`` (queued, not runnable before a later
+#: ``available_at``: the overview's "Delayed").
+LIST_STATUSES = (*STATUSES, DELAYED)
 
 LIST_PARAMS = (
     "limit",
@@ -148,7 +152,7 @@ class JobList:
         if cursor is not None and offset:
             raise bad_request("give cursor or offset, not both")
         filters = JobFilters(
-            status=query.choice("status", STATUSES),
+            status=query.choice("status", LIST_STATUSES),
             queue=_bounded(query, "queue"),
             actor=_bounded(query, "actor"),
             created_after=query.datetime("created_after"),

@@ -204,3 +204,52 @@ def test_polling_a_job_with_a_megabyte_of_arguments_moves_kilobytes_not_megabyte
                 len(k) + len(v) + 4 for k, v in result.headers.items()
             )
     assert moved < 10_000, f"{moved} bytes in 10 polls"
+
+
+# -- the overview's counts match a list ------------------------------------------------------
+
+
+def test_the_delayed_filter_lists_what_the_overview_counts_as_delayed(env):
+    queue = f"later_{uuid.uuid4().hex[:6]}"
+    delayed = {env.create_job(queue_name=queue, delay=3_600_000)["id"] for _ in range(3)}
+    runnable = env.create_job(queue_name=queue)["id"]
+    # One more, created by a member: its own list filters the same way.
+    mine = env.create_job("member", queue_name=queue, delay=3_600_000)["id"]
+    delayed.add(mine)
+    counts = {q["queue_name"]: q for q in env.get("/api/queues", "viewer").json["results"]}
+    assert (counts[queue]["delayed"], counts[queue]["queued"]) == (4, 1)
+    listed = env.get("/api/jobs", "viewer", params={"status": "delayed", "queue": queue}).json
+    assert listed["count"] == 4 and {j["id"] for j in listed["results"]} == delayed
+    everything = env.get("/api/jobs", "viewer", params={"status": "queued", "queue": queue}).json
+    assert {j["id"] for j in everything["results"]} == delayed | {runnable}
+    own = env.get("/api/jobs", "member", params={"status": "delayed", "queue": queue}).json
+    assert [j["id"] for j in own["results"]] == [mine] and own["count"] == 1
+    bad = env.get("/api/jobs", "viewer", params={"status": "later"})
+    assert bad.status_code == 400 and "delayed" in bad.json["message"]
+
+
+def test_the_queue_list_says_how_many_live_workers_consume_each_queue(env, schema):
+    from psycopg import sql
+
+    busy, idle = (f"{word}_{uuid.uuid4().hex[:6]}" for word in ("busy", "idle"))
+    env.declare(queues=[busy, idle])
+    with env.pool.connection() as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.workers (id, host, pid, queues, actors, version, expires_at,"
+                " in_flight) VALUES (%(a)s, 'h1', 42, %(q)s, '{{}}', '0',"
+                " now() + interval '1 minute', 0),"
+                " (%(b)s, 'h2', 43, %(q)s, '{{}}', '0', now() + interval '1 minute', 0),"
+                " (%(c)s, 'h3', 44, %(old)s, '{{}}', '0', now() - interval '1 second', 0)"
+            ).format(sql.Identifier(schema)),
+            {
+                "a": f"h1:{busy}",
+                "b": f"h2:{busy}",
+                "c": f"h3:{idle}",
+                "q": [busy],
+                "old": [idle],
+            },
+        )
+    listed = {q["queue_name"]: q for q in env.get("/api/queues", "viewer").json["results"]}
+    assert listed[busy]["live_workers"] == 2
+    assert listed[idle]["live_workers"] == 0 and listed[idle]["declared"]

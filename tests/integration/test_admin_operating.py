@@ -153,6 +153,27 @@ def test_a_queue_name_with_hidden_whitespace_is_refused_not_stripped(env, name):
     assert result.status_code == 400 and "queue must not" in result.json["message"]
 
 
+def test_pausing_a_queue_name_with_a_final_line_break_is_a_400(env):
+    queue = f"nl_{uuid.uuid4().hex[:6]}"
+    env.declare(queues=[queue])
+    for spelling in (f"{queue}%0A", f"{queue}%20", f"%09{queue}", f"{queue}%E2%80%A8"):
+        result = post(env, f"/api/queues/{spelling}/pause")
+        assert result.status_code == 400, f"{spelling}: {result.status_code} {result.text}"
+    listed = {q["queue_name"]: q for q in env.get("/api/queues", "viewer").json["results"]}
+    assert not listed[queue]["paused"]
+
+
+def test_the_metrics_only_app_answers_head(env):
+    from falcon import testing
+
+    from admin_api.resources.metrics import create_metrics_app
+
+    client = testing.TestClient(create_metrics_app(env.settings, engine=env.engine))
+    head = client.simulate_head("/metrics")
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"].startswith("text/plain")
+
+
 def test_a_plain_name_is_still_accepted(env):
     job = env.create_job(actor_name="tests.plain_name", queue_name="plain_q")
     assert (job["actor_name"], job["queue_name"]) == ("tests.plain_name", "plain_q")

@@ -163,18 +163,24 @@ def create_app(
     # "/api/jobs/" and "/api/jobs" are the same resource.
     app.req_options.strip_url_path_trailing_slash = True
 
-    for path, resource in routes(
-        settings, store, accounts, queries, monitor, throttle, schema_check=schema_check
-    ):
-        if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
-            # HEAD answers what GET would, without the body (Falcon sends none for HEAD).
-            resource.on_head = resource.on_get
-        app.add_route(path, resource)
-    # Not API endpoints (HTML and Prometheus text), so not in the OpenAPI document.
-    for path, resource in dashboard.page_routes():
-        app.add_route(path, resource)
-    app.add_route("/metrics", MetricsPage(Metrics(monitor)))
+    every = [
+        *routes(settings, store, accounts, queries, monitor, throttle, schema_check=schema_check),
+        # Not API endpoints (HTML and Prometheus text), so not in the OpenAPI document.
+        *dashboard.page_routes(),
+        ("/metrics", MetricsPage(Metrics(monitor))),
+    ]
+    for path, resource in every:
+        app.add_route(path, with_head(resource))
     return app
+
+
+def with_head(resource: object) -> object:
+    """The resource, answering HEAD as it answers GET: the same status and headers, no
+    body (Falcon sends none for HEAD). For every GET route, the pages and /metrics too:
+    monitoring probes and link checkers send HEAD."""
+    if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
+        resource.on_head = resource.on_get  # type: ignore[attr-defined]
+    return resource
 
 
 def routes(

@@ -22,6 +22,7 @@ from dramatiq_pg_broker.jobs import LEASE_EXPIRED, QueueCounts, queue_counts_of
 
 from .tables import Timestamp, job_events
 from .tables import queues as queues_table
+from .tables import workers as workers_table
 
 __all__ = ["Monitor", "NewEvents", "QueueCounts"]
 
@@ -80,6 +81,15 @@ class Monitor:
         when no job of the queue is runnable."""
         with self.engine.connect() as conn:
             return self._queues(conn, now)
+
+    def live_workers(self) -> dict[str, int]:
+        """How many live worker processes (their rows not expired) consume each queue: a
+        declared queue none consumes now waits like an undeclared one."""
+        name = sa.func.unnest(workers_table.c.queues).label("queue_name")
+        live = sa.select(name).where(workers_table.c.expires_at > sa.func.now()).subquery("live")
+        query = sa.select(live.c.queue_name, sa.func.count()).group_by(live.c.queue_name)
+        with self.engine.connect() as conn:
+            return {queue: int(n) for queue, n in conn.execute(query).all()}
 
     def scrape(self, cursor: int | None, *, settle: float = EVENT_SETTLE_SECONDS):
         """What a metrics scrape reads, on one connection: the per-queue counts and the

@@ -44,6 +44,16 @@ def _body(fields) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": object_schema(fields)}}}
 
 
+def _optional_body(fields) -> dict[str, Any]:
+    """The body of an action endpoint: none at all, or a JSON object of ``fields`` (any
+    other field is a 400, a body that is not JSON a 415)."""
+    return {
+        "required": False,
+        "description": "Optional: send none, or an empty JSON object.",
+        "content": {"application/json": {"schema": object_schema(fields)}},
+    }
+
+
 def _param(name: str, where: str, schema: dict, description: str, required: bool = False):
     return {
         "name": name,
@@ -52,6 +62,26 @@ def _param(name: str, where: str, schema: dict, description: str, required: bool
         "schema": schema,
         "description": description,
     }
+
+
+_IF_NONE_MATCH = _param(
+    "If-None-Match",
+    "header",
+    {"type": "string"},
+    "The ETag of an earlier answer: when the answer has not changed since, it is a 304 with "
+    "no body (how the dashboard polls an unfinished job).",
+)
+_304 = {"description": "Not modified: the answer still has the ETag sent in If-None-Match."}
+_ETAG = {
+    "ETag": {
+        "description": "A tag of this answer, to send back in If-None-Match.",
+        "schema": {"type": "string"},
+    }
+}
+
+
+def _tagged(response: dict[str, Any]) -> dict[str, Any]:
+    return {**response, "headers": _ETAG}
 
 
 _JOB_ID = _param("job_id", "path", {"type": "string", "format": "uuid"}, "The job's id.")
@@ -396,7 +426,6 @@ def _list_of(name: str, description: str) -> dict[str, Any]:
 
 
 def _paths() -> dict[str, Any]:
-    statuses = {"type": "string", "enum": list(STATUSES)}
     return {
         "/api/health": {
             "get": {
@@ -448,7 +477,14 @@ def _paths() -> dict[str, Any]:
                             {"type": "string"},
                             "A position from a next or previous link.",
                         ),
-                        _param("status", "query", statuses, "Exact status."),
+                        _param(
+                            "status",
+                            "query",
+                            {"type": "string", "enum": list(jobs_resource.LIST_STATUSES)},
+                            "Exact status, or delayed: queued jobs whose available_at is "
+                            "still ahead (a delay, an eta, a retry backoff; the overview's "
+                            "Delayed count).",
+                        ),
                         _param(
                             "queue",
                             "query",
@@ -525,8 +561,12 @@ def _paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "One job.",
-                    "parameters": [_JOB_ID],
-                    "responses": {"200": _json(_ref("Job"), "The job."), "404": _404},
+                    "parameters": [_JOB_ID, _IF_NONE_MATCH],
+                    "responses": {
+                        "200": _tagged(_json(_ref("Job"), "The job.")),
+                        "304": _304,
+                        "404": _404,
+                    },
                 },
                 "any (members: their jobs)",
             )
@@ -535,8 +575,12 @@ def _paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "A job's timeline, oldest first.",
-                    "parameters": [_JOB_ID],
-                    "responses": {"200": _json(_ref("JobTimeline"), "The events."), "404": _404},
+                    "parameters": [_JOB_ID, _IF_NONE_MATCH],
+                    "responses": {
+                        "200": _tagged(_json(_ref("JobTimeline"), "The events.")),
+                        "304": _304,
+                        "404": _404,
+                    },
                 },
                 "any (members: their jobs)",
             )
@@ -545,6 +589,7 @@ def _paths() -> dict[str, Any]:
             "post": _protected(
                 {
                     "summary": "Move a failed job back to the queue; attempts start from zero.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": _json(_ref("Job"), "The job, queued again."),
@@ -559,6 +604,7 @@ def _paths() -> dict[str, Any]:
             "post": _protected(
                 {
                     "summary": "Cancel a queued job.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": _json(_ref("Job"), "The job, cancelled."),
@@ -578,6 +624,7 @@ def _paths() -> dict[str, Any]:
                     "stops it: the job is still running, with abort_requested_at and "
                     "abort_requested_by set; it ends cancelled within about a second, with "
                     "an aborted event naming who asked.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_JOB_ID],
                     "responses": {
                         "200": _json(
@@ -598,6 +645,7 @@ def _paths() -> dict[str, Any]:
                     "description": "Its workers give back the messages they prefetched and "
                     "had not started; running jobs finish. Pausing a paused queue changes "
                     "nothing.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_QUEUE_NAME],
                     "responses": {
                         "200": _json(_ref("QueueState"), "The queue, paused."),
@@ -611,6 +659,7 @@ def _paths() -> dict[str, Any]:
             "post": _protected(
                 {
                     "summary": "Resume a paused queue: its workers claim its jobs at once.",
+                    "requestBody": _optional_body(jobs_resource.ACTION_FIELDS),
                     "parameters": [_QUEUE_NAME],
                     "responses": {
                         "200": _json(_ref("QueueState"), "The queue, active."),
@@ -857,6 +906,11 @@ def _monitoring_paths() -> dict[str, Any]:
                 "type": "boolean",
                 "description": "A worker declared the queue (false: jobs wait in a queue no "
                 "worker consumes).",
+            },
+            "live_workers": {
+                **count,
+                "description": "Live worker processes consuming the queue now (0: its jobs "
+                "wait, whether or not a worker declared it before).",
             },
             "paused": {"type": "boolean", "description": "An operator paused the queue."},
             "paused_at": _NULLABLE_TIME,

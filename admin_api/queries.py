@@ -93,9 +93,15 @@ LIST_COLUMNS = tuple(name for name in JOB_COLUMNS if name not in ("last_error", 
 PREVIEW_CHARS = 200
 
 
+#: The list's status filter that is not a status of its own: queued jobs whose
+#: ``available_at`` is still ahead (a delay, an eta, a retry backoff), what the overview
+#: counts as "delayed".
+DELAYED = "delayed"
+
+
 @dataclasses.dataclass(frozen=True)
 class JobFilters:
-    """Filters of the job list; None means "any"."""
+    """Filters of the job list; None means "any". ``status`` may also be :data:`DELAYED`."""
 
     status: str | None = None
     queue: str | None = None
@@ -199,6 +205,14 @@ def summary_dict(row: sa.Row) -> dict[str, Any]:
     data["message_encoding"] = "binary" if opaque else "json"
     data["owner"] = row._mapping["owner"]
     return data
+
+
+def _status_conditions(table: sa.Table, status: str) -> list[Any]:
+    """The conditions of the status filter on ``table``: a status, or :data:`DELAYED`
+    (queued, ``available_at`` after now, by the server's clock as the overview counts)."""
+    if status == DELAYED:
+        return [table.c.status == "queued", table.c.available_at > sa.func.now()]
+    return [table.c.status == status]
 
 
 def _capped_count(conn, rows: sa.Select, cap: int | None = None) -> int:
@@ -490,8 +504,8 @@ class JobQueries:
         if filters.status is not None:
             # Said on each side, so that the planner leaves out the table (or the status
             # partitions) that cannot hold it.
-            live = live.where(jobs_table.c.status == filters.status)
-            finished = finished.where(jobs_history.c.status == filters.status)
+            live = live.where(*_status_conditions(jobs_table, filters.status))
+            finished = finished.where(*_status_conditions(jobs_history, filters.status))
         # A job is in one place (ids are unique across the hot table and history): the
         # lateral stops at the first row found, so the job's later partitions are never
         # read (the hot table first, then history's days from its creation on).
@@ -589,7 +603,7 @@ class JobQueries:
     def _conditions(filters: JobFilters) -> list[Any]:
         conditions: list[Any] = []
         if filters.status is not None:
-            conditions.append(jobs.c.status == filters.status)
+            conditions.extend(_status_conditions(jobs, filters.status))
         if filters.queue is not None:
             conditions.append(jobs.c.queue_name == filters.queue)
         if filters.created_after is not None:

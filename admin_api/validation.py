@@ -27,6 +27,8 @@ MAX_DEPTH = 32
 MAX_BODY_BYTES = 1024 * 1024
 
 _INTEGER_RE = re.compile(r"-?[0-9]+")
+#: A UUID in ASCII: 32 hex digits with or without hyphens, in braces or as a URN.
+_UUID_RE = re.compile(r"(?:urn:uuid:)?\{?[0-9a-fA-F-]{32,36}\}?", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,10 @@ class Field:
       enum(tuple): the accepted values of a string.
       default: the value used when the field is absent (documentation only).
       trim(bool): strip surrounding whitespace from a string (not for passwords).
+      name(bool): the string is a name (an actor's, a queue's): whitespace at either end,
+        control characters (tabs and line breaks included) and the line and paragraph
+        separators U+2028 and U+2029 are refused, never stripped, so that the name stored is
+        the name sent, and two names that look alike are not made one.
     """
 
     type: str
@@ -59,6 +65,7 @@ class Field:
     enum: tuple[str, ...] | None = None
     default: Any = None
     trim: bool = True
+    name: bool = False
 
     def schema(self) -> dict[str, Any]:
         """The field as an OpenAPI 3.1 schema."""
@@ -152,6 +159,29 @@ def check_json_value(value: Any, where: str) -> None:
                 stack.append((child, f"{path}[{index}]", depth + 1))
 
 
+#: What a name may not contain: control characters (C0, DEL, C1; tabs and line breaks
+#: among them) and the line and paragraph separators.
+_NAME_FORBIDDEN_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def check_name(where: str, value: str) -> None:
+    """Refuse a name (an actor's, a queue's) with whitespace at either end, a control
+    character or a line or paragraph separator: such a name is a mistake or a disguise,
+    and stripping it would store a name the client did not send.
+
+    Raises:
+      ApiError: 400 saying which of these it has.
+    """
+    bad = _NAME_FORBIDDEN_RE.search(value)
+    if bad is not None:
+        raise bad_request(
+            f"{where} must not contain control characters, tabs, line breaks or line or "
+            f"paragraph separators; it has U+{ord(bad.group()):04X} at position {bad.start()}"
+        )
+    if value != value.strip():
+        raise bad_request(f"{where} must not begin or end with whitespace: send the name alone")
+
+
 def _check_text(text: str, where: str) -> None:
     if "\x00" in text:
         raise bad_request(f"{where} contains a NUL character, which cannot be stored")
@@ -180,6 +210,18 @@ def read_object(
     return check_object(body, fields, what=what)
 
 
+def read_optional_object(
+    req: falcon.Request, fields: Mapping[str, Field], *, what: str = "the body"
+) -> dict[str, Any]:
+    """Like :func:`read_object`, but no body at all (no Content-Length, or 0) is an empty
+    object: for the action endpoints, whose body is optional. A body that is sent is held
+    to every rule of :func:`read_json` (415, 413, 411, 400) and to ``fields``."""
+    chunked = req.content_length is None and req.get_header("Transfer-Encoding")
+    if not req.content_length and not chunked:
+        return {}
+    return read_object(req, fields, what=what)
+
+
 def check_object(
     body: Any, fields: Mapping[str, Field], *, what: str = "the body"
 ) -> dict[str, Any]:
@@ -188,10 +230,8 @@ def check_object(
         raise bad_request(f"{what} must be a JSON object, not {_json_type(body)}")
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise bad_request(
-            f"{what} has unknown field(s) {', '.join(map(repr, unknown))}; the fields are "
-            f"{', '.join(fields)}"
-        )
+        known = f"the fields are {', '.join(fields)}" if fields else "it takes no fields"
+        raise bad_request(f"{what} has unknown field(s) {', '.join(map(repr, unknown))}; {known}")
     missing = [name for name, field in fields.items() if field.required and name not in body]
     if missing:
         raise bad_request(f"{what} lacks the required field(s) {', '.join(missing)}")
@@ -212,7 +252,9 @@ def check_value(name: str, field: Field, value: Any) -> Any:
     if kind == "string":
         if not isinstance(value, str):
             raise bad_request(f"{name} must be a string, not {_json_type(value)}")
-        if field.trim:
+        if field.name and value.strip():
+            check_name(name, value)
+        elif field.trim:
             value = value.strip()
         if field.enum is not None:
             if value not in field.enum:
@@ -223,7 +265,8 @@ def check_value(name: str, field: Field, value: Any) -> Any:
             raise bad_request(f"{name} must have at least {field.min_length} characters")
         if field.max_length is not None and len(value) > field.max_length:
             raise bad_request(f"{name} must be at most {field.max_length} characters long")
-        if field.pattern is not None and not re.search(field.pattern, value):
+        # fullmatch: with re.search, "$" would also match before a final line break.
+        if field.pattern is not None and not re.fullmatch(field.pattern, value):
             raise bad_request(f"{name} must match the pattern {field.pattern}")
         return value
     if kind == "integer":
@@ -360,6 +403,11 @@ def parse_uuid(raw: str, name: str = "job id") -> str:
       ApiError: 400 when ``raw`` is not a UUID.
     """
     try:
+        # ASCII hex only: uuid.UUID() reads the digits with int(), which also takes other
+        # scripts' digits ("\u0663" for "3"), "_" and "+", so that another spelling would
+        # find a job.
+        if not isinstance(raw, str) or not _UUID_RE.fullmatch(raw):
+            raise ValueError(raw)
         return str(uuid.UUID(raw))
     except (ValueError, TypeError, AttributeError):
         shown = raw if len(raw) <= 60 else raw[:60] + "..."

@@ -11,7 +11,8 @@ const CHARTS_EVERY_MS = 15000; // the overview's charts
 const JOB_EVERY_MS = 2000; // a job page while its job is unfinished (a finished one stops)
 const WORKERS_EVERY_MS = 15000; // the overview's worker list
 const LIST_EVERY_MS = 5000; // the job list
-const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
+// The list's filters: the statuses, and "delayed" (queued, available later).
+const FILTER_STATUSES = ["queued", "delayed", "running", "succeeded", "failed", "cancelled"];
 const FINISHED = ["succeeded", "failed", "cancelled"];
 const OPERATORS = ["operator", "admin"];
 const OBSERVERS = ["viewer", "operator", "admin"];
@@ -85,8 +86,8 @@ class ApiError extends Error {
   }
 }
 
-async function api(method, path, body) {
-  const headers = { Accept: "application/json", "X-Requested-With": "dashboard" };
+async function api(method, path, body, extraHeaders) {
+  const headers = { Accept: "application/json", "X-Requested-With": "dashboard", ...extraHeaders };
   const init = { method, headers, credentials: "same-origin" };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
@@ -98,12 +99,28 @@ async function api(method, path, body) {
   } catch (error) {
     throw new ApiError(0, "The admin API cannot be reached: " + error.message);
   }
+  if (response.status === 304) return NOT_MODIFIED;
   const text = await response.text();
   const data = text ? JSON.parse(text) : null;
   if (!response.ok) {
     throw new ApiError(response.status, (data && data.message) || response.statusText);
   }
+  const etag = response.headers.get("ETag");
+  if (etag && method === "GET") tagged.set(path, { etag, data });
   return data;
+}
+
+// Answers kept with their ETag, for the polls that send it back (If-None-Match): an
+// unchanged job answers 304 with no body, so a job with a megabyte of arguments costs a few
+// hundred bytes a poll, not the megabyte.
+const NOT_MODIFIED = Symbol("not modified");
+const tagged = new Map();
+
+// GET path, answered from the kept copy when the API says it has not changed.
+async function poll(path) {
+  const known = tagged.get(path);
+  const data = await api("GET", path, undefined, known ? { "If-None-Match": known.etag } : {});
+  return data === NOT_MODIFIED ? known.data : data;
 }
 
 function notice(message) {
@@ -162,6 +179,17 @@ function ago(iso) {
 
 function badge(status) {
   return el("span", { class: "badge s-" + status, "data-status": status, text: status });
+}
+
+// A queued job not runnable before a later time (a delay, an eta, a retry backoff): what the
+// overview counts as "Delayed" and the list's status filter calls "delayed".
+function isDelayed(job) {
+  return job.status === "queued" && !!job.available_at && new Date(job.available_at).getTime() > Date.now();
+}
+
+// A time that never wraps inside itself.
+function timeText(iso) {
+  return el("span", { class: "time", title: iso || "", text: formatTime(iso) });
 }
 
 function json(value) {
@@ -305,18 +333,38 @@ async function overviewPage() {
   async function refreshCounts() {
     const { results } = await api("GET", "/api/queues");
     const totals = { queued: 0, delayed: 0, running: 0, failed: 0 };
-    const rows = results.map((queue) => {
-      for (const key of Object.keys(totals)) totals[key] += queue[key];
-      const link = (status, n) => n > 0 && (status === "queued" || status === "failed" || status === "running")
-        ? el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ status, queue: queue.queue_name }), text: String(n) })
+    for (const queue of results) for (const key of Object.keys(totals)) totals[key] += queue[key];
+    // The queues the workers declared first, by name; then those that only have jobs (sent
+    // to a queue no worker consumes), the most jobs first, at most UNDECLARED_SHOWN of them:
+    // a typo'd queue name in an app must not crowd the real queues off the page.
+    const declared = results.filter((queue) => queue.declared);
+    const jobsOf = (queue) => queue.queued + queue.delayed + queue.running + queue.failed;
+    const undeclared = results.filter((queue) => !queue.declared)
+      .sort((a, b) => jobsOf(b) - jobsOf(a) || (a.queue_name < b.queue_name ? -1 : 1));
+    const shown = [...declared, ...undeclared.slice(0, UNDECLARED_SHOWN)];
+    const rows = shown.map((queue) => {
+      // A name longer than the list's filter takes is not a link: the list could not show
+      // it, and the address would be longer than a request line may be.
+      const linkable = queue.queue_name.length <= MAX_FILTER_LENGTH;
+      const listOf = (filters) => "/dashboard/jobs?" + new URLSearchParams({ ...filters, queue: queue.queue_name });
+      const link = (status, n) => n > 0 && linkable
+        ? el("a", { href: listOf({ status }), text: String(n) })
         : String(n);
-      return el("tr", { "data-queue": queue.queue_name, "data-paused": queue.paused ? "true" : "false" },
-        el("th", { scope: "row" }, el("a", { href: "/dashboard/jobs?" + new URLSearchParams({ queue: queue.queue_name }) }, nameCell(queue.queue_name))),
+      const name = nameCell(queue.queue_name);
+      return el("tr", { "data-queue": queue.queue_name, "data-paused": queue.paused ? "true" : "false", "data-declared": queue.declared ? "true" : "false" },
+        el("th", { scope: "row" }, linkable ? el("a", { href: listOf({}) }, name) : name),
         COUNT_FIELDS.map(([key]) => el("td", { class: "num", "data-field": key }, link(key, queue[key]))),
         el("td", { class: "num" + (queue.oldest_waiting_seconds > 300 ? " stale" : ""), "data-field": "oldest_waiting_seconds" },
           queue.queued ? formatAge(queue.oldest_waiting_seconds) : "—"),
         el("td", { "data-field": "state" }, queueState(queue)));
     });
+    const hidden = undeclared.slice(UNDECLARED_SHOWN);
+    if (hidden.length) {
+      const jobs = hidden.reduce((sum, queue) => sum + jobsOf(queue), 0);
+      rows.push(el("tr", { id: "queues-more" }, el("td", { colspan: 7, class: "muted",
+        text: `and ${hidden.length} more queue${hidden.length === 1 ? "" : "s"} no worker declared ` +
+          `(${jobs} job${jobs === 1 ? "" : "s"}; counted in the totals above).` })));
+    }
     if (!rows.length) {
       rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No queues: workers declare theirs when they boot." })));
     }
@@ -338,7 +386,7 @@ async function overviewPage() {
     const rows = results.map((worker) => el("tr", { "data-worker": worker.id },
       el("td", {}, nameCell(worker.host)),
       el("td", { class: "num", text: String(worker.pid) }),
-      el("td", {}, nameCell(worker.queues.join(", "))),
+      el("td", { "data-field": "queues" }, worker.queues.map((queue) => el("div", {}, nameCell(queue)))),
       el("td", { class: "num", text: String(worker.in_flight) }),
       el("td", { title: formatTime(worker.started_at), text: ago(worker.started_at) }),
       el("td", { title: formatTime(worker.heartbeat_at), text: ago(worker.heartbeat_at) }),
@@ -361,12 +409,24 @@ async function overviewPage() {
 
 let refreshQueues = async () => {};
 
+// The queues the overview lists after the declared ones, at most; the rest are summed up.
+const UNDECLARED_SHOWN = 10;
+// The longest queue or actor filter the job list takes (the API's MAX_FILTER_LENGTH).
+const MAX_FILTER_LENGTH = 255;
+
 function queueState(queue) {
-  const label = !queue.declared ? "no worker" : queue.paused ? "paused" : "active";
+  // Active (green) only with a live worker process consuming it: a queue no worker consumes
+  // now, declared before or never, is red, since its jobs wait.
+  const idle = !queue.declared || !queue.live_workers;
+  const label = queue.paused ? "paused" : idle ? "no worker" : "active";
+  const workers = `${queue.live_workers} live worker process${queue.live_workers === 1 ? "" : "es"}`;
   const state = el("span", {
-    class: "state" + (queue.paused ? " paused" : ""),
+    class: "state" + (queue.paused ? " paused" : idle ? " idle" : ""),
+    "data-state": label,
     title: queue.paused ? `Paused by ${visible(queue.paused_by)} at ${formatTime(queue.paused_at)}`
-      : queue.declared ? "Workers claim its jobs" : "No worker declared this queue: its jobs wait",
+      : !queue.declared ? "No worker declared this queue: its jobs wait"
+      : idle ? "Declared, but no live worker process consumes it now: its jobs wait"
+      : `${workers} claim its jobs`,
     text: label,
   });
   if (!queue.declared || !OPERATORS.includes(me.role)) return state;
@@ -443,7 +503,7 @@ async function jobsPage() {
     el("div", {}, el("label", { for: "filter-status", text: "Status" }),
       el("select", { id: "filter-status", name: "status" },
         el("option", { value: "", text: "any" }),
-        STATUSES.map((s) => el("option", { value: s, selected: params.get("status") === s, text: s })))),
+        FILTER_STATUSES.map((s) => el("option", { value: s, selected: params.get("status") === s, text: s })))),
     el("div", {}, el("label", { for: "filter-queue", text: "Queue" }),
       el("input", { id: "filter-queue", name: "queue", value: params.get("queue") || "", size: 14 })),
     el("div", {}, el("label", { for: "filter-actor", text: "Actor contains" }),
@@ -463,6 +523,7 @@ async function jobsPage() {
     for (const input of form.querySelectorAll("input, select")) input.disabled = false;
   });
   const table = el("table", { class: "data", id: "jobs" },
+    el("colgroup", {}, ["job", "status", "queue", "actor", "args", "attempts", "created", "error"].map((name) => el("col", { class: "c-" + name }))),
     el("thead", {}, el("tr", {}, ["Job", "Status", "Queue", "Actor", "Arguments", "Attempts", "Created", "Last error"].map((h) => el("th", { scope: "col", text: h })))),
     el("tbody"));
   const summary = el("p", { class: "muted", id: "jobs-count", "aria-live": "polite" });
@@ -491,13 +552,14 @@ async function jobsPage() {
     const page = await api("GET", "/api/jobs?" + query);
     const rows = page.results.map((job) => el("tr", { "data-job": job.id, "data-status": job.status },
       el("td", { class: "mono" }, el("a", { href: "/dashboard/jobs/" + job.id, text: job.id.slice(0, 8), "aria-label": "Job " + job.id })),
-      el("td", {}, badge(job.status)),
+      el("td", { "data-field": "status" }, badge(job.status),
+        isDelayed(job) ? el("div", { class: "muted small delayed", title: "Runnable from " + formatTime(job.available_at), text: "delayed" }) : null),
       el("td", {}, nameCell(job.queue_name)),
       el("td", {}, nameCell(job.actor_name, "mono")),
       el("td", { "data-field": "args" }, job.message_encoding === "binary"
         ? el("span", { class: "muted", text: "(binary)" }) : nameCell(job.args_preview, "mono preview")),
       el("td", { class: "num", text: job.attempts + " / " + job.max_attempts }),
-      el("td", { title: formatTime(job.created_at), text: ago(job.created_at) }),
+      el("td", { class: "created", "data-field": "created" }, el("span", { title: formatTime(job.created_at), text: ago(job.created_at) })),
       el("td", { "data-field": "error" }, nameCell((job.error_preview || "").split("\n")[0], "mono preview"))));
     if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No job matches." })));
     table.tBodies[0].replaceChildren(...rows);
@@ -522,18 +584,26 @@ async function jobsPage() {
 // -- one job -----------------------------------------------------------------------------
 
 async function jobPage(jobId) {
-  const [job, events] = await Promise.all([
-    api("GET", "/api/jobs/" + encodeURIComponent(jobId)),
-    api("GET", "/api/jobs/" + encodeURIComponent(jobId) + "/events"),
-  ]);
+  const jobPath = "/api/jobs/" + encodeURIComponent(jobId);
+  tagged.clear();
+  let job, events;
+  try {
+    [job, events] = await Promise.all([poll(jobPath), poll(jobPath + "/events")]);
+  } catch (error) {
+    // An unknown id, someone else's job (for a member), or no job id at all: a page that
+    // says so, with the way back, instead of an empty page under a notice.
+    if (error instanceof ApiError && (error.status === 404 || error.status === 400)) {
+      notice("");
+      return badAddress(error.message);
+    }
+    throw error;
+  }
   renderJob(job, events.results);
   // A finished job changes only by an operator's action here (Retry reloads the page).
   if (FINISHED.includes(job.status)) return stopPolling();
-  schedule(async function poll() {
-    const [fresh, freshEvents] = await Promise.all([
-      api("GET", "/api/jobs/" + encodeURIComponent(jobId)),
-      api("GET", "/api/jobs/" + encodeURIComponent(jobId) + "/events"),
-    ]);
+  schedule(async function pollJob() {
+    // Conditional requests: an unchanged job and timeline are two 304s without a body.
+    const [fresh, freshEvents] = await Promise.all([poll(jobPath), poll(jobPath + "/events")]);
     // Leave the page alone while a confirmation is open.
     if (document.getElementById("confirm").open) return true;
     renderJob(fresh, freshEvents.results);
@@ -546,7 +616,9 @@ function renderJob(job, events) {
   const field = (label, value) => [el("dt", { text: label }), el("dd", { "data-field": label }, value ?? "—")];
   const fields = el("dl", { class: "fields", id: "job-fields" },
     field("id", el("span", { class: "mono", text: job.id })),
-    field("status", badge(job.status)),
+    field("status", isDelayed(job)
+      ? el("span", { id: "job-status" }, badge(job.status), " ", el("span", { id: "delayed-until" }, "(delayed until ", timeText(job.available_at), ")"))
+      : el("span", { id: "job-status" }, badge(job.status))),
     field("queue", visible(job.queue_name)),
     field("actor", el("span", { class: "mono", text: visible(job.actor_name) })),
     field("attempts", job.attempts + " of " + job.max_attempts),
@@ -560,7 +632,7 @@ function renderJob(job, events) {
     job.idempotency_key ? field("idempotency key", visible(job.idempotency_key)) : null,
     job.owner ? field("created by", visible(job.owner)) : null,
     job.abort_requested_by ? field("abort requested",
-      el("span", { id: "abort-requested", text: `by ${visible(job.abort_requested_by)} at ${formatTime(job.abort_requested_at)}` })) : null);
+      el("span", { id: "abort-requested" }, `by ${visible(job.abort_requested_by)} at `, timeText(job.abort_requested_at))) : null);
 
   const actions = el("div", { class: "actions", id: "job-actions" });
   if (OPERATORS.includes(me.role)) {
@@ -597,7 +669,8 @@ function renderJob(job, events) {
   const back = el("p", {}, el("a", { href: "/dashboard/jobs", text: "← All jobs" }));
   setView("Job " + job.id.slice(0, 8),
     back,
-    el("h1", {}, "Job ", el("span", { class: "mono", text: job.id.slice(0, 8) }), " ", badge(job.status)),
+    el("h1", {}, "Job ", el("span", { class: "mono", text: job.id.slice(0, 8) }), " ", badge(job.status),
+      isDelayed(job) ? el("span", { class: "muted h1-note", text: " delayed" }) : null),
     actions,
     el("div", { class: "columns" },
       el("section", { "aria-labelledby": "h-fields" }, el("h2", { id: "h-fields", text: "Fields" }), fields, payload),

@@ -98,8 +98,9 @@ class StaticFile:
 
 class Queues:
     """``GET /api/queues``: per queue, queued / delayed / running / failed jobs, how long
-    the oldest runnable one has waited, whether a worker declared it and whether it is
-    paused (see :meth:`Monitor.queues`)."""
+    the oldest runnable one has waited, whether a worker declared it, how many live worker
+    processes consume it now and whether it is paused (see :meth:`Monitor.queues` and
+    :meth:`Monitor.live_workers`)."""
 
     permissions = {"GET": OBSERVERS}
 
@@ -109,8 +110,12 @@ class Queues:
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         Query(req, ())
         queues = self.monitor.queues()
+        live = self.monitor.live_workers()
         resp.media = {
-            "results": [{"queue_name": name, **c.as_dict()} for name, c in queues.items()]
+            "results": [
+                {"queue_name": name, **c.as_dict(), "live_workers": live.get(name, 0)}
+                for name, c in queues.items()
+            ]
         }
 
 

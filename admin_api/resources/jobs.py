@@ -21,12 +21,13 @@ from dramatiq_pg_broker.messages import (
 )
 from dramatiq_pg_broker.workers import actor_queue
 
+from .. import conditional
 from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import decode_job_cursor, job_links, link_to
-from ..queries import JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
-from ..validation import Field, Query, parse_uuid, read_object
+from ..queries import DELAYED, JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
+from ..validation import Field, Query, check_name, parse_uuid, read_object, read_optional_object
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
 DEFAULT_LIMIT = 25
@@ -44,14 +45,15 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 #: The body of ``POST /api/jobs``.
 JOB_FIELDS = {
     "actor_name": Field(
-        "string", "The actor's name, as declared with @dramatiq.actor.", required=True,
-        max_length=255,
+        "string", "The actor's name, as declared with @dramatiq.actor. Whitespace at "
+        "either end, control characters (tabs, line breaks) and U+2028/U+2029 are refused, "
+        "not stripped.", required=True, max_length=255, name=True,
     ),
     "queue_name": Field(
         "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'. "
         "Default: the queue the actor was declared on by the workers (a different one is a "
         "400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
-        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN,
+        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN, name=True,
     ),
     "args": Field("array", "Positional arguments of the actor.", default=[]),
     "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
@@ -79,6 +81,15 @@ JOB_FIELDS = {
         max_length=255, nullable=True,
     ),
 }  # fmt: skip
+
+#: The body of the action endpoints (retry, cancel, abort; pause and resume of a queue):
+#: none, or an empty JSON object. Any field is refused, like every endpoint's unknown
+#: fields.
+ACTION_FIELDS: dict[str, Field] = {}
+
+#: The list's status filter: a status, or ``delayed`` (queued, not runnable before a later
+#: ``available_at``: the overview's "Delayed").
+LIST_STATUSES = (*STATUSES, DELAYED)
 
 LIST_PARAMS = (
     "limit",
@@ -110,6 +121,7 @@ def _bounded(query: Query, name: str) -> str | None:
         return None
     if len(value) > MAX_FILTER_LENGTH:
         raise bad_request(f"{name} must be at most {MAX_FILTER_LENGTH} characters long")
+    check_name(name, value)
     return value
 
 
@@ -140,7 +152,7 @@ class JobList:
         if cursor is not None and offset:
             raise bad_request("give cursor or offset, not both")
         filters = JobFilters(
-            status=query.choice("status", STATUSES),
+            status=query.choice("status", LIST_STATUSES),
             queue=_bounded(query, "queue"),
             actor=_bounded(query, "actor"),
             created_after=query.datetime("created_after"),
@@ -255,7 +267,8 @@ def _shown(name: str) -> str:
 
 
 class JobDetail:
-    """``GET /api/jobs/{id}``."""
+    """``GET /api/jobs/{id}``, with an ``ETag``: 304 with no body when ``If-None-Match``
+    names the job's current tag (see :mod:`admin_api.conditional`)."""
 
     permissions = {"GET": READERS}
 
@@ -265,11 +278,13 @@ class JobDetail:
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
-        resp.media = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
+        job = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
+        conditional.respond(req, resp, job)
 
 
 class JobEvents:
-    """``GET /api/jobs/{id}/events``: the job's timeline, oldest first."""
+    """``GET /api/jobs/{id}/events``: the job's timeline, oldest first, with an ``ETag``
+    (304 when unchanged, as for the job)."""
 
     permissions = {"GET": READERS}
 
@@ -280,7 +295,7 @@ class JobEvents:
         Query(req, ())
         job_id = job_id_param(job_id)
         events = self.queries.job_events(job_id, owner_id=owner_scope(req.context.user))
-        resp.media = {"job_id": job_id, "results": events}
+        conditional.respond(req, resp, {"job_id": job_id, "results": events})
 
 
 class JobStats:
@@ -320,6 +335,7 @@ class JobTransition:
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
+        read_optional_object(req, ACTION_FIELDS)
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
         # read, so the response shows what the operator did, not what happened next.

@@ -56,7 +56,7 @@ def create_metrics_app(settings: Settings | None = None, *, engine=None) -> falc
     """
     from dramatiq_pg_broker.db import ProcessPool, resolve_url
 
-    from ..app import create_engine
+    from ..app import create_engine, with_head
     from ..errors import add_error_handlers
     from ..schema_check import SchemaCheck
 
@@ -66,5 +66,5 @@ def create_metrics_app(settings: Settings | None = None, *, engine=None) -> falc
     # The schema handshake, as for the whole API (its pool serves only that check).
     app = falcon.App(middleware=[SchemaCheck(ProcessPool(settings))])
     add_error_handlers(app)
-    app.add_route("/metrics", OpenMetricsPage(Metrics(Monitor(engine, settings.schema))))
+    app.add_route("/metrics", with_head(OpenMetricsPage(Metrics(Monitor(engine, settings.schema)))))
     return app

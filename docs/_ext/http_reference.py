@@ -92,6 +92,8 @@ class HttpReference(SphinxDirective):
         if body:
             schema = body["content"]["application/json"]["schema"]
             part += nodes.rubric(text="JSON body")
+            if body.get("description"):
+                part += paragraph(body["description"])
             rows = _fields(schema, components)
             if rows:
                 part += table(["field", "type", "required", "meaning"], rows, [22, 26, 10, 42])

@@ -11,6 +11,7 @@ import io
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -360,10 +361,11 @@ def test_a_member_sees_only_its_own_jobs(stack, accounts, browser):
     wait(
         browser,
         stack,
-        "someone else's job not found",
-        lambda d: "No job has the id" in (text_of(d, "#notice") or ""),
+        "someone else's job not found, on a page of its own",
+        lambda d: "No job has the id" in (text_of(d, "#bad-address") or ""),
     )
     assert not css(browser, "#job-fields")
+    assert css(browser, 'a[href="/dashboard/jobs"]'), "a way back"
 
     browser.get(f"{stack.base}/dashboard/jobs/{mine[0]}")
     wait(browser, stack, "its own job's page", lambda d: css(d, "#job-fields"))
@@ -402,6 +404,13 @@ def test_an_operator_aborts_a_running_job_and_pauses_a_queue(stack, accounts, br
     )
     assert not css(browser, "#abort")
     assert "operator@example.com" in text_of(browser, "#abort-requested")
+    # The time of the abort is never cut in two by a line break.
+    assert (
+        browser.execute_script(
+            "return document.querySelector('#abort-requested .time').getClientRects().length"
+        )
+        == 1
+    )
     assert stack.api("GET", f"/api/jobs/{job['id']}", token)["status"] == "cancelled"
 
     # The overview: the queue's state, its toggle, and the live worker.
@@ -495,3 +504,223 @@ def test_a_finished_jobs_page_stops_polling(stack, accounts, browser):
     before = browser.execute_script(count)
     time.sleep(2.5)  # a polling period of an unfinished job's page (2 s), and a margin
     assert browser.execute_script(count) == before == 1
+
+
+def test_an_open_job_page_polls_kilobytes_not_its_megabyte_of_arguments(stack, accounts, browser):
+    """A waiting job with 1 MiB of arguments, its page left open for ten polls (20 s):
+    after the first load, each poll is two 304s without a body."""
+    token = accounts.tokens["operator"]
+    job = stack.api(
+        "POST",
+        "/api/jobs",
+        token,
+        {
+            "actor_name": "dash.later",
+            "queue_name": "dash_later",
+            "args": ["x" * (1024 * 1024 - 200)],
+            "delay": 3_600_000,
+        },
+    )
+    log_in(browser, stack, "viewer", f"/dashboard/jobs/{job['id']}")
+    wait(browser, stack, "the job's page", lambda d: css(d, "#job-args"))
+    entries = f"""return performance.getEntriesByType('resource')
+        .filter((e) => e.name.endsWith('/api/jobs/{job["id"]}')
+                    || e.name.endsWith('/api/jobs/{job["id"]}/events'))
+        .map((e) => [e.name.endsWith('/events'), e.transferSize, e.encodedBodySize]);"""
+    found = wait(
+        browser,
+        stack,
+        "ten polls of the job and its timeline after the first load",
+        lambda d: (lambda e: e if len(e) >= 22 else None)(d.execute_script(entries)),
+        timeout=45,
+    )
+    first_job = next(entry for entry in found if not entry[0])
+    assert first_job[2] > 1024 * 1024, found[:2]
+    polled = found[2:]
+    moved = sum(transfer for _, transfer, _ in polled)
+    assert all(body == 0 for _, _, body in polled), polled
+    assert moved < 20_000, f"{moved} bytes in {len(polled)} polls after the first load"
+
+
+def undeclared_job(accounts, queue: str) -> str:
+    """A queued job on a queue no worker declared (as an app's send with a typo makes)."""
+    from dramatiq_pg_broker.jobs import NewJob
+
+    job_id = str(uuid.uuid4())
+    message = {
+        "queue_name": queue,
+        "actor_name": "dash.typo",
+        "args": [],
+        "kwargs": {},
+        "options": {},
+        "message_id": job_id,
+        "message_timestamp": 0,
+    }
+    job = NewJob(
+        id=job_id, queue_name=queue, actor_name="dash.typo", message=message, max_attempts=1
+    )
+    assert accounts.store.enqueue(job).created
+    return job_id
+
+
+def add_worker_row(accounts, worker_id: str, queues: list[str]) -> None:
+    """A live worker process consuming ``queues``, as the registry holds one."""
+    from psycopg import sql
+
+    with accounts.pool.connection() as conn:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.workers (id, host, pid, queues, actors, version, expires_at,"
+                " in_flight) VALUES (%s, 'far-host', 4242, %s, '{{}}', '0',"
+                " now() + interval '10 minutes', 0)"
+            ).format(sql.Identifier(accounts.settings.schema)),
+            (worker_id, queues),
+        )
+
+
+def test_the_overview_shows_idle_queues_red_and_declared_queues_first(stack, accounts, browser):
+    idle, busy = "dash_idle", "dash_busy"
+    accounts.declare(queues=[idle, busy])
+    add_worker_row(accounts, "far-host:4242:abc", [busy, "dash_other", "dash_third"])
+    undeclared = [f"a_typo_{i:02d}" for i in range(12)]
+    for i, queue in enumerate(undeclared):
+        for _ in range(1 + i % 2):
+            undeclared_job(accounts, queue)
+    long_queue = "z" + "q" * 9_999
+    undeclared_job(accounts, long_queue)
+
+    log_in(browser, stack, "operator")
+    rows = wait(
+        browser,
+        stack,
+        "the overview with the idle queue",
+        lambda d: css(d, f'#queues tr[data-queue="{idle}"]') and css(d, "#queues tr[data-queue]"),
+    )
+    flags = [row.get_attribute("data-declared") for row in rows]
+    first_undeclared = flags.index("false")
+    assert set(flags[:first_undeclared]) == {"true"} and set(flags[first_undeclared:]) == {"false"}
+    assert len(flags) - first_undeclared == 10, "undeclared queues are capped at ten"
+    listed = stack.api("GET", "/api/queues", accounts.tokens["viewer"])["results"]
+    hidden = sum(not queue["declared"] for queue in listed) - 10
+    assert hidden >= 3
+    assert f"and {hidden} more queues no worker declared" in text_of(browser, "#queues-more")
+
+    def state(queue):
+        return css(browser, f'#queues tr[data-queue="{queue}"] td[data-field="state"] .state')[0]
+
+    assert state(idle).text == "no worker"
+    assert state(idle).value_of_css_property("color") == "rgba(180, 35, 24, 1)", "red"
+    assert state(busy).text == "active"
+    assert state(busy).value_of_css_property("color") == "rgba(26, 127, 55, 1)", "green"
+    # The three queues of the worker, one per line.
+    cells = css(browser, '#workers tr[data-worker="far-host:4242:abc"] td[data-field="queues"] div')
+    assert [c.text for c in cells] == [busy, "dash_other", "dash_third"]
+    assert len({c.location["y"] for c in cells}) == 3
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    )
+
+
+def test_a_very_long_queue_name_is_no_link(stack, accounts, browser):
+    long_queue = "y" + "q" * 9_999
+    undeclared_job(accounts, long_queue)
+    # Enough jobs on it to be among the ten undeclared queues shown.
+    for _ in range(5):
+        undeclared_job(accounts, long_queue)
+    log_in(browser, stack, "operator")
+    row = wait(
+        browser,
+        stack,
+        "the long queue's row",
+        lambda d: css(d, f'#queues tr[data-queue="{long_queue}"]'),
+    )[0]
+    assert not row.find_elements("css selector", "a"), "no link to an address too long to serve"
+    assert row.find_element("css selector", "th .name").get_attribute("title") == long_queue
+
+
+def test_delayed_jobs_are_listed_by_the_delayed_filter_and_said_so(stack, accounts, browser):
+    queue = "dash_delay"
+    accounts.declare(queues=[queue])
+    delayed = [
+        accounts.create_job(actor_name="dash.delayed", queue_name=queue, delay=3_600_000)["id"]
+        for _ in range(3)
+    ]
+    accounts.create_job(actor_name="dash.delayed", queue_name=queue)
+    log_in(browser, stack, "operator")
+    cell = f'#queues tr[data-queue="{queue}"] td[data-field="delayed"] a'
+    wait(browser, stack, "the queue's Delayed count", lambda d: css(d, cell))
+    assert css(browser, cell)[0].text == "3"
+    css(browser, cell)[0].click()
+    wait(
+        browser,
+        stack,
+        "the list of the delayed jobs",
+        lambda d: (
+            {r.get_attribute("data-job") for r in css(d, "#jobs tr[data-job]")} == set(delayed)
+        ),
+    )
+    assert "status=delayed" in browser.current_url
+    assert "3 of 3" in text_of(browser, "#jobs-count")
+    selected = css(browser, "#filter-status option:checked")[0]
+    assert selected.get_attribute("value") == "delayed"
+    assert all(
+        text_of(browser, f'#jobs tr[data-job="{job_id}"] .delayed') == "delayed"
+        for job_id in delayed
+    )
+
+    browser.get(f"{stack.base}/dashboard/jobs/{delayed[0]}")
+    wait(browser, stack, "the delayed job's page", lambda d: css(d, "#delayed-until"))
+    words = text_of(browser, '#job-fields dd[data-field="status"]')
+    assert words.startswith("queued (delayed until ") and words.endswith(")"), words
+
+
+def test_the_job_list_fits_a_laptop_without_wrapping_created(stack, accounts, browser):
+    queue = "dash_wide"
+    accounts.declare(queues=[queue])
+    args = ["an argument long enough to need the whole column " * 4]
+    for _ in range(3):
+        accounts.create_job(actor_name="dash.wide." + "n" * 200, queue_name=queue, args=args)
+    log_in(browser, stack, "operator", f"/dashboard/jobs?queue={queue}")
+    wait(browser, stack, "the list", lambda d: len(css(d, "#jobs tr[data-job]")) == 3)
+    assert browser.execute_script("return window.innerWidth") >= 1350
+    lines = browser.execute_script(
+        """return [...document.querySelectorAll('#jobs td[data-field="created"] span')]
+             .map((e) => e.getClientRects().length);"""
+    )
+    assert lines == [1, 1, 1], "Created on one line"
+    shown = browser.execute_script(
+        """const cell = document.querySelector('#jobs td[data-field="args"] .name');
+           return cell.getBoundingClientRect().width;"""
+    )
+    assert shown >= 330, f"the arguments get {shown} px"
+    assert browser.execute_script(
+        "return document.documentElement.scrollWidth <= window.innerWidth"
+    )
+
+
+def test_an_unknown_or_malformed_job_id_gives_a_not_found_page(stack, accounts, browser):
+    log_in(browser, stack, "viewer", f"/dashboard/jobs/{uuid.uuid4()}")
+    wait(
+        browser,
+        stack,
+        "the not-found page",
+        lambda d: "No job has the id" in (text_of(d, "#bad-address") or ""),
+    )
+    assert text_of(browser, "#view h1") == "Not found"
+    back = css(browser, '#view a[href="/dashboard/jobs"]')
+    assert back and back[0].is_displayed()
+    assert not (text_of(browser, "#notice") or "")
+
+    # An Arabic-Indic digit in an id: not the ASCII job, and said so.
+    job_id = accounts.enqueue(queue="dash_ids")
+    digit = next(i for i, c in enumerate(job_id) if c.isdigit())
+    other = job_id[:digit] + chr(0x0660 + int(job_id[digit])) + job_id[digit + 1 :]
+    browser.get(f"{stack.base}/dashboard/jobs/{other}")
+    wait(
+        browser,
+        stack,
+        "the malformed id explained",
+        lambda d: "must be a UUID" in (text_of(d, "#bad-address") or ""),
+    )
+    css(browser, '#view a[href="/dashboard/jobs"]')[0].click()
+    wait(browser, stack, "back on the list", lambda d: css(d, "#filters"))

@@ -193,6 +193,16 @@ class Walk:
         ("patch", "/api/users/{user_id}"): lambda: {"active": True},
         ("post", "/api/users/{user_id}/tokens"): lambda: {"name": "walk"},
         ("post", "/api/auth/login"): lambda: {"email": "viewer@example.com", "password": PASSWORD},
+        **{
+            ("post", f"/api/{path}"): dict
+            for path in (
+                "jobs/{job_id}/retry",
+                "jobs/{job_id}/cancel",
+                "jobs/{job_id}/abort",
+                "queues/{queue_name}/pause",
+                "queues/{queue_name}/resume",
+            )
+        },
     }
 
     def __init__(self, env: AdminEnv) -> None:

@@ -186,7 +186,7 @@ def test_create_stores_the_message_a_worker_can_run(env):
         "/api/jobs",
         "operator",
         json={
-            "actor_name": " reports.build ",
+            "actor_name": "reports.build",
             "queue_name": "reports",
             "args": [1, "two", {"three": 3}],
             "kwargs": {"dry_run": True},

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.errors import DuplicateJobId, JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 
@@ -276,3 +277,32 @@ def test_the_admin_api_answers_409_for_a_retry_of_an_id_with_a_second_row(env, c
     response = env.post(f"/api/jobs/{twice}/retry", role="admin")
     assert response.status_code == 409, response.text
     assert "second row" in response.json["message"], response.json
+
+
+def test_the_brokers_own_bulk_transactions_begin_read_committed(pg_url, schema, queue, monkeypatch):
+    """A server (or role) whose default isolation is SERIALIZABLE: the broker's own bulk
+    transactions still begin READ COMMITTED, where each statement sees every move to
+    history committed before it."""
+    monkeypatch.setenv("PGOPTIONS", "-c default_transaction_isolation=serializable")
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    try:
+
+        @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"rc_{queue}")
+        def task(n):
+            pass
+
+        seen: list[str | None] = []
+        confirm = broker.store._confirm_new
+
+        def spy(c, jobs, isolation, pooled):
+            seen.append(isolation)
+            return confirm(c, jobs, isolation, pooled)
+
+        monkeypatch.setattr(broker.store, "_confirm_new", spy)
+        broker.enqueue_many([task.message(n) for n in range(3)])
+        broker.enqueue_many([task.message(n) for n in range(250)])
+        with broker.pool.connection() as c:
+            assert c.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
+        assert seen == ["read committed", "read committed"]
+    finally:
+        broker.close()

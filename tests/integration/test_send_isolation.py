@@ -201,6 +201,55 @@ def test_a_send_racing_with_the_finish_of_its_job_never_makes_a_second_row(
         assert isinstance(error, JobAlreadyFinished), error
 
 
+@pytest.mark.parametrize("path", ["single", "group", "bulk"])
+def test_a_pooled_send_racing_with_the_finish_of_its_job_never_makes_a_second_row(
+    broker, task, queue, conn, schema, pg_url, path
+):
+    """The same race for the broker's own sends (no application transaction): a single
+    send, the group commit's statement (the sends of several threads at once), a bulk
+    send through the pool."""
+    message = broker.enqueue(task.message(0))
+    attempt = claim(broker, queue, message.message_id)
+    outcome: dict = {}
+
+    def send() -> None:
+        try:
+            if path == "single":
+                broker.enqueue(message)
+            elif path == "group":
+                job, _ = broker.sender.job_for(message)
+                other, _ = broker.sender.job_for(task.message(1))
+                [_, result] = broker.store.send_many([(other, True), (job, True)])
+                if isinstance(result, Exception):
+                    raise result
+            else:
+                broker.enqueue_many([task.message(1), message])
+        except JobAlreadyFinished as e:
+            outcome["error"] = e
+
+    with psycopg.connect(pg_url, autocommit=True) as mover:
+        mover.execute("BEGIN")
+        assert broker.store.complete([attempt], conn=mover) == {message.message_id}
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            wait_for(
+                lambda: conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND pid IN (SELECT pid FROM pg_locks WHERE NOT granted "
+                    "AND transactionid IS NOT NULL)"
+                ).fetchone()[0],
+                10,
+                "the send to wait for the worker's move",
+            )
+        finally:
+            mover.execute("COMMIT")
+            thread.join(30)
+    assert not thread.is_alive(), "the send hung"
+    assert rows_of(conn, schema, message.message_id) == [("history", "succeeded")]
+    assert isinstance(outcome.get("error"), JobAlreadyFinished), outcome
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_new_job_sends_at_every_level(broker, task, queue, conn, schema, pg_url, level):
     """No false alarm: the check after the insert finds nothing for a new id."""

@@ -22,6 +22,7 @@ worker claimed the job), never an exception.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
@@ -706,14 +707,21 @@ class JobStore:
             return []
         pooled = conn is None
         with self.pool.use(conn) as c:
-            if pooled and c.isolation_level is None:
-                # The broker's own transaction begins READ COMMITTED whatever the server's
-                # default_transaction_isolation: each statement's snapshot then sees every
-                # move to history committed before it (see _confirm_new). Kept on the
-                # pooled connection: only its explicit transactions are concerned.
-                c.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-            with c.transaction():
-                return self._enqueue_many(c, jobs, now, again, pooled)
+            if not pooled:
+                with c.transaction():
+                    return self._enqueue_many(c, jobs, now, again, pooled)
+            # The broker's own transaction begins READ COMMITTED whatever the server's
+            # default_transaction_isolation: each statement's snapshot then sees every move
+            # to history committed before it (see _confirm_new). The pooled connection gets
+            # its setting back (a pool passed in is the application's).
+            previous = c.isolation_level
+            c.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            try:
+                with c.transaction():
+                    return self._enqueue_many(c, jobs, now, again, pooled)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    c.isolation_level = previous
 
     def _enqueue_many(
         self,

@@ -94,7 +94,7 @@ class DuplicateJobId(InvalidTransition):
     retried, so that no id ever gets a third row. Look at its rows and delete the one that
     is not wanted."""
 
-    def __init__(self, job_id: object, rows: int = 2) -> None:
+    def __init__(self, job_id: object) -> None:
         self.job_id = job_id
         self.status = "duplicated"
         PgBrokerError.__init__(

@@ -298,19 +298,30 @@ def run_jobs_retry(ctx: Context, args) -> int:
         # Batch by batch, each committed before the next: neither the process's memory nor
         # a transaction grows with the number of failed jobs (the JSON list is streamed).
         retried = 0
+        skipped: list[str] = []
         if args.json:
             print('{"retried": [', end="")
-        for ids in ctx.store.retry_all_failed(queue_name=args.queue, by=by, batch=RETRY_BATCH):
-            if args.json:
+        batches = ctx.store.retry_all_failed(
+            queue_name=args.queue, by=by, batch=RETRY_BATCH, skipped=skipped
+        )
+        for ids in batches:
+            if args.json and ids:
                 print(("" if not retried else ", ") + ", ".join(json.dumps(i) for i in ids), end="")
             retried += len(ids)
         if args.json:
-            # "skipped" stays for scripts written for earlier releases: a job is retried by
-            # the statement that finds it failed, so none is skipped any more.
-            print('], "skipped": []}')
+            # "skipped": the failed jobs whose id has a second row (DuplicateJobId).
+            print(f'], "skipped": {json.dumps(sorted(skipped))}}}')
         else:
             where = f" of queue {args.queue!r}" if args.queue else ""
             print(f"retried {retried} failed job(s){where}")
+            if skipped:
+                print(
+                    f"skipped {len(skipped)} failed job(s) whose id has a second row (queued "
+                    "again while it finished, under an earlier release): look at their rows "
+                    "with `jobs show` and delete the one that is not wanted:"
+                )
+                for job_id in sorted(skipped):
+                    print(f"  {job_id}")
         return 0
     job = ctx.store.retry_failed(ctx.store.resolve_id(args.id), by=by)
     print(to_json(job) if args.json else f"job {job['id']} is {job['status']} again")

@@ -88,6 +88,23 @@ class InvalidTransition(PgBrokerError):
         super().__init__(f"job {job_id} is {status}: only {allowed} jobs can be {done}")
 
 
+class DuplicateJobId(InvalidTransition):
+    """A job id has more than one row (queued or running in jobs and finished in history,
+    or finished twice in history), which earlier releases could leave: the job is not
+    retried, so that no id ever gets a third row. Look at its rows and delete the one that
+    is not wanted."""
+
+    def __init__(self, job_id: object) -> None:
+        self.job_id = job_id
+        self.status = "duplicated"
+        PgBrokerError.__init__(
+            self,
+            f"job {job_id} has a second row (an earlier release could leave one: queued "
+            "again while it finished, or finished twice): it was not retried; look at its "
+            "rows and delete the one that is not wanted",
+        )
+
+
 class InvalidMessage(PgBrokerError, ValueError):
     """A message cannot be sent as it is: an option is out of range, or the configured
     encoder cannot encode one of its values. Nothing was written."""

@@ -22,6 +22,7 @@ worker claimed the job), never an exception.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
@@ -40,6 +41,7 @@ from psycopg.types.json import Jsonb
 from .db import ProcessPool, Queries
 from .errors import (
     AmbiguousJobId,
+    DuplicateJobId,
     InvalidJobId,
     InvalidTransition,
     JobAlreadyFinished,
@@ -348,6 +350,11 @@ def _timestamp_us(value: dt.datetime) -> int:
 #: opposed to a lost connection.
 _REFUSED = (psycopg.DataError, psycopg.IntegrityError, psycopg.ProgrammingError)
 
+#: The isolation levels (``transaction_isolation``) whose snapshot is taken once for the
+#: whole transaction: a send's look-up of history can then miss a job that was sent, run
+#: and finished after it (see :meth:`JobStore._confirm_new`).
+SNAPSHOT_LEVELS = frozenset({"repeatable read", "serializable"})
+
 
 #: The fewest hex characters a job id prefix must have: the 8 the demo and the CLI print.
 #: With a million jobs, about a hundred pairs of ids share their first 8 characters; the
@@ -519,8 +526,9 @@ class JobStore:
     ) -> EnqueueResult:
         row = self._probing(c, "insert_job", params, job.sent_at_ms, pooled).fetchone()
         if row is not None:
+            self._confirm_new(c, [job], row[2], pooled)
             return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-        return self._not_inserted(c, job, params, again)
+        return self._not_inserted(c, job, params, again, pooled)
 
     def _probing(
         self,
@@ -587,8 +595,56 @@ class JobStore:
                     results.append(e)
         return results
 
+    def _confirm_new(
+        self, c: Any, jobs: Sequence[NewJob], isolation: str | None, pooled: bool
+    ) -> None:
+        """Refuse the sends of ``jobs``, just inserted on ``c``, whose id is in history.
+
+        The send statements look for the id in jobs and in history with their snapshot. A
+        worker's move to history is one transaction, so under READ COMMITTED (a snapshot
+        per statement) a send sees the id in one table or the other. An application's
+        transaction under REPEATABLE READ or SERIALIZABLE keeps the snapshot of its first
+        statement: a job sent, run and finished since is in neither table for it, and the
+        primary key does not stop the insert (the old row is gone). History is then read
+        again on one of the pool's connections, whose snapshot is new; an id found there
+        makes the send abort the application's transaction with a serialization failure
+        (SQLSTATE 40001), as PostgreSQL itself does when a snapshot cannot be kept: the
+        application retries its transaction, which then sees the finished job.
+
+        The broker's own sends (``pooled``) are single autocommit statements or
+        transactions begun READ COMMITTED: nothing to do.
+
+        Raises:
+          psycopg.errors.SerializationFailure: an id of ``jobs`` is in history.
+        """
+        if pooled or isolation not in SNAPSHOT_LEVELS or not jobs:
+            return
+        stamps = [job.sent_at_ms for job in jobs]
+        params = {
+            "ids": [job.id for job in jobs],
+            "sent_at_ms": None if None in stamps else min(stamps),
+        }
+        with self.pool.connection() as other:
+            found = sorted(str(r[0]) for r in other.execute(self.queries["finished_among"], params))
+        if not found:
+            return
+        try:
+            c.execute(self.queries["refuse_send"])
+        except psycopg.errors.SerializationFailure as e:
+            raise psycopg.errors.SerializationFailure(
+                f"job {', '.join(found)} finished after this {isolation} transaction's "
+                "snapshot was taken, so sending its message again would give the id a "
+                "second row: nothing was sent; retry the transaction"
+            ) from e
+        raise AssertionError("refuse_send did not raise")  # pragma: no cover
+
     def _not_inserted(
-        self, c: psycopg.Connection, job: NewJob, params: dict[str, Any], again: bool
+        self,
+        c: psycopg.Connection,
+        job: NewJob,
+        params: dict[str, Any],
+        again: bool,
+        pooled: bool = False,
     ) -> EnqueueResult:
         """What a send whose insert was a no-op gets: the job with its idempotency key, or
         the job with its id rescheduled (see :meth:`enqueue`)."""
@@ -599,8 +655,9 @@ class JobStore:
             c.execute(self.queries["release_stale_key"], params)
             retried = c.execute(self.queries["insert_job"], params).fetchone()
             if retried is not None:
+                self._confirm_new(c, [job], retried[2], pooled)
                 return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-            return self._not_inserted(c, job, {**params, "_again": True}, again)
+            return self._not_inserted(c, job, {**params, "_again": True}, again, pooled)
         if existing is None:  # pragma: no cover - deleted between the two statements
             raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
         job_id, status, message, message_bytes = existing
@@ -648,28 +705,61 @@ class JobStore:
         """
         if not jobs:
             return []
-        with self.pool.use(conn) as c, c.transaction():
-            if (
-                self.DIRECT_COPY
-                and len(jobs) >= self.BULK_COPY_MIN
-                and self._copy_new(c, jobs, now)
-            ):
-                queues = {job.queue_name for job in jobs}
-                channels = sorted(self.channel(q) for q in queues)
-                c.execute(self.queries["notify_queues"], {"channels": channels})
-                return [
-                    EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-                    for job in jobs
-                ]
-            return self._insert_resolving(c, jobs, now, again)
+        pooled = conn is None
+        with self.pool.use(conn) as c:
+            if not pooled:
+                with c.transaction():
+                    return self._enqueue_many(c, jobs, now, again, pooled)
+            # The broker's own transaction begins READ COMMITTED whatever the server's
+            # default_transaction_isolation: each statement's snapshot then sees every move
+            # to history committed before it (see _confirm_new). The pooled connection gets
+            # its setting back (a pool passed in is the application's).
+            previous = c.isolation_level
+            c.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            try:
+                with c.transaction():
+                    return self._enqueue_many(c, jobs, now, again, pooled)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    c.isolation_level = previous
+
+    def _enqueue_many(
+        self,
+        c: Any,
+        jobs: Sequence[NewJob],
+        now: dt.datetime | None,
+        again: bool,
+        pooled: bool,
+    ) -> list[EnqueueResult]:
+        """:meth:`enqueue_many` inside its transaction (or savepoint) on ``c``."""
+        if (
+            self.DIRECT_COPY
+            and len(jobs) >= self.BULK_COPY_MIN
+            and self._copy_new(c, jobs, now, pooled)
+        ):
+            queues = {job.queue_name for job in jobs}
+            channels = sorted(self.channel(q) for q in queues)
+            c.execute(self.queries["notify_queues"], {"channels": channels})
+            return [
+                EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
+                for job in jobs
+            ]
+        return self._insert_resolving(c, jobs, now, again, pooled)
 
     def _insert_resolving(
-        self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None, again: bool
+        self,
+        c: psycopg.Connection,
+        jobs: Sequence[NewJob],
+        now: dt.datetime | None,
+        again: bool,
+        pooled: bool = False,
     ) -> list[EnqueueResult]:
         """The bulk path that resolves conflicts row by row (ON CONFLICT DO NOTHING, then
         each job not inserted as :meth:`enqueue` does)."""
         results: list[EnqueueResult | None] = [None] * len(jobs)
         queues: set[str] = set()
+        new: list[NewJob] = []
+        isolation = None
         for start in range(0, len(jobs), self.BULK_CHUNK):
             chunk = jobs[start : start + self.BULK_CHUNK]
             if len(chunk) >= self.BULK_COPY_MIN:
@@ -679,6 +769,8 @@ class JobStore:
                     self.queries["insert_jobs"], self._bulk_params(chunk, now)
                 ).fetchall()
             inserted = {str(r[0]) for r in rows}
+            if rows:
+                isolation = rows[0][1]
             for offset, job in enumerate(chunk):
                 if job.id in inserted:
                     inserted.discard(job.id)  # a repeated id inserts once
@@ -686,12 +778,14 @@ class JobStore:
                         job.id, True, "queued", job.message, job.message_bytes
                     )
                     queues.add(job.queue_name)
+                    new.append(job)
+        self._confirm_new(c, new, isolation, pooled)
         for index, job in enumerate(jobs):
             if results[index] is not None:
                 continue
             params = self._new_job_params(job, now)
             try:
-                results[index] = result = self._not_inserted(c, job, params, again)
+                results[index] = result = self._not_inserted(c, job, params, again, pooled)
             except JobAlreadyFinished as e:
                 e.args = (f"message {index} of the batch: {e}",)
                 raise
@@ -720,7 +814,11 @@ class JobStore:
     COPY_PUMP_ROWS = 200
 
     def _copy_new(
-        self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None
+        self,
+        c: psycopg.Connection,
+        jobs: Sequence[NewJob],
+        now: dt.datetime | None,
+        pooled: bool = False,
     ) -> bool:
         """Write ``jobs`` with COPY straight into the jobs table and their ``created`` events
         into job_events, in a savepoint. Returns False, with nothing written, when a job
@@ -828,16 +926,19 @@ class JobStore:
                             copy.write(block(event_rows))
                             build(split, following, next_jobs, next_events)
                     job_rows, event_rows, start = next_jobs, next_events, stop
-                if self._copied_in_history(c, jobs):
+                in_history, isolation = self._copied_in_history(c, jobs)
+                if in_history:
                     raise _RepeatedId("a job's id or idempotency key is in history")
+                self._confirm_new(c, jobs, isolation, pooled)
         except (psycopg.errors.UniqueViolation, _RepeatedId):
             return False
         return True
 
-    def _copied_in_history(self, c: psycopg.Connection, jobs: Sequence[NewJob]) -> bool:
+    def _copied_in_history(self, c: psycopg.Connection, jobs: Sequence[NewJob]) -> tuple[bool, str]:
         """Register the idempotency keys of the jobs :meth:`_copy_new` wrote (a key already
-        held raises a unique violation), and say whether one of their ids is in history:
-        a statement each for the whole bulk (COPY cannot probe as it inserts)."""
+        held raises a unique violation), and say whether one of their ids is in history
+        (with the transaction's isolation level): a statement each for the whole bulk (COPY
+        cannot probe as it inserts)."""
         keyed = [job for job in jobs if job.idempotency_key is not None]
         if keyed:
             c.execute(
@@ -854,7 +955,8 @@ class JobStore:
             "ids": [job.id for job in jobs],
             "sent_at_ms": None if None in stamps else min(stamps, default=None),
         }
-        return c.execute(self.queries["copied_in_history"], params).fetchone()[0]
+        found, isolation = c.execute(self.queries["copied_in_history"], params).fetchone()
+        return found, isolation
 
     def _insert_staged(
         self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None
@@ -1134,9 +1236,13 @@ class JobStore:
         Raises:
           JobNotFound: no job has this id.
           InvalidTransition: the job is not failed.
+          DuplicateJobId: the job's id has a second row (see :meth:`retry_all_failed`).
         """
-        if not self._retry_failed({"ids": [job_id], "limit": 1, "by": by, "now": now}, conn):
+        rows = self._retry_failed({"ids": [job_id], "limit": 1, "by": by, "now": now}, conn)
+        if not rows:
             self._raise_for(job_id, "failed", "retried", conn)
+        if rows[0][3]:
+            raise DuplicateJobId(job_id)
         return self.get(job_id, conn=conn)
 
     def retry_all_failed(
@@ -1146,6 +1252,7 @@ class JobStore:
         by: str | None = None,
         batch: int = 1000,
         now: dt.datetime | None = None,
+        skipped: list[str] | None = None,
     ) -> Iterator[list[str]]:
         """failed -> queued by an operator for every job (of ``queue_name`` when given) that
         failed before the call, oldest failure first, in batches of at most ``batch``: each
@@ -1153,11 +1260,18 @@ class JobStore:
         commit, so neither memory nor a transaction grows with the number of failed jobs.
         A job that fails again while the batches run is not retried a second time.
 
+        A failed job whose id has another row (queued or running in jobs, or a second row
+        in history, which earlier releases could leave when a message was sent again while
+        its job finished) is skipped: moving it back would give the id two rows in jobs.
+        Its id is appended to ``skipped`` when a list is given (the operator's to sort
+        out, see :class:`~dramatiq_pg_broker.errors.DuplicateJobId`).
+
         Yields:
           list[str]: the ids each batch retried, once it is committed.
         """
         failed_before = now if now is not None else self.server_now()
         after: tuple[Any, Any] = (None, None)
+        reported: set[str] = set()
         while True:
             params = {
                 "queue_name": queue_name,
@@ -1172,14 +1286,19 @@ class JobStore:
             if not rows:
                 return
             after = max((r[2], r[0]) for r in rows)
-            yield [str(r[0]) for r in rows]
+            for row in rows:
+                # An id twice in history is met once per row: reported once.
+                if row[3] and skipped is not None and str(row[0]) not in reported:
+                    reported.add(str(row[0]))
+                    skipped.append(str(row[0]))
+            yield [str(r[0]) for r in rows if not r[3]]
 
     def _retry_failed(self, params: dict[str, Any], conn) -> list[tuple]:
         """The ``retry_failed`` statement, then the wake-up of the queues it made runnable."""
         for name in ("ids", "queue_name", "failed_before", "after_finished_at", "after_id"):
             params.setdefault(name, None)
         rows = self._fetch("retry_failed", params, conn)
-        self._notify({r[1] for r in rows}, conn)
+        self._notify({r[1] for r in rows if not r[3]}, conn)
         return rows
 
     def cancel(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:

@@ -14,7 +14,14 @@
 -- Store one message as a queued job with its `created` event, and wake the queue's
 -- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
 -- An existing id or idempotency key (per actor and scope) inserts nothing and returns no
--- row, whether its job is unfinished (jobs) or finished (jobs_history, see 0012). A job
+-- row, whether its job is unfinished (jobs) or finished (jobs_history, see 0012). The id
+-- is looked up in both tables with the statement's snapshot, not only left to the primary
+-- key: a worker's move to history deletes the row from jobs and inserts it in history in
+-- one transaction, so a snapshot sees the id in one table or the other, while the primary
+-- key alone would let the insert in once the move commits (it waits for the move, then
+-- finds the old row gone). The row returned says the transaction's isolation level: under
+-- REPEATABLE READ or SERIALIZABLE the snapshot may predate the job's send, and the caller
+-- looks for the id in history again outside it (jobs.py, JobStore._confirm_new). A job
 -- cannot finish before its message was built, so the probe of history by id reads only
 -- the partitions from the message's timestamp (%(sent_at_ms)s, less an hour for the
 -- clocks of senders and server to differ) on: one or two days of each status, pruned at
@@ -53,7 +60,8 @@ WITH new_key AS (
           AND h.finished_at >= coalesce(
               'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
               '-infinity')
-    ) AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
+    ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = %(id)s::uuid)
+      AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -62,7 +70,8 @@ WITH new_key AS (
 ), no_flush_wait AS (
     SELECT set_config('synchronous_commit', 'off', true) WHERE NOT %(durable)s
 )
-SELECT id, pg_notify(%(channel)s, '') FROM inserted LEFT JOIN no_flush_wait ON true
+SELECT id, pg_notify(%(channel)s, ''), current_setting('transaction_isolation')
+FROM inserted LEFT JOIN no_flush_wait ON true
 
 -- find_existing --
 -- The job that made an insert a no-op: the same message id, or the same idempotency key
@@ -141,8 +150,8 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- Many messages in one statement (bulk enqueue), each with its `created` event; the arrays
 -- are parallel, one element per message, each named as insert_job's parameter of the same
 -- field (jobs.py SEND_FIELDS). As insert_job: an existing id or idempotency key, unfinished
--- or in history, inserts nothing, and the rows that were inserted are returned with their position (from
--- 1). All the rows get the same now(), so created_at is advanced by one microsecond per
+-- or in history (each looked up with the statement's snapshot), inserts nothing, and the
+-- rows that were inserted are returned with the transaction's isolation level. All the rows get the same now(), so created_at is advanced by one microsecond per
 -- position: jobs of equal priority and availability are then claimed in the order sent.
 -- Concurrent single sends share this statement (group commit, one autocommit transaction):
 -- they pass the %(channels)s to wake, and %(durable)s false when none of them needs the
@@ -186,7 +195,8 @@ WITH given AS (
           AND h.finished_at >= coalesce(
               'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
               '-infinity')
-    ) AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
+    ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id)
+      AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
@@ -197,7 +207,8 @@ WITH given AS (
 ), no_flush_wait AS (
     SELECT set_config('synchronous_commit', 'off', true) WHERE NOT %(durable)s
 )
-SELECT id FROM inserted LEFT JOIN woken ON true LEFT JOIN no_flush_wait ON true
+SELECT id, current_setting('transaction_isolation')
+FROM inserted LEFT JOIN woken ON true LEFT JOIN no_flush_wait ON true
 
 -- bulk_now --
 -- The clock of a bulk enqueue written with COPY (COPY computes nothing): the injected clock,
@@ -232,14 +243,41 @@ SELECT * FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::t
 -- Whether a job just written by copy_jobs (%(ids)s) has its id in history (COPY cannot
 -- probe it as insert_jobs does): the caller then rolls the COPY back and takes the staged
 -- path, which resolves each conflict. As in insert_job, the probe reads the partitions
--- from the oldest message's timestamp on.
+-- from the oldest message's timestamp on, and the transaction's isolation level comes
+-- with the answer. Under READ COMMITTED this statement's snapshot is taken after the
+-- COPY, which waited for any move of one of its ids to commit: it sees that move.
 SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])
       AND h.finished_at >= coalesce(
           'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
           '-infinity')
-)
+), current_setting('transaction_isolation')
+
+-- finished_among --
+-- Which of %(ids)s, just inserted by an application's transaction under REPEATABLE READ or
+-- SERIALIZABLE, are in history: run on another connection, whose statement sees the rows
+-- committed after that transaction's snapshot was taken (a job sent, run and finished
+-- meanwhile). Any id found means the insert gave it a second row: the caller refuses it.
+SELECT DISTINCT id FROM {schema}.jobs_history AS h
+WHERE h.id = ANY(%(ids)s::uuid[])
+  AND h.finished_at >= coalesce(
+      'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+      '-infinity')
+
+-- refuse_send --
+-- Abort the application's transaction as PostgreSQL aborts one whose snapshot cannot be
+-- kept: a serialization failure (SQLSTATE 40001), which frameworks and applications retry.
+-- Inside the bulk send's savepoint, only the savepoint is rolled back (the rows with it).
+DO $$
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = 'serialization_failure',
+        MESSAGE = 'could not serialize the send: a job with the id of a message sent in this '
+                  'transaction finished after the transaction''s snapshot was taken',
+        HINT = 'Retry the transaction.';
+END
+$$
 
 -- stage_jobs --
 -- A temporary table for a large bulk enqueue, filled with COPY (much cheaper than one huge
@@ -257,7 +295,8 @@ CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
 COPY dramatiq_pg_broker_staged_jobs FROM STDIN (FORMAT BINARY)
 
 -- insert_staged_jobs --
--- insert_jobs, reading the staged rows instead of arrays (same rules, same events).
+-- insert_jobs, reading the staged rows instead of arrays (same rules, same events, the
+-- same isolation level returned).
 WITH new_keys AS (
     INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
     SELECT actor_name, idempotency_scope, idempotency_key, id::uuid
@@ -286,14 +325,15 @@ WITH new_keys AS (
           AND h.finished_at >= coalesce(
               'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
               '-infinity')
-    ) AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
+    ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id::uuid)
+      AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
     SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
 )
-SELECT id FROM inserted
+SELECT id, current_setting('transaction_isolation') FROM inserted
 
 -- drop_staged_jobs --
 -- The staging table is done with (a second bulk enqueue in the same transaction makes its own).
@@ -801,7 +841,11 @@ FROM changed
 -- worker stopped it) is forgotten: the operator wants it to run. The job moves back from
 -- jobs_history to the jobs table in this statement (its partition is found from the
 -- finish time picked, so only that one partition is touched per job).
-WITH picked AS (
+-- A job whose id has another row (in jobs, or a second one in history: earlier releases
+-- could leave one, see DuplicateJobId) is not moved, which would give the id a second row
+-- in jobs or fail on its primary key: it is returned with skipped true (and no queue), so
+-- that the batches go on past it and the operator is told.
+WITH candidates AS (
     SELECT id, finished_at
     FROM {schema}.jobs_history
     WHERE status = 'failed'
@@ -814,6 +858,15 @@ WITH picked AS (
     ORDER BY finished_at, id
     LIMIT %(limit)s
     FOR UPDATE
+), doubled AS (
+    SELECT c.id, c.finished_at
+    FROM candidates AS c
+    WHERE EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = c.id)
+       OR (SELECT count(*) FROM (SELECT 1 FROM {schema}.jobs_history AS o
+                                 WHERE o.id = c.id LIMIT 2) AS two) > 1
+), picked AS (
+    SELECT id, finished_at FROM candidates
+    WHERE id NOT IN (SELECT id FROM doubled)
 ), removed AS (
     DELETE FROM {schema}.jobs_history AS h
     USING picked
@@ -836,8 +889,10 @@ WITH picked AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'manual_retry', 0, %(by)s FROM moved
 )
-SELECT moved.id, moved.queue_name, picked.finished_at
+SELECT moved.id, moved.queue_name, picked.finished_at, false AS skipped
 FROM moved JOIN picked ON picked.id = moved.id
+UNION ALL
+SELECT id, NULL, finished_at, true FROM doubled
 
 -- cancel_job --
 -- queued -> cancelled by an operator. A running job cannot be cancelled (its worker owns it).

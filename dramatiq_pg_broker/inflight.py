@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware.threading import raise_thread_exception
@@ -159,6 +159,7 @@ class _Entry:
         "thread",
         "interrupt",
         "abort_requested",
+        "skip",
     )
 
     def __init__(
@@ -187,6 +188,8 @@ class _Entry:
         self.interrupt = True
         #: An operator asked for this attempt's abort.
         self.abort_requested = False
+        #: A middleware skipped the message: who and why (see :mod:`.skips`).
+        self.skip: dict[str, Any] | None = None
 
 
 class Ledger:
@@ -480,6 +483,16 @@ class Ledger:
             if entry is not None:
                 entry.error = error
 
+    def skipped(self, attempt: Attempt, skip: dict[str, Any]) -> None:
+        """A middleware skipped the message before its actor ran (``skip``: its
+        ``reason``, ``skipped_by`` and ``message``): Dramatiq's ack of it is then written
+        as ``cancelled`` with that event, its nack as a failure that names the middleware.
+        """
+        with self._lock:
+            entry = self._get(attempt, State.CLAIMED, State.STARTED)
+            if entry is not None:
+                entry.skip = skip
+
     # -- outcomes ------------------------------------------------------------------------
 
     def settle(self, attempt: Attempt, kind: str, error: str | None = None) -> bool:
@@ -491,7 +504,9 @@ class Ledger:
         is never recorded as a success (Dramatiq acks it when no Retries middleware is
         installed, or when that middleware's hook failed). A nack of an attempt whose abort
         was requested (an actor declared ``interrupt_on_abort=False`` that stopped itself)
-        is written as the abort: the job ends cancelled.
+        is written as the abort: the job ends cancelled. An ack of a message a middleware
+        skipped (:meth:`skipped`) is written as ``skip``: the job ends cancelled, with an
+        event saying who skipped it.
         """
         self._check_fork()
         with self._lock:
@@ -502,6 +517,12 @@ class Ledger:
             if kind == "fail" and entry.abort_requested:
                 # An actor that checks for aborts itself stopped with an exception.
                 kind, error = "abort", None
+            if entry.skip is not None and entry.error is None:
+                # Nothing ran: an ack is no success, and a failure says who skipped it.
+                if kind == "complete":
+                    kind, error = "skip", entry.skip
+                elif kind == "fail":
+                    error = f"{error} (skipped by {entry.skip['skipped_by']})"
             if kind == "complete" and entry.error is not None:
                 logger.error(
                     "Job %s attempt %d raised but was acked (no Retries middleware, or its "

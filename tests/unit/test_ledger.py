@@ -63,6 +63,44 @@ def test_an_ack_of_an_attempt_whose_actor_raised_is_written_as_a_failure(
     assert (row.status, row.last_error) == ("failed", "ValueError: boom")
 
 
+SKIP = {"reason": "middleware", "skipped_by": "app.Skipper", "message": "not today"}
+
+
+def test_an_ack_of_a_skipped_attempt_is_written_as_a_cancel(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    ledger.skipped(attempt, SKIP)
+    assert ledger.settle(attempt, "complete")
+    assert memory_broker.outcomes.flush(timeout=5)
+    row = memory_store.rows[attempt.id]
+    assert (row.status, row.skip) == ("cancelled", SKIP)
+    assert memory_store.called("complete") == []
+
+
+def test_a_skip_before_the_start_is_cancelled_too(memory_broker, memory_store, claim):
+    # A middleware ahead of the broker's (the age limit's place) skipped a claimed message.
+    attempt = claim()
+    memory_broker.ledger.skipped(attempt, SKIP)
+    assert memory_broker.ledger.settle(attempt, "complete")
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "cancelled"
+
+
+def test_a_nack_of_a_skipped_attempt_stays_a_failure_naming_the_middleware(
+    memory_broker, memory_store, claim
+):
+    attempt = claim()
+    memory_broker.ledger.skipped(attempt, SKIP)
+    assert memory_broker.ledger.settle(attempt, "fail", "SkipMessage: refused")
+    assert memory_broker.outcomes.flush(timeout=5)
+    row = memory_store.rows[attempt.id]
+    assert (row.status, row.last_error) == (
+        "failed",
+        "SkipMessage: refused (skipped by app.Skipper)",
+    )
+
+
 def test_release_gives_back_claimed_attempts_and_leaves_started_ones(
     memory_broker, memory_store, claim
 ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from unittest.mock import patch
 
 import dramatiq
 from dramatiq.middleware import Retries as StockRetries
@@ -274,3 +275,38 @@ def test_a_retry_that_cannot_be_written_is_never_acked_as_a_success(h, monkeypat
     assert ("succeeded", 1) not in types, f"the failed attempt was acked: {types}"
     assert ("timeout_requeued", 1) in types, types
     assert [attempt for (attempt,) in h.runs] == [1, 2]
+
+
+def test_the_middleware_logs_through_the_loggers_own_methods(h):
+    """Dramatiq's Retries calls ``Logger.info``/``Logger.warning`` on its logger, and so
+    does this package's: code that watches those calls (Dramatiq's own tests patch
+    ``logging.Logger.info``) sees its lines. An adapter around the logger would call
+    ``Logger.log`` instead."""
+    broker = h.broker()
+    deterministic(broker)
+
+    class Expected(Exception):
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, throws=Expected, max_retries=3)
+    def expected():
+        raise Expected("as planned")
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=1, min_backoff=10)
+    def unexpected():
+        raise ValueError("nope")
+
+    with (
+        patch("logging.Logger.info") as info,
+        patch("logging.Logger.warning") as warning,
+    ):
+        first, second = expected.send(), unexpected.send()
+        h.start(broker)
+        broker.join(h.queue, timeout=20_000)
+        info_lines = [call.args[0] for call in info.mock_calls if call.args]
+        warning_lines = [call.args[0] for call in warning.mock_calls if call.args]
+    assert "Aborting message %r." in info_lines
+    assert RETRYING_LINE in info_lines
+    assert "Retries exceeded for message %r." in warning_lines
+    assert broker.store.get(first.message_id)["status"] == "failed"
+    assert broker.store.get(second.message_id)["attempts"] == 2

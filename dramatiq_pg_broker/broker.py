@@ -215,8 +215,9 @@ class PostgresBroker(dramatiq.Broker):
 
         Enqueueing a message whose id is already a job (``message.copy()``, as snooze
         patterns and Dramatiq's own Retries do) reschedules that row if it is waiting or
-        running, with the new message and delay; a running attempt in this thread is
-        settled so that its ack writes nothing.
+        running, with the new message and delay; for the attempt this thread runs (a
+        retry), the row is rescheduled when Dramatiq acks or nacks the message, after
+        every middleware's ``after_process_message``.
 
         Raises:
           InvalidMessage: an option is out of range (``priority``, ``delay``, ``eta``,

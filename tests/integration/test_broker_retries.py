@@ -9,6 +9,7 @@ import time
 from unittest.mock import patch
 
 import dramatiq
+from dramatiq.middleware import AgeLimit, Middleware
 from dramatiq.middleware import Retries as StockRetries
 
 from dramatiq_pg_broker import Retries as PgRetries
@@ -310,3 +311,32 @@ def test_the_middleware_logs_through_the_loggers_own_methods(h):
     assert "Retries exceeded for message %r." in warning_lines
     assert broker.store.get(first.message_id)["status"] == "failed"
     assert broker.store.get(second.message_id)["attempts"] == 2
+
+
+def test_a_retry_is_written_after_every_middleware_ran(h):
+    """The row goes back to its queue when Dramatiq acks the message: a middleware whose
+    ``after_process_message`` runs after the Retries middleware's still sees the attempt
+    running, and the next attempt cannot start during it."""
+    broker = h.broker()
+    seen: list[tuple[int, str, int]] = []
+
+    class Watcher(Middleware):
+        def after_process_message(self, broker, message, *, result=None, exception=None):
+            row = broker.store.get(message.message_id)
+            seen.append((message.attempt.attempt, row["status"], row["attempts"]))
+
+    # First in the list: its after-hook runs last.
+    broker.add_middleware(Watcher(), before=AgeLimit)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=1, min_backoff=1)
+    def flaky():
+        if current_job().attempt == 1:
+            raise ValueError("first attempt fails")
+
+    message = flaky.send()
+    h.start(broker, threads=2)
+    broker.join(h.queue, timeout=20_000)
+    # Not (1, "queued", 1), nor (1, "running", 2): the next attempt already claimed.
+    assert seen == [(1, "running", 1), (2, "running", 2)], seen
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["attempts"]) == ("succeeded", 2)

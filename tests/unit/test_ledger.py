@@ -156,10 +156,13 @@ def test_a_rescheduled_attempt_takes_no_outcome(memory_broker, memory_store, cla
         return memory_store.reschedule(attempt, queue, 0, "ValueError: again")
 
     assert ledger.reschedule(attempt, retry)
-    assert not ledger.settle(attempt, "complete"), "an ack after the retry was taken"
-    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "running", "written before the ack"
+    assert ledger.state_of(attempt) is State.RESCHEDULING
+    assert ledger.settle(attempt, "complete"), "the ack writes the retry"
     assert memory_store.status(attempt.id) == "queued"
-    assert memory_store.called("complete") == []
+    assert not ledger.settle(attempt, "fail", "late"), "a second outcome was taken"
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.called("complete") == [] and memory_store.called("fail") == []
 
 
 def test_a_retry_that_was_not_written_leaves_the_attempt_to_its_lease(
@@ -169,8 +172,10 @@ def test_a_retry_that_was_not_written_leaves_the_attempt_to_its_lease(
     attempt = claim()
     writes = memory_store.hold("start")
     assert ledger.start(attempt)  # deferred: not written yet
-    assert not ledger.reschedule(attempt, lambda: False)
+    assert ledger.reschedule(attempt, lambda: False)
+    assert ledger.settle(attempt, "complete")  # the ack tries the retry
     assert not ledger.holds(attempt), "still renewed: the job would never run again"
+    assert memory_store.called("complete") == [], "a failed attempt was acked"
     # Its start is written still, so that the reaper counts an interrupted attempt.
     writes.set()
     wait_for(lambda: memory_store.rows[attempt.id].started, 5, "the let-go start written")

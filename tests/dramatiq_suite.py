@@ -15,6 +15,12 @@ Redis, RabbitMQ, memcached, the CLI and the file watcher are not run, nor the ca
 parametrized with a memcached or Redis backend.
 
 The run prints pytest's summary (``N passed, M failed``); the exit status is pytest's.
+Some tests fail on any real broker, since they test Dramatiq's ``StubBroker`` itself: they
+read its ``queues`` dict of Python queues, expect ``join()`` to re-raise the actor's
+exception (this broker's ``join(fail_fast=True)`` raises ``JobFailed``), or expect one
+worker thread to take messages strictly in priority order (a real consumer prefetches).
+One fails by design: a message a middleware skipped without failing it holds
+``MessageSkipped`` in a results backend, not None (see :mod:`dramatiq_pg_broker.skips`).
 Not part of ``make test``: it needs Dramatiq's source tree, and its test dependencies
 (``pylibmc``, ``redis``, ``pika`` are imported by its conftest; stand-ins are provided when
 they are missing, since no test run here uses them).

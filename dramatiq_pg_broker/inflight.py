@@ -500,8 +500,8 @@ class Ledger:
 
     def settle(self, attempt: Attempt, kind: str, error: str | None = None) -> bool:
         """Dramatiq acked (``kind="complete"``) or nacked (``"fail"``) a message: queue its
-        outcome for the writer. Refused (False) for an attempt with an outcome already, one
-        that was rescheduled, released, aborted or lost.
+        outcome for the writer. Refused (False) for an attempt with an outcome (or a
+        written retry) already, one that was released, aborted or lost.
 
         An ack of an attempt whose actor raised is written as a failure: a failed attempt
         is never recorded as a success (Dramatiq acks it when no Retries middleware is

@@ -39,6 +39,7 @@ from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
 from .sending import Batch, Sender, TransactionBlock
+from .skips import SkipRecorder
 from .workers import Presence
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class PostgresBroker(dramatiq.Broker):
         writer, the heartbeat) calls only its transition methods, so a test can pass an
         in-memory stand-in of them.
       **options: any other :class:`Settings` field (``poll_interval``, ``events``, ...).
+
+    A skipped message (a middleware raised ``SkipMessage``: dramatiq-abort's cancel of a job
+    that has not started, say) ends ``cancelled``, not ``succeeded``, with an event saying
+    who skipped it; see :mod:`dramatiq_pg_broker.skips`.
 
     The broker adds two middleware of its own: :class:`~dramatiq_pg_broker.current.JobContext`
     (the in-flight ledger's view of the worker: it skips a message this process no longer
@@ -139,6 +144,9 @@ class PostgresBroker(dramatiq.Broker):
         self.add_middleware(self.presence)
         # Last, so that its after-hooks run first (see AbortGuard).
         self.add_middleware(AbortGuard())
+        #: Who skipped a message and why: run before every middleware's after_skip_message
+        #: (see emit_after), so a skip ends cancelled and no result is stored as None.
+        self.skips = SkipRecorder()
 
         self.queues: dict[str, None] = {}
         self.pool = ProcessPool(settings, pool=pool)
@@ -165,6 +173,20 @@ class PostgresBroker(dramatiq.Broker):
         from .periodic import add_schedule
 
         add_schedule(self, schedule)
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
+        """Dramatiq's ``emit_after``; a skipped message first goes through
+        :class:`~dramatiq_pg_broker.skips.SkipRecorder`, whatever the middleware order: the
+        Results middleware (usually added last, so its after-hooks run first) must not
+        store None for it, and its ack is written as ``cancelled``."""
+        if signal == "skip_message":
+            try:
+                self.skips.after_skip_message(self, *args, **kwargs)
+            except Exception:
+                logger.critical(
+                    "Unexpected failure in after_skip_message of %r.", self.skips, exc_info=True
+                )
+        super().emit_after(signal, *args, **kwargs)
 
     # -- declaring -----------------------------------------------------------------------
 
@@ -193,8 +215,9 @@ class PostgresBroker(dramatiq.Broker):
 
         Enqueueing a message whose id is already a job (``message.copy()``, as snooze
         patterns and Dramatiq's own Retries do) reschedules that row if it is waiting or
-        running, with the new message and delay; a running attempt in this thread is
-        settled so that its ack writes nothing.
+        running, with the new message and delay; for the attempt this thread runs (a
+        retry), the row is rescheduled when Dramatiq acks or nacks the message, after
+        every middleware's ``after_process_message``.
 
         Raises:
           InvalidMessage: an option is out of range (``priority``, ``delay``, ``eta``,

@@ -4,7 +4,7 @@ an attempt moves from one state to the next.
 ::
 
     claimed ──start──> started ──settle──> outcome queued ──written──> done
-       │                  │ └──reschedule (a retry, written at once)──> done
+       │                  │ └──reschedule──> rescheduling ──settle (the retry written)──> done
        └──release─────────┴──lost (the heartbeat found another owner)──> done
 
 - *claimed*: the row is ``running`` for this process, the message waits in the worker. It
@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware.threading import raise_thread_exception
@@ -159,6 +159,8 @@ class _Entry:
         "thread",
         "interrupt",
         "abort_requested",
+        "skip",
+        "retry",
     )
 
     def __init__(
@@ -187,6 +189,10 @@ class _Entry:
         self.interrupt = True
         #: An operator asked for this attempt's abort.
         self.abort_requested = False
+        #: A middleware skipped the message: who and why (see :mod:`.skips`).
+        self.skip: dict[str, Any] | None = None
+        #: The retry's statement, written at the ack or nack (rescheduling attempts).
+        self.retry: Callable[[], bool] | None = None
 
 
 class Ledger:
@@ -480,40 +486,74 @@ class Ledger:
             if entry is not None:
                 entry.error = error
 
+    def skipped(self, attempt: Attempt, skip: dict[str, Any]) -> None:
+        """A middleware skipped the message before its actor ran (``skip``: its
+        ``reason``, ``skipped_by`` and ``message``): Dramatiq's ack of it is then written
+        as ``cancelled`` with that event, its nack as a failure that names the middleware.
+        """
+        with self._lock:
+            entry = self._get(attempt, State.CLAIMED, State.STARTED)
+            if entry is not None:
+                entry.skip = skip
+
     # -- outcomes ------------------------------------------------------------------------
 
     def settle(self, attempt: Attempt, kind: str, error: str | None = None) -> bool:
         """Dramatiq acked (``kind="complete"``) or nacked (``"fail"``) a message: queue its
-        outcome for the writer. Refused (False) for an attempt with an outcome already, one
-        that was rescheduled, released, aborted or lost.
+        outcome for the writer. Refused (False) for an attempt with an outcome (or a
+        written retry) already, one that was released, aborted or lost.
 
         An ack of an attempt whose actor raised is written as a failure: a failed attempt
         is never recorded as a success (Dramatiq acks it when no Retries middleware is
         installed, or when that middleware's hook failed). A nack of an attempt whose abort
         was requested (an actor declared ``interrupt_on_abort=False`` that stopped itself)
-        is written as the abort: the job ends cancelled.
+        is written as the abort: the job ends cancelled. An ack of a message a middleware
+        skipped (:meth:`skipped`) is written as ``skip``: the job ends cancelled, with an
+        event saying who skipped it. The ack or nack of an attempt whose retry was asked
+        for (:meth:`reschedule`) writes that retry, here, in the calling thread.
         """
         self._check_fork()
         with self._lock:
-            entry = self._get(attempt, State.CLAIMED, State.STARTED)
-            if entry is None:
+            entry = self._get(attempt, State.CLAIMED, State.STARTED, State.RESCHEDULING)
+            if entry is None or (entry.state is State.RESCHEDULING and entry.retry is None):
                 self._refuse(kind, attempt)
                 return False
-            if kind == "fail" and entry.abort_requested:
-                # An actor that checks for aborts itself stopped with an exception.
-                kind, error = "abort", None
-            if kind == "complete" and entry.error is not None:
-                logger.error(
-                    "Job %s attempt %d raised but was acked (no Retries middleware, or its "
-                    "hook failed); it is recorded as failed.",
-                    attempt.id,
-                    attempt.attempt,
-                )
-                kind, error = "fail", entry.error
-            entry.state = State.OUTCOME_QUEUED
-            entry.slot_given = entry.slots._settle()
-        self.broker.outcomes.submit(kind, attempt, error)
+            retry = None
+            if entry.state is State.RESCHEDULING:
+                retry, entry.retry = entry.retry, None
+            else:
+                kind, error = self._outcome(entry, kind, error)
+                entry.state = State.OUTCOME_QUEUED
+                entry.slot_given = entry.slots._settle()
+        if retry is not None:
+            # Dramatiq acks (or nacks) the message once every middleware ran: the row goes
+            # back to its queue now.
+            self._write_retry(entry, retry)
+        else:
+            self.broker.outcomes.submit(kind, attempt, error)
         return True
+
+    @staticmethod
+    def _outcome(entry: _Entry, kind: str, error: Any) -> tuple[str, Any]:
+        """The outcome an ack or nack of ``entry`` is written as (see :meth:`settle`)."""
+        attempt = entry.attempt
+        if kind == "fail" and entry.abort_requested:
+            # An actor that checks for aborts itself stopped with an exception.
+            return "abort", None
+        if entry.skip is not None and entry.error is None:
+            # Nothing ran: an ack is no success, and a failure says who skipped it.
+            if kind == "complete":
+                return "skip", entry.skip
+            return kind, f"{error} (skipped by {entry.skip['skipped_by']})"
+        if kind == "complete" and entry.error is not None:
+            logger.error(
+                "Job %s attempt %d raised but was acked (no Retries middleware, or its "
+                "hook failed); it is recorded as failed.",
+                attempt.id,
+                attempt.attempt,
+            )
+            return "fail", entry.error
+        return kind, error
 
     def written(self, attempt: Attempt, owned: bool) -> None:
         """The outcome writer is done with an attempt: written (``owned``), or found to be
@@ -548,10 +588,13 @@ class Ledger:
             self.broker.leases.starts_pending()
 
     def reschedule(self, attempt: Attempt, write: Callable[[], bool]) -> bool:
-        """started -> done through ``write`` (the retry's guarded statement). The attempt
-        is done whatever ``write`` does: a failed attempt whose retry could not be written
-        is left to its lease, never acked as a success. Returns what ``write`` returned, or
-        False if the move was refused (the attempt already has an outcome or is lost)."""
+        """started -> rescheduling: the attempt's retry (``write``, its guarded statement)
+        waits for Dramatiq's ack or nack of the message, which writes it instead of an
+        outcome (:meth:`settle`). Dramatiq's Retries asks for the retry in its
+        ``after_process_message``; the row goes back to its queue only once every
+        middleware's ``after_process_message`` ran for this attempt, as an outcome is
+        written only then. Returns False if the move was refused (the attempt already has
+        an outcome or a retry, or is lost)."""
         self._check_fork()
         with self._lock:
             entry = self._get(attempt, State.STARTED)
@@ -559,15 +602,40 @@ class Ledger:
                 self._refuse("reschedule", attempt)
                 return False
             entry.state = State.RESCHEDULING
+            entry.retry = write
+        return True
+
+    def _write_retry(self, entry: _Entry, write: Callable[[], bool]) -> bool:
+        """rescheduling -> done through the retry's statement, at the ack or nack. The
+        attempt is done whatever the statement does: a failed attempt whose retry could
+        not be written is left to its lease (the reaper requeues it), never acked as a
+        success."""
+        attempt = entry.attempt
         written = False
         try:
             written = write()
-            return written
+        except Exception as e:
+            logger.error(
+                "Could not write the retry of job %s attempt %d (%s: %s); it runs again "
+                "once its lease expires.",
+                attempt.id,
+                attempt.attempt,
+                type(e).__name__,
+                e,
+            )
+            return False
         finally:
             with self._lock:
                 self._finish(entry)
                 if not written:
                     self._orphan(entry)
+        if not written:
+            logger.warning(
+                "Could not reschedule job %s attempt %d: this worker no longer owns it.",
+                attempt.id,
+                attempt.attempt,
+            )
+        return written
 
     # -- aborts --------------------------------------------------------------------------
 

@@ -1358,6 +1358,23 @@ class JobStore:
         rows = self._fetch("abort_attempts", {**self._attempt_params(attempts), "now": now}, conn)
         return {str(r[0]) for r in rows}
 
+    def cancel_skipped(
+        self, attempts: Sequence[Attempt], skips: Sequence[dict[str, Any]], *, conn=None, now=None
+    ) -> set[str]:
+        """running -> cancelled for attempts whose message a middleware skipped without
+        failing it (a ``cancelled`` event each, whose data is the attempt's skip:
+        ``reason``, ``skipped_by``, ``message``). Returns the ids changed: an attempt
+        missing is no longer the caller's."""
+        if not attempts:
+            return set()
+        pairs = sorted(zip(attempts, skips), key=lambda pair: pair[0].id)
+        params = {
+            **self._attempt_params([attempt for attempt, _ in pairs]),
+            "skips": [Jsonb(skip) for _, skip in pairs],
+            "now": now,
+        }
+        return {str(r[0]) for r in self._fetch("cancel_skipped", params, conn)}
+
     def _raise_for(self, job_id: str, allowed: str, done: str, conn) -> None:
         job = self.get(job_id, conn=conn)
         raise InvalidTransition(job_id, job["status"], done, allowed)

@@ -15,7 +15,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
 
@@ -34,7 +34,8 @@ MAX_BATCH = 1000
 #: The most outcomes waiting for the writer; a worker thread handing in one more waits.
 MAX_QUEUED = 10_000
 
-Outcome = tuple[str, Attempt, "str | None"]
+#: (kind, attempt, detail): the error of a ``fail``, the skip of a ``skip`` (a dict).
+Outcome = tuple[str, Attempt, Any]
 
 
 class OutcomeWriter(Service):
@@ -49,9 +50,9 @@ class OutcomeWriter(Service):
         self.max_batch = max_batch
         self._queue: queue.Queue[Outcome | None] = queue.Queue(MAX_QUEUED)
 
-    def submit(self, kind: str, attempt: Attempt, error: str | None) -> None:
-        """Queue one outcome (``complete``, ``fail`` or ``abort``). Only the ledger calls
-        this."""
+    def submit(self, kind: str, attempt: Attempt, error: Any) -> None:
+        """Queue one outcome (``complete``, ``fail``, ``abort`` or ``skip``). Only the
+        ledger calls this."""
         self.start()
         self._queue.put((kind, attempt, error))
 
@@ -89,6 +90,7 @@ class OutcomeWriter(Service):
         completed = [(attempt, None) for kind, attempt, _ in batch if kind == "complete"]
         failed = [(attempt, error) for kind, attempt, error in batch if kind == "fail"]
         aborted = [(attempt, None) for kind, attempt, _ in batch if kind == "abort"]
+        skipped = [(attempt, skip) for kind, attempt, skip in batch if kind == "skip"]
         ledger = self.broker.ledger
         # Each statement is retried on its own: one that committed is never sent again (a
         # second run would find its rows no longer running and report them as lost).
@@ -96,6 +98,12 @@ class OutcomeWriter(Service):
             (completed, lambda items: self.store.complete([a for a, _ in items])),
             (failed, lambda items: self.store.fail([a for a, _ in items], [e for _, e in items])),
             (aborted, lambda items: self.store.abort_attempts([a for a, _ in items])),
+            (
+                skipped,
+                lambda items: self.store.cancel_skipped(
+                    [a for a, _ in items], [s for _, s in items]
+                ),
+            ),
         ):
             if not items:
                 continue
@@ -107,7 +115,7 @@ class OutcomeWriter(Service):
                     ledger.written(attempt, attempt.id in owned)
 
     def _write_batch(
-        self, items: list[tuple[Attempt, str | None]], write: Callable[[list], set[str]]
+        self, items: list[tuple[Attempt, Any]], write: Callable[[list], set[str]]
     ) -> tuple[set[str], set[str]]:
         """Write ``items`` as one statement; returns the ids still owned and the ids that
         could not be written. If the statement fails for a reason other than the
@@ -133,7 +141,7 @@ class OutcomeWriter(Service):
         return owned, unwritten
 
     @staticmethod
-    def _give_up(items: list[tuple[Attempt, str | None]], error: Exception) -> set[str]:
+    def _give_up(items: list[tuple[Attempt, Any]], error: Exception) -> set[str]:
         for attempt, _ in items:
             logger.error(
                 "Could not write the outcome of job %s attempt %d (%s: %s); it runs again "

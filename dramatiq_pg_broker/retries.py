@@ -64,15 +64,24 @@ _applied_delay: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 )
 
 
-class _AppliedDelay(logging.LoggerAdapter):
+class _AppliedDelay(logging.Filter):
     """Dramatiq's Retries logs the delay it computed. With ``jitter=False`` the row waits
-    the deterministic backoff instead, and the log line states that one."""
+    the deterministic backoff instead, and the log line states that one.
 
-    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+    A filter on the middleware's logger, not an adapter around it: Dramatiq's Retries then
+    still calls ``Logger.info`` and ``Logger.warning`` themselves, which is what code (and
+    Dramatiq's own tests) that watch a logger's calls see."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
         delay = _applied_delay.get()
-        if delay is not None and msg == RETRYING_LINE and len(args) == 2:
-            args = (args[0], delay)
-        self.logger.log(level, msg, *args, **kwargs)
+        args = record.args
+        if delay is not None and record.msg == RETRYING_LINE and isinstance(args, tuple):
+            if len(args) == 2:
+                record.args = (args[0], delay)
+        return True
+
+
+_APPLIED_DELAY = _AppliedDelay()
 
 
 class Retries(DramatiqRetries):
@@ -111,7 +120,8 @@ class Retries(DramatiqRetries):
             max_backoff=max_backoff,
             retry_when=retry_when,
         )
-        self.logger = _AppliedDelay(self.logger, {})
+        if _APPLIED_DELAY not in self.logger.filters:
+            self.logger.addFilter(_APPLIED_DELAY)
         self.jitter = jitter
 
     def configure(self, settings: Settings) -> None:

@@ -546,8 +546,8 @@ class Sender:
     def _retry(self, running: RunningAttempt, message: dramatiq.Message, delay: int | None):
         """A send of the message this thread's actor runs: its row goes back to queued
         with the message as sent (Dramatiq's Retries updates its options), after ``delay``
-        (the delay the Retries middleware computed and logged), and the attempt is
-        settled so that its ack writes nothing."""
+        (the delay the Retries middleware computed and logged), written by the ack or
+        nack Dramatiq sends for the attempt once every middleware ran."""
         proxy = running.message
         if isinstance(proxy.options.get("traceback"), str):
             # Dramatiq's formatted traceback repeats the error text, which may hold
@@ -571,9 +571,11 @@ class Sender:
         message: dramatiq.Message | None = None,
         max_attempts: int | None = None,
     ) -> bool:
-        """Move a running message's row back to queued, runnable in ``delay_ms``. The
-        following ack or nack of this message writes nothing. Returns False (and logs) if
-        this worker no longer owns the attempt.
+        """Move a running message's row back to queued, runnable in ``delay_ms``, when
+        Dramatiq acks or nacks the message (after every middleware's
+        ``after_process_message``): that ack or nack writes the retry instead of an
+        outcome. Returns False (and logs) if this worker no longer holds the attempt
+        running.
 
         Parameters:
           proxy(PgMessageProxy): the running message.
@@ -582,10 +584,9 @@ class Sender:
           message(Message): the message to store instead of the row's.
           max_attempts(int): the row's new ``max_attempts`` (None keeps it).
 
-        Raises:
-          dramatiq.errors.ConnectionError: the database stayed unreachable. The attempt is
-            then left as it is (running, its lease no longer renewed): the reaper requeues
-            it with backoff once the lease expires. It is never acked as a success.
+        A retry that cannot be written at the ack (the database stayed unreachable) is
+        logged and left as it is (running, its lease no longer renewed): the reaper
+        requeues it with backoff once the lease expires. It is never acked as a success.
         """
         data = data_bytes = None
         if message is not None:
@@ -607,19 +608,19 @@ class Sender:
                 max_attempts=max_attempts,
             )
 
-        # The ledger settles the attempt whatever happens: a failed attempt whose retry
-        # could not be written must not be acked as a success by the ack Dramatiq sends
-        # next.
-        owned = self.broker.ledger.reschedule(
+        # The ledger writes it at the ack or nack, and settles the attempt whatever
+        # happens: a failed attempt whose retry could not be written is never acked as a
+        # success.
+        held = self.broker.ledger.reschedule(
             attempt, lambda: retrying(write, self.settings.enqueue_retries)
         )
-        if not owned:
+        if not held:
             logger.warning(
                 "Could not reschedule job %s attempt %d: this worker no longer owns it.",
                 attempt.id,
                 attempt.attempt,
             )
-        return owned
+        return held
 
     # -- many messages -------------------------------------------------------------------
 

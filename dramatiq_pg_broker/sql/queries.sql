@@ -1019,6 +1019,53 @@ WITH owned AS MATERIALIZED (
 )
 SELECT id FROM done
 
+-- cancel_skipped --
+-- running -> cancelled for attempts whose message a middleware skipped before the actor ran
+-- without failing it (dramatiq-abort's cancel of a job that had not started, any
+-- middleware's SkipMessage): Dramatiq acks such a message, but nothing ran, so nothing
+-- succeeded. Guarded by ownership like every exit from running. The `cancelled` event says
+-- who skipped it (its actor: the middleware) and why: data is %(skips)s's element, a JSON
+-- object {reason, skipped_by, message, worker}. It is written whatever %(events)s says, as
+-- an operator's cancel is: nothing else explains the status. The attempt stays counted (it
+-- was claimed to run). The job moves to jobs_history, as in complete_jobs.
+WITH owned AS MATERIALIZED (
+    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
+    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
+    -- id = ANY(...) condition lets the plan find the rows by primary key.
+    SELECT j.id, o.owner, o.skip
+    FROM {schema}.jobs AS j
+    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(skips)s::jsonb[])
+        AS o (id, owner, attempt, skip) ON j.id = o.id
+    WHERE j.id = ANY(%(ids)s::uuid[])
+      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
+    ORDER BY j.id
+    FOR UPDATE OF j
+), done AS (
+    DELETE FROM {schema}.jobs AS j
+    USING owned
+    WHERE j.id = owned.id
+    RETURNING j.*, owned.owner, owned.skip
+), moved AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
+           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
+           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM done
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'cancelled', attempts, skip ->> 'skipped_by',
+           skip || jsonb_build_object('worker', owner)
+    FROM done
+)
+SELECT id FROM done
+
 -- get_job --
 -- One job row, unfinished or finished (the view all_jobs reads both tables).
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,

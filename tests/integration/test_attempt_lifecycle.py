@@ -147,7 +147,7 @@ def test_a_batch_the_database_refuses_is_written_one_outcome_at_a_time(h):
 # -- the ledger refuses illegal moves, and unwritten outcomes hold their slots ------------------
 
 
-def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
+def test_a_reschedule_is_written_by_the_ack_and_the_ledger_refuses_a_second_outcome(h):
     broker = h.broker()
 
     @dramatiq.actor(broker=broker, queue_name=h.queue)
@@ -159,7 +159,10 @@ def test_the_ledger_refuses_an_ack_after_a_reschedule_and_a_second_outcome(h):
     a, b = next(consumer), next(consumer)
     assert broker.ledger.start(a.attempt) and broker.ledger.start(b.attempt)
     assert broker.sender.reschedule(a, 60_000, "later")
-    assert broker.ledger.settle(a.attempt, "complete") is False, "ack after a reschedule"
+    assert row(broker, first)["status"] == "running", "the retry was written before the ack"
+    assert broker.ledger.settle(a.attempt, "complete") is True, "the ack writes the retry"
+    assert row(broker, first)["status"] == "queued"
+    assert broker.ledger.settle(a.attempt, "fail", "no") is False, "a second outcome"
     assert broker.ledger.settle(b.attempt, "fail", "no") is True
     assert broker.ledger.settle(b.attempt, "complete") is False, "a second outcome"
     assert broker.outcomes.flush(timeout=5)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from unittest.mock import patch
 
 import dramatiq
+from dramatiq.middleware import AgeLimit, Middleware
 from dramatiq.middleware import Retries as StockRetries
 
 from dramatiq_pg_broker import Retries as PgRetries
@@ -274,3 +276,67 @@ def test_a_retry_that_cannot_be_written_is_never_acked_as_a_success(h, monkeypat
     assert ("succeeded", 1) not in types, f"the failed attempt was acked: {types}"
     assert ("timeout_requeued", 1) in types, types
     assert [attempt for (attempt,) in h.runs] == [1, 2]
+
+
+def test_the_middleware_logs_through_the_loggers_own_methods(h):
+    """Dramatiq's Retries calls ``Logger.info``/``Logger.warning`` on its logger, and so
+    does this package's: code that watches those calls (Dramatiq's own tests patch
+    ``logging.Logger.info``) sees its lines. An adapter around the logger would call
+    ``Logger.log`` instead."""
+    broker = h.broker()
+    deterministic(broker)
+
+    class Expected(Exception):
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, throws=Expected, max_retries=3)
+    def expected():
+        raise Expected("as planned")
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=1, min_backoff=10)
+    def unexpected():
+        raise ValueError("nope")
+
+    with (
+        patch("logging.Logger.info") as info,
+        patch("logging.Logger.warning") as warning,
+    ):
+        first, second = expected.send(), unexpected.send()
+        h.start(broker)
+        broker.join(h.queue, timeout=20_000)
+        info_lines = [call.args[0] for call in info.mock_calls if call.args]
+        warning_lines = [call.args[0] for call in warning.mock_calls if call.args]
+    assert "Aborting message %r." in info_lines
+    assert RETRYING_LINE in info_lines
+    assert "Retries exceeded for message %r." in warning_lines
+    assert broker.store.get(first.message_id)["status"] == "failed"
+    assert broker.store.get(second.message_id)["attempts"] == 2
+
+
+def test_a_retry_is_written_after_every_middleware_ran(h):
+    """The row goes back to its queue when Dramatiq acks the message: a middleware whose
+    ``after_process_message`` runs after the Retries middleware's still sees the attempt
+    running, and the next attempt cannot start during it."""
+    broker = h.broker()
+    seen: list[tuple[int, str, int]] = []
+
+    class Watcher(Middleware):
+        def after_process_message(self, broker, message, *, result=None, exception=None):
+            row = broker.store.get(message.message_id)
+            seen.append((message.attempt.attempt, row["status"], row["attempts"]))
+
+    # First in the list: its after-hook runs last.
+    broker.add_middleware(Watcher(), before=AgeLimit)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=1, min_backoff=1)
+    def flaky():
+        if current_job().attempt == 1:
+            raise ValueError("first attempt fails")
+
+    message = flaky.send()
+    h.start(broker, threads=2)
+    broker.join(h.queue, timeout=20_000)
+    # Not (1, "queued", 1), nor (1, "running", 2): the next attempt already claimed.
+    assert seen == [(1, "running", 1), (2, "running", 2)], seen
+    row = broker.store.get(message.message_id)
+    assert (row["status"], row["attempts"]) == ("succeeded", 2)

@@ -57,6 +57,8 @@ class Row:
     abandoned_claims: int = 0
     abort_requested: bool = False
     last_error: str | None = None
+    #: Who skipped the message and why, for a job a skip cancelled.
+    skip: dict | None = None
 
     def owned_by(self, attempt: Attempt) -> bool:
         return (
@@ -252,6 +254,16 @@ class InMemoryJobStore:
         with self._lock:
             asked = [a for a in attempts if a.id in self.rows and self.rows[a.id].abort_requested]
         return self._finish("abort_attempts", asked, "cancelled", given=attempts)
+
+    def cancel_skipped(
+        self, attempts: Sequence[Attempt], skips: Sequence[dict], **_: Any
+    ) -> set[str]:
+        changed = self._finish("cancel_skipped", attempts, "cancelled")
+        with self._lock:
+            for attempt, skip in zip(attempts, skips):
+                if attempt.id in changed:
+                    self.rows[attempt.id].skip = skip
+        return changed
 
     def _finish(
         self, method: str, attempts: Sequence[Attempt], status: str, given=None

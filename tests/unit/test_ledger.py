@@ -63,6 +63,44 @@ def test_an_ack_of_an_attempt_whose_actor_raised_is_written_as_a_failure(
     assert (row.status, row.last_error) == ("failed", "ValueError: boom")
 
 
+SKIP = {"reason": "middleware", "skipped_by": "app.Skipper", "message": "not today"}
+
+
+def test_an_ack_of_a_skipped_attempt_is_written_as_a_cancel(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    ledger.skipped(attempt, SKIP)
+    assert ledger.settle(attempt, "complete")
+    assert memory_broker.outcomes.flush(timeout=5)
+    row = memory_store.rows[attempt.id]
+    assert (row.status, row.skip) == ("cancelled", SKIP)
+    assert memory_store.called("complete") == []
+
+
+def test_a_skip_before_the_start_is_cancelled_too(memory_broker, memory_store, claim):
+    # A middleware ahead of the broker's (the age limit's place) skipped a claimed message.
+    attempt = claim()
+    memory_broker.ledger.skipped(attempt, SKIP)
+    assert memory_broker.ledger.settle(attempt, "complete")
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "cancelled"
+
+
+def test_a_nack_of_a_skipped_attempt_stays_a_failure_naming_the_middleware(
+    memory_broker, memory_store, claim
+):
+    attempt = claim()
+    memory_broker.ledger.skipped(attempt, SKIP)
+    assert memory_broker.ledger.settle(attempt, "fail", "SkipMessage: refused")
+    assert memory_broker.outcomes.flush(timeout=5)
+    row = memory_store.rows[attempt.id]
+    assert (row.status, row.last_error) == (
+        "failed",
+        "SkipMessage: refused (skipped by app.Skipper)",
+    )
+
+
 def test_release_gives_back_claimed_attempts_and_leaves_started_ones(
     memory_broker, memory_store, claim
 ):
@@ -118,10 +156,13 @@ def test_a_rescheduled_attempt_takes_no_outcome(memory_broker, memory_store, cla
         return memory_store.reschedule(attempt, queue, 0, "ValueError: again")
 
     assert ledger.reschedule(attempt, retry)
-    assert not ledger.settle(attempt, "complete"), "an ack after the retry was taken"
-    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "running", "written before the ack"
+    assert ledger.state_of(attempt) is State.RESCHEDULING
+    assert ledger.settle(attempt, "complete"), "the ack writes the retry"
     assert memory_store.status(attempt.id) == "queued"
-    assert memory_store.called("complete") == []
+    assert not ledger.settle(attempt, "fail", "late"), "a second outcome was taken"
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.called("complete") == [] and memory_store.called("fail") == []
 
 
 def test_a_retry_that_was_not_written_leaves_the_attempt_to_its_lease(
@@ -131,8 +172,10 @@ def test_a_retry_that_was_not_written_leaves_the_attempt_to_its_lease(
     attempt = claim()
     writes = memory_store.hold("start")
     assert ledger.start(attempt)  # deferred: not written yet
-    assert not ledger.reschedule(attempt, lambda: False)
+    assert ledger.reschedule(attempt, lambda: False)
+    assert ledger.settle(attempt, "complete")  # the ack tries the retry
     assert not ledger.holds(attempt), "still renewed: the job would never run again"
+    assert memory_store.called("complete") == [], "a failed attempt was acked"
     # Its start is written still, so that the reaper counts an interrupted attempt.
     writes.set()
     wait_for(lambda: memory_store.rows[attempt.id].started, 5, "the let-go start written")

@@ -213,8 +213,9 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
             )
             return 2
 
-        for name in ("user", "token"):
-            parser = sub.add_parser(name, help="admin API accounts (needs the admin extra)")
+        helps = {"user": "admin API users", "token": "admin API tokens"}
+        for name, what in helps.items():
+            parser = sub.add_parser(name, help=f"{what} (needs the admin extra)")
             parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             parser.set_defaults(func=missing)
         return

@@ -33,7 +33,7 @@ import psycopg
 
 from . import __version__
 from .config import Settings
-from .errors import PgBrokerError
+from .errors import ConfigurationError, PgBrokerError
 
 #: The modules the ``admin`` extra installs; without them the account commands say how to
 #: get them instead of failing with an import error.
@@ -41,7 +41,34 @@ ADMIN_EXTRA_MODULES = frozenset({"falcon", "bcrypt", "sqlalchemy", "gunicorn"})
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return Settings.load(url=args.url, schema=args.schema)
+    """The command's settings: ``--url`` and ``--schema``, then ``DRAMATIQ_PG_*``.
+
+    Raises:
+      ConfigurationError: no URL is given inside a Django project (see
+        :func:`django_project`): its jobs are in the database its settings name, which only
+        ``python manage.py dramatiq_pg`` reads; the embedded server would show other jobs.
+    """
+    settings = Settings.load(url=args.url, schema=args.schema)
+    if not settings.url:
+        where = django_project()
+        if where:
+            command = " ".join(getattr(args, "argv", None) or [args.command])
+            raise ConfigurationError(
+                f"no database URL, and this is a Django project ({where}): run "
+                f"`python manage.py dramatiq_pg {command}` to use the database and schema "
+                "of the project's broker, or name a database with --url or DRAMATIQ_PG_URL"
+            )
+    return settings
+
+
+def django_project(cwd: str | None = None) -> str | None:
+    """Why this looks like a Django project (``DJANGO_SETTINGS_MODULE`` is set, or a
+    ``manage.py`` is in the working directory), or None."""
+    if os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return f"DJANGO_SETTINGS_MODULE={os.environ['DJANGO_SETTINGS_MODULE']}"
+    if os.path.isfile(os.path.join(cwd or os.getcwd(), "manage.py")):
+        return "manage.py in this directory"
+    return None
 
 
 def database_url(args: argparse.Namespace) -> str:
@@ -250,7 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    #: The command line as given, to repeat it in advice (see settings_from).
+    args.argv = argv
     try:
         return args.func(args)
     except BrokenPipeError:

@@ -56,8 +56,9 @@ def embedded_url() -> str:
                 pgserver = import_pgserver()
             except ImportError:
                 raise ConfigurationError(
-                    "no database configured: set DRAMATIQ_PG_URL, or install the embedded "
-                    "extra (pip install 'dramatiq-pg-broker[embedded]') for a local server"
+                    "no database configured: set DRAMATIQ_PG_URL (the command line also "
+                    "takes --url, the broker url=), or install the embedded extra "
+                    "(pip install 'dramatiq-pg-broker[embedded]') for a local server"
                 ) from None
             path = data_dir()
             path.mkdir(parents=True, exist_ok=True)

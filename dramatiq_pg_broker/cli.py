@@ -209,15 +209,25 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
 
         if args.action == "url":
             print(embedded.embedded_url())
+        elif args.action == "status":
+            info = embedded.status()
+            state = f"running (pid {info['pid']})" if info["running"] else "not running"
+            print(f"data directory  {info['data_dir']}")
+            print(f"chosen by       {info['why']}")
+            print(f"server          {state}")
+            if info["url"]:
+                print(f"url             {info['url']}")
         else:
-            print("stopped" if embedded.stop() else "not running")
+            path = embedded.data_dir()
+            print(f"stopped ({path})" if embedded.stop() else f"not running ({path})")
         return 0
 
     parser = sub.add_parser("embedded", help="the local PostgreSQL used without DRAMATIQ_PG_URL")
     parser.add_argument(
         "action",
-        choices=["url", "stop"],
-        help="url: print its URL, starting it if it is not running; stop: stop it",
+        choices=["url", "status", "stop"],
+        help="url: print its URL, starting it if it is not running; status: which server "
+        "(its data directory, and why that one) and whether it runs; stop: stop it",
     )
     parser.set_defaults(func=run_embedded)
 

@@ -412,9 +412,12 @@ ENVIRONMENT_ONLY = (
     SettingDoc(
         None,
         ENV_PREFIX + "EMBEDDED_DIR",
-        "`~/.local/share/dramatiq-pg-broker/pgdata`",
-        "Data directory of the embedded server (`$XDG_DATA_HOME` replaces "
-        "`~/.local/share` when set).",
+        "`.pgdata/data` beside the project's virtualenv",
+        "Data directory of the embedded server. Unset: `.pgdata/data` in the folder "
+        "holding the running virtualenv when that folder is a project (a `pyproject.toml`, "
+        "`setup.cfg`, `setup.py`, `manage.py` or `.git` in it), so that each checkout has "
+        "its own server; else `~/.local/share/dramatiq-pg-broker/pgdata` (`$XDG_DATA_HOME` "
+        "replaces `~/.local/share` when set).",
         "Database",
     ),
 )

@@ -121,3 +121,35 @@ def test_send_after_the_server_dropped_every_pooled_connection(pg_url, schema, c
         f'SELECT id::text FROM "{schema}".all_jobs WHERE queue_name = %s', (queue,)
     ).fetchall()
     assert ids <= {r[0] for r in stored}
+
+
+def test_an_outcome_that_committed_is_told_apart_from_a_lost_one(pg_url, schema):
+    """What the outcome writer asks when its second try of an outcome finds the job no
+    longer running: did an earlier try end it (the reply lost to a dropped connection), or
+    did another worker take it? Only the first is ``finished_attempts``."""
+    from dramatiq_pg_broker.config import Settings
+    from dramatiq_pg_broker.db import ProcessPool
+    from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
+
+    store = JobStore(ProcessPool(Settings(url=pg_url, schema=schema)), schema)
+    queue = f"q_{uuid.uuid4().hex[:8]}"
+    try:
+        ids = [str(uuid.uuid4()) for _ in range(3)]
+        for job_id in ids:
+            store.enqueue(NewJob(job_id, queue, "a", message={}, max_attempts=3))
+        claimed = {c.id: c for c in store.claim(queue, 10, "w1", 30)}
+        attempts = {i: Attempt(i, "w1", claimed[i].attempts) for i in ids}
+        done, failed, taken = ids
+        assert store.complete([attempts[done]]) == {done}
+        assert store.fail([attempts[failed]], ["ValueError: no"]) == {failed}
+        # The second try of each finds nothing to change...
+        assert store.complete([attempts[done]]) == set()
+        # ...and the check says which were written, with which status, at which attempt.
+        everything = list(attempts.values())
+        assert store.finished_attempts(everything, "succeeded") == {done}
+        assert store.finished_attempts(everything, "failed") == {failed}
+        later = Attempt(done, "w1", attempts[done].attempt + 1)
+        assert store.finished_attempts([later], "succeeded") == set()
+        assert store.finished_attempts([attempts[taken]], "succeeded") == set()  # running
+    finally:
+        store.pool.close()

@@ -153,3 +153,45 @@ def test_an_outcome_that_committed_is_told_apart_from_a_lost_one(pg_url, schema)
         assert store.finished_attempts([attempts[taken]], "succeeded") == set()  # running
     finally:
         store.pool.close()
+
+
+def test_a_server_out_of_connection_slots_is_saturation_not_an_outage(
+    pg_url, schema, conn, monkeypatch, caplog
+):
+    """A real refusal for want of slots (a role whose connection limit is reached gets
+    libpq's ``too many connections``, SQLSTATE 53300, as a full server's clients get ``too
+    many clients``): one warning that says saturated, with the server's words, and no
+    "unreachable" nor "reachable again" line, however often the pool tries."""
+    import logging
+
+    from dramatiq.errors import BrokerConnectionError
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from dramatiq_pg_broker import outage
+
+    role = f"pgb_full_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 0").format(sql.Identifier(role)))
+    monkeypatch.setattr(outage, "tracker", outage.Outage())
+    url = make_conninfo("", **{**conninfo_to_dict(pg_url), "user": role, "password": None})
+    broker = PostgresBroker(url=url, schema=schema, pool_timeout=1.5, enqueue_retries=0)
+    try:
+
+        @dramatiq.actor(broker=broker, queue_name=f"q_{uuid.uuid4().hex[:8]}")
+        def nothing():
+            pass
+
+        with caplog.at_level(logging.DEBUG, logger="dramatiq_pg_broker"):
+            with pytest.raises(BrokerConnectionError):
+                nothing.send()
+        warnings = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("dramatiq_pg_broker")
+        ]
+        assert len(warnings) == 1, warnings
+        assert "no free connection slot" in warnings[0] and "too many connections" in warnings[0]
+        assert not outage.tracker.unreachable
+    finally:
+        broker.close()
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

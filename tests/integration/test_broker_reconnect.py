@@ -195,3 +195,35 @@ def test_a_server_out_of_connection_slots_is_saturation_not_an_outage(
     finally:
         broker.close()
         conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_waiter_whose_listen_connection_finds_no_slot_polls(pg_url, conn, monkeypatch):
+    """A result reader (or rate-limiter waiter) blocks on the process's LISTEN connection;
+    when the server refuses that connection a slot, the waiter looks at its table now and
+    then instead of failing with a connection error."""
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from dramatiq_pg_broker import listener, outage
+
+    role = f"pgb_full_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 0").format(sql.Identifier(role)))
+    monkeypatch.setattr(outage, "tracker", outage.Outage())
+    monkeypatch.setattr(listener, "SATURATED_POLL_SECONDS", 0.2, raising=False)
+    url = make_conninfo("", **{**conninfo_to_dict(pg_url), "user": role, "password": None})
+    looks = []
+
+    def check():  # the table, read through the pool (which has its connections)
+        looks.append(time.monotonic())
+        return "stored" if len(looks) >= 4 else None
+
+    waiting = listener.Listener(url)
+    try:
+        started = time.monotonic()
+        assert waiting.wait_for("s:results", "key", check, timeout=20) == "stored"
+        took = time.monotonic() - started
+        assert took < 5, f"the waiter took {took:.1f}s: it did not poll"
+        assert not outage.tracker.unreachable
+    finally:
+        waiting.close()
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

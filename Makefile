@@ -1,13 +1,16 @@
 # Everything installs into .venv from the package registries; only Python 3.10+ and make
 # are needed. Without DRAMATIQ_PG_URL (demo) or DRAMATIQ_PG_TEST_URL (tests), a local
 # PostgreSQL from the pgserver package is started and reused; it keeps running until
-# `make stop`.
+# `make stop`. It is this checkout's: its data is in .pgdata/ here (git-ignored), so
+# `make stop` in another checkout leaves it alone.
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_STAMP := $(VENV)/.demo-stamp
+# This checkout's embedded server, whichever virtualenv runs it (VENV may be shared).
+export DRAMATIQ_PG_EMBEDDED_DIR ?= $(CURDIR)/.pgdata/data
 
 .PHONY: install lint format test test-fast demo stop docs dist bench clean
 
@@ -50,7 +53,8 @@ test-fast: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m demo_actors.run $(DEMO_ARGS)
 
-## Stop the embedded PostgreSQL that the demo and the tests start without a database URL.
+## Stop this checkout's embedded PostgreSQL (the demo and the tests start it without a
+## database URL); another checkout's keeps running.
 stop:
 	@if [ -x $(BIN)/python ]; then $(BIN)/python -m dramatiq_pg_broker embedded stop; \
 	else echo "no $(VENV): nothing was started"; fi

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.cli import settings_from
 from dramatiq_pg_broker.db import ProcessPool
 
 from .accounts import ROLES, AccountStore, EmailTaken, User, UserNotFound
@@ -31,7 +31,7 @@ from .accounts import ROLES, AccountStore, EmailTaken, User, UserNotFound
 def account_store(args: argparse.Namespace) -> Iterator[AccountStore]:
     """An account store for one command; its pool is closed afterwards. (A schema without
     the account tables surfaces as ``SchemaMissing``, which says to migrate.)"""
-    settings = Settings.load(url=args.url, schema=args.schema)
+    settings = settings_from(args)
     pool = ProcessPool(settings)
     try:
         yield AccountStore(pool, settings.schema)

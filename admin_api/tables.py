@@ -165,6 +165,8 @@ actors = Table(
     Column("queue_name", Text, nullable=False),
     Column("declared_at", Timestamp, nullable=False),
     Column("seen_at", Timestamp, nullable=False),
+    # The options the actor was declared with (0014).
+    Column("options", JSONB, nullable=False),
 )
 
 workers = Table(

@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,6 +52,14 @@ EXPECTED = {
 }
 
 REPO = Path(__file__).resolve().parent.parent
+#: Where the workers and the API log, each run replacing the last one's (git-ignored).
+LOGS = REPO / ".demo-logs"
+
+
+def shown(path: str) -> str:
+    """A path as the user reads it: relative to the working directory when inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def free_port(preferred: int) -> int:
@@ -177,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for the demo jobs"
     )
+    parser.add_argument(
+        "--logs",
+        default=str(LOGS),
+        help="folder of the workers' and the API's logs (default: .demo-logs in the project)",
+    )
     args = parser.parse_args(argv)
 
     for key, value in DEMO_ENV.items():
@@ -194,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"migrations: {len(applied)} applied to schema {settings.schema!r}")
 
     env = dict(os.environ)
-    logs = Path(tempfile.mkdtemp(prefix="dramatiq-pg-demo-"))
+    # The logs stay in the project (git-ignored), each run replacing the last one's; never
+    # in the system's temporary folder, where every run used to leave a folder behind.
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
     has_account = create_demo_account(env)
     processes: list[subprocess.Popen] = []
     try:
@@ -203,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-m", "dramatiq", "demo_actors", "--processes", "2", "--threads", "4"],
             env=env, cwd=REPO, stdout=worker_log, stderr=subprocess.STDOUT,
         ))  # fmt: skip
-        print(f"workers: dramatiq demo_actors --processes 2 --threads 4 (log: {worker_log.name})")
+        print(
+            "workers: dramatiq demo_actors --processes 2 --threads 4 "
+            f"(log: {shown(worker_log.name)})"
+        )
 
         port = free_port(args.port)
         api_log = open(logs / "api.log", "w")  # noqa: SIM115
@@ -212,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
              "--bind", f"127.0.0.1:{port}", "admin_api.wsgi:app"],
             env=env, cwd=REPO, stdout=api_log, stderr=subprocess.STDOUT,
         ))  # fmt: skip
-        print(f"admin API: http://127.0.0.1:{port}/api/docs (log: {api_log.name})")
+        print(f"admin API: http://127.0.0.1:{port}/api/docs (log: {shown(api_log.name)})")
         print(f"dashboard: http://127.0.0.1:{port}/dashboard")
         if has_account:
             print(f"  log in with {DEMO_EMAIL} / {DEMO_PASSWORD}, e.g.")

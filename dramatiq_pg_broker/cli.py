@@ -33,7 +33,7 @@ import psycopg
 
 from . import __version__
 from .config import Settings
-from .errors import PgBrokerError
+from .errors import ConfigurationError, PgBrokerError
 
 #: The modules the ``admin`` extra installs; without them the account commands say how to
 #: get them instead of failing with an import error.
@@ -41,7 +41,34 @@ ADMIN_EXTRA_MODULES = frozenset({"falcon", "bcrypt", "sqlalchemy", "gunicorn"})
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return Settings.load(url=args.url, schema=args.schema)
+    """The command's settings: ``--url`` and ``--schema``, then ``DRAMATIQ_PG_*``.
+
+    Raises:
+      ConfigurationError: no URL is given inside a Django project (see
+        :func:`django_project`): its jobs are in the database its settings name, which only
+        ``python manage.py dramatiq_pg`` reads; the embedded server would show other jobs.
+    """
+    settings = Settings.load(url=args.url, schema=args.schema)
+    if not settings.url:
+        where = django_project()
+        if where:
+            command = " ".join(getattr(args, "argv", None) or [args.command])
+            raise ConfigurationError(
+                f"no database URL, and this is a Django project ({where}): run "
+                f"`python manage.py dramatiq_pg {command}` to use the database and schema "
+                "of the project's broker, or name a database with --url or DRAMATIQ_PG_URL"
+            )
+    return settings
+
+
+def django_project(cwd: str | None = None) -> str | None:
+    """Why this looks like a Django project (``DJANGO_SETTINGS_MODULE`` is set, or a
+    ``manage.py`` is in the working directory), or None."""
+    if os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return f"DJANGO_SETTINGS_MODULE={os.environ['DJANGO_SETTINGS_MODULE']}"
+    if os.path.isfile(os.path.join(cwd or os.getcwd(), "manage.py")):
+        return "manage.py in this directory"
+    return None
 
 
 def database_url(args: argparse.Namespace) -> str:
@@ -182,15 +209,25 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
 
         if args.action == "url":
             print(embedded.embedded_url())
+        elif args.action == "status":
+            info = embedded.status()
+            state = f"running (pid {info['pid']})" if info["running"] else "not running"
+            print(f"data directory  {info['data_dir']}")
+            print(f"chosen by       {info['why']}")
+            print(f"server          {state}")
+            if info["url"]:
+                print(f"url             {info['url']}")
         else:
-            print("stopped" if embedded.stop() else "not running")
+            path = embedded.data_dir()
+            print(f"stopped ({path})" if embedded.stop() else f"not running ({path})")
         return 0
 
     parser = sub.add_parser("embedded", help="the local PostgreSQL used without DRAMATIQ_PG_URL")
     parser.add_argument(
         "action",
-        choices=["url", "stop"],
-        help="url: print its URL, starting it if it is not running; stop: stop it",
+        choices=["url", "status", "stop"],
+        help="url: print its URL, starting it if it is not running; status: which server "
+        "(its data directory, and why that one) and whether it runs; stop: stop it",
     )
     parser.set_defaults(func=run_embedded)
 
@@ -213,8 +250,9 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
             )
             return 2
 
-        for name in ("user", "token"):
-            parser = sub.add_parser(name, help="admin API accounts (needs the admin extra)")
+        helps = {"user": "admin API users", "token": "admin API tokens"}
+        for name, what in helps.items():
+            parser = sub.add_parser(name, help=f"{what} (needs the admin extra)")
             parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
             parser.set_defaults(func=missing)
         return
@@ -249,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    #: The command line as given, to repeat it in advice (see settings_from).
+    args.argv = argv
     try:
         return args.func(args)
     except BrokenPipeError:

@@ -384,6 +384,14 @@ def run_stats(ctx: Context, args) -> int:
     if args.json:
         print(to_json(rows))
         return 0
+    if not rows:
+        # The counts read the unfinished and failed jobs only: succeeded and cancelled ones
+        # are history, and "no jobs" would be false when every job succeeded.
+        print(
+            "no job is queued, running, delayed or failed (finished jobs are not counted: "
+            "`jobs list --status succeeded` lists them)"
+        )
+        return 0
     print(
         table(
             ["QUEUE", "QUEUED", "RUNNING", "DELAYED", "FAILED", "OLDEST WAITING"],
@@ -400,8 +408,6 @@ def run_stats(ctx: Context, args) -> int:
             ),
         )
     )
-    if not rows:
-        print("(no jobs)")
     return 0
 
 

@@ -60,6 +60,10 @@ WINDOW_SHRINK_CLAIMS = 4
 #: an operator's abort of a running job reaches the worker this way.
 NOTICE_INTERVAL = 0.25
 
+#: Seconds a consumer whose LISTEN connection could not be opened polls before it tries
+#: again (doubling from the first, up to the last).
+LISTEN_RETRY_SECONDS = (1.0, 10.0)
+
 
 def new_owner_id() -> str:
     """A lease owner id: ``host:pid:thread:random``, unique per consumer instance."""
@@ -172,6 +176,10 @@ class PostgresConsumer(Consumer):
         self.owner = new_owner_id()
         self._buffer: deque[PgMessageProxy] = deque()
         self._listen_conn = None
+        #: When to try opening the LISTEN connection again after it could not be opened
+        #: (None: at once), and the wait after the next failure.
+        self._listen_retry_at: float | None = None
+        self._listen_backoff = LISTEN_RETRY_SECONDS[0]
         self._next_due: float | None = None
         #: When the last claim came back empty (None: claim without waiting).
         self._last_empty: float | None = None
@@ -396,10 +404,33 @@ class PostgresConsumer(Consumer):
                 self._notice(notify.payload)
 
     def _listener(self):
+        """The queue's LISTEN connection, opened on first use; None in poll-only mode, or
+        while it cannot be opened. A LISTEN connection is a comfort (claims within
+        milliseconds), never a condition: when the server refuses one more connection (no
+        free slot) or is unreachable, the consumer polls every ``poll_interval`` through
+        the pool and tries again later, saying so at DEBUG only (the process's outage and
+        saturation lines tell the story, see :mod:`.outage`)."""
         if not self.settings.listen:
             return None
         if self._listen_conn is None:
-            conn = connect(self.broker.pool.url)
+            now = time.monotonic()
+            if self._listen_retry_at is not None and now < self._listen_retry_at:
+                return None
+            try:
+                conn = connect(self.broker.pool.url)
+            except BrokerConnectionError as e:
+                logger.debug(
+                    "Queue %r polls: its LISTEN connection could not be opened (%s); "
+                    "trying again in %.0fs.",
+                    self.queue_name,
+                    e,
+                    self._listen_backoff,
+                )
+                self._listen_retry_at = now + self._listen_backoff
+                self._listen_backoff = min(self._listen_backoff * 2, LISTEN_RETRY_SECONDS[1])
+                # Notifications are not heard meanwhile: look at the queue now.
+                self._notified = True
+                return None
             try:
                 with translate_errors():
                     conn.execute(f"LISTEN {_quote_ident(self.store.channel(self.queue_name))}")
@@ -407,6 +438,8 @@ class PostgresConsumer(Consumer):
                 conn.close()
                 raise
             self._listen_conn = conn
+            self._listen_retry_at = None
+            self._listen_backoff = LISTEN_RETRY_SECONDS[0]
         return self._listen_conn
 
     def _drain_notifications(self) -> None:

@@ -1,9 +1,15 @@
 """A local PostgreSQL for the demo and the tests when no database URL is configured.
 
 With ``DRAMATIQ_PG_URL`` unset, :func:`embedded_url` starts (or reuses) a PostgreSQL server
-from the ``pgserver`` package in a per-user data directory and returns its URL. The server
-is left running for the next process to reuse; ``dramatiq-pg-broker embedded stop`` stops
-it. A deployment always names its own server: nothing here runs when a URL is set.
+from the ``pgserver`` package and returns its URL. The server is left running for the next
+process to reuse; ``dramatiq-pg-broker embedded stop`` stops it. A deployment always names
+its own server: nothing here runs when a URL is set.
+
+The server belongs to the project whose virtual environment runs it: its data directory is
+``.pgdata/data`` beside the environment (``<checkout>/.pgdata/`` for a checkout's
+``.venv``), so two checkouts have two servers and ``make stop`` in one never stops the
+other's. ``DRAMATIQ_PG_EMBEDDED_DIR`` names another data directory; outside a project's
+virtual environment the server is per user (see :func:`data_dir`).
 """
 
 from __future__ import annotations
@@ -34,13 +40,44 @@ _url: str | None = None
 _SOCKET_PATH_MAX = 100
 
 
+#: Files or folders that make the folder holding a virtual environment a project's (a
+#: checkout, a Django project): its server is then that project's.
+PROJECT_MARKERS = ("pyproject.toml", "setup.cfg", "setup.py", "manage.py", ".git")
+#: The folder, in a project, that holds the embedded server's data and lock (git-ignored).
+PROJECT_FOLDER = ".pgdata"
+
+
+def project_dir() -> Path | None:
+    """The project this Python belongs to: the folder holding the running virtual
+    environment, when that folder is a project's (see :data:`PROJECT_MARKERS`); None
+    outside a virtual environment, or for one kept apart from its project
+    (``~/.virtualenvs/app``)."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    parent = Path(sys.prefix).absolute().parent
+    if any((parent / marker).exists() for marker in PROJECT_MARKERS):
+        return parent
+    return None
+
+
 def data_dir() -> Path:
-    """The embedded server's data directory (``DRAMATIQ_PG_EMBEDDED_DIR`` overrides it)."""
+    """The embedded server's data directory: ``DRAMATIQ_PG_EMBEDDED_DIR`` when set, else
+    ``.pgdata/data`` in the project of the running virtual environment (see
+    :func:`project_dir`), else a per-user one
+    (``~/.local/share/dramatiq-pg-broker/pgdata``)."""
+    return where()[0]
+
+
+def where() -> tuple[Path, str]:
+    """The data directory, and why it is that one (what ``embedded status`` says)."""
     configured = os.environ.get("DRAMATIQ_PG_EMBEDDED_DIR")
     if configured:
-        return Path(configured)
+        return Path(configured), "DRAMATIQ_PG_EMBEDDED_DIR"
+    project = project_dir()
+    if project is not None:
+        return project / PROJECT_FOLDER / "data", f"the project of the virtualenv {sys.prefix}"
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
-    return Path(base) / "dramatiq-pg-broker" / "pgdata"
+    return Path(base) / "dramatiq-pg-broker" / "pgdata", "per user (no project virtualenv)"
 
 
 def embedded_url() -> str:
@@ -56,8 +93,9 @@ def embedded_url() -> str:
                 pgserver = import_pgserver()
             except ImportError:
                 raise ConfigurationError(
-                    "no database configured: set DRAMATIQ_PG_URL, or install the embedded "
-                    "extra (pip install 'dramatiq-pg-broker[embedded]') for a local server"
+                    "no database configured: set DRAMATIQ_PG_URL (the command line also "
+                    "takes --url, the broker url=), or install the embedded extra "
+                    "(pip install 'dramatiq-pg-broker[embedded]') for a local server"
                 ) from None
             path = data_dir()
             path.mkdir(parents=True, exist_ok=True)
@@ -105,6 +143,25 @@ def import_pgserver():
     finally:
         del os.environ["XDG_RUNTIME_DIR"]
     return pgserver
+
+
+def status() -> dict:
+    """Where the embedded server of this project is and whether it runs, without starting
+    it: ``data_dir``, ``why`` (see :func:`where`), ``running``, and when it runs its
+    ``pid`` and ``url``."""
+    path, why = where()
+    info: dict = {"data_dir": str(path), "why": why, "running": False, "pid": None, "url": None}
+    if not (path / "postmaster.pid").exists():
+        return info
+    try:
+        from pgserver.utils import PostmasterInfo
+
+        postmaster = PostmasterInfo.read_from_pgdata(path)
+    except Exception:  # a torn pid file, or pgserver missing: report what is known
+        return info
+    if postmaster is not None and postmaster.is_running():
+        info.update(running=True, pid=postmaster.pid, url=postmaster.get_uri())
+    return info
 
 
 def stop() -> bool:

@@ -18,6 +18,12 @@ class ConfigurationError(PgBrokerError):
     """A setting is missing or has a value that cannot be used."""
 
 
+class InvalidDatabaseURL(ConfigurationError, ValueError):
+    """The database URL is not one PostgreSQL's client library can use: refused when the
+    settings are read (the broker is built, the CLI starts), never reported later as an
+    outage."""
+
+
 class MigrationError(PgBrokerError):
     """The database schema cannot be brought up to date."""
 

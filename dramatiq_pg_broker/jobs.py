@@ -1349,6 +1349,15 @@ class JobStore:
                 )
             return self.get(job_id, conn=c)
 
+    def finished_attempts(self, attempts: Sequence[Attempt], status: str, *, conn=None) -> set[str]:
+        """The ids of ``attempts`` whose job already ended ``status`` at that attempt: the
+        outcome an owner sent was written, though the reply was lost (the connection
+        dropped as it committed), so its second try found the job no longer running."""
+        if not attempts:
+            return set()
+        params = {**self._attempt_params(attempts), "status": status}
+        return {str(r[0]) for r in self._fetch("finished_attempts", params, conn)}
+
     def abort_attempts(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:
         """running -> cancelled for attempts a worker stopped because their abort was
         requested (an ``aborted`` event each). Returns the ids changed: an attempt missing

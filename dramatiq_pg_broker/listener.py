@@ -45,6 +45,12 @@ MAX_PAYLOAD_BYTES = 200
 #: Seconds between two checks that an idle listening connection is still alive.
 HEALTH_CHECK_SECONDS = 30.0
 
+#: Seconds between two looks of a waiter while the server refuses the LISTEN connection a
+#: slot (saturation, see :func:`.outage.is_saturation`): it polls its table meanwhile.
+SATURATED_POLL_SECONDS = 1.0
+#: Longest pause between two tries to open the LISTEN connection on a saturated server.
+SATURATED_RETRY_CAP_SECONDS = 5.0
+
 
 def channel_for(schema: str, name: str) -> str:
     """The channel of one backend in one schema: ``schema:name``. A colon never occurs in a
@@ -122,7 +128,20 @@ class Listener(Service):
             while True:
                 # Listen before looking: a result stored between the look and the LISTEN
                 # would otherwise never wake us.
-                if not self._ensure_listening(channel, _remaining(deadline)):
+                listening = self._ensure_listening(channel, _remaining(deadline))
+                if listening is None:
+                    # The server has no slot for the LISTEN connection, but the pool's
+                    # connections work: look now and then instead, quietly.
+                    value = check()
+                    if value is not None:
+                        return value
+                    remaining = _remaining(deadline)
+                    if remaining is not None and remaining <= 0:
+                        return None
+                    event.clear()
+                    event.wait(min(SATURATED_POLL_SECONDS, remaining or SATURATED_POLL_SECONDS))
+                    continue
+                if not listening:
                     return check()
                 event.clear()
                 value = check()
@@ -150,9 +169,10 @@ class Listener(Service):
             if not events:
                 by_key.pop(payload, None)
 
-    def _ensure_listening(self, channel: str, timeout: float | None) -> bool:
+    def _ensure_listening(self, channel: str, timeout: float | None) -> bool | None:
         """Make the thread listen on ``channel``; True once it does, False if that took
-        longer than ``timeout``."""
+        longer than ``timeout``, None while the server refuses the connection a slot (the
+        caller polls)."""
         with self._lock:
             if self._closed:
                 raise ConnectionClosed(RuntimeError("the listener is closed"))
@@ -163,14 +183,30 @@ class Listener(Service):
             self.start()
         if ready.is_set():
             return True
+        if self._saturated():
+            return None
         if timeout is not None and timeout <= 0:
             return False
-        if ready.wait(timeout):
-            return True
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _remaining(end)
+            step = SATURATED_POLL_SECONDS if left is None else min(SATURATED_POLL_SECONDS, left)
+            if ready.wait(max(0.0, step)):
+                return True
+            if self._saturated():
+                return None
+            left = _remaining(end)
+            if left is not None and left <= 0:
+                break
         error = self._error
         if error is not None:
             raise ConnectionClosed(error) from error
         return False
+
+    def _saturated(self) -> bool:
+        """Whether the last try to open the connection was refused for want of slots."""
+        error = self._error
+        return error is not None and outage.is_saturation(error)
 
     def wake(self) -> None:
         self._poke()
@@ -207,7 +243,14 @@ class Listener(Service):
                         ready.clear()
                 self._wake_everyone()
                 time.sleep(delay)
-                delay = min(delay * 2, RECONNECT_CAP_SECONDS)
+                # A server out of connection slots is not helped by more attempts: retry
+                # it less often than a server that went away.
+                cap = (
+                    SATURATED_RETRY_CAP_SECONDS
+                    if outage.is_saturation(e)
+                    else RECONNECT_CAP_SECONDS
+                )
+                delay = min(delay * 2, cap)
             finally:
                 if conn is not None:
                     conn.close()

@@ -27,12 +27,19 @@ What counts as an outage:
 
 All three lines are warnings, so that a log filtered at WARNING tells the whole story.
 The state belongs to the process: a forked child starts with none of its parent's.
+
+A server that refuses a connection for want of connection slots (``too many clients``,
+SQLSTATE 53300, or a pooler out of client connections) is not down: it is saturated, and
+the connections already open keep working. Such refusals start no outage and end none;
+they are counted, and told in one warning per :data:`SATURATION_NOTICE_SECONDS` with
+their number (:meth:`Outage.connect_failed`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,6 +56,40 @@ REMINDER_SECONDS = 60.0
 #: How long connections must keep being lost, with no statement succeeding, before that
 #: counts as an outage (a failed connection attempt counts at once).
 GRACE_SECONDS = 1.0
+
+
+#: Seconds between two warnings about connections refused for want of slots.
+SATURATION_NOTICE_SECONDS = 60.0
+
+#: The SQLSTATE of a connection refused for want of slots (``too_many_connections``).
+TOO_MANY_CONNECTIONS = "53300"
+#: What the server (or PgBouncer) says when it refuses a connection for want of slots; a
+#: refused connection attempt carries no SQLSTATE in libpq, only this text.
+_SATURATION_RE = re.compile(
+    r"too many clients|too many connections|remaining connection slots are reserved"
+    r"|no more connections allowed",
+    re.IGNORECASE,
+)
+
+
+def is_saturation(error: BaseException) -> bool:
+    """Whether ``error`` (or the driver error behind it) is a connection refused because
+    the server, or a pooler in front of it, has no free connection slot."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        cause = pending.pop()
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if getattr(cause, "sqlstate", None) == TOO_MANY_CONNECTIONS:
+            return True
+        if isinstance(cause, psycopg.Error) and _SATURATION_RE.search(str(cause)):
+            return True
+        # Dramatiq's connection errors hold the driver's error as their argument, and
+        # this package raises them from it.
+        pending.extend(e for e in (cause.__cause__, *cause.args) if isinstance(e, BaseException))
+    return False
 
 
 def describe(error: BaseException) -> str:
@@ -91,6 +132,10 @@ class Outage:
         #: Whether the outage was announced (and its end must be).
         self._announced = False
         self._last_notice = 0.0
+        #: Connections refused for want of slots since the last saturation warning.
+        self._refused = 0
+        #: Monotonic time of the last saturation warning; None before the first.
+        self._saturation_notice: float | None = None
 
     @property
     def unreachable(self) -> bool:
@@ -98,8 +143,44 @@ class Outage:
         return self._announced and self._pid == forks.pid()
 
     def connect_failed(self, error: BaseException) -> None:
-        """A connection attempt failed, or the server refused to write."""
+        """A connection attempt failed, or the server refused to write. A refusal for want
+        of connection slots is saturation, not an outage (see :meth:`saturated`)."""
+        if is_saturation(error):
+            self.saturated(error)
+            return
         self._failed(error, at_once=True)
+
+    def saturated(self, error: BaseException) -> None:
+        """The server refused a connection for want of slots: counted, and told at most once
+        per :data:`SATURATION_NOTICE_SECONDS`, with the number refused since the last
+        warning. The outage state is left as it is."""
+        now = self._clock()
+        with self._lock:
+            self._check_fork()
+            self._refused += 1
+            last = self._saturation_notice
+            if last is not None and now - last < SATURATION_NOTICE_SECONDS:
+                return
+            refused, self._refused = self._refused, 0
+            self._saturation_notice = now
+        if last is None:
+            logger.warning(
+                "The database refused a connection: it has no free connection slot (%s). "
+                "It is saturated, not down: this process goes on with the connections it "
+                "has and retries quietly (a line every %s while refusals go on). Raise the "
+                "server's max_connections, or lower the processes' pool_max_size, or put "
+                "PgBouncer in front.",
+                describe(error),
+                duration(SATURATION_NOTICE_SECONDS),
+            )
+        else:
+            logger.warning(
+                "The database refused %d more connection(s) for want of connection slots "
+                "in the last %s: %s",
+                refused,
+                duration(now - last),
+                describe(error),
+            )
 
     def connection_lost(self, error: BaseException) -> None:
         """An established connection broke."""
@@ -158,6 +239,8 @@ class Outage:
             self._pid = forks.pid()
             self._since = None
             self._announced = False
+            self._refused = 0
+            self._saturation_notice = None
 
 
 #: The process's outage state.

@@ -94,12 +94,17 @@ class OutcomeWriter(Service):
         ledger = self.broker.ledger
         # Each statement is retried on its own: one that committed is never sent again (a
         # second run would find its rows no longer running and report them as lost).
-        for items, write in (
-            (completed, lambda items: self.store.complete([a for a, _ in items])),
-            (failed, lambda items: self.store.fail([a for a, _ in items], [e for _, e in items])),
-            (aborted, lambda items: self.store.abort_attempts([a for a, _ in items])),
+        for items, status, write in (
+            (completed, "succeeded", lambda items: self.store.complete([a for a, _ in items])),
+            (
+                failed,
+                "failed",
+                lambda items: self.store.fail([a for a, _ in items], [e for _, e in items]),
+            ),
+            (aborted, "cancelled", lambda items: self.store.abort_attempts([a for a, _ in items])),
             (
                 skipped,
+                "cancelled",
                 lambda items: self.store.cancel_skipped(
                     [a for a, _ in items], [s for _, s in items]
                 ),
@@ -108,11 +113,38 @@ class OutcomeWriter(Service):
             if not items:
                 continue
             owned, unwritten = self._write_batch(items, write)
+            owned = owned | self._written_before(status, items, owned | unwritten)
             for attempt, _ in items:
                 if attempt.id in unwritten:
                     ledger.unwritable(attempt)
                 else:
                     ledger.written(attempt, attempt.id in owned)
+
+    def _written_before(
+        self, status: str, items: list[tuple[Attempt, Any]], known: set[str]
+    ) -> set[str]:
+        """Of the attempts a statement found no longer running, those whose job already
+        ended ``status`` at that attempt: a try before committed and its reply was lost to
+        a dropped connection. They were written, not lost (no warning for a job that is
+        fine). Anything else, or a database that cannot answer, leaves them lost."""
+        missing = [attempt for attempt, _ in items if attempt.id not in known]
+        if not missing:
+            return set()
+        try:
+            found = self.store.finished_attempts(missing, status)
+        except Exception as e:  # the warning then says lost, as before this check
+            logger.debug("Could not check whether lost outcomes were written: %s", e)
+            return set()
+        for attempt in missing:
+            if attempt.id in found:
+                logger.debug(
+                    "Job %s attempt %d was already %s: an earlier try of its outcome "
+                    "committed as the connection dropped.",
+                    attempt.id,
+                    attempt.attempt,
+                    status,
+                )
+        return found
 
     def _write_batch(
         self, items: list[tuple[Attempt, Any]], write: Callable[[list], set[str]]

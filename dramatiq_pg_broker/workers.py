@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import json
 import logging
 import socket
 import threading
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware
+from psycopg.types.json import Jsonb
 
 from . import forks
 from .db import Queries
@@ -69,6 +71,30 @@ def actor_queue(conn: psycopg.Connection, schema: str, actor_name: str) -> str |
     return None if row is None else row[0]
 
 
+def actor_declaration(
+    conn: psycopg.Connection, schema: str, actor_name: str
+) -> tuple[str, dict[str, Any]] | None:
+    """The queue of a declared actor and the options it was declared with (see
+    :func:`declared_options`), or None if no worker ever declared it."""
+    row = conn.execute(_queries(schema)["actor_declaration"], {"name": actor_name}).fetchone()
+    return None if row is None else (row[0], dict(row[1] or {}))
+
+
+def declared_options(actor: Any) -> dict[str, Any]:
+    """What a worker records of an actor's options: its ``priority`` and every option it
+    was declared with whose value is JSON (``max_retries``, ``min_backoff``,
+    ``time_limit``, ...; never ``retry_when`` or ``throws``). The admin API creates jobs
+    of the actor with them (see migration 0014)."""
+    options: dict[str, Any] = {"priority": actor.priority}
+    for name, value in actor.options.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        options[name] = value
+    return options
+
+
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
     """Delete at most ``limit`` rows of worker processes whose registration expired (the
     retention run calls it, see :data:`.retention.RECLAIMERS`).
@@ -96,6 +122,7 @@ class Presence(Middleware):
         self._started_at: dt.datetime | None = None
         self._queues: list[str] = []
         self._actors: list[tuple[str, str]] = []
+        self._options: dict[str, dict[str, Any]] = {}
         self._declared = False
         self._gone = False
 
@@ -116,6 +143,9 @@ class Presence(Middleware):
             self._actors = sorted(
                 (actor.actor_name, actor.queue_name) for actor in broker.actors.values()
             )
+            self._options = {
+                actor.actor_name: declared_options(actor) for actor in broker.actors.values()
+            }
             self._declared = False
             self._gone = False
         try:
@@ -165,6 +195,9 @@ class Presence(Middleware):
                         {
                             "names": [name for name, _ in self._actors],
                             "queues": [queue for _, queue in self._actors],
+                            "options": [
+                                Jsonb(self._options.get(name, {})) for name, _ in self._actors
+                            ],
                         },
                     )
             conn.execute(queries["register_worker"], params)

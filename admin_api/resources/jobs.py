@@ -19,7 +19,7 @@ from dramatiq_pg_broker.messages import (
     idempotency_scope,
     job_from_message,
 )
-from dramatiq_pg_broker.workers import actor_queue
+from dramatiq_pg_broker.workers import actor_declaration
 
 from .. import conditional
 from ..accounts import AccountStore, User
@@ -58,8 +58,9 @@ JOB_FIELDS = {
     "args": Field("array", "Positional arguments of the actor.", default=[]),
     "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
     "priority": Field(
-        "integer", "Lower runs first (Dramatiq's meaning).", minimum=INT32_MIN,
-        maximum=INT32_MAX, default=0,
+        "integer", "Lower runs first (Dramatiq's meaning). Default: the priority the "
+        "workers declared the actor with (0 for an actor no worker declared).",
+        minimum=INT32_MIN, maximum=INT32_MAX,
     ),
     "delay": Field(
         "integer", "Milliseconds to wait before the job may run. Not with available_at.",
@@ -71,9 +72,9 @@ JOB_FIELDS = {
     ),
     "max_retries": Field(
         "integer", "Retries after the first attempt (max_attempts = max_retries + 1). "
-        "Default: the actor's own max_retries; the row's max_attempts is then "
-        "DRAMATIQ_PG_MAX_ATTEMPTS.", minimum=0, maximum=UNLIMITED_ATTEMPTS - 1,
-        nullable=True,
+        "Default: the max_retries the workers declared the actor with; for an actor "
+        "declared without one, the row's max_attempts is DRAMATIQ_PG_MAX_ATTEMPTS.",
+        minimum=0, maximum=UNLIMITED_ATTEMPTS - 1, nullable=True,
     ),
     "idempotency_key": Field(
         "string", "A second request with the same key returns the first job (200) "
@@ -180,7 +181,7 @@ class JobList:
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         values = read_object(req, JOB_FIELDS)
         user = req.context.user
-        queue_name = self._queue_of(values["actor_name"], values.get("queue_name"))
+        queue_name, declared = self._queue_of(values["actor_name"], values.get("queue_name"))
         if "delay" in values and "available_at" in values:
             raise bad_request("give delay or available_at, not both")
         delay_ms = values.get("delay", 0)
@@ -199,9 +200,11 @@ class JobList:
             # actor's, so a default here would override the actor's own setting.
             options["max_retries"] = values["max_retries"]
         # The API holds no actor code: the message is built as actor.send_with_options()
-        # would build it, and becomes a row through the broker's own function. Without a
-        # max_retries, the row's limit is the default the workers' Retries middleware
-        # takes from the same setting (DRAMATIQ_PG_MAX_ATTEMPTS).
+        # would build it, and becomes a row through the broker's own function, with the
+        # options the workers declared the actor with (its max_retries and priority, see
+        # migration 0014). For an actor declared without a max_retries, the row's limit is
+        # the default the workers' Retries middleware takes from the same setting
+        # (DRAMATIQ_PG_MAX_ATTEMPTS).
         message = dramatiq.Message(
             queue_name=queue_name,
             actor_name=values["actor_name"],
@@ -213,6 +216,8 @@ class JobList:
             job, _ = job_from_message(
                 message,
                 delay=delay_ms,
+                actor_priority=_int_option(declared, "priority", 0),
+                actor_options=_row_options(declared),
                 default_max_retries=default_max_retries(self.settings),
                 scope=member_scope(user),
             )
@@ -234,30 +239,48 @@ class JobList:
         resp.location = link_to(req, f"/api/jobs/{result.id}")
         resp.media = body
 
-    def _queue_of(self, actor_name: str, requested: str | None) -> str:
-        """The queue a new job of ``actor_name`` goes to: the queue its workers declared.
+    def _queue_of(self, actor_name: str, requested: str | None) -> tuple[str, dict]:
+        """The queue a new job of ``actor_name`` goes to (the queue its workers declared),
+        and the options they declared the actor with (empty for an ad-hoc actor).
 
         Raises:
           ApiError: 400 when no worker declared the actor (unless ad-hoc actors are
             allowed), or when ``requested`` is not its queue.
         """
         with self.store.pool.connection() as conn:
-            declared = actor_queue(conn, self.store.schema, actor_name)
-        if declared is None:
+            declaration = actor_declaration(conn, self.store.schema, actor_name)
+        if declaration is None:
             if self.settings.admin_adhoc_actors:
-                return requested or "default"
+                return requested or "default", {}
             raise bad_request(
                 f"no worker has declared an actor named {_shown(actor_name)}, so its job would "
                 "never run: check the name (GET /api/actors lists the declared actors); "
                 "DRAMATIQ_PG_ADMIN_ADHOC_ACTORS=true lets the API create jobs for actors no "
                 "worker declared"
             )
+        declared, options = declaration
         if requested is not None and requested != declared:
             raise bad_request(
                 f"actor {_shown(actor_name)} runs on queue {_shown(declared)}, not "
                 f"{_shown(requested)}: leave queue_name out, or give {_shown(declared)}"
             )
-        return declared
+        return declared, options
+
+
+def _row_options(declared: dict) -> dict:
+    """The declared options that decide a new row: ``max_retries`` (its max_attempts). The
+    others are the worker's to apply, from the actor itself, when the job runs."""
+    value = declared.get("max_retries")
+    return {"max_retries": value} if _is_int(value) else {}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_option(options: dict, name: str, default: int) -> int:
+    value = options.get(name)
+    return value if _is_int(value) else default
 
 
 def _shown(name: str) -> str:

@@ -1066,6 +1066,17 @@ WITH owned AS MATERIALIZED (
 )
 SELECT id FROM done
 
+-- finished_attempts --
+-- Of these attempts, the ones whose job already ended with the given status at that very
+-- attempt: an outcome statement that committed as the connection dropped, then found
+-- nothing to change when the writer sent it again. A finished row keeps no owner, so the
+-- attempt number tells it (another worker's attempt would have counted one more). Read
+-- only when an outcome finds its job gone, so never on the hot path.
+SELECT h.id
+FROM {schema}.jobs_history AS h
+JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS o (id, attempt) ON h.id = o.id
+WHERE h.id = ANY(%(ids)s::uuid[]) AND h.status = %(status)s AND h.attempts = o.attempt
+
 -- get_job --
 -- One job row, unfinished or finished (the view all_jobs reads both tables).
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,

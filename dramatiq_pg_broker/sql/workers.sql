@@ -18,12 +18,15 @@ SET heartbeat_at = now(),
     in_flight = excluded.in_flight
 
 -- declare_actors --
--- The actors a booting worker knows, each with its queue (the arrays are parallel): what
--- the admin API may create jobs for. A known actor is refreshed (its queue may have moved).
-INSERT INTO {schema}.actors AS a (actor_name, queue_name)
-SELECT name, queue FROM unnest(%(names)s::text[], %(queues)s::text[]) AS d (name, queue)
+-- The actors a booting worker knows, each with its queue and the JSON options it was
+-- declared with (the arrays are parallel): what the admin API may create jobs for, and
+-- with which max_retries and priority. A known actor is refreshed (its queue and options
+-- may have changed).
+INSERT INTO {schema}.actors AS a (actor_name, queue_name, options)
+SELECT name, queue, options
+FROM unnest(%(names)s::text[], %(queues)s::text[], %(options)s::jsonb[]) AS d (name, queue, options)
 ON CONFLICT (actor_name) DO UPDATE
-SET queue_name = excluded.queue_name, seen_at = now()
+SET queue_name = excluded.queue_name, options = excluded.options, seen_at = now()
 
 -- remove_worker --
 -- A worker process exits cleanly: its row goes at once.
@@ -47,6 +50,10 @@ ORDER BY a.actor_name
 -- actor_queue --
 -- The queue of a declared actor (no row: no worker ever declared it).
 SELECT queue_name FROM {schema}.actors WHERE actor_name = %(name)s
+
+-- actor_declaration --
+-- The queue and the declared options of an actor (no row: no worker ever declared it).
+SELECT queue_name, options FROM {schema}.actors WHERE actor_name = %(name)s
 
 -- prune_workers --
 -- Delete at most %(limit)s rows of worker processes that stopped refreshing (they died, or

@@ -54,3 +54,49 @@ def test_listen_false_polls(h, conn):
         (app,),
     ).fetchone()[0]
     assert listeners == 0, "listen=False must not LISTEN (PgBouncer transaction mode)"
+
+
+def test_a_consumer_that_cannot_open_its_listen_connection_polls_quietly(h, monkeypatch, caplog):
+    """The server has no slot left for the queue's LISTEN connection (``too many
+    clients``) while the pool's connections work: the consumer claims by polling, says so
+    at DEBUG only, and the process tells of saturation in one warning, not of an outage."""
+    import logging
+
+    import psycopg
+    from dramatiq.errors import ConnectionClosed
+
+    from dramatiq_pg_broker import consumer, outage
+
+    monkeypatch.setattr(outage, "tracker", outage.Outage())
+    refusals = []
+
+    def refused(url, **kwargs):
+        error = psycopg.OperationalError("connection failed: FATAL:  sorry, too many clients")
+        refusals.append(error)
+        outage.tracker.connect_failed(error)  # what db.connect reports
+        raise ConnectionClosed(error) from error
+
+    monkeypatch.setattr(consumer, "connect", refused)
+    broker = h.broker(poll_interval=0.2)
+    done = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue)
+    def work(n):
+        done.append(n)
+
+    with caplog.at_level(logging.DEBUG):
+        h.start(broker, threads=2)
+        for n in range(5):
+            work.send(n)
+        broker.join(h.queue, timeout=10_000)
+        time.sleep(0.5)  # idle polls: the LISTEN connection is tried again, in time
+    assert sorted(done) == list(range(5))
+    assert refusals, "the consumer never tried its LISTEN connection"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no free connection slot" in warnings[0], warnings
+    assert not outage.tracker.unreachable
+    assert any(
+        "polls: its LISTEN connection could not be opened" in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.DEBUG
+    )

@@ -194,6 +194,19 @@ def test_stats_per_queue(store, run):
     assert lines[1].split()[:5] == ["mail", "2", "0", "1", "0"] and lines[1].split()[5] == "5m"
 
 
+def test_stats_when_every_job_succeeded_does_not_say_there_are_no_jobs(store, run):
+    job_id = enqueue(store, "mail")
+    (claimed,) = store.claim("mail", 10, "w", 30)
+    assert store.complete([Attempt(job_id, "w", claimed.attempts)]) == {job_id}
+    code, out, _ = run("stats")
+    assert code == 0
+    assert "no jobs" not in out
+    assert out.startswith("no job is queued, running, delayed or failed"), out
+    assert "jobs list --status succeeded" in out
+    code, out, _ = run("stats", "--json")
+    assert json.loads(out) == []
+
+
 def test_prune_dry_run_then_for_real(store, run):
     old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=40)
     failed = failed_job(store, now=old)

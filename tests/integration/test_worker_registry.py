@@ -79,3 +79,53 @@ def test_a_silent_worker_expires(h, pg_url, schema):
         )
         ids = [w["id"] for w in list_workers(conn, schema)]
     assert "live:2:y" in ids and "gone:1:x" not in ids
+
+
+def test_a_job_created_through_the_api_takes_the_declared_actors_max_retries(h, pg_url, schema):
+    """A worker records the options it declared each actor with (migration 0014); the admin
+    API, which holds no actor code, creates the actor's jobs with them: an actor declared
+    with max_retries=0 gets a row of one attempt, not the global default's 21."""
+    from .admin_support import AdminEnv
+
+    broker = h.broker()
+
+    @dramatiq.actor(
+        broker=broker,
+        queue_name=h.queue,
+        actor_name=f"{h.queue}.once",
+        max_retries=0,
+        priority=7,
+        retry_when=lambda retries, exc: False,  # not JSON: not recorded
+    )
+    def once():
+        pass
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"{h.queue}.plain")
+    def plain():
+        pass
+
+    h.start(broker)
+    worker_id = broker.presence.worker_id
+    wait_for(lambda: registered(broker, worker_id), 5, "the worker's row")
+    with broker.pool.connection() as conn:
+        options = dict(
+            conn.execute(
+                sql.SQL("SELECT actor_name, options FROM {}.actors").format(sql.Identifier(schema))
+            ).fetchall()
+        )
+    assert options[f"{h.queue}.once"] == {"priority": 7, "max_retries": 0}
+    assert options[f"{h.queue}.plain"] == {"priority": 0}
+
+    api = AdminEnv(pg_url, schema, admin_adhoc_actors=False)
+    try:
+        job = api.create_job(actor_name=f"{h.queue}.once")
+        assert (job["max_attempts"], job["priority"]) == (1, 7)
+        assert job["queue_name"] == h.queue
+        # What the request says wins over the declaration.
+        asked = api.create_job(actor_name=f"{h.queue}.once", max_retries=2, priority=1)
+        assert (asked["max_attempts"], asked["priority"]) == (3, 1)
+        # An actor declared without max_retries keeps the global default.
+        default = api.create_job(actor_name=f"{h.queue}.plain")
+        assert default["max_attempts"] == api.settings.max_attempts
+    finally:
+        api.close()

@@ -250,6 +250,16 @@ class InMemoryJobStore:
                     self.rows[attempt.id].failures += 1
         return changed
 
+    def finished_attempts(self, attempts: Sequence[Attempt], status: str, **_: Any) -> set[str]:
+        self._call("finished_attempts", [a.id for a in attempts])
+        with self._lock:
+            rows = ((self.rows.get(a.id), a) for a in attempts)
+            return {
+                r.id
+                for r, a in rows
+                if r is not None and r.status == status and r.attempts == a.attempt
+            }
+
     def abort_attempts(self, attempts: Sequence[Attempt], **_: Any) -> set[str]:
         with self._lock:
             asked = [a for a in attempts if a.id in self.rows and self.rows[a.id].abort_requested]

@@ -141,3 +141,71 @@ def test_every_environment_variable_the_code_reads_is_documented():
     documented = {row.variable for row in describe()}
     assert named - documented == set(), "read by the code but missing from the docs"
     assert len(documented) == len(describe()), "a variable is described twice"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://app:s3cret@db:5432/app",
+        "postgresql+psycopg2://app:s3cret@db:5432/app",
+        "postgres+asyncpg://app:s3cret@db:5432/app",
+        "postgres://app:s3cret@db:5432/app",
+        "postgresql://app:s3cret@db:5432/app",
+    ],
+)
+def test_sqlalchemy_and_libpq_spellings_are_read_as_postgresql_urls(url):
+    settings = Settings.load(environ={}, url=url)
+    assert settings.url == "postgresql://app:s3cret@db:5432/app"
+    from_env = Settings.load(environ={"DRAMATIQ_PG_URL": url})
+    assert from_env.url == "postgresql://app:s3cret@db:5432/app"
+
+
+def test_a_key_value_connection_string_is_kept_as_it_is():
+    url = "host=db user=app password=s3cret dbname=app"
+    assert Settings.load(environ={}, url=url).url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("mysql://app:s3cret@db/app", "mysql:// is not a PostgreSQL URL"),
+        ("postgresql+mysqldb://app:s3cret@db/app", "is not a PostgreSQL URL"),
+        ("sqlite:///app.db", "is not a PostgreSQL URL"),
+        ("postgresql://app:s3cret@db/app?pool_size=5", 'invalid URI query parameter: "pool_size"'),
+        ("postgresql://app:s3cret@db:fivefour/app", "port 'fivefour' is not a number"),
+        ("db.example/app password=s3cret", 'missing "="'),
+        ("postgresql://app:s3c@ret@db/app?x=1", "invalid URI query parameter"),
+    ],
+)
+def test_a_url_libpq_cannot_use_is_refused_when_built_naming_the_problem(url, problem):
+    from dramatiq_pg_broker import InvalidDatabaseURL
+
+    with pytest.raises(InvalidDatabaseURL) as info:
+        Settings.load(environ={}, url=url)
+    message = str(info.value)
+    assert problem in message, message
+    assert "s3c" not in message, message
+    assert ("***" in message) == ("s3c" in url), message
+    with pytest.raises(InvalidDatabaseURL):
+        Settings.load(environ={"DRAMATIQ_PG_URL": url})
+
+
+def test_the_broker_refuses_a_bad_url_when_it_is_built_not_at_the_first_send():
+    from dramatiq_pg_broker import InvalidDatabaseURL, PostgresBroker
+
+    with pytest.raises(InvalidDatabaseURL, match="is not a PostgreSQL URL"):
+        PostgresBroker(url="mysql://app:s3cret@db/app")
+    broker = PostgresBroker(url="postgresql+psycopg://app:s3cret@db/app")
+    assert broker.settings.url == "postgresql://app:s3cret@db/app"
+
+
+def test_the_cli_refuses_a_bad_url_in_one_line(capsys, monkeypatch):
+    from dramatiq_pg_broker.cli import main
+
+    assert main(["--url", "postgresql+psycopg://app:s3cret@db:x/app", "jobs", "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: database URL 'postgresql+psycopg://app:***@db:x/app'"), err
+    assert "port 'x'" in err and "s3cret" not in err
+    monkeypatch.setenv("DRAMATIQ_PG_URL", "redis://localhost:6379/0")
+    assert main(["stats"]) == 2
+    assert "redis:// is not a PostgreSQL URL" in capsys.readouterr().err

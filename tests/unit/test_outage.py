@@ -144,3 +144,65 @@ def test_pool_warnings_per_attempt_are_lowered_for_our_pools_only():
         )
     finally:
         pool_logger.setLevel(level)
+
+
+TOO_MANY = psycopg.OperationalError(
+    'connection failed: connection to server at "10.0.0.1", port 5432 failed: FATAL:  '
+    "sorry, too many clients already"
+)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        TOO_MANY,
+        psycopg.OperationalError(
+            "connection failed: FATAL:  remaining connection slots are reserved for roles "
+            "with the SUPERUSER attribute"
+        ),
+        ConnectionClosed(psycopg.OperationalError("FATAL:  too many connections for role x")),
+        psycopg.OperationalError("ERROR:  no more connections allowed (max_client_conn)"),
+    ],
+)
+def test_a_refusal_for_want_of_slots_is_saturation(error):
+    assert outage.is_saturation(error)
+    assert not outage.is_saturation(REFUSED)
+
+
+def test_a_saturated_server_is_no_outage_and_is_told_once_a_minute_with_a_count(
+    tracker, clock, lines
+):
+    """Processes that take turns at the last connection slots: refusals, and statements
+    answered in between on the connections they have. No "unreachable", no "reachable
+    again 0.0s": one warning, then one a minute with the number refused."""
+    for _ in range(100):  # 50 s: a refusal and an answered statement every half second
+        tracker.connect_failed(TOO_MANY)
+        tracker.answered()
+        clock.now += 0.5
+    story = lines()
+    assert len(story) == 1, story
+    assert story[0].startswith("The database refused a connection: it has no free connection")
+    assert "saturated, not down" in story[0] and "too many clients" in story[0]
+    assert not tracker.unreachable
+    for _ in range(40):  # 20 s more: past the minute since the first warning
+        tracker.connect_failed(TOO_MANY)
+        clock.now += 0.5
+    story = lines()
+    assert len(story) == 2, story
+    assert story[1].startswith("The database refused 120 more connection(s) for want of"), story
+    assert "in the last 1m00s" in story[1], story
+    assert not tracker.unreachable
+    tracker.answered()
+    assert len(lines()) == 2, "saturation ends with no 'reachable again' line"
+
+
+def test_saturation_leaves_an_outage_as_it_is(tracker, clock, lines):
+    tracker.connect_failed(REFUSED)
+    clock.now += 5
+    tracker.connect_failed(TOO_MANY)
+    assert tracker.unreachable
+    clock.now += 5
+    tracker.answered()
+    story = lines()
+    assert story[0].startswith("The database is unreachable")
+    assert story[-1] == "The database is reachable again; it was unreachable for 10.0s."

@@ -55,6 +55,35 @@ def test_an_outcome_of_an_attempt_another_worker_took_is_discarded(
     assert "this outcome is discarded" in caplog.text
 
 
+def test_an_outcome_committed_as_the_connection_dropped_is_not_called_lost(
+    memory_broker, memory_store, claim, caplog
+):
+    """The server went down just as the ack committed: the writer's second try finds the
+    job no longer running, because its first try finished it. That job is fine: no
+    warning that its outcome was discarded."""
+    (attempt,) = started(memory_broker, claim, 1)
+    complete = memory_store.complete
+    tries = []
+
+    def commit_then_drop(attempts, **kwargs):
+        changed = complete(attempts, **kwargs)
+        tries.append(changed)
+        if len(tries) == 1:
+            raise ConnectionClosed(OSError("server closed the connection unexpectedly"))
+        return changed
+
+    memory_store.complete = commit_then_drop
+    with caplog.at_level(logging.DEBUG, logger="dramatiq_pg_broker"):
+        assert memory_broker.ledger.settle(attempt, "complete")
+        assert memory_broker.outcomes.flush(timeout=10)
+    assert tries == [{attempt.id}, set()], "the second try found nothing to change"
+    assert memory_store.status(attempt.id) == "succeeded"
+    assert not memory_broker.ledger.holds(attempt)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [], [r.getMessage() for r in warnings]
+    assert "was already succeeded" in caplog.text
+
+
 def test_an_outcome_is_written_once_the_database_is_back(memory_broker, memory_store, claim):
     (attempt,) = started(memory_broker, claim, 1)
     down = [ConnectionClosed(OSError("connection refused")) for _ in range(2)]

@@ -59,3 +59,17 @@ def test_cli_module_help_lists_the_account_commands():
         )
         for command in ("create", "list", "deactivate", "activate", "set-password"):
             assert command in result.stdout, (module, result.stdout)
+
+
+def test_without_the_admin_extra_each_account_command_keeps_its_own_help(monkeypatch):
+    """Without the admin extra, ``--help`` still tells ``user`` from ``token``."""
+    import argparse
+
+    from dramatiq_pg_broker.cli import build_parser
+
+    monkeypatch.setitem(sys.modules, "admin_api.cli", None)  # import raises ModuleNotFoundError
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {choice.dest: choice.help for choice in sub._choices_actions}
+    assert helps["user"] == "admin API users (needs the admin extra)"
+    assert helps["token"] == "admin API tokens (needs the admin extra)"

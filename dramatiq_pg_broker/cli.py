@@ -114,7 +114,7 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         are; an edited migration or code the schema no longer admits is an error (2)."""
         from .errors import CodeTooOld, MigrationChecksumError
         from .handshake import too_old_message
-        from .migrate import discover, status
+        from .migrate import discover, live_work, status
 
         settings = settings_from(args)
         states = status(database_url(args), settings.schema)
@@ -134,6 +134,15 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
             print(f"{len(pending)} migration(s) pending in schema {settings.schema!r}:")
             for migration in pending:
                 print(f"  {migration.filename}{_kind(migration)}")
+            breaking = next((m for m in pending if m.breaking), None)
+            if breaking is not None:
+                with psycopg.connect(database_url(args), autocommit=True) as conn:
+                    seen = live_work(conn, settings.schema)
+                if seen:
+                    print(
+                        f"`migrate` would refuse {breaking.filename} now, seeing live work of "
+                        f"processes that cannot check the schema: {seen.describe()}"
+                    )
             return 1
         print(f"schema {settings.schema!r} is up to date: {_verdict(code, state)}")
         return 0

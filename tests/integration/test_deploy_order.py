@@ -128,6 +128,60 @@ def test_a_send_made_while_migrate_runs_waits_for_it_then_sends(pg_url, behind, 
         broker.close()
 
 
+def test_many_sending_threads_wait_on_one_connection(pg_url, behind, conn):
+    """Eight threads send in their own transactions while migrate runs (each checks the
+    schema through the broker's pool of two connections, which a caller waits for at most
+    1 s): one thread waits for the lock on one connection, the others wait for it without
+    asking the pool, and all of them send once the migration is in, though it held the lock
+    longer than the pool's timeout."""
+    broker = PostgresBroker(
+        url=pg_url,
+        schema=behind,
+        migration_wait_seconds=60,
+        pool_max_size=2,
+        pool_timeout=1,
+        enqueue_retries=0,
+    )
+    noop = declare(broker)
+    migrator = Migrator(pg_url, behind)
+    results: list = []
+    barrier = threading.Barrier(8)
+
+    def sender() -> None:
+        barrier.wait()
+        try:
+            with psycopg.connect(pg_url) as app, broker.transaction(app):
+                results.append(noop.send().message_id)
+        except BaseException as e:  # reported by the assertions below
+            results.append(e)
+
+    threads = [threading.Thread(target=sender, daemon=True) for _ in range(8)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: waiting_for_the_lock(conn, behind), 20, "a send to wait for the lock")
+        # Held past the pool's timeout on purpose: a thread that waited for a pooled
+        # connection instead would fail with a connection error (no retries here).
+        time.sleep(1.5)
+        assert not results, f"sends ended while migrate held its lock: {results}"
+        (waiting,) = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND objid = %s::bigint::oid",
+            (lock_key(behind)[1] & 0xFFFFFFFF,),
+        ).fetchone()
+        assert waiting == 1, f"{waiting} connections wait for the migration lock, not one"
+        migrator.apply()
+        migrator.release()
+        for thread in threads:
+            thread.join(30)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+        assert len(results) == 8
+    finally:
+        migrator.close()
+        broker.close()
+
+
 def test_a_send_past_migration_wait_seconds_raises_saying_it_waited(pg_url, behind):
     broker = PostgresBroker(url=pg_url, schema=behind, migration_wait_seconds=0.5)
     noop = declare(broker)
@@ -219,6 +273,14 @@ def test_migrate_refuses_a_breaking_migration_under_live_leases_of_an_unregister
     out = capsys.readouterr().out
     assert re.search(r"^applying 0012_partitioned_history \.\.\. done in \d+\.\d s$", out, re.M)
     assert applied(conn, before_0012) == 12
+
+
+def test_migrate_check_says_that_migrate_would_refuse(pg_url, before_0012, conn, capsys):
+    add_running_job(conn, before_0012, "old-host:4242:MainThread:abcd")
+    assert main(cli(pg_url, before_0012, "migrate", "--check")) == 1
+    out = capsys.readouterr().out
+    assert "`migrate` would refuse 0012_partitioned_history.sql now" in out, out
+    assert "1 live lease(s)" in out, out
 
 
 def test_migrate_refuses_while_an_earlier_release_sends(pg_url, before_0012, conn):

@@ -300,21 +300,25 @@ class LiveWork:
                 )
             parts.append(
                 f"{self.leases} live lease(s) held by {' and '.join(whose)}, the oldest "
-                f"claimed {self.oldest_lease_age:.0f} s ago, the last expiring in "
-                f"{self.leases_expire_in:.0f} s"
+                f"claimed {_seconds(self.oldest_lease_age, 0)} ago, the last expiring in "
+                f"{_seconds(self.leases_expire_in, 0)}"
             )
         if self.sends:
             parts.append(
                 f"{self.sends} send(s) in the last {self.window:g} s (the latest "
-                f"{self.latest_send_age:.1f} s ago)"
+                f"{_seconds(self.latest_send_age)} ago)"
             )
         if self.claims:
             parts.append(
                 f"{self.claims} claim(s) in the last {self.window:g} s not made by a "
-                f"registered worker of this release (the latest {self.latest_claim_age:.1f} s "
-                "ago)"
+                f"registered worker of this release (the latest "
+                f"{_seconds(self.latest_claim_age)} ago)"
             )
         return "; ".join(parts)
+
+
+def _seconds(value: float | None, digits: int = 1) -> str:
+    return "?" if value is None else f"{value:.{digits}f} s"
 
 
 def _few(items: list[str]) -> str:

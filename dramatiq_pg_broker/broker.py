@@ -149,7 +149,8 @@ class PostgresBroker(dramatiq.Broker):
         self.skips = SkipRecorder()
 
         self.queues: dict[str, None] = {}
-        self.pool = ProcessPool(settings, pool=pool)
+        # Sends wait for a running migration (see ProcessPool), bounded by the setting.
+        self.pool = ProcessPool(settings, pool=pool, migration_wait=settings.migration_wait_seconds)
         self.store = (
             store
             if store is not None

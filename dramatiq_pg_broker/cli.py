@@ -1,8 +1,11 @@
 """``dramatiq-pg-broker`` and ``python -m dramatiq_pg_broker``: operate the database side.
 
 Commands:
-  migrate [--check]  apply pending migrations (safe to run twice, or from two hosts at once);
-                     with --check, apply nothing: exit 1 when migrations are pending
+  migrate [--check] [--force]
+                     apply pending migrations (safe to run twice, or from two hosts at once);
+                     with --check, apply nothing: exit 1 when migrations are pending; a
+                     breaking migration refuses (exit 2) while processes that cannot check
+                     the schema show live work, unless --force
   status             list applied, pending and unknown (newer) migrations, and whether this
                      code fits the schema (see :mod:`.handshake`)
   embedded url|stop  the local PostgreSQL used when no DRAMATIQ_PG_URL is set
@@ -117,11 +120,16 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         if args.check:
             return check_migrations(args)
         settings = settings_from(args)
-        applied = migrate(database_url(args), settings.schema)
-        if applied:
-            for migration in applied:
-                print(f"applied {migration.filename}{_kind(migration)}")
-        else:
+
+        def report(migration, took: float | None) -> None:
+            # One line per migration: its name as it starts, its time once applied.
+            if took is None:
+                print(f"applying {migration.version:04d}_{migration.name} ... ", end="", flush=True)
+            else:
+                print(f"done in {took:.1f} s", flush=True)
+
+        applied = migrate(database_url(args), settings.schema, force=args.force, report=report)
+        if not applied:
             print(f"schema {settings.schema!r} is up to date")
         code, state = _schema_state(args)
         if not state.admits(code) or state.unknown(code):
@@ -133,7 +141,7 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         are; an edited migration or code the schema no longer admits is an error (2)."""
         from .errors import CodeTooOld, MigrationChecksumError
         from .handshake import too_old_message
-        from .migrate import discover, status
+        from .migrate import discover, live_work, status
 
         settings = settings_from(args)
         states = status(database_url(args), settings.schema)
@@ -153,6 +161,15 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
             print(f"{len(pending)} migration(s) pending in schema {settings.schema!r}:")
             for migration in pending:
                 print(f"  {migration.filename}{_kind(migration)}")
+            breaking = next((m for m in pending if m.breaking), None)
+            if breaking is not None:
+                with psycopg.connect(database_url(args), autocommit=True) as conn:
+                    seen = live_work(conn, settings.schema)
+                if seen:
+                    print(
+                        f"`migrate` would refuse {breaking.filename} now, seeing live work of "
+                        f"processes that cannot check the schema: {seen.describe()}"
+                    )
             return 1
         print(f"schema {settings.schema!r} is up to date: {_verdict(code, state)}")
         return 0
@@ -196,6 +213,12 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         "--check",
         action="store_true",
         help="apply nothing: exit 0 when up to date, 1 when migrations are pending (listed)",
+    )
+    migrate_parser.add_argument(
+        "--force",
+        action="store_true",
+        help="apply a breaking migration even while processes that cannot check the schema "
+        "show live work (leases, recent sends or claims); without it, migrate refuses",
     )
     migrate_parser.set_defaults(func=run_migrate)
     sub.add_parser(

@@ -183,6 +183,13 @@ class Settings:
         "`wal_writer_delay` of them. A message's `durable` option wins.",
         group="Sending",
     )
+    migration_wait_seconds: float = _setting(
+        60.0,
+        "Seconds a send waits for a running `dramatiq-pg-broker migrate` to apply the "
+        "migrations this code needs, instead of raising `MigrationsPending` at once (a "
+        "worker waits as long as it takes). `0`: no wait.",
+        group="Sending",
+    )
     scheduler: bool = _setting(
         True,
         "Run periodic schedules (and retention) in the worker processes.",
@@ -305,6 +312,8 @@ class Settings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"{name} must be greater than 0")
+        if self.migration_wait_seconds < 0:
+            raise ConfigurationError("migration_wait_seconds must be 0 or more")
         if self.heartbeat_seconds is not None and not (
             0 < self.heartbeat_seconds < self.lease_seconds
         ):

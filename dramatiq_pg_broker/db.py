@@ -228,8 +228,15 @@ class ProcessPool:
     process id and a child opens its own.
 
     The first connection a process takes from it runs the schema handshake
-    (:mod:`.handshake`) on that connection before handing it over: every kind of process
-    passes here before its first statement, so this is the one place the check lives.
+    (:mod:`.handshake`) before handing one over: every kind of process passes here before
+    its first statement, so this is the one place the check lives.
+
+    While a ``dramatiq-pg-broker migrate`` runs (it holds the schema's migration lock) and
+    is to apply migrations this code needs, the handshake waits for it up to
+    ``migration_wait`` seconds instead of refusing at once: the broker gives its sends
+    ``settings.migration_wait_seconds``; other users (the CLI, the admin API) wait for
+    nothing. One thread of the process waits on one connection (the release wakes it);
+    the others wait for that thread without holding a connection.
     """
 
     def __init__(
@@ -238,8 +245,12 @@ class ProcessPool:
         *,
         pool: ConnectionPool | None = None,
         configure: Callable[[psycopg.Connection], None] | None = None,
+        migration_wait: float = 0.0,
     ) -> None:
         self.settings = settings
+        #: Seconds the handshake waits for a running migration (see the class docstring).
+        self.migration_wait = migration_wait
+        self._migration_waiter = threading.Lock()
         #: Called with each new connection of the pool (psycopg_pool's ``configure``).
         self.configure = configure
         self._given = pool
@@ -288,16 +299,22 @@ class ProcessPool:
         return pool
 
     @contextlib.contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
+    def connection(self, *, wait_for_migration: bool = True) -> Iterator[psycopg.Connection]:
         """Borrow an autocommit connection; connection errors become Dramatiq's. A block
         that ends without one tells the process's outage tracker that the database
-        answered (:mod:`.outage`)."""
+        answered (:mod:`.outage`).
+
+        Parameters:
+          wait_for_migration(bool): False: a handshake that finds migrations pending
+            refuses at once, even while a migration runs (the worker's gate waits its own
+            way).
+        """
         pool = self.get()
         try:
             with translate_errors():
+                if self._checked is not pool:
+                    self._handshake(pool, wait_for_migration)
                 with pool.connection() as conn:
-                    if self._checked is not pool:
-                        self._handshake(conn, pool)
                     try:
                         yield conn
                     except psycopg.errors.ReadOnlySqlTransaction:
@@ -318,10 +335,86 @@ class ProcessPool:
             raise
         outage.tracker.answered()
 
-    def _handshake(self, conn: psycopg.Connection, pool: ConnectionPool) -> None:
-        from .handshake import check
+    def _handshake(self, pool: ConnectionPool, wait_for_migration: bool) -> None:
+        from .errors import MigrationsPending
+        from .handshake import check, running_migration
 
-        self.schema_state = check(conn, self.settings.schema)
+        schema = self.settings.schema
+        with pool.connection() as conn:
+            try:
+                self.schema_state = check(conn, schema)
+                self._checked = pool
+                return
+            except MigrationsPending:
+                if not wait_for_migration or self.migration_wait <= 0:
+                    raise
+                if running_migration(conn, schema) is None:
+                    raise
+        self._wait_for_migration(pool)
+
+    def _wait_for_migration(self, pool: ConnectionPool) -> None:
+        """Wait for the running migration, then pass the handshake; at most
+        :attr:`migration_wait` seconds."""
+        from .errors import MigrationsPending
+        from .handshake import check, running_migration, wait_for_migration_lock, waited_message
+
+        schema = self.settings.schema
+        deadline = time.monotonic() + self.migration_wait
+        if not self._migration_waiter.acquire(timeout=self.migration_wait):
+            # Another thread of this process waited all that time on our behalf.
+            if self._checked is pool:
+                return
+            with pool.connection() as conn:
+                return self._recheck(conn, pool)
+        try:
+            said = False
+            while True:
+                if self._checked is pool:
+                    return
+                with pool.connection() as conn:
+                    try:
+                        self.schema_state = check(conn, schema)
+                        self._checked = pool
+                        if said:
+                            logger.info("The migration finished: sends proceed.")
+                        return
+                    except MigrationsPending as e:
+                        refusal = e
+                    run = running_migration(conn, schema)
+                    if run is None:
+                        # The migration ended without applying what this code needs (it
+                        # failed, or was another release's): the refusal stands.
+                        raise refusal
+                    remaining = deadline - time.monotonic()
+                    if not said:
+                        logger.warning(
+                            "Sends wait up to %.3g s for %s to apply the migrations this "
+                            "code needs: %s.",
+                            max(remaining, 0.0),
+                            run.describe(),
+                            refusal,
+                        )
+                        said = True
+                    if remaining <= 0 or not wait_for_migration_lock(conn, schema, remaining):
+                        raise MigrationsPending(
+                            waited_message(refusal, self.migration_wait, run)
+                        ) from None
+        finally:
+            self._migration_waiter.release()
+
+    def _recheck(self, conn: psycopg.Connection, pool: ConnectionPool) -> None:
+        """The handshake once more, after a wait; a refusal says that it waited."""
+        from .errors import MigrationsPending
+        from .handshake import check, running_migration, waited_message
+
+        schema = self.settings.schema
+        try:
+            self.schema_state = check(conn, schema)
+        except MigrationsPending as e:
+            run = running_migration(conn, schema)
+            if run is None:
+                raise
+            raise MigrationsPending(waited_message(e, self.migration_wait, run)) from None
         self._checked = pool
 
     @property
@@ -330,15 +423,16 @@ class ProcessPool:
         checked = self._checked
         return checked is not None and checked is self._pools.peek()
 
-    def check_schema(self) -> None:
-        """Run the schema handshake now, unless this process passed it already.
+    def check_schema(self, *, wait_for_migration: bool = True) -> None:
+        """Run the schema handshake now, unless this process passed it already (see
+        :meth:`connection` for ``wait_for_migration``).
 
         Raises:
           SchemaVersionError: this code does not fit the schema (see :mod:`.handshake`).
           dramatiq.errors.ConnectionError: the database cannot be reached.
         """
         if not self.handshake_passed:
-            with self.connection():
+            with self.connection(wait_for_migration=wait_for_migration):
                 pass
 
     @contextlib.contextmanager

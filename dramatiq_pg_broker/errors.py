@@ -32,6 +32,11 @@ class MigrationChecksumError(MigrationError):
     """An applied migration file was edited after it was released."""
 
 
+class LiveWorkFound(MigrationError):
+    """A breaking migration was not applied: the database shows live work (leases, sends,
+    claims) of processes that cannot check the schema. Stop them first, or force it."""
+
+
 class SchemaMissing(PgBrokerError):
     """The broker's tables do not exist in this database and schema: run
     ``dramatiq-pg-broker migrate`` (with the same DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA)."""

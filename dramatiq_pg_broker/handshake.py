@@ -47,6 +47,7 @@ with a folder holding one more, breaking, migration, and run this code against i
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import functools
 import logging
 import os
@@ -61,7 +62,7 @@ from dramatiq.middleware import Middleware
 from . import forks
 from .db import Queries
 from .errors import CodeTooOld, MigrationsPending
-from .migrate import Migration, discover, migrations_dir
+from .migrate import Migration, discover, lock_key, migrations_dir
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -269,6 +270,60 @@ def check(conn: psycopg.Connection, schema: str, code: Code | None = None) -> Sc
     return state
 
 
+@dataclasses.dataclass(frozen=True)
+class MigrationRun:
+    """A ``migrate`` running now on the schema, as its migration lock shows it."""
+
+    pid: int
+    #: When its connection started (None: the server did not say).
+    since: dt.datetime | None
+
+    def describe(self) -> str:
+        return f"the `migrate` of server process {self.pid}"
+
+
+def running_migration(conn: psycopg.Connection, schema: str) -> MigrationRun | None:
+    """The ``migrate`` that holds ``schema``'s migration lock now, if one does (see
+    :func:`.migrate.lock_key`)."""
+    namespace, key = lock_key(schema)
+    row = conn.execute(
+        Queries(schema, "schema.sql")["running_migration"],
+        {"namespace": namespace, "key": key & 0xFFFFFFFF},
+    ).fetchone()
+    return MigrationRun(*row) if row is not None else None
+
+
+def wait_for_migration_lock(conn: psycopg.Connection, schema: str, seconds: float) -> bool:
+    """Wait up to ``seconds`` for the running ``migrate`` to release ``schema``'s migration
+    lock, in one statement that the release wakes (no polling); whether it was released.
+    ``conn`` must be in autocommit mode; the wait is its own transaction, and takes and
+    keeps nothing after it."""
+    namespace, key = lock_key(schema)
+    timeout = f"{max(1, round(seconds * 1000))}ms"
+    try:
+        with conn.transaction():
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true), "
+                "set_config('statement_timeout', '0', true)",
+                (timeout,),
+            )
+            conn.execute(
+                Queries(schema, "schema.sql")["wait_for_migration_lock"],
+                {"namespace": namespace, "key": key},
+            )
+    except psycopg.errors.LockNotAvailable:
+        return False
+    return True
+
+
+def waited_message(refusal: MigrationsPending, seconds: float, run: MigrationRun) -> str:
+    """The refusal of a send that waited ``seconds`` for a migration that did not finish."""
+    return (
+        f"{refusal} (this send waited {seconds:g} s, migration_wait_seconds, for "
+        f"{run.describe()}, which has not finished)"
+    )
+
+
 class SchemaGate(Middleware):
     """Keeps a worker from claiming until this code fits the schema (see the module
     docstring).
@@ -351,7 +406,8 @@ class SchemaGate(Middleware):
         said: str | None = None
         while True:
             try:
-                broker.pool.check_schema()
+                # The gate waits for a migration itself, however long it takes.
+                broker.pool.check_schema(wait_for_migration=False)
             except MigrationsPending as e:
                 if said != "migration":
                     logger.warning(

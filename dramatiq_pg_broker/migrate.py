@@ -11,6 +11,11 @@ SHA-256 of its bytes.
   migrating (on its own connection, never in the job path), so each file is applied once.
 - A released file whose checksum changed is refused, naming the file: a change to the
   schema is a new file, never an edit.
+- A run that would apply a *breaking* migration first looks for live work of processes
+  that cannot check the schema (:func:`live_work`: live leases, sends and claims of the
+  last :data:`LIVE_WORK_SECONDS`, except those of registered workers of this release or a
+  later one) and refuses with :class:`~.errors.LiveWorkFound`, saying what it saw, unless
+  forced. A fresh database has none.
 
 The compatibility contract: every file from :data:`CONTRACT_FROM` (0010) on starts with a
 header, a first line ``-- compatibility: compatible`` or ``-- compatibility: breaking`` and
@@ -39,12 +44,14 @@ import hashlib
 import logging
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 from psycopg import sql
 
-from .errors import MigrationChecksumError, MigrationError
+from .errors import LiveWorkFound, MigrationChecksumError, MigrationError
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,9 @@ CONTRACT_FROM = 10
 #: The header's two kinds.
 COMPATIBLE = "compatible"
 BREAKING = "breaking"
+
+#: Seconds back in which a send or a claim counts as live work before a breaking migration.
+LIVE_WORK_SECONDS = 30.0
 
 # Namespace of the advisory lock that serialises migrators: the first half of the key is
 # fixed, the second is the schema's hash, so two schemas migrate independently.
@@ -195,6 +205,13 @@ def _lock_key(schema: str) -> int:
     return int.from_bytes(digest[:4], "big", signed=True)
 
 
+def lock_key(schema: str) -> tuple[int, int]:
+    """The two keys of the advisory lock a migrator of ``schema`` holds while it migrates
+    (``pg_advisory_lock(namespace, key)``): how a sender tells that a migration runs (see
+    :func:`.handshake.wait_for_migration`)."""
+    return _LOCK_NAMESPACE, _lock_key(schema)
+
+
 def _ensure_table(conn: psycopg.Connection, schema: str) -> None:
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     conn.execute(
@@ -240,12 +257,145 @@ def _check_checksums(
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveWork:
+    """What :func:`live_work` saw of processes that cannot check the schema."""
+
+    #: Live leases (running jobs whose lease has not expired) of such processes.
+    leases: int = 0
+    #: Their owners (``host:pid``), and whether each is a registered worker (of an
+    #: earlier release) rather than an unregistered process.
+    owners: tuple[tuple[str, bool], ...] = ()
+    #: Seconds since the oldest of those leases' attempts started, and until the last of
+    #: them expires.
+    oldest_lease_age: float | None = None
+    leases_expire_in: float | None = None
+    #: Sends (jobs created) and claims (attempts started) of the last ``window`` seconds,
+    #: and how long ago the latest of each was.
+    sends: int = 0
+    latest_send_age: float | None = None
+    claims: int = 0
+    latest_claim_age: float | None = None
+    window: float = LIVE_WORK_SECONDS
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.sends or self.claims)
+
+    def describe(self) -> str:
+        """What was seen, in one line."""
+        parts = []
+        if self.leases:
+            unregistered = [o for o, registered in self.owners if not registered]
+            registered = [o for o, registered in self.owners if registered]
+            whose = []
+            if unregistered:
+                whose.append(
+                    f"{len(unregistered)} process(es) not in the worker registry "
+                    f"({_few(unregistered)})"
+                )
+            if registered:
+                whose.append(
+                    f"{len(registered)} registered worker(s) of an earlier release "
+                    f"({_few(registered)})"
+                )
+            parts.append(
+                f"{self.leases} live lease(s) held by {' and '.join(whose)}, the oldest "
+                f"claimed {_seconds(self.oldest_lease_age, 0)} ago, the last expiring in "
+                f"{_seconds(self.leases_expire_in, 0)}"
+            )
+        if self.sends:
+            parts.append(
+                f"{self.sends} send(s) in the last {self.window:g} s (the latest "
+                f"{_seconds(self.latest_send_age)} ago)"
+            )
+        if self.claims:
+            parts.append(
+                f"{self.claims} claim(s) in the last {self.window:g} s not made by a "
+                f"registered worker of this release (the latest "
+                f"{_seconds(self.latest_claim_age)} ago)"
+            )
+        return "; ".join(parts)
+
+
+def _seconds(value: float | None, digits: int = 1) -> str:
+    return "?" if value is None else f"{value:.{digits}f} s"
+
+
+def _few(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+
+
+def _release(version: str | None) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    return tuple(int(part or 0) for part in match.groups()) if match else ()
+
+
+def live_work(
+    conn: psycopg.Connection, schema: str, *, window: float = LIVE_WORK_SECONDS
+) -> LiveWork:
+    """The live work of processes that cannot check the schema against a breaking
+    migration: live leases, and sends and claims of the last ``window`` seconds, except
+    those of live registered workers of this release or a later one (whose code ships the
+    migrations this code ships, and who claim nothing while one is pending). A process of
+    this release cannot send or claim while a migration it ships is pending, so every send
+    seen comes from earlier code. Reads the ``jobs`` table as every release since 0.1.0
+    has it; nothing when it does not exist (a fresh database).
+    """
+    from . import __version__
+    from .db import Queries
+
+    queries = Queries(schema, "migrate.sql")
+    if not _exists(conn, schema, "jobs"):
+        return LiveWork(window=window)
+    safe: list[str] = []
+    registered: set[str] = set()
+    if _exists(conn, schema, "workers"):
+        ours = _release(__version__)
+        for owner, version in conn.execute(queries["registered_workers"]).fetchall():
+            registered.add(owner)
+            if ours and _release(version) >= ours:
+                safe.append(owner)
+    params = {"safe": safe, "window": window}
+    owners = conn.execute(queries["live_leases"], params).fetchall()
+    sends, send_age = conn.execute(queries["recent_sends"], params).fetchone()
+    claims, claim_age = conn.execute(queries["recent_claims"], params).fetchone()
+    return LiveWork(
+        leases=sum(row[1] for row in owners),
+        owners=tuple((row[0], row[0] in registered) for row in owners),
+        oldest_lease_age=max((row[2] for row in owners), default=None),
+        leases_expire_in=max((row[3] for row in owners), default=None),
+        sends=sends,
+        latest_send_age=send_age,
+        claims=claims,
+        latest_claim_age=claim_age,
+        window=window,
+    )
+
+
+def _exists(conn: psycopg.Connection, schema: str, table: str) -> bool:
+    name = sql.Identifier(schema, table).as_string(conn)
+    return conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()[0]
+
+
+def refusal_message(breaking: Migration, seen: LiveWork) -> str:
+    """Why ``migrate`` refuses to apply ``breaking`` while ``seen``."""
+    return (
+        f"migration {breaking.filename} is breaking, and the database shows live work of "
+        f"processes that cannot check the schema: {seen.describe()}. Stop every process of "
+        "the earlier release first (see the upgrading guide); if they are stopped already "
+        "(a killed worker's leases stay live until they expire), wait, or run `migrate "
+        "--force`"
+    )
+
+
 def migrate(
     url: str,
     schema: str = "dramatiq",
     *,
     directory: Path | None = None,
     target: int | None = None,
+    force: bool = False,
+    report: Callable[[Migration, float | None], None] | None = None,
 ) -> list[Migration]:
     """Apply every pending migration, in order, and return the ones applied.
 
@@ -254,46 +404,84 @@ def migrate(
       schema(str): the schema to create and migrate.
       directory(Path): the migration files; the top-level ``migrations/`` by default.
       target(int): stop after this version (tests use it to check upgrades).
+      force(bool): apply a breaking migration even while :func:`live_work` sees work of
+        processes that cannot check the schema (it is logged).
+      report: called with each migration and None as it starts, then with the seconds it
+        took once applied; without it, each applied migration is logged (INFO).
 
     Raises:
+      LiveWorkFound: a pending migration is breaking and live work was seen (not forced).
       MigrationChecksumError: an applied file was edited.
       MigrationError: a file failed to apply (its transaction is rolled back).
     """
     migrations = discover(directory)
     if target is not None:
         migrations = [m for m in migrations if m.version <= target]
-    done: list[Migration] = []
     with psycopg.connect(url, autocommit=True) as conn:
         # Held on this connection only, for the length of the migration; the job path
         # takes no advisory locks.
         conn.execute("SELECT pg_advisory_lock(%s, %s)", (_LOCK_NAMESPACE, _lock_key(schema)))
         try:
-            _ensure_table(conn, schema)
-            applied = _applied(conn, schema)
-            _check_checksums(migrations, applied)
-            for migration in migrations:
-                if migration.version in applied:
-                    continue
-                logger.info("Applying migration %s to schema %s.", migration.filename, schema)
-                try:
-                    with conn.transaction():
-                        conn.execute(
-                            sql.SQL("SET LOCAL search_path TO {}, public").format(
-                                sql.Identifier(schema)
-                            )
-                        )
-                        conn.execute(migration.read())
-                        _record(conn, schema, migration)
-                except psycopg.Error as e:
-                    raise MigrationError(
-                        f"migration {migration.filename} failed and was rolled back: {e}"
-                    ) from e
-                done.append(migration)
+            return migrate_locked(conn, schema, migrations, force=force, report=report)
         finally:
             if not conn.closed:
                 conn.execute(
                     "SELECT pg_advisory_unlock(%s, %s)", (_LOCK_NAMESPACE, _lock_key(schema))
                 )
+
+
+def migrate_locked(
+    conn: psycopg.Connection,
+    schema: str,
+    migrations: list[Migration],
+    *,
+    force: bool = False,
+    report: Callable[[Migration, float | None], None] | None = None,
+) -> list[Migration]:
+    """:func:`migrate`'s work, on ``conn`` (autocommit), which holds the schema's
+    migration lock (:func:`lock_key`)."""
+    done: list[Migration] = []
+    _ensure_table(conn, schema)
+    applied = _applied(conn, schema)
+    _check_checksums(migrations, applied)
+    pending = [m for m in migrations if m.version not in applied]
+    breaking = next((m for m in pending if m.breaking), None)
+    if breaking is not None:
+        seen = live_work(conn, schema)
+        if seen and not force:
+            raise LiveWorkFound(refusal_message(breaking, seen))
+        if seen:
+            logger.warning(
+                "Applying the breaking migration %s despite live work (forced): %s.",
+                breaking.filename,
+                seen.describe(),
+            )
+    for migration in pending:
+        if report is not None:
+            report(migration, None)
+        started = time.monotonic()
+        try:
+            with conn.transaction():
+                conn.execute(
+                    sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema))
+                )
+                conn.execute(migration.read())
+                _record(conn, schema, migration)
+        except psycopg.Error as e:
+            raise MigrationError(
+                f"migration {migration.filename} failed and was rolled back: {e}"
+            ) from e
+        took = time.monotonic() - started
+        if report is not None:
+            report(migration, took)
+        else:
+            logger.info(
+                "Applied migration %s to schema %s in %.1f s.",
+                migration.filename,
+                schema,
+                took,
+            )
+        done.append(migration)
     return done
 
 

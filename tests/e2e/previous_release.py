@@ -78,6 +78,11 @@ def build(workdir: Path) -> Release:
     return Release(python, workdir)
 
 
+#: The previous release's processes import its own package, never this checkout, even when
+#: the tests run with ``PYTHONPATH`` pointing at the checkout (an empty one adds nothing).
+OWN_PATH = {"PYTHONPATH": ""}
+
+
 class Release:
     """An installed release: its interpreter, CLI, workers and senders."""
 
@@ -89,6 +94,7 @@ class Release:
             [str(python), "-c", "import dramatiq_pg_broker as p; print(p.__version__, p.__file__)"],
             "importing the previous release",
             cwd=APPS,
+            env={**os.environ, **OWN_PATH},
         ).stdout.split()
         #: The installed version, and where its package is (inside its own environment).
         self.version, self.package = version[0], Path(version[1])
@@ -97,6 +103,7 @@ class Release:
         return {
             **os.environ,
             **FAST_SETTINGS,
+            **OWN_PATH,
             "DRAMATIQ_PG_URL": url,
             "DRAMATIQ_PG_SCHEMA": schema,
             "PYTHONUNBUFFERED": "1",
@@ -131,5 +138,5 @@ class Release:
         self._workers += 1
         log = self.workdir / f"old-worker{self._workers}.log"
         return WorkerProcess(
-            url, schema, log, app="upgrade_app", python=self.python, cwd=APPS, **kwargs
+            url, schema, log, app="upgrade_app", python=self.python, cwd=APPS, **OWN_PATH, **kwargs
         )

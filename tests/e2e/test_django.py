@@ -64,7 +64,7 @@ def migrated(project_env):
     (with its schema), then Django's and the shop's in it."""
     broker_tables = manage(project_env, "dramatiq_pg_migrate")
     assert broker_tables.returncode == 0, broker_tables.stdout + broker_tables.stderr
-    assert "applied 0001_" in broker_tables.stdout, broker_tables.stdout
+    assert "applying 0001_" in broker_tables.stdout, broker_tables.stdout
     django_tables = manage(project_env, "migrate", "--no-input")
     assert django_tables.returncode == 0, django_tables.stdout + django_tables.stderr
     return project_env

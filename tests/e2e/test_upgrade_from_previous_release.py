@@ -191,8 +191,16 @@ def test_an_upgrade_from_the_previous_release_loses_nothing_and_runs_nothing_twi
     expected = [m for m in discover() if m.version > PREVIOUS_LEVEL]
     for migration in expected:
         assert migration.filename in pending, pending
+    # The previous release's sender sent moments ago (and its killed worker's leases may
+    # still be live: they last 2 s here): a breaking migration refuses, saying so.
+    assert main(["--url", pg_url, "--schema", schema, "migrate"]) == 2
+    refused = capsys.readouterr().err
+    assert "0012_partitioned_history.sql is breaking" in refused, refused
+    assert "send(s) in the last 30 s" in refused and "--force" in refused, refused
+    assert jobs(conn, schema) == before, "a refused migrate changed job rows"
+    # Every process of the previous release is stopped (the guide's order): forced.
     started = time.monotonic()
-    applied = migrate(pg_url, schema)
+    applied = migrate(pg_url, schema, force=True)
     took = time.monotonic() - started
     print(f"migrate applied {[m.filename for m in applied]} in {took:.2f}s")
     assert [m.version for m in applied] == [m.version for m in expected]

@@ -166,7 +166,8 @@ def test_the_cli_migrates_an_empty_database_twice(pg_url, empty_schema):
     )
 
     assert first.returncode == 0, first.stderr
-    assert "applied 0001_jobs.sql" in first.stdout
+    assert "applying 0001_jobs ... done in" in first.stdout
+    assert first.stderr == "", "migrate printed log lines besides its one line per migration"
     assert second.returncode == 0, second.stderr
     assert "up to date" in second.stdout
     assert report.returncode == 0, report.stderr

@@ -1,4 +1,4 @@
-"""``python manage.py dramatiq_pg_migrate [--check]``: the broker's own migrations.
+"""``python manage.py dramatiq_pg_migrate [--check] [--force]``: the broker's own migrations.
 
 Why a command and not Django migrations: the broker's schema is versioned in its own
 ``schema_migrations`` table, which every worker and sender reads when it starts (the
@@ -30,6 +30,12 @@ class Command(BaseCommand):
             action="store_true",
             help="apply nothing: exit with status 1 when migrations are pending",
         )
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="apply a breaking migration even while processes that cannot check the "
+            "schema show live work (leases, recent sends or claims)",
+        )
 
-    def handle(self, *args, check: bool = False, **options):
-        run_cli(["migrate", "--check"] if check else ["migrate"])
+    def handle(self, *args, check: bool = False, force: bool = False, **options):
+        run_cli(["migrate"] + (["--check"] if check else []) + (["--force"] if force else []))

@@ -408,6 +408,7 @@ class _Run:
         rows go in batches, then the partition is detached, then the detached table is
         dropped, each statement in its own transaction."""
         busy = []
+        handled = 0
         with self.pool.connection() as conn:
             pending = conn.execute(self.queries["pending_partitions"]).fetchall()
         for parent in PARENTS:
@@ -446,11 +447,12 @@ class _Run:
                     self.report.expired_events += rows
                 else:
                     self.report.jobs[parent.removeprefix("jobs_history_")] += rows
+                handled += 1
                 if not self.dry_run:
                     self.report.dropped.append(partition)
                     logger.debug("Dropped partition %s (%d rows).", partition, rows)
         verb = "would drop" if self.dry_run else "dropped"
-        detail = f"{verb} {len(self.report.dropped)} partition(s)"
+        detail = f"{verb} {handled} partition(s)"
         if busy:
             self.report.complete = False
             return StepResult(

@@ -112,6 +112,11 @@ PARENTS = {
 #: a victim.
 LOCK_TIMEOUT = "50ms"
 
+#: A day of a DEFAULT partition with at most this many rows moves into its partition in
+#: the attach's own transaction (readers never lose sight of a row); a bigger day moves in
+#: batches first, out of sight of readers of the parent until the attach.
+MOVE_AT_ONCE_ROWS = 10_000
+
 #: Tries of one DDL statement, a random pause of :data:`RETRY_PAUSE` seconds between two;
 #: after the last the statement is skipped (the step reports it) and the next run tries.
 DDL_TRIES = 3
@@ -586,44 +591,75 @@ class _Run:
             ):
                 continue  # expired: deleted above, or dropped by the drop step
             target = _partition_name(parent, day)
-            statement = _named(move, partition=default, target=target)
-            params = {"day": day, "limit": self.batch}
-            try:
-                self.ddl(self.queries["prepare_partition"], {"parent": parent, "day": day})
-            except LockBusy:
+            if not self.move_day(parent, day, move, default):
                 busy.append(target)
-                continue
+            if self.out_of_time():
+                return False
+        return True
 
-            def move_batch(conn: psycopg.Connection, statement=statement, params=params) -> int:
+    def move_day(self, parent: str, day: dt.date, move: str, default: str) -> bool:
+        """Move one day's rows out of ``default`` into the day's partition and attach it.
+        False when a lock was not granted (the rows are then where readers see them: in
+        DEFAULT)."""
+        target = _partition_name(parent, day)
+        statement = _named(move, partition=default, target=target)
+        params = {"day": day, "limit": self.batch}
+        try:
+            self.ddl(self.queries["prepare_partition"], {"parent": parent, "day": day})
+        except LockBusy:
+            return False
+        with self.pool.connection() as conn:
+            (rows,) = conn.execute(
+                _named(
+                    self.queries["count_default_day"], partition=default, column=PARENTS[parent]
+                ),
+                {"day": day, "cap": MOVE_AT_ONCE_ROWS + 1},
+            ).fetchone()
+        if rows > MOVE_AT_ONCE_ROWS:
+            # A big day moves in batches, out of sight of readers of the parent until it is
+            # attached: first make sure the attach's lock can be had at all (a long reader
+            # holds it for as long as it reads).
+            try:
+                self.ddl(_for(self.queries["lock_default"], default))
+            except LockBusy:
+                return False
+
+            def move_batch(conn: psycopg.Connection) -> int:
                 moved = conn.execute(statement, params).rowcount
                 self.report.moved[default] = self.report.moved.get(default, 0) + moved
                 return moved
 
             if not self.in_batches(move_batch):
-                return False
+                self.move_back(target, default)
+                return True  # out of time; not a busy lock
+        # A small day (or what arrived after the last batch) moves in the attach's own
+        # transaction: readers see its rows in DEFAULT or in their day, never nowhere. A
+        # row arriving in between fails the attach (check_violation): try again.
+        for _ in range(DDL_TRIES):
             try:
-                self.ddl(self.queries["attach_partition"], {"parent": parent, "day": day})
+                self.attach_moving(parent, day, statement, params, default)
+                return True
+            except psycopg.errors.CheckViolation:
                 continue
             except LockBusy:
-                busy.append(target)
-                continue
-            except psycopg.errors.CheckViolation:
-                pass
-            # Rows of the day arrived after the last batch (today's, while its partition
-            # was missing): they move in the attach's own transaction; one arriving in
-            # between fails the attach again (check_violation): try again.
-            for _ in range(DDL_TRIES):
-                try:
-                    self.attach_moving(parent, day, statement, params, default)
-                    break
-                except psycopg.errors.CheckViolation:
-                    continue
-                except LockBusy:
-                    busy.append(target)
-                    break
-            else:
-                busy.append(target)
-        return True
+                break
+        self.move_back(target, default)
+        return False
+
+    def move_back(self, target: str, default: str) -> None:
+        """Rows of a day that could not be attached go back to DEFAULT, where readers see
+        them; the next run tries again."""
+        statement = _named(self.queries["move_back"], partition=default, target=target)
+        moved = 0
+        while True:
+            with self.pool.connection() as conn:
+                count = conn.execute(statement, {"limit": self.batch}).rowcount
+            moved += count
+            if count < self.batch:
+                break
+        if moved:
+            self.report.moved[default] = self.report.moved.get(default, 0) - moved
+            logger.info("Moved %d row(s) of %s back to %s: not attached.", moved, target, default)
 
     def attach_moving(self, parent, day, statement, params, default) -> None:
         for attempt in range(DDL_TRIES):

@@ -225,3 +225,28 @@ INSERT INTO {schema}.{{target}} SELECT * FROM moved
 -- default_rows --
 -- The rows of one DEFAULT partition, counted up to %(cap)s (``status``).
 SELECT count(*) FROM (SELECT 1 FROM {schema}.{{partition}} LIMIT %(cap)s) AS r
+
+-- count_default_day --
+-- The rows of one day in a DEFAULT partition, counted up to %(cap)s (by the index on
+-- {{column}}).
+SELECT count(*) FROM (
+    SELECT 1 FROM {schema}.{{partition}}
+    WHERE {{column}} >= %(day)s::timestamp AT TIME ZONE 'UTC'
+      AND {{column}} < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
+    LIMIT %(cap)s
+) AS r
+
+-- lock_default --
+-- Whether the DEFAULT partition's lock (the attach at the end of a day's moves needs it)
+-- can be had now: taken and released at once, under the short lock_timeout.
+LOCK TABLE {schema}.{{partition}} IN ACCESS EXCLUSIVE MODE
+
+-- move_back --
+-- Up to %(limit)s rows of a day's table that could not be attached back into the DEFAULT
+-- partition, where readers see them again.
+WITH moved AS (
+    DELETE FROM {schema}.{{target}}
+    WHERE ctid = ANY(ARRAY(SELECT ctid FROM {schema}.{{target}} LIMIT %(limit)s))
+    RETURNING *
+)
+INSERT INTO {schema}.{{partition}} SELECT * FROM moved

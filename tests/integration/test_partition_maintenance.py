@@ -32,6 +32,13 @@ def store(pg_url, schema):
     with pool.connection() as conn:
         conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys CASCADE")
         conn.execute(f"TRUNCATE {schema}.job_events")
+        # Days before today start without partitions (an earlier test made some).
+        for (name,) in conn.execute(
+            f"SELECT partition FROM {schema}.history_partitions"
+            " WHERE NOT is_default AND range_end <= date_trunc('day', now(), 'UTC')"
+            f" UNION ALL SELECT partition FROM {schema}.history_partitions_pending"
+        ).fetchall():
+            conn.execute(f"DROP TABLE {schema}.{name}")
     yield store
     pool.close()
 
@@ -139,10 +146,15 @@ def test_a_long_reader_of_history_stalls_neither_the_hot_path_nor_maintenance(st
     assert f"jobs_history_succeeded_{day(now - dt.timedelta(days=10))}" in after.dropped
 
 
-def test_rows_in_default_partitions_move_into_their_days(store):
+@pytest.mark.parametrize("at_once", [10_000, 5], ids=["one transaction", "batches"])
+def test_rows_in_default_partitions_move_into_their_days(store, monkeypatch, at_once):
     """Rows of days that had no partition (maintenance off, an upgrade) move out of the
-    DEFAULT partitions into their day's partition, made for them; rows past their age are
+    DEFAULT partitions into their day's partition, made for them (a small day in the
+    attach's own transaction, a big one in batches first); rows past their age are
     deleted; nothing is lost; a keyed send still finds its key's job."""
+    from dramatiq_pg_broker import retention
+
+    monkeypatch.setattr(retention, "MOVE_AT_ONCE_ROWS", at_once)
     now = server_now(store)
     kept_day, old_day = now - dt.timedelta(days=3), now - dt.timedelta(days=9)
     kept = [finish(store, kept_day + dt.timedelta(minutes=i)) for i in range(25)]
@@ -187,6 +199,37 @@ def test_rows_in_default_partitions_move_into_their_days(store):
         )
     )
     assert str(again.id) == keyed and not again.created
+
+
+@pytest.mark.parametrize("at_once", [10_000, 5], ids=["one transaction", "batches"])
+def test_rows_of_default_stay_in_sight_when_their_day_cannot_be_attached(
+    store, pg_url, monkeypatch, at_once
+):
+    """A long reader of history holds the DEFAULT partition the attach needs: the day's
+    rows stay in DEFAULT, where readers see them (not moved out of sight for as long as
+    the reader reads), and the step says skipped; the next run moves them."""
+    from dramatiq_pg_broker import retention
+
+    monkeypatch.setattr(retention, "MOVE_AT_ONCE_ROWS", at_once)
+    now = server_now(store)
+    jobs = [finish(store, now - dt.timedelta(days=3)) for _ in range(12)]
+    visible = "SELECT count(*) FROM {s}.jobs_history WHERE id = ANY(%s::uuid[])"
+    with psycopg.connect(pg_url) as reader:
+        reader.execute(f"SELECT count(*) FROM {store.schema}.jobs_history_succeeded")
+        report = prune(store.pool, store.schema, RetentionPolicy(), batch=5, rest=False, now=now)
+        reader.rollback()
+    assert report.steps["default"].state == "skipped", report.steps["default"]
+    assert f"jobs_history_succeeded_{day(now - dt.timedelta(days=3))}" in (
+        report.steps["default"].detail
+    )
+    assert report.moved.get("jobs_history_succeeded_default", 0) == 0
+    assert sql_one(store, visible, (jobs,)) == (12,)
+    assert sql_one(store, "SELECT count(*) FROM {s}.jobs_history_succeeded_default") == (12,)
+
+    after = prune(store.pool, store.schema, RetentionPolicy(), batch=5, rest=False, now=now)
+    assert after.steps["default"].state == "ok", after.steps["default"]
+    assert after.moved["jobs_history_succeeded_default"] == 12
+    assert sql_one(store, visible, (jobs,)) == (12,)
 
 
 def test_one_failing_step_leaves_the_others_running_and_prune_exits_1(store, run, schema):

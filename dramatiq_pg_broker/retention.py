@@ -117,6 +117,12 @@ LOCK_TIMEOUT = "50ms"
 #: batches first, out of sight of readers of the parent until the attach.
 MOVE_AT_ONCE_ROWS = 10_000
 
+#: Days from this many after today are attached after a validated CHECK constraint on the
+#: DEFAULT partition (when it holds rows) proves it holds none of them: the attach then
+#: skips scanning it. Not for today and tomorrow, whose rows may arrive meanwhile (the
+#: constraint would refuse them).
+EXCLUDE_FROM_DAYS_AHEAD = 2
+
 #: Tries of one DDL statement, a random pause of :data:`RETRY_PAUSE` seconds between two;
 #: after the last the statement is skipped (the step reports it) and the next run tries.
 DDL_TRIES = 3
@@ -195,9 +201,13 @@ def _reclaimer(name: str) -> Callable[..., int] | None:
     return fn if callable(fn) else None
 
 
+def _identifiers(names: dict[str, str]) -> dict[str, sql.Identifier]:
+    return {k: sql.Identifier(v) for k, v in names.items()}
+
+
 def _named(text: str, **names: str) -> sql.Composed:
     """A retention statement with its tables (identifiers) filled in."""
-    return sql.SQL(text).format(**{k: sql.Identifier(v) for k, v in names.items()})
+    return sql.SQL(text).format(**_identifiers(names))
 
 
 def _for(text: str, partition: str) -> sql.Composed:
@@ -394,8 +404,11 @@ class _Run:
         """Prepare and attach one day of ``parent``: ``attached``, ``exists``, ``busy``
         (lock not granted) or ``held`` (the DEFAULT partition holds rows of the day)."""
         params = {"parent": parent, "day": day}
+        exclusion = None
         try:
             self.ddl(self.queries["prepare_partition"], params)
+            if day >= _day_of(self.clock) + dt.timedelta(days=EXCLUDE_FROM_DAYS_AHEAD):
+                exclusion = self.exclude_from_default(parent, day)
             return "attached" if self.ddl(self.queries["attach_partition"], params) else "exists"
         except LockBusy:
             logger.info(
@@ -405,6 +418,36 @@ class _Run:
             return "busy"
         except psycopg.errors.CheckViolation:
             return "held"
+        finally:
+            if exclusion is not None:
+                try:
+                    self.ddl(_named(self.queries["drop_exclusion"], **exclusion))
+                except LockBusy:
+                    # Harmless meanwhile (it holds for days ahead only); the next attach
+                    # of this parent drops it.
+                    logger.info("Constraint %s stays until the next run.", exclusion)
+
+    def exclude_from_default(self, parent: str, day: dt.date) -> dict | None:
+        """When ``parent``'s DEFAULT partition holds rows, prove it holds none of ``day``
+        with a validated CHECK constraint (the scan runs under SHARE UPDATE EXCLUSIVE), so
+        that the attach that follows skips scanning it under ACCESS EXCLUSIVE. Returns the
+        names to drop it by, or None when the partition is empty (nothing to scan)."""
+        default = f"{parent}_default"
+        with self.pool.connection() as conn:
+            (has_rows,) = conn.execute(_for(self.queries["default_has_rows"], default)).fetchone()
+        if not has_rows:
+            return None
+        names = {"partition": default, "constraint": f"{default}_not_{day:%Y%m%d}"}
+        lo = dt.datetime.combine(day, dt.time(), dt.timezone.utc)
+        bounds = {
+            "column": sql.Identifier(PARENTS[parent]),
+            "lo": sql.Literal(lo),
+            "hi": sql.Literal(lo + dt.timedelta(days=1)),
+        }
+        self.ddl(_named(self.queries["drop_exclusion"], **names))
+        self.ddl(sql.SQL(self.queries["exclude_day"]).format(**bounds, **_identifiers(names)))
+        self.ddl(_named(self.queries["validate_exclusion"], **names))
+        return names
 
     # -- drop ------------------------------------------------------------------------------
 

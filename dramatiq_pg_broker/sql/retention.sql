@@ -250,3 +250,23 @@ WITH moved AS (
     RETURNING *
 )
 INSERT INTO {schema}.{{partition}} SELECT * FROM moved
+
+-- default_has_rows --
+-- Whether a DEFAULT partition holds any row (an attach then scans it, unless a validated
+-- constraint proves it holds none of the new day).
+SELECT EXISTS (SELECT 1 FROM {schema}.{{partition}})
+
+-- exclude_day --
+-- A constraint on a DEFAULT partition saying it holds no row of a day ahead (NOT VALID:
+-- instant, ACCESS EXCLUSIVE on that partition for a moment). {{lo}} and {{hi}} are the
+-- day's bounds, as literals (DDL takes no parameters).
+ALTER TABLE {schema}.{{partition}}
+    ADD CONSTRAINT {{constraint}} CHECK ({{column}} < {{lo}} OR {{column}} >= {{hi}}) NOT VALID
+
+-- validate_exclusion --
+-- The scan that proves it, under SHARE UPDATE EXCLUSIVE: reads and writes go on.
+ALTER TABLE {schema}.{{partition}} VALIDATE CONSTRAINT {{constraint}}
+
+-- drop_exclusion --
+-- Once the day is attached (or not), the constraint goes.
+ALTER TABLE {schema}.{{partition}} DROP CONSTRAINT IF EXISTS {{constraint}}

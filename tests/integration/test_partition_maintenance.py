@@ -348,3 +348,74 @@ def test_keyed_sends_reusing_keys_of_an_expiring_day_never_deadlock_with_its_dro
             (keys,),
         )
         assert most <= 1
+
+
+@pytest.mark.parametrize("parent", ["jobs_history_failed", "job_events"])
+def test_a_day_ahead_attaches_without_scanning_a_default_partition_that_holds_rows(
+    store, pg_url, parent
+):
+    """While a DEFAULT partition holds rows, a day ahead is attached after a validated
+    CHECK constraint proves the partition holds none of that day (its scan runs under
+    SHARE UPDATE EXCLUSIVE): PostgreSQL then skips scanning it under the attach's ACCESS
+    EXCLUSIVE lock. The constraint goes afterwards."""
+    from dramatiq_pg_broker import retention
+
+    now = server_now(store)
+    with store.pool.connection() as conn:
+        conn.execute(
+            f"INSERT INTO {store.schema}.jobs_history (id, queue_name, actor_name, message,"
+            " status, attempts, max_attempts, created_at, updated_at, finished_at)"
+            " SELECT gen_random_uuid(), 'q', 'a', '{}', 'failed', 1, 1, t, t, t"
+            " FROM generate_series(1, 50) AS n,"
+            " LATERAL (SELECT now() - interval '3 days' AS t) AS x"
+        )
+        conn.execute(
+            f"INSERT INTO {store.schema}.job_events (job_id, type, created_at)"
+            " SELECT gen_random_uuid(), 'created', now() - interval '3 days'"
+            " FROM generate_series(1, 50)"
+        )
+    ahead = (now + dt.timedelta(days=20)).date()
+    run = retention._Run(
+        store.pool,
+        store.schema,
+        RetentionPolicy(),
+        batch=100,
+        dry_run=False,
+        budget_seconds=None,
+        stop=None,
+        rest=False,
+        partitions_ahead=7,
+    )
+    run.clock = now
+    with store.pool.connection() as conn:
+        conn.execute(
+            "SELECT {s}.prepare_history_partition(%s, %s)".replace("{s}", store.schema),
+            (parent, ahead),
+        )
+    names = run.exclude_from_default(parent, ahead)
+    assert names == {
+        "partition": f"{parent}_default",
+        "constraint": f"{parent}_default_not_{ahead:%Y%m%d}",
+    }
+    notices: list[str] = []
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.add_notice_handler(lambda diag: notices.append(diag.message_primary or ""))
+        conn.execute("SET client_min_messages = debug1")
+        conn.execute(f"SELECT {store.schema}.attach_history_partition(%s, %s)", (parent, ahead))
+    assert any(
+        "default partition" in n and "implied by existing constraints" in n for n in notices
+    ), notices
+    assert not any(n.startswith("verifying table") for n in notices), notices
+    run.ddl(retention._named(run.queries["drop_exclusion"], **names))
+
+    # The create step does the same for its days ahead, and leaves no constraint behind.
+    remove_partitions(store, [now + dt.timedelta(days=d) for d in (4, 5)])
+    report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert report.steps["create"].state == "ok", report.steps["create"]
+    assert report.created == 8
+    assert sql_one(
+        store,
+        "SELECT count(*) FROM pg_constraint WHERE conname LIKE '%%default_not_%%'"
+        " AND connamespace = %s::regnamespace",
+        (store.schema,),
+    ) == (0,)

@@ -297,12 +297,13 @@ class _Run:
         result.seconds = round(time.monotonic() - started, 3)
         self.report.steps[name] = result
 
-    def in_batches(self, step: Callable[[psycopg.Connection], int]) -> bool:
+    def in_batches(self, step: Callable[[psycopg.Connection], int], *, budget=True) -> bool:
         """Run ``step`` (rows handled in one transaction) until a batch comes back short,
         resting between batches. False when the run is out of time (the report says
-        it is incomplete)."""
+        it is incomplete); with ``budget=False`` only ``stop`` ends it early."""
         while True:
-            if self.out_of_time():
+            stopped = self.stop is not None and self.stop.is_set()
+            if stopped or (budget and self.out_of_time()):
                 self.report.complete = False
                 return False
             batch_started = time.monotonic()
@@ -672,9 +673,11 @@ class _Run:
                 self.report.moved[default] = self.report.moved.get(default, 0) + moved
                 return moved
 
-            if not self.in_batches(move_batch):
-                self.move_back(target, default)
-                return True  # out of time; not a busy lock
+            # A day once started is finished whatever the budget (moving it back would
+            # start it over at every run); a worker's shutdown leaves it to the next run,
+            # which picks the day's table up with the rest of the day.
+            if not self.in_batches(move_batch, budget=False):
+                return True
         # A small day (or what arrived after the last batch) moves in the attach's own
         # transaction: readers see its rows in DEFAULT or in their day, never nowhere. A
         # row arriving in between fails the attach (check_violation): try again.

@@ -627,6 +627,16 @@ class _Run:
                 day for p, day, _ in conn.execute(self.queries["pending_partitions"]) if p == parent
             ]
         todo = sorted({d for (d,) in days} | set(pending))
+        if days:
+            # Watched: a DEFAULT partition holds rows only when maintenance was off or
+            # behind (or after an upgrade); every attach of this parent scans it.
+            logger.warning(
+                "%s holds rows of %d day(s) (%s to %s): moving them into their days.",
+                default,
+                len(days),
+                days[0][0],
+                days[-1][0],
+            )
         for day in todo:
             if (
                 cutoff is not None

@@ -419,3 +419,46 @@ def test_a_day_ahead_attaches_without_scanning_a_default_partition_that_holds_ro
         " AND connamespace = %s::regnamespace",
         (store.schema,),
     ) == (0,)
+
+
+def test_outcomes_racing_the_creation_of_many_days_never_deadlock(store):
+    """Outcomes (a job moved to history and its event written, in one statement) race with
+    the creation of a week of partitions while the events' DEFAULT partition holds rows:
+    the attach takes SHARE UPDATE EXCLUSIVE on each parent, which outcomes never wait
+    for, so neither side deadlocks or stalls (before 0013 each CREATE ... PARTITION OF
+    took ACCESS EXCLUSIVE on a parent and scanned DEFAULT under it: DeadlockDetected
+    between jobs_history_succeeded and job_events)."""
+    now = server_now(store)
+    with store.pool.connection() as conn:
+        conn.execute(
+            f"INSERT INTO {store.schema}.job_events (job_id, type, created_at)"
+            " SELECT gen_random_uuid(), 'created', now() - interval '3 days'"
+            " FROM generate_series(1, 20000)"
+        )
+    failures: list[BaseException] = []
+    slowest = [0.0]
+    for round_ in range(3):
+        remove_partitions(store, [now + dt.timedelta(days=d) for d in range(1, 8)])
+        stop = threading.Event()
+
+        def outcomes(n: int, stop=stop) -> None:
+            while not stop.is_set():
+                try:
+                    slowest[0] = max(slowest[0], hot_path_round(store, f"race{n}"))
+                except Exception as e:  # noqa: BLE001 - reported below
+                    failures.append(e)
+                    return
+
+        threads = [threading.Thread(target=outcomes, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not failures, f"round {round_}: {failures[0]!r}"
+        assert not report.failed, report.steps
+        assert report.created >= 7 * 4 - 4, report.steps["create"]
+    assert slowest[0] < HOT_PATH_BOUND, f"an outcome waited {slowest[0]:.2f}s"

@@ -206,6 +206,7 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         else:
             print("minimum code level: none (no breaking migration applied)")
         print(_verdict(code, state))
+        _print_partitions(args, settings)
         return 1 if changed else 0
 
     migrate_parser = sub.add_parser("migrate", help="apply pending migrations")
@@ -224,6 +225,29 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     sub.add_parser(
         "status", help="list applied and pending migrations, and whether this code fits"
     ).set_defaults(func=run_status)
+
+
+def _print_partitions(args: argparse.Namespace, settings: Settings) -> None:
+    """``status``: how many days ahead history's partitions exist, and the rows of the
+    DEFAULT partitions (which maintenance keeps empty); nothing before migration 0013."""
+    from .retention import partition_status
+
+    try:
+        with psycopg.connect(database_url(args), autocommit=True) as conn:
+            found = partition_status(conn, settings.schema)
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction):
+        return  # migrations 0012-0013 not applied yet
+    if found.days_ahead < 0:
+        print("history partitions: today's partitions are missing (run prune)")
+    else:
+        print(
+            f"history partitions: {found.days_ahead} day(s) ahead "
+            f"(through {found.through:%Y-%m-%d})"
+        )
+    rows = ", ".join(f"{name} {count}" for name, count in found.default_rows.items())
+    print(f"DEFAULT partitions (kept empty by prune): {rows}")
+    if found.pending:
+        print(f"partitions not attached yet: {', '.join(found.pending)}")
 
 
 def add_embedded_commands(sub: argparse._SubParsersAction) -> None:

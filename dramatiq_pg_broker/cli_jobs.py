@@ -427,7 +427,7 @@ def run_prune(ctx: Context, args) -> int:
     )
     if args.json:
         print(to_json(report.as_dict()))
-        return 0
+        return 1 if report.failed else 0
     ages = policy.ages()
     verb = "would delete" if args.dry_run else "deleted"
     rows = []
@@ -442,9 +442,28 @@ def run_prune(ctx: Context, args) -> int:
         print(f"events {verb} by their own day: {report.expired_events}")
     if report.dropped:
         print(f"partitions dropped: {', '.join(report.dropped)}")
-    for name, count in report.reclaimed.items():
-        print(f"{name}: {count} expired row(s) reclaimed")
+    for name, count in report.moved.items():
+        if count:
+            print(f"{name}: {count} row(s) moved into their day's partition")
     print(f"{verb} {report.total_jobs} finished job(s)" + (" (dry run)" if args.dry_run else ""))
+    print(
+        table(
+            ["STEP", "RESULT", "SECONDS", "DETAIL"],
+            (
+                [name, step.state, f"{step.seconds:.2f}", step.error or step.detail]
+                for name, step in report.steps.items()
+            ),
+        )
+    )
+    if report.failed:
+        # Exit 1: the run happened, a step of it failed (2 is for a run that could not
+        # start: bad arguments, no database).
+        print(
+            "error: maintenance step(s) failed: "
+            + "; ".join(f"{n}: {report.steps[n].error}" for n in report.failed),
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -550,7 +569,11 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(stats)
     stats.set_defaults(func=run_stats)
 
-    prune = sub.add_parser("prune", help="delete finished jobs past their retention age")
+    prune = sub.add_parser(
+        "prune",
+        help="run maintenance: partitions ahead, expired days, DEFAULT partitions, expired "
+        "rows; prints each step (exit 1 when one failed)",
+    )
     prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
     _json_flag(prune)
     prune.set_defaults(func=run_prune)

@@ -112,9 +112,12 @@ class HistoryProbe:
         ):
             return known[0]
         names = [f"jobs_history_{status}_{day:%Y%m%d}" for status in STATUSES]
+        # Attached partitions only: a day's table exists before it is attached (migration
+        # 0013 prepares it, then attaches it), and until then the day's rows are in DEFAULT.
         found = conn.execute(
-            "SELECT count(to_regclass(format('%%I.%%I', %(schema)s::text, n)))"
-            " FROM unnest(%(names)s::text[]) AS n",
+            "SELECT count(*) FROM unnest(%(names)s::text[]) AS n"
+            " JOIN pg_class AS c ON c.oid = to_regclass(format('%%I.%%I', %(schema)s::text, n))"
+            " WHERE c.relispartition",
             {"schema": self.schema, "names": names},
         ).fetchone()
         relation = None

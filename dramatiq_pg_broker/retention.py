@@ -1,43 +1,53 @@
-"""Retention: finished jobs and their events go once they are old enough.
+"""Retention and partition maintenance: finished jobs and their events go once they are
+old enough, and history's daily partitions are made ahead, without stalling the hot path.
 
 Finished jobs live in ``jobs_history``, partitioned by status and by UTC day of
 ``finished_at``; events in ``job_events``, partitioned by UTC day of ``created_at`` (see
-migration 0012 and the history guide). Each terminal status has its own age
+migrations 0012 and 0013 and the history guide). Each terminal status has its own age
 (``retain_succeeded_days``, ``retain_failed_days``, ``retain_cancelled_days``; 0 keeps that
-status forever). A run:
+status forever). A run is a sequence of steps (:data:`STEPS`), each on its own: a step that
+fails is logged with its error and reported, and the next one still runs.
 
-- creates the daily partitions of the next ``history_partitions_ahead`` days (idempotent;
-  many processes may run it at once);
-- drops each status's daily partitions whose whole day is past the status's age: constant
-  time whatever the day held, no dead rows, no vacuum. A job is therefore kept between its
-  age and one day more;
-- drops the events' daily partitions past the longest of the three ages (events are kept
-  forever while any status is: a job's timeline must outlive the job);
-- deletes, in batches of ``retention_batch``, the rows past their age in the DEFAULT
-  partitions (rows of a day that had no partition when they were written: maintenance was
-  off or lagged), each batch its own short transaction that locks only the rows it deletes
-  (``SKIP LOCKED``); a job deleted this way takes its events with it.
+- ``create``: the daily partitions of today and the next ``history_partitions_ahead`` days,
+  each made as a standalone table with a CHECK constraint of its bound, then attached
+  (``ATTACH PARTITION``: SHARE UPDATE EXCLUSIVE on the parent, which sends, claims and
+  outcomes never wait for);
+- ``drop``: each status's daily partitions whose whole day is past the status's age, and
+  the events' past the longest of the three ages: their idempotency keys and owner rows
+  go first in batches, then the partition is detached, then dropped;
+- ``default``: the rows of the DEFAULT partitions (days that had no partition when they
+  were written): those past their age are deleted in batches of ``retention_batch`` (a
+  job with its events), the others moved in batches into their day's partition, made for
+  the purpose and attached once the day's rows are in, so that DEFAULT stays empty (every
+  attach scans it);
+- ``results``, ``rate_limits``, ``workers``, ``abort``: the ``prune_expired(conn, schema,
+  *, limit) -> int`` of those modules (:data:`RECLAIMERS`), in batches.
+
+Every DDL statement runs alone in its transaction under :data:`LOCK_TIMEOUT`, up to
+:data:`DDL_TRIES` times with a random pause; a statement that never gets its lock is
+left to the next run and its step reports ``skipped``. Maintenance thus never holds one
+lock while it waits for another, never makes the hot path wait more than the lock
+timeout, and gives up long before PostgreSQL's deadlock detection would pick a victim.
 
 Workers run :func:`prune` on the maintenance schedule (see :mod:`.periodic`): once per
 ``retention_interval`` across all processes. ``dramatiq-pg-broker prune [--dry-run]`` runs
-it from a shell.
-
-Expired results, rate-limit keys, worker registrations and dramatiq-abort events are
-reclaimed by the same run, through the ``prune_expired(conn, schema, *, limit) -> int`` of
-the modules named in :data:`RECLAIMERS`.
+it from a shell and prints each step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import importlib
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
 
 import psycopg
+from dramatiq.errors import BrokerConnectionError
 from psycopg import sql
 
 from .config import Settings
@@ -85,16 +95,68 @@ class RetentionPolicy:
         return {s: getattr(self, s) for s in FINISHED if getattr(self, s) is not None}
 
 
+#: The steps of a run, in order. Each runs on its own and reports ``ok``, ``skipped`` or
+#: ``failed`` (with its error): one failing never stops the others.
+STEPS = ("create", "drop", "default", *RECLAIMERS)
+
+#: The parents of history's daily partitions, with the column of their bound.
+PARENTS = {
+    **{f"jobs_history_{status}": "finished_at" for status in FINISHED},
+    "job_events": "created_at",
+}
+
+#: How long a DDL statement of maintenance (attach, detach, drop) waits for its lock. The
+#: hot path queues behind a waiting ACCESS EXCLUSIVE request, so this bounds what a send,
+#: claim or outcome can wait for maintenance; it is also far below deadlock_timeout (1 s),
+#: so in a lock cycle with the hot path maintenance gives up before PostgreSQL would pick
+#: a victim.
+LOCK_TIMEOUT = "50ms"
+
+#: A day of a DEFAULT partition with at most this many rows moves into its partition in
+#: the attach's own transaction (readers never lose sight of a row); a bigger day moves in
+#: batches first, out of sight of readers of the parent until the attach.
+MOVE_AT_ONCE_ROWS = 10_000
+
+#: Days from this many after today are attached after a validated CHECK constraint on the
+#: DEFAULT partition (when it holds rows) proves it holds none of them: the attach then
+#: skips scanning it. Not for today and tomorrow, whose rows may arrive meanwhile (the
+#: constraint would refuse them).
+EXCLUDE_FROM_DAYS_AHEAD = 2
+
+#: Tries of one DDL statement, a random pause of :data:`RETRY_PAUSE` seconds between two;
+#: after the last the statement is skipped (the step reports it) and the next run tries.
+DDL_TRIES = 3
+RETRY_PAUSE = (0.05, 0.25)
+
+
+class LockBusy(Exception):
+    """A maintenance statement did not get its lock in :data:`DDL_TRIES` tries."""
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step of a run did: ``state`` is ``ok``, ``skipped`` (nothing failed, but
+    something was left to the next run: a lock not granted, out of time, a dry run, a module
+    not installed) or ``failed`` (``error`` says why)."""
+
+    state: str = "ok"
+    detail: str = ""
+    error: str | None = None
+    seconds: float = 0.0
+
+
 @dataclasses.dataclass
 class PruneReport:
-    """What a run deleted (or, for a dry run, would delete).
+    """What a run deleted (or, for a dry run, would delete), step by step.
 
     ``jobs`` counts, per status, the jobs of the partitions dropped (exactly while a
     partition is small, else PostgreSQL's estimate of its rows) and those deleted from the
     DEFAULT partition; ``events``, per status, the events deleted with the latter jobs.
     ``expired_events`` counts the events that went by their own day (their partitions
     dropped, or deleted from the events' DEFAULT partition); ``dropped`` names every
-    partition dropped; ``created`` is how many partitions the run created ahead.
+    partition dropped; ``created`` is how many partitions the run attached ahead;
+    ``moved`` counts, per DEFAULT partition, the rows moved into their day's partition.
+    ``steps`` holds each step's :class:`StepResult`, in the order of :data:`STEPS`.
     """
 
     dry_run: bool = False
@@ -106,31 +168,597 @@ class PruneReport:
     expired_events: int = 0
     dropped: list[str] = dataclasses.field(default_factory=list)
     created: int = 0
+    moved: dict[str, int] = dataclasses.field(default_factory=dict)
+    steps: dict[str, StepResult] = dataclasses.field(default_factory=dict)
 
     @property
     def total_jobs(self) -> int:
         return sum(self.jobs.values())
 
+    @property
+    def failed(self) -> list[str]:
+        """The steps that failed."""
+        return [name for name, step in self.steps.items() if step.state == "failed"]
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _reclaimers() -> list[tuple[str, Callable[..., int]]]:
-    found = []
-    for name in RECLAIMERS:
-        qualified = f"{__package__}.{name}"
+def _reclaimer(name: str) -> Callable[..., int] | None:
+    """The ``prune_expired`` of module ``name`` of this package; None when the module does
+    not exist. An error raised while importing one that exists (a missing dependency, a
+    broken import) is raised: the step fails with it."""
+    qualified = f"{__package__}.{name}"
+    try:
+        module = importlib.import_module(qualified)
+    except ModuleNotFoundError as e:
+        if e.name != qualified:
+            # The module exists but cannot be imported: a bug to see, not an absent
+            # module (silently skipping it would stop pruning its table).
+            raise
+        return None
+    fn = getattr(module, "prune_expired", None)
+    return fn if callable(fn) else None
+
+
+def _identifiers(names: dict[str, str]) -> dict[str, sql.Identifier]:
+    return {k: sql.Identifier(v) for k, v in names.items()}
+
+
+def _named(text: str, **names: str) -> sql.Composed:
+    """A retention statement with its tables (identifiers) filled in."""
+    return sql.SQL(text).format(**_identifiers(names))
+
+
+def _for(text: str, partition: str) -> sql.Composed:
+    """A retention statement with its partition filled in."""
+    return _named(text, partition=partition)
+
+
+def _day_of(moment: dt.datetime) -> dt.date:
+    return moment.astimezone(dt.timezone.utc).date()
+
+
+def _partition_name(parent: str, day: dt.date) -> str:
+    return f"{parent}_{day:%Y%m%d}"
+
+
+class _Run:
+    """One retention run: the steps, the clock, the budget and the report."""
+
+    def __init__(
+        self,
+        pool: ProcessPool,
+        schema: str,
+        policy: RetentionPolicy,
+        *,
+        batch: int,
+        dry_run: bool,
+        budget_seconds: float | None,
+        stop: threading.Event | None,
+        rest: bool,
+        partitions_ahead: int,
+    ) -> None:
+        self.pool = pool
+        self.schema = schema
+        self.policy = policy
+        self.batch = batch
+        self.dry_run = dry_run
+        self.budget_seconds = budget_seconds
+        self.stop = stop
+        self.rest = rest
+        self.partitions_ahead = partitions_ahead
+        self.queries = Queries(schema, "retention.sql")
+        self.report = PruneReport(dry_run=dry_run)
+        self.started = time.monotonic()
+        self.clock: dt.datetime | None = None
+        for status in policy.ages():
+            self.report.jobs[status] = self.report.events[status] = 0
+
+    # -- the run's frame -------------------------------------------------------------------
+
+    def out_of_time(self) -> bool:
+        if self.stop is not None and self.stop.is_set():
+            return True
+        return (
+            self.budget_seconds is not None
+            and time.monotonic() - self.started >= self.budget_seconds
+        )
+
+    def pause(self, seconds: float) -> None:
+        if self.stop is not None:
+            self.stop.wait(seconds)
+        else:
+            time.sleep(seconds)
+
+    def step(self, name: str, fn: Callable[[], StepResult | None]) -> None:
+        """Run one step, recording what it did; any error is its own."""
+        if self.out_of_time():
+            self.report.complete = False
+            self.report.steps[name] = StepResult("skipped", "out of time: the next run goes on")
+            return
+        started = time.monotonic()
         try:
-            module = importlib.import_module(qualified)
-        except ModuleNotFoundError as e:
-            if e.name != qualified:
-                # The module exists but cannot be imported: a bug to see, not an absent
-                # module (silently skipping it would stop pruning its table).
-                raise
-            continue
-        fn = getattr(module, "prune_expired", None)
-        if callable(fn):
-            found.append((name, fn))
-    return found
+            result = fn() or StepResult()
+        except Exception as e:
+            error = str(e).strip() or type(e).__name__
+            if isinstance(e, BrokerConnectionError):
+                # Told once per outage by the process (outage.py).
+                logger.debug("Maintenance step %s could not reach the database: %s", name, e)
+            else:
+                logger.error(
+                    "Maintenance step %s failed: %s",
+                    name,
+                    error,
+                    exc_info=not isinstance(e, psycopg.Error),
+                )
+            result = StepResult("failed", error=error)
+            self.report.complete = False
+        result.seconds = round(time.monotonic() - started, 3)
+        self.report.steps[name] = result
+
+    def in_batches(self, step: Callable[[psycopg.Connection], int], *, budget=True) -> bool:
+        """Run ``step`` (rows handled in one transaction) until a batch comes back short,
+        resting between batches. False when the run is out of time (the report says
+        it is incomplete); with ``budget=False`` only ``stop`` ends it early."""
+        while True:
+            stopped = self.stop is not None and self.stop.is_set()
+            if stopped or (budget and self.out_of_time()):
+                self.report.complete = False
+                return False
+            batch_started = time.monotonic()
+            with self.pool.connection() as conn, conn.transaction():
+                handled = step(conn)
+            if handled < self.batch:
+                return True
+            if self.rest:
+                self.pause((time.monotonic() - batch_started) * DUTY_CYCLE_REST)
+
+    def ddl(self, statement, params: dict | None = None):
+        """Run one maintenance statement alone in its transaction under
+        :data:`LOCK_TIMEOUT`, up to :data:`DDL_TRIES` times; returns its first column (or
+        None). Raises :class:`LockBusy` when the lock was never granted."""
+        for attempt in range(DDL_TRIES):
+            try:
+                with self.pool.connection() as conn, conn.transaction():
+                    conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                    cur = conn.execute(statement, params)
+                    row = cur.fetchone() if cur.description else None
+                    return row[0] if row else None
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                if attempt + 1 < DDL_TRIES:
+                    self.pause(random.uniform(*RETRY_PAUSE))
+        raise LockBusy
+
+    def ages(self) -> dict[str, dt.timedelta]:
+        return self.policy.ages()
+
+    def events_cutoff(self) -> dt.datetime | None:
+        """Events go past the longest age only (a job's timeline outlives the job); never
+        while a status is kept forever."""
+        ages = self.ages()
+        if len(ages) < len(FINISHED):
+            return None
+        return self.clock - max(ages.values())
+
+    def cutoff(self, parent: str) -> dt.datetime | None:
+        if parent == "job_events":
+            return self.events_cutoff()
+        age = self.ages().get(parent.removeprefix("jobs_history_"))
+        return None if age is None else self.clock - age
+
+    # -- run -------------------------------------------------------------------------------
+
+    def run(self, now: dt.datetime | None) -> PruneReport:
+        try:
+            if now is None:
+                with self.pool.connection() as conn:
+                    now = conn.execute("SELECT now()").fetchone()[0]
+        except Exception as e:
+            # Without the clock no step can run: each reports the same failure.
+            for name in STEPS:
+                self.step(name, functools.partial(_raise, e))
+            return self.report
+        self.clock = now
+        self.step("create", self.create)
+        self.step("drop", self.drop)
+        self.step("default", self.default)
+        for name in RECLAIMERS:
+            self.step(name, functools.partial(self.reclaim, name))
+        return self.report
+
+    # -- create ----------------------------------------------------------------------------
+
+    def create(self) -> StepResult:
+        """Attach the daily partitions of today and the next ``partitions_ahead`` days:
+        each prepared as a standalone table, then attached, each statement alone."""
+        if self.dry_run:
+            return StepResult("skipped", "dry run: nothing created")
+        with self.pool.connection() as conn:
+            attached = {r[0] for r in conn.execute(self.queries["history_partition_names"])}
+        first = _day_of(self.clock)
+        busy, held = [], []
+        for offset in range(self.partitions_ahead + 1):
+            day = first + dt.timedelta(days=offset)
+            for parent in PARENTS:
+                if _partition_name(parent, day) in attached:
+                    continue
+                outcome = self.attach(parent, day)
+                if outcome == "busy":
+                    busy.append(_partition_name(parent, day))
+                elif outcome == "held":
+                    held.append(_partition_name(parent, day))
+                elif outcome == "attached":
+                    self.report.created += 1
+        detail = f"{self.report.created} partition(s) attached, through {day:%Y-%m-%d}"
+        if held:
+            detail += f"; {len(held)} day(s) have rows in DEFAULT (the default step moves them)"
+        if busy:
+            self.report.complete = False
+            return StepResult(
+                "skipped",
+                f"{detail}; lock not granted in {DDL_TRIES} tries: {', '.join(busy)}",
+            )
+        return StepResult("ok", detail)
+
+    def attach(self, parent: str, day: dt.date) -> str:
+        """Prepare and attach one day of ``parent``: ``attached``, ``exists``, ``busy``
+        (lock not granted) or ``held`` (the DEFAULT partition holds rows of the day)."""
+        params = {"parent": parent, "day": day}
+        exclusion = None
+        try:
+            self.ddl(self.queries["prepare_partition"], params)
+            if day >= _day_of(self.clock) + dt.timedelta(days=EXCLUDE_FROM_DAYS_AHEAD):
+                exclusion = self.exclude_from_default(parent, day)
+            return "attached" if self.ddl(self.queries["attach_partition"], params) else "exists"
+        except LockBusy:
+            logger.info(
+                "Partition %s: its lock was not granted; the next run attaches it.",
+                _partition_name(parent, day),
+            )
+            return "busy"
+        except psycopg.errors.CheckViolation:
+            return "held"
+        finally:
+            if exclusion is not None:
+                try:
+                    self.ddl(_named(self.queries["drop_exclusion"], **exclusion))
+                except LockBusy:
+                    # Harmless meanwhile (it holds for days ahead only); the next attach
+                    # of this parent drops it.
+                    logger.info("Constraint %s stays until the next run.", exclusion)
+
+    def exclude_from_default(self, parent: str, day: dt.date) -> dict | None:
+        """When ``parent``'s DEFAULT partition holds rows, prove it holds none of ``day``
+        with a validated CHECK constraint (the scan runs under SHARE UPDATE EXCLUSIVE), so
+        that the attach that follows skips scanning it under ACCESS EXCLUSIVE. Returns the
+        names to drop it by, or None when the partition is empty (nothing to scan)."""
+        default = f"{parent}_default"
+        with self.pool.connection() as conn:
+            (has_rows,) = conn.execute(_for(self.queries["default_has_rows"], default)).fetchone()
+        if not has_rows:
+            return None
+        names = {"partition": default, "constraint": f"{default}_not_{day:%Y%m%d}"}
+        lo = dt.datetime.combine(day, dt.time(), dt.timezone.utc)
+        bounds = {
+            "column": sql.Identifier(PARENTS[parent]),
+            "lo": sql.Literal(lo),
+            "hi": sql.Literal(lo + dt.timedelta(days=1)),
+        }
+        self.ddl(_named(self.queries["drop_exclusion"], **names))
+        self.ddl(sql.SQL(self.queries["exclude_day"]).format(**bounds, **_identifiers(names)))
+        self.ddl(_named(self.queries["validate_exclusion"], **names))
+        return names
+
+    # -- drop ------------------------------------------------------------------------------
+
+    def drop(self) -> StepResult:
+        """Drop the daily partitions past their age: first their idempotency keys and owner
+        rows go in batches, then the partition is detached, then the detached table is
+        dropped, each statement in its own transaction."""
+        busy = []
+        handled = 0
+        with self.pool.connection() as conn:
+            pending = conn.execute(self.queries["pending_partitions"]).fetchall()
+        for parent in PARENTS:
+            cutoff = self.cutoff(parent)
+            if cutoff is None:
+                continue
+            with self.pool.connection() as conn:
+                expired = conn.execute(
+                    self.queries["expired_partitions"],
+                    {"schema": self.schema, "parent": parent, "cutoff": cutoff},
+                ).fetchall()
+            # Tables of expired days that are not attached (detached by a run that could
+            # not drop them, or prepared and never attached): their rows are expired too.
+            expired += [
+                (name, 0, -1)
+                for p, day, name in pending
+                if p == parent
+                and dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
+                <= cutoff
+            ]
+            for partition, size, estimate in expired:
+                if self.out_of_time():
+                    self.report.complete = False
+                    return StepResult("skipped", "out of time: the next run goes on")
+                try:
+                    rows = self.drop_one(parent, partition, size, estimate)
+                except LockBusy:
+                    logger.info(
+                        "Partition %s is in use; the next retention run drops it.", partition
+                    )
+                    busy.append(partition)
+                    continue
+                except psycopg.errors.UndefinedTable:
+                    continue  # another process dropped it meanwhile
+                if parent == "job_events":
+                    self.report.expired_events += rows
+                else:
+                    self.report.jobs[parent.removeprefix("jobs_history_")] += rows
+                handled += 1
+                if not self.dry_run:
+                    self.report.dropped.append(partition)
+                    logger.debug("Dropped partition %s (%d rows).", partition, rows)
+        verb = "would drop" if self.dry_run else "dropped"
+        detail = f"{verb} {handled} partition(s)"
+        if busy:
+            self.report.complete = False
+            return StepResult(
+                "skipped", f"{detail}; lock not granted in {DDL_TRIES} tries: {', '.join(busy)}"
+            )
+        return StepResult("skipped" if self.dry_run else "ok", detail)
+
+    def drop_one(self, parent: str, partition: str, size: int, estimate: float) -> int:
+        with self.pool.connection() as conn:
+            if size <= EXACT_COUNT_MAX_BYTES or estimate < 0:
+                rows = conn.execute(_for(self.queries["count_partition"], partition)).fetchone()[0]
+            else:
+                rows = round(estimate)
+        if self.dry_run:
+            return rows
+        if parent != "job_events":
+            # Free the day's keys and owner rows first, in short transactions of their
+            # own: the drop then holds no row lock while it waits for its table lock (a
+            # keyed send that reuses a key of the day waited for that row while holding
+            # the parent the drop wanted: a deadlock).
+            params = {"limit": self.batch}
+            for name in ("free_keys_in", "free_owners_in"):
+                statement = _for(self.queries[name], partition)
+                while True:
+                    with self.pool.connection() as conn:
+                        if conn.execute(statement, params).rowcount < self.batch:
+                            break
+        self.ddl(self.queries["detach_partition"], {"partition": partition})
+        self.ddl(_for(self.queries["drop_table"], partition))
+        return rows
+
+    # -- default ---------------------------------------------------------------------------
+
+    def default(self) -> StepResult:
+        """Keep the DEFAULT partitions empty: delete their rows past their age (in
+        batches, as before 0012), and move the others into their day's partition (made
+        for the purpose), in batches, then attach it."""
+        busy: list[str] = []
+        for parent in PARENTS:
+            if not self.default_expired(parent):
+                return StepResult("skipped", "out of time: the next run goes on")
+            if self.dry_run:
+                continue
+            if not self.default_move(parent, busy):
+                return StepResult("skipped", "out of time: the next run goes on")
+        if self.dry_run:
+            return StepResult("skipped", "dry run: nothing moved")
+        moved = sum(self.report.moved.values())
+        detail = f"moved {moved} row(s) out of DEFAULT"
+        if busy:
+            self.report.complete = False
+            return StepResult(
+                "skipped", f"{detail}; lock not granted in {DDL_TRIES} tries: {', '.join(busy)}"
+            )
+        return StepResult("ok", detail)
+
+    def default_expired(self, parent: str) -> bool:
+        """Delete (or count) the rows of ``parent``'s DEFAULT partition past their age."""
+        cutoff = self.cutoff(parent)
+        if cutoff is None:
+            return True
+        queries = self.queries
+        if parent == "job_events":
+            if self.dry_run:
+                with self.pool.connection() as conn:
+                    found = conn.execute(queries["count_old_events"], {"cutoff": cutoff})
+                    self.report.expired_events += found.fetchone()[0]
+                return True
+
+            def delete_old_events(conn: psycopg.Connection) -> int:
+                deleted = conn.execute(
+                    queries["delete_old_events"], {"cutoff": cutoff, "limit": self.batch}
+                ).rowcount
+                self.report.expired_events += deleted
+                return deleted
+
+            return self.in_batches(delete_old_events)
+
+        status = parent.removeprefix("jobs_history_")
+        default = f"{parent}_default"
+        params = {
+            "age_s": (self.clock - cutoff).total_seconds(),
+            "now": self.clock,
+            "limit": self.batch,
+        }
+        if self.dry_run:
+            with self.pool.connection() as conn:
+                jobs, events = conn.execute(
+                    _for(queries["count_prunable"], default), params
+                ).fetchone()
+            self.report.jobs[status] += jobs
+            self.report.events[status] += events
+            return True
+
+        def delete_default_batch(conn: psycopg.Connection) -> int:
+            rows = conn.execute(_for(queries["select_prunable"], default), params).fetchall()
+            ids = [r[0] for r in rows]
+            if ids:
+                events = conn.execute(queries["delete_events_of"], {"ids": ids}).rowcount
+                conn.execute(queries["delete_owners_of"], {"ids": ids})
+                conn.execute(queries["delete_keys_of"], {"ids": ids})
+                jobs = conn.execute(_for(queries["delete_jobs"], default), {"ids": ids})
+                self.report.jobs[status] += jobs.rowcount
+                self.report.events[status] += events
+                self.report.batches += 1
+            return len(ids)
+
+        return self.in_batches(delete_default_batch)
+
+    def default_move(self, parent: str, busy: list[str]) -> bool:
+        """Move the rows of ``parent``'s DEFAULT partition into their days' partitions.
+        False when out of time."""
+        default = f"{parent}_default"
+        cutoff = self.cutoff(parent)
+        with self.pool.connection() as conn:
+            if parent == "job_events":
+                days = conn.execute(self.queries["events_default_days"]).fetchall()
+                move = self.queries["move_events_default"]
+            else:
+                days = conn.execute(_for(self.queries["history_default_days"], default)).fetchall()
+                move = self.queries["move_history_default"]
+            pending = [
+                day for p, day, _ in conn.execute(self.queries["pending_partitions"]) if p == parent
+            ]
+        todo = sorted({d for (d,) in days} | set(pending))
+        if days:
+            # Watched: a DEFAULT partition holds rows only when maintenance was off or
+            # behind (or after an upgrade); every attach of this parent scans it.
+            logger.warning(
+                "%s holds rows of %d day(s) (%s to %s): moving them into their days.",
+                default,
+                len(days),
+                days[0][0],
+                days[-1][0],
+            )
+        for day in todo:
+            if (
+                cutoff is not None
+                and dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
+                <= cutoff
+            ):
+                continue  # expired: deleted above, or dropped by the drop step
+            target = _partition_name(parent, day)
+            if not self.move_day(parent, day, move, default):
+                busy.append(target)
+            if self.out_of_time():
+                return False
+        return True
+
+    def move_day(self, parent: str, day: dt.date, move: str, default: str) -> bool:
+        """Move one day's rows out of ``default`` into the day's partition and attach it.
+        False when a lock was not granted (the rows are then where readers see them: in
+        DEFAULT)."""
+        target = _partition_name(parent, day)
+        statement = _named(move, partition=default, target=target)
+        params = {"day": day, "limit": self.batch}
+        try:
+            self.ddl(self.queries["prepare_partition"], {"parent": parent, "day": day})
+        except LockBusy:
+            return False
+        with self.pool.connection() as conn:
+            (rows,) = conn.execute(
+                _named(
+                    self.queries["count_default_day"], partition=default, column=PARENTS[parent]
+                ),
+                {"day": day, "cap": MOVE_AT_ONCE_ROWS + 1},
+            ).fetchone()
+        if rows > MOVE_AT_ONCE_ROWS:
+            # A big day moves in batches, out of sight of readers of the parent until it is
+            # attached: first make sure the attach's lock can be had at all (a long reader
+            # holds it for as long as it reads).
+            try:
+                self.ddl(_for(self.queries["lock_default"], default))
+            except LockBusy:
+                return False
+
+            def move_batch(conn: psycopg.Connection) -> int:
+                moved = conn.execute(statement, params).rowcount
+                self.report.moved[default] = self.report.moved.get(default, 0) + moved
+                return moved
+
+            # A day once started is finished whatever the budget (moving it back would
+            # start it over at every run); a worker's shutdown leaves it to the next run,
+            # which picks the day's table up with the rest of the day.
+            if not self.in_batches(move_batch, budget=False):
+                return True
+        # A small day (or what arrived after the last batch) moves in the attach's own
+        # transaction: readers see its rows in DEFAULT or in their day, never nowhere. A
+        # row arriving in between fails the attach (check_violation): try again.
+        for _ in range(DDL_TRIES):
+            try:
+                self.attach_moving(parent, day, statement, params, default)
+                return True
+            except psycopg.errors.CheckViolation:
+                continue
+            except LockBusy:
+                break
+        self.move_back(target, default)
+        return False
+
+    def move_back(self, target: str, default: str) -> None:
+        """Rows of a day that could not be attached go back to DEFAULT, where readers see
+        them; the next run tries again."""
+        statement = _named(self.queries["move_back"], partition=default, target=target)
+        moved = 0
+        while True:
+            with self.pool.connection() as conn:
+                count = conn.execute(statement, {"limit": self.batch}).rowcount
+            moved += count
+            if count < self.batch:
+                break
+        if moved:
+            self.report.moved[default] = self.report.moved.get(default, 0) - moved
+            logger.info("Moved %d row(s) of %s back to %s: not attached.", moved, target, default)
+
+    def attach_moving(self, parent, day, statement, params, default) -> None:
+        for attempt in range(DDL_TRIES):
+            try:
+                with self.pool.connection() as conn, conn.transaction():
+                    conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                    moved = conn.execute(statement, {**params, "limit": 2**31 - 1}).rowcount
+                    conn.execute(self.queries["attach_partition"], {"parent": parent, "day": day})
+                self.report.moved[default] = self.report.moved.get(default, 0) + moved
+                return
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                if attempt + 1 < DDL_TRIES:
+                    self.pause(random.uniform(*RETRY_PAUSE))
+        raise LockBusy
+
+    # -- reclaimers ------------------------------------------------------------------------
+
+    def reclaim(self, name: str) -> StepResult:
+        if self.dry_run:
+            return StepResult("skipped", "dry run: nothing reclaimed")
+        fn = _reclaimer(name)
+        if fn is None:
+            return StepResult("skipped", "module not installed")
+        total = 0
+        while True:
+            if self.out_of_time():
+                self.report.reclaimed[name] = total
+                return StepResult("skipped", f"reclaimed {total}; out of time")
+            try:
+                with self.pool.connection() as conn:
+                    count = fn(conn, self.schema, limit=self.batch)
+            except (psycopg.errors.UndefinedTable, SchemaMissing):
+                logger.debug("Nothing to reclaim for %s: its table does not exist.", name)
+                self.report.reclaimed[name] = total
+                return StepResult("ok", "no table")
+            total += count
+            if count < self.batch:
+                self.report.reclaimed[name] = total
+                return StepResult("ok", f"reclaimed {total} expired row(s)")
+
+
+def _raise(error: BaseException) -> None:
+    raise error
 
 
 def prune(
@@ -146,13 +774,15 @@ def prune(
     now: dt.datetime | None = None,
     partitions_ahead: int = 7,
 ) -> PruneReport:
-    """Delete finished jobs older than the policy allows, and events past the longest age.
+    """Run the maintenance steps (:data:`STEPS`): partitions ahead, expired days dropped,
+    DEFAULT partitions emptied, then the reclaimers. Each step runs on its own: one that
+    fails is logged with its error and reported, and the others still run.
 
     Parameters:
       pool(ProcessPool): where connections come from.
       schema(str): the broker's schema.
       policy(RetentionPolicy): the age of each status.
-      batch(int): the most rows one transaction deletes from a DEFAULT partition.
+      batch(int): the most rows one transaction deletes or moves.
       dry_run(bool): only count what would be deleted; nothing changes (no partition is
         created either).
       budget_seconds(float): stop starting new batches after this long (the next run goes
@@ -163,143 +793,42 @@ def prune(
       partitions_ahead(int): days ahead whose partitions are created.
 
     Returns:
-      PruneReport: what went, per status; ``complete`` is False when the budget or
-      ``stop`` ended the run early, or a partition could not be dropped at once (a long
-      reader held its table: the next run drops it).
+      PruneReport: what went, per status, and each step's result; ``complete`` is False
+      when the budget or ``stop`` ended the run early, a step failed, or a partition's lock
+      was not granted (the next run goes on).
     """
-    queries = Queries(schema, "retention.sql")
-    report = PruneReport(dry_run=dry_run)
-    started = time.monotonic()
-
-    def out_of_time() -> bool:
-        if stop is not None and stop.is_set():
-            return True
-        return budget_seconds is not None and time.monotonic() - started >= budget_seconds
-
-    def in_batches(step: Callable[[psycopg.Connection], int]) -> bool:
-        """Run ``step`` (rows handled in one transaction) until a batch comes back short,
-        resting between batches. False when the run is out of time (the report says
-        it is incomplete)."""
-        while True:
-            if out_of_time():
-                report.complete = False
-                return False
-            batch_started = time.monotonic()
-            with pool.connection() as conn, conn.transaction():
-                handled = step(conn)
-            if handled < batch:
-                return True
-            if rest:
-                pause = (time.monotonic() - batch_started) * DUTY_CYCLE_REST
-                if stop is not None:
-                    stop.wait(pause)
-                else:
-                    time.sleep(pause)
-
-    with pool.connection() as conn:
-        clock = now or conn.execute("SELECT now()").fetchone()[0]
-        if not dry_run:
-            report.created = create_partitions(conn, schema, clock, partitions_ahead, queries)
-
-    for status, age in policy.ages().items():
-        report.jobs[status] = report.events[status] = 0
-        cutoff = clock - age
-        if not _drop_expired(
-            pool,
-            queries,
-            schema,
-            f"jobs_history_{status}",
-            cutoff,
-            report,
-            status,
-            dry_run,
-            out_of_time,
-        ):
-            return report
-        default = f"jobs_history_{status}_default"
-        params = {"age_s": age.total_seconds(), "now": clock, "limit": batch}
-        if dry_run:
-            with pool.connection() as conn:
-                jobs, events = conn.execute(
-                    _for(queries["count_prunable"], default), params
-                ).fetchone()
-            report.jobs[status] += jobs
-            report.events[status] += events
-            continue
-
-        def delete_default_batch(
-            conn: psycopg.Connection, status=status, default=default, params=params
-        ) -> int:
-            rows = conn.execute(_for(queries["select_prunable"], default), params).fetchall()
-            ids = [r[0] for r in rows]
-            if ids:
-                events = conn.execute(queries["delete_events_of"], {"ids": ids}).rowcount
-                conn.execute(queries["delete_owners_of"], {"ids": ids})
-                conn.execute(queries["delete_keys_of"], {"ids": ids})
-                jobs = conn.execute(_for(queries["delete_jobs"], default), {"ids": ids})
-                report.jobs[status] += jobs.rowcount
-                report.events[status] += events
-                report.batches += 1
-            return len(ids)
-
-        if not in_batches(delete_default_batch):
-            return report
-
-    ages = policy.ages()
-    if len(ages) == len(FINISHED):
-        # Events go past the longest age only: a job's timeline outlives the job.
-        cutoff = clock - max(ages.values())
-        if not _drop_expired(
-            pool, queries, schema, "job_events", cutoff, report, None, dry_run, out_of_time
-        ):
-            return report
-        if dry_run:
-            with pool.connection() as conn:
-                found = conn.execute(queries["count_old_events"], {"cutoff": cutoff}).fetchone()
-            report.expired_events += found[0]
-        else:
-
-            def delete_old_events(conn: psycopg.Connection) -> int:
-                deleted = conn.execute(
-                    queries["delete_old_events"], {"cutoff": cutoff, "limit": batch}
-                ).rowcount
-                report.expired_events += deleted
-                return deleted
-
-            if not in_batches(delete_old_events):
-                return report
-
-    if not dry_run:
-        for name, fn in _reclaimers():
-            report.reclaimed[name] = _reclaim(pool, schema, name, fn, batch, out_of_time, report)
-    return report
+    return _Run(
+        pool,
+        schema,
+        policy,
+        batch=batch,
+        dry_run=dry_run,
+        budget_seconds=budget_seconds,
+        stop=stop,
+        rest=rest,
+        partitions_ahead=partitions_ahead,
+    ).run(now)
 
 
 #: Partitions up to this size are counted exactly before they are dropped; bigger ones
 #: are reported with PostgreSQL's estimate of their rows (counting would read them all).
 EXACT_COUNT_MAX_BYTES = 64 * 1024 * 1024
 
-#: How long creating or dropping a partition waits for its parent's lock before leaving it
-#: to the next run (a long query on the parent would otherwise queue every outcome behind
-#: the wait).
+#: How long :func:`create_partitions` (one transaction for many partitions, used by tests
+#: and by hand) waits for each lock before skipping that partition.
 DROP_LOCK_TIMEOUT = "2s"
-
-
-def _for(text: str, partition: str) -> sql.Composed:
-    """A retention statement with its partition filled in."""
-    return sql.SQL(text).format(partition=sql.Identifier(partition))
 
 
 def create_partitions(
     conn, schema: str, today: dt.datetime, days_ahead: int, queries: Queries | None = None
 ) -> int:
     """Create the daily partitions of history and events from ``today``'s UTC day through
-    ``days_ahead`` days later (those missing); returns how many were created."""
+    ``days_ahead`` days later (those missing), in one transaction (the SQL function
+    ``create_history_partitions``); returns how many were created. Maintenance runs do it
+    one statement per transaction instead (:func:`prune`'s ``create`` step)."""
     first = today.astimezone(dt.timezone.utc).date()
     params = {"first_day": first, "last_day": first + dt.timedelta(days=days_ahead)}
     with conn.transaction():
-        # Creating a partition locks its parent (ACCESS EXCLUSIVE): never wait long for it,
-        # or every outcome would queue behind the wait (the function skips that day).
         # Creators in several processes take turns on the function's advisory lock: wait
         # for it here, before the lock timeout is set, so that a turn is never a failure.
         conn.execute("SELECT pg_advisory_xact_lock(1685221479, hashtext(%s))", (schema,))
@@ -309,61 +838,47 @@ def create_partitions(
         return created.fetchone()[0]
 
 
-def _drop_expired(
-    pool, queries, schema, parent, cutoff, report, status, dry_run, out_of_time
-) -> bool:
-    """Drop (or, for a dry run, count) the partitions of ``parent`` past ``cutoff``.
-    Returns False when the run must stop (out of time)."""
-    with pool.connection() as conn:
-        expired = conn.execute(
-            queries["expired_partitions"], {"schema": schema, "parent": parent, "cutoff": cutoff}
-        ).fetchall()
-    for partition, size, estimate in expired:
-        if out_of_time():
-            report.complete = False
-            return False
-        try:
-            with pool.connection() as conn, conn.transaction():
-                if size <= EXACT_COUNT_MAX_BYTES or estimate < 0:
-                    rows = conn.execute(_for(queries["count_partition"], partition)).fetchone()[0]
-                else:
-                    rows = round(estimate)
-                if not dry_run:
-                    conn.execute(f"SET LOCAL lock_timeout = '{DROP_LOCK_TIMEOUT}'")
-                    if status is not None:
-                        conn.execute(_for(queries["delete_owners_in"], partition))
-                        conn.execute(_for(queries["delete_keys_in"], partition))
-                    conn.execute(_for(queries["drop_partition"], partition))
-        except psycopg.errors.LockNotAvailable:
-            logger.info("Partition %s is in use; the next retention run drops it.", partition)
-            report.complete = False
-            continue
-        except psycopg.errors.UndefinedTable:
-            continue  # another process dropped it meanwhile
-        if status is None:
-            report.expired_events += rows
-        else:
-            report.jobs[status] += rows
-        if not dry_run:
-            report.dropped.append(partition)
-            logger.debug("Dropped partition %s (%d rows).", partition, rows)
-    return True
+@dataclasses.dataclass
+class PartitionStatus:
+    """For ``status``: how many days ahead every parent has its partition attached, and
+    the rows of each DEFAULT partition (counted up to :data:`STATUS_COUNT_CAP`)."""
+
+    days_ahead: int
+    through: dt.date | None
+    default_rows: dict[str, int]
+    pending: list[str]
 
 
-def _reclaim(pool, schema, name, fn, batch, out_of_time, report) -> int:
-    total = 0
-    while not out_of_time():
-        try:
-            with pool.connection() as conn:
-                count = fn(conn, schema, limit=batch)
-        except (psycopg.errors.UndefinedTable, SchemaMissing):
-            logger.debug("Nothing to reclaim for %s: its table does not exist.", name)
-            return total
-        total += count
-        if count < batch:
-            return total
-    report.complete = False
-    return total
+#: ``status`` counts the rows of a DEFAULT partition up to this many.
+STATUS_COUNT_CAP = 1_000_000
+
+
+def partition_status(conn: psycopg.Connection, schema: str) -> PartitionStatus:
+    """What ``dramatiq-pg-broker status`` shows of history's partitions."""
+    queries = Queries(schema, "retention.sql")
+    today = conn.execute("SELECT (now() AT TIME ZONE 'UTC')::date").fetchone()[0]
+    attached = {r[0] for r in conn.execute(queries["history_partition_names"])}
+    ahead = -1
+    while all(
+        _partition_name(parent, today + dt.timedelta(days=ahead + 1)) in attached
+        for parent in PARENTS
+    ):
+        ahead += 1
+        if ahead > 3660:
+            break
+    rows = {}
+    for parent in PARENTS:
+        default = f"{parent}_default"
+        rows[default] = conn.execute(
+            _for(queries["default_rows"], default), {"cap": STATUS_COUNT_CAP}
+        ).fetchone()[0]
+    pending = [r[2] for r in conn.execute(queries["pending_partitions"])]
+    return PartitionStatus(
+        days_ahead=ahead,
+        through=today + dt.timedelta(days=ahead) if ahead >= 0 else None,
+        default_rows=rows,
+        pending=pending,
+    )
 
 
 def prune_with_settings(pool: ProcessPool, settings: Settings, **kwargs) -> PruneReport:

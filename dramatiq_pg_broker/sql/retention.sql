@@ -102,3 +102,171 @@ WHERE j.finished_at < coalesce(%(now)s::timestamptz, now()) - %(age_s)s * interv
 -- count_old_events --
 -- Events of the events' DEFAULT partition older than the cutoff (the dry run).
 SELECT count(*) FROM {schema}.job_events_default WHERE created_at < %(cutoff)s
+
+-- history_partition_names --
+-- Every attached daily partition of history and events (the create step skips them).
+SELECT partition FROM {schema}.history_partitions WHERE NOT is_default
+
+-- pending_partitions --
+-- Tables named like a day's partition that are not attached (migration 0013's view):
+-- prepared and not attached yet, or detached and not dropped yet.
+SELECT parent, day, partition FROM {schema}.history_partitions_pending ORDER BY day, parent
+
+-- prepare_partition --
+-- A day's standalone table with its CHECK constraint (0013); true when made now. Locks
+-- nothing the hot path uses.
+SELECT {schema}.prepare_history_partition(%(parent)s, %(day)s::date)
+
+-- attach_partition --
+-- ATTACH PARTITION of a prepared day (0013): SHARE UPDATE EXCLUSIVE on the parent, ACCESS
+-- EXCLUSIVE on the table and the parent's DEFAULT partition. Run alone in its transaction,
+-- under a short lock_timeout.
+SELECT {schema}.attach_history_partition(%(parent)s, %(day)s::date)
+
+-- detach_partition --
+-- Plain DETACH PARTITION (0013; CONCURRENTLY is refused while a DEFAULT partition exists):
+-- ACCESS EXCLUSIVE on the parent for an instant, alone in its transaction, under a short
+-- lock_timeout.
+SELECT {schema}.detach_history_partition(%(partition)s)
+
+-- drop_table --
+-- A detached (or never attached) day: locks only that table.
+DROP TABLE IF EXISTS {schema}.{{partition}}
+
+-- free_keys_in --
+-- Up to %(limit)s idempotency keys of the jobs of a partition about to be dropped, each
+-- batch its own short transaction (SKIP LOCKED: a key a send holds is left; a key whose job
+-- is gone is freed by the next send with it).
+DELETE FROM {schema}.job_keys
+WHERE ctid = ANY(ARRAY(
+    SELECT k.ctid
+    FROM {schema}.{{partition}} AS h
+    JOIN {schema}.job_keys AS k
+      ON k.actor_name = h.actor_name AND k.idempotency_scope = h.idempotency_scope
+     AND k.idempotency_key = h.idempotency_key AND k.job_id = h.id
+    WHERE h.idempotency_key IS NOT NULL
+    LIMIT %(limit)s
+    FOR UPDATE OF k SKIP LOCKED
+))
+
+-- free_owners_in --
+-- Up to %(limit)s owner rows (admin API) of the jobs of a partition about to be dropped.
+DELETE FROM {schema}.job_owners
+WHERE ctid = ANY(ARRAY(
+    SELECT o.ctid
+    FROM {schema}.{{partition}} AS h
+    JOIN {schema}.job_owners AS o ON o.job_id = h.id
+    LIMIT %(limit)s
+    FOR UPDATE OF o SKIP LOCKED
+))
+
+-- history_default_days --
+-- The UTC days held by a DEFAULT partition of history, oldest first, one index probe per
+-- day (jobs_history_finished_idx), however many rows each holds.
+WITH RECURSIVE days AS (
+    SELECT (SELECT date_trunc('day', min(finished_at) AT TIME ZONE 'UTC')
+            FROM {schema}.{{partition}}) AS day
+    UNION ALL
+    SELECT (SELECT date_trunc('day', min(finished_at) AT TIME ZONE 'UTC')
+            FROM {schema}.{{partition}}
+            WHERE finished_at >= (days.day + interval '1 day') AT TIME ZONE 'UTC')
+    FROM days
+    WHERE days.day IS NOT NULL
+)
+SELECT day::date FROM days WHERE day IS NOT NULL
+
+-- events_default_days --
+-- The same for the events' DEFAULT partition (job_events_default_created_at_idx, 0013).
+WITH RECURSIVE days AS (
+    SELECT (SELECT date_trunc('day', min(created_at) AT TIME ZONE 'UTC')
+            FROM {schema}.job_events_default) AS day
+    UNION ALL
+    SELECT (SELECT date_trunc('day', min(created_at) AT TIME ZONE 'UTC')
+            FROM {schema}.job_events_default
+            WHERE created_at >= (days.day + interval '1 day') AT TIME ZONE 'UTC')
+    FROM days
+    WHERE days.day IS NOT NULL
+)
+SELECT day::date FROM days WHERE day IS NOT NULL
+
+-- move_history_default --
+-- Up to %(limit)s rows of one day out of a DEFAULT partition of history into that day's
+-- prepared table (its CHECK constraint holds them to the day). Rows move in short
+-- transactions, locked with SKIP LOCKED; a moved row is out of sight of readers of the
+-- parent until the table is attached, at the end of its day's moves.
+WITH moved AS (
+    DELETE FROM {schema}.{{partition}}
+    WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM {schema}.{{partition}}
+        WHERE finished_at >= %(day)s::timestamp AT TIME ZONE 'UTC'
+          AND finished_at < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ))
+    RETURNING *
+)
+INSERT INTO {schema}.{{target}} SELECT * FROM moved
+
+-- move_events_default --
+-- The same for events.
+WITH moved AS (
+    DELETE FROM {schema}.job_events_default
+    WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM {schema}.job_events_default
+        WHERE created_at >= %(day)s::timestamp AT TIME ZONE 'UTC'
+          AND created_at < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ))
+    RETURNING *
+)
+INSERT INTO {schema}.{{target}} SELECT * FROM moved
+
+-- default_rows --
+-- The rows of one DEFAULT partition, counted up to %(cap)s (``status``).
+SELECT count(*) FROM (SELECT 1 FROM {schema}.{{partition}} LIMIT %(cap)s) AS r
+
+-- count_default_day --
+-- The rows of one day in a DEFAULT partition, counted up to %(cap)s (by the index on
+-- {{column}}).
+SELECT count(*) FROM (
+    SELECT 1 FROM {schema}.{{partition}}
+    WHERE {{column}} >= %(day)s::timestamp AT TIME ZONE 'UTC'
+      AND {{column}} < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
+    LIMIT %(cap)s
+) AS r
+
+-- lock_default --
+-- Whether the DEFAULT partition's lock (the attach at the end of a day's moves needs it)
+-- can be had now: taken and released at once, under the short lock_timeout.
+LOCK TABLE {schema}.{{partition}} IN ACCESS EXCLUSIVE MODE
+
+-- move_back --
+-- Up to %(limit)s rows of a day's table that could not be attached back into the DEFAULT
+-- partition, where readers see them again.
+WITH moved AS (
+    DELETE FROM {schema}.{{target}}
+    WHERE ctid = ANY(ARRAY(SELECT ctid FROM {schema}.{{target}} LIMIT %(limit)s))
+    RETURNING *
+)
+INSERT INTO {schema}.{{partition}} SELECT * FROM moved
+
+-- default_has_rows --
+-- Whether a DEFAULT partition holds any row (an attach then scans it, unless a validated
+-- constraint proves it holds none of the new day).
+SELECT EXISTS (SELECT 1 FROM {schema}.{{partition}})
+
+-- exclude_day --
+-- A constraint on a DEFAULT partition saying it holds no row of a day ahead (NOT VALID:
+-- instant, ACCESS EXCLUSIVE on that partition for a moment). {{lo}} and {{hi}} are the
+-- day's bounds, as literals (DDL takes no parameters).
+ALTER TABLE {schema}.{{partition}}
+    ADD CONSTRAINT {{constraint}} CHECK ({{column}} < {{lo}} OR {{column}} >= {{hi}}) NOT VALID
+
+-- validate_exclusion --
+-- The scan that proves it, under SHARE UPDATE EXCLUSIVE: reads and writes go on.
+ALTER TABLE {schema}.{{partition}} VALIDATE CONSTRAINT {{constraint}}
+
+-- drop_exclusion --
+-- Once the day is attached (or not), the constraint goes.
+ALTER TABLE {schema}.{{partition}} DROP CONSTRAINT IF EXISTS {{constraint}}

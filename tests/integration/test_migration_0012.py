@@ -178,3 +178,52 @@ def test_0012_on_a_million_finished_jobs(pg_url, empty_schema, tmp_path):
     # Measured: 24.9 s on a 2-core machine (see the upgrading guide); far more means the
     # migration lost its bulk path (indexes built per row, rows in DEFAULT partitions).
     assert took < 300, f"migration 0012 took {took:.0f}s for {ROWS} finished jobs"
+
+
+def test_an_upgrade_without_events_ends_with_empty_default_partitions(pg_url, empty_schema):
+    """Finished jobs over 10 days and no events (events turned off, or pruned): 0012 starts
+    its daily partitions at the later of the oldest finished job and the oldest event (here
+    today), so the older days' rows land in the DEFAULT partitions (released: it cannot
+    change). The first maintenance run's `default` step moves them into their days'
+    partitions, in batches; nothing is lost, nothing is left in DEFAULT."""
+    from dramatiq_pg_broker.config import Settings
+    from dramatiq_pg_broker.db import ProcessPool
+    from dramatiq_pg_broker.retention import RetentionPolicy, prune
+
+    schema = empty_schema
+    q = sql.Identifier(schema)
+    migrate(pg_url, schema, target=11)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        _fill(conn, schema, 10_000)
+        conn.execute(sql.SQL("DELETE FROM {q}.job_events").format(q=q))
+        conn.execute(
+            sql.SQL("DELETE FROM {q}.jobs WHERE finished_at < now() - interval '10 days'").format(
+                q=q
+            )
+        )
+        jobs_before = _snapshot(conn, schema, "jobs")
+    migrate(pg_url, schema, force=True)  # the fill stands for stopped old processes
+    defaults = sql.SQL(
+        "SELECT (SELECT count(*) FROM {q}.jobs_history_succeeded_default)"
+        " + (SELECT count(*) FROM {q}.jobs_history_failed_default)"
+        " + (SELECT count(*) FROM {q}.jobs_history_cancelled_default)"
+    ).format(q=q)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        (in_default,) = conn.execute(defaults).fetchone()
+    assert in_default > 1000, "0012 put the older days in DEFAULT (the case this covers)"
+
+    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
+    try:
+        policy = RetentionPolicy(succeeded=None, failed=None, cancelled=None)  # keep all
+        report = prune(pool, schema, policy, batch=1000, rest=False)
+    finally:
+        pool.close()
+    assert not report.failed and report.complete, report.steps
+    assert sum(report.moved.values()) == in_default
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert conn.execute(defaults).fetchone() == (0,)
+        assert _snapshot(conn, schema, "all_jobs") == jobs_before
+        days = conn.execute(
+            sql.SQL("SELECT count(DISTINCT tableoid) FROM {q}.jobs_history_succeeded").format(q=q)
+        ).fetchone()[0]
+    assert days >= 10

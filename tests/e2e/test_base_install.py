@@ -178,7 +178,7 @@ def test_base_install_migrates_sends_and_runs_a_worker(base_venv, pg_url, empty_
     # The CLI migrates a fresh schema (the migrations ship inside the wheel).
     migrated = run(base_venv, "dramatiq-pg-broker", "migrate", cwd=tmp_path, env=env)
     applied = [line.split()[1] for line in migrated.stdout.splitlines()]
-    assert applied == sorted(p.name for p in (REPO / "migrations").glob("*.sql")), applied
+    assert applied == sorted(p.stem for p in (REPO / "migrations").glob("*.sql")), applied
 
     # The account commands say what to install instead of failing with a traceback.
     users = run(base_venv, "dramatiq-pg-broker", "user", "list", cwd=tmp_path, env=env, check=False)

@@ -272,7 +272,7 @@ def test_migrate_refuses_a_breaking_migration_under_live_leases_of_an_unregister
     assert main(cli(pg_url, before_0012, "migrate", "--force")) == 0
     out = capsys.readouterr().out
     assert re.search(r"^applying 0012_partitioned_history \.\.\. done in \d+\.\d s$", out, re.M)
-    assert applied(conn, before_0012) == 12
+    assert applied(conn, before_0012) == discover()[-1].version
 
 
 def test_migrate_check_says_that_migrate_would_refuse(pg_url, before_0012, conn, capsys):
@@ -305,7 +305,7 @@ def test_leases_of_a_registered_worker_of_this_release_are_not_live_work(pg_url,
         (__version__,),
     )
     add_running_job(conn, before_0012, "new-host:77:MainThread:ef01")
-    assert [m.version for m in migrate(pg_url, before_0012)] == [12]
+    assert [m.version for m in migrate(pg_url, before_0012)][0] == 12
 
 
 def test_migrate_on_an_empty_database_prints_one_quiet_line_per_migration(

@@ -9,8 +9,10 @@ import pytest
 from psycopg import sql
 
 from admin_api import create_app
+from admin_api.app import ApiPool
 from admin_api.queries import EXACT_STATS_MAX_BYTES
 from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.jobs import JobStore
 
 from .admin_support import AdminEnv
 
@@ -146,16 +148,22 @@ def test_health_reports_an_unreachable_database(pg_url, schema):
     settings = Settings(url="postgresql://nobody@127.0.0.1:1/none", schema=schema)
     from falcon import testing
 
-    client = testing.TestClient(create_app(settings))
-    result = client.simulate_get("/api/health")
-    assert result.status_code == 503
-    assert result.json["status"] == "unavailable"
-    assert result.json["database"] == "unreachable"
-    assert result.json["detail"]
-    # Other endpoints say the same, as an error, not a 500.
-    jobs = client.simulate_get("/api/jobs", headers={"Authorization": "Bearer x"})
-    assert jobs.status_code == 503
-    assert jobs.json["error"] == "unavailable"
+    # The app's pool is closed at the end: left open, it would go on retrying the
+    # unreachable server in the background and tell later tests' logs of an outage.
+    store = JobStore(ApiPool(settings), schema)
+    try:
+        client = testing.TestClient(create_app(settings, store=store))
+        result = client.simulate_get("/api/health")
+        assert result.status_code == 503
+        assert result.json["status"] == "unavailable"
+        assert result.json["database"] == "unreachable"
+        assert result.json["detail"]
+        # Other endpoints say the same, as an error, not a 500.
+        jobs = client.simulate_get("/api/jobs", headers={"Authorization": "Bearer x"})
+        assert jobs.status_code == 503
+        assert jobs.json["error"] == "unavailable"
+    finally:
+        store.pool.close()
 
 
 def test_health_reports_a_schema_that_is_not_migrated(pg_url):

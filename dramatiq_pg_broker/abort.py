@@ -41,7 +41,6 @@ How it keeps dramatiq-abort's contract (``notify``, ``poll``, ``wait_many``):
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Iterable
@@ -67,8 +66,8 @@ except ImportError:  # the optional extra is missing: the module still imports, 
         params: dict[str, Any]
 
 
-from .db import Queries, Reclaimer, backend_connections
-from .listener import channel_for, listener_for, payload_for
+from .backend_tables import BackendTable
+from .listener import listener_for, payload_for
 
 __all__ = ["PostgresEventBackend", "prune_expired"]
 
@@ -79,11 +78,6 @@ DEFAULT_PRUNE_BATCH = 1000
 DEFAULT_PRUNE_INTERVAL = 5.0
 
 
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, "abort.sql")
-
-
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
     """Delete at most ``limit`` expired abort events of ``schema``, oldest expiry first,
     through the expiry index. Safe to run from several processes at once.
@@ -91,10 +85,10 @@ def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -
     Returns:
       int: how many events were deleted.
     """
-    return conn.execute(_queries(schema)["prune_abort_events"], {"limit": int(limit)}).rowcount
+    return PostgresEventBackend.prune_expired_rows(conn, schema, limit)
 
 
-class PostgresEventBackend(EventBackend):
+class PostgresEventBackend(BackendTable, EventBackend):
     """dramatiq-abort's event backend on a PostgreSQL table (``<schema>.abort_events``,
     created by ``dramatiq-pg-broker migrate``). See the module docstring.
 
@@ -115,6 +109,11 @@ class PostgresEventBackend(EventBackend):
       ImportError: dramatiq-abort is not installed (the ``abort`` extra).
     """
 
+    sql_file = "abort.sql"
+    prune_statement = "prune_abort_events"
+    channel_name = "aborts"
+    rows_name = "abort events"
+
     def __init__(
         self,
         *,
@@ -131,19 +130,14 @@ class PostgresEventBackend(EventBackend):
                 "PostgresEventBackend is the event backend of dramatiq-abort, which is not "
                 "installed: pip install 'dramatiq-pg-broker[abort]'"
             )
-        self.pool, self.settings = backend_connections(
-            url=url, schema=schema, pool=pool, broker=broker, listen=listen
-        )
-        self._owns_pool = broker is None
-        self.schema = self.settings.schema
-        self.statements = _queries(self.schema)
-        self.channel = channel_for(self.schema, "aborts")
-        #: Deletes expired abort events as this backend writes (see :class:`~.db.Reclaimer`).
-        self.reclaimer = Reclaimer(
-            lambda limit: self.prune(limit=limit),
-            batch=prune_batch,
-            interval=prune_interval,
-            what="abort events",
+        self._open_table(
+            broker=broker,
+            url=url,
+            schema=schema,
+            pool=pool,
+            listen=listen,
+            prune_batch=prune_batch,
+            prune_interval=prune_interval,
         )
 
     def notify(self, events: Iterable[Event], ttl: int) -> None:
@@ -201,14 +195,3 @@ class PostgresEventBackend(EventBackend):
         ):  # pragma: no cover - a connection without jsonb loaders
             params = json.loads(params)
         return Event(key, params if isinstance(params, dict) else {})
-
-    def prune(self, *, limit: int | None = None) -> int:
-        """Delete at most ``limit`` (default ``prune_batch``) expired events now; returns
-        how many."""
-        with self.pool.connection() as conn:
-            return prune_expired(conn, self.schema, limit=limit or self.reclaimer.batch)
-
-    def close(self) -> None:
-        """Close this backend's own pool (a broker's pool is left to the broker)."""
-        if self._owns_pool:
-            self.pool.close()

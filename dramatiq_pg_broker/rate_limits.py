@@ -16,7 +16,6 @@ transaction that locks the keys it sums. ``wait`` sleeps on LISTEN/NOTIFY.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,8 +24,8 @@ import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
 from psycopg_pool import ConnectionPool
 
-from .db import Queries, Reclaimer, backend_connections
-from .listener import channel_for, listener_for, payload_for
+from .backend_tables import BackendTable
+from .listener import listener_for, payload_for
 
 #: The bounds of a stored value (PostgreSQL's bigint).
 MIN_VALUE = -(2**63)
@@ -37,13 +36,6 @@ DEFAULT_PRUNE_BATCH = 1000
 
 #: Seconds between two opportunistic reclaiming passes of one backend.
 DEFAULT_PRUNE_INTERVAL = 5.0
-
-_SQL_FILE = "rate_limits.sql"
-
-
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, _SQL_FILE)
 
 
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
@@ -58,11 +50,10 @@ def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -
     Returns:
       int: how many keys were deleted.
     """
-    cursor = conn.execute(_queries(schema)["prune_rate_limits"], {"limit": int(limit)})
-    return cursor.rowcount
+    return PostgresRateLimiterBackend.prune_expired_rows(conn, schema, limit)
 
 
-class PostgresRateLimiterBackend(RateLimiterBackend):
+class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
     """A Dramatiq rate-limiter backend on PostgreSQL. Works with ``ConcurrentRateLimiter``,
     ``WindowRateLimiter``, ``BucketRateLimiter``, ``Barrier`` and the ``GroupCallbacks``
     middleware, with any Dramatiq broker.
@@ -82,6 +73,11 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
       prune_interval(float): seconds between two such passes in one process.
     """
 
+    sql_file = "rate_limits.sql"
+    prune_statement = "prune_rate_limits"
+    channel_name = "rate_limits"
+    rows_name = "rate-limiter keys"
+
     def __init__(
         self,
         *,
@@ -93,19 +89,14 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
         prune_batch: int = DEFAULT_PRUNE_BATCH,
         prune_interval: float = DEFAULT_PRUNE_INTERVAL,
     ) -> None:
-        self.pool, self.settings = backend_connections(
-            url=url, schema=schema, pool=pool, broker=broker, listen=listen
-        )
-        self._owns_pool = broker is None
-        self.schema = self.settings.schema
-        self.statements = _queries(self.schema)
-        self.channel = channel_for(self.schema, "rate_limits")
-        #: Deletes expired rate-limiter keys as this backend writes (see :class:`~.db.Reclaimer`).
-        self.reclaimer = Reclaimer(
-            lambda limit: self.prune(limit=limit),
-            batch=prune_batch,
-            interval=prune_interval,
-            what="rate-limiter keys",
+        self._open_table(
+            broker=broker,
+            url=url,
+            schema=schema,
+            pool=pool,
+            listen=listen,
+            prune_batch=prune_batch,
+            prune_interval=prune_interval,
         )
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple]:
@@ -202,14 +193,3 @@ class PostgresRateLimiterBackend(RateLimiterBackend):
             "notify_key",
             {"key": key, "ttl_ms": int(ttl), "channel": self.channel, "payload": payload_for(key)},
         )
-
-    def prune(self, *, limit: int | None = None) -> int:
-        """Delete at most ``limit`` (default ``prune_batch``) expired keys now; returns how
-        many."""
-        with self.pool.connection() as conn:
-            return prune_expired(conn, self.schema, limit=limit or self.reclaimer.batch)
-
-    def close(self) -> None:
-        """Close this backend's own pool (a broker's pool is left to the broker)."""
-        if self._owns_pool:
-            self.pool.close()

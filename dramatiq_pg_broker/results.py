@@ -15,7 +15,6 @@ it ``url=`` (and ``schema=``) instead of ``broker=``.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from typing import Any
@@ -27,8 +26,8 @@ from dramatiq.results.backend import DEFAULT_TIMEOUT, Missing
 from dramatiq.results.result import wrap_exception, wrap_result
 from psycopg_pool import ConnectionPool
 
-from .db import Queries, Reclaimer, backend_connections
-from .listener import channel_for, listener_for, payload_for
+from .backend_tables import BackendTable
+from .listener import listener_for, payload_for
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +37,6 @@ DEFAULT_PRUNE_BATCH = 1000
 #: Seconds between two opportunistic reclaiming passes of one backend (a pass that found a
 #: full batch is followed by another at the next store).
 DEFAULT_PRUNE_INTERVAL = 5.0
-
-_SQL_FILE = "results.sql"
-
-
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, _SQL_FILE)
 
 
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
@@ -59,8 +51,7 @@ def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -
     Returns:
       int: how many results were deleted.
     """
-    cursor = conn.execute(_queries(schema)["prune_results"], {"limit": int(limit)})
-    return cursor.rowcount
+    return PostgresBackend.prune_expired_rows(conn, schema, limit)
 
 
 def describe_stored(value: bytes, failed: bool) -> dict[str, Any]:
@@ -81,7 +72,7 @@ def describe_stored(value: bytes, failed: bool) -> dict[str, Any]:
     return {"failed": failed, "encoding": "json", "value": decoded}
 
 
-class PostgresBackend(ResultBackend):
+class PostgresBackend(BackendTable, ResultBackend):
     """A Dramatiq result backend on a PostgreSQL table (``<schema>.results``, created by
     ``dramatiq-pg-broker migrate``).
 
@@ -100,6 +91,11 @@ class PostgresBackend(ResultBackend):
       prune_batch(int): the most expired results one opportunistic reclaiming pass deletes.
       prune_interval(float): seconds between two such passes in one process.
     """
+
+    sql_file = "results.sql"
+    prune_statement = "prune_results"
+    channel_name = "results"
+    rows_name = "results"
 
     def __init__(
         self,
@@ -120,19 +116,14 @@ class PostgresBackend(ResultBackend):
             encoder=encoder,
             use_namespace_prefix_keys=use_namespace_prefix_keys,
         )
-        self.pool, self.settings = backend_connections(
-            url=url, schema=schema, pool=pool, broker=broker, listen=listen
-        )
-        self._owns_pool = broker is None
-        self.schema = self.settings.schema
-        self.statements = _queries(self.schema)
-        self.channel = channel_for(self.schema, "results")
-        #: Deletes expired results as this backend writes (see :class:`~.db.Reclaimer`).
-        self.reclaimer = Reclaimer(
-            lambda limit: self.prune(limit=limit),
-            batch=prune_batch,
-            interval=prune_interval,
-            what="results",
+        self._open_table(
+            broker=broker,
+            url=url,
+            schema=schema,
+            pool=pool,
+            listen=listen,
+            prune_batch=prune_batch,
+            prune_interval=prune_interval,
         )
 
     # -- reading ---------------------------------------------------------------------------
@@ -217,14 +208,3 @@ class PostgresBackend(ResultBackend):
         self.reclaimer.maybe_run()
 
     # -- reclaiming ------------------------------------------------------------------------
-
-    def prune(self, *, limit: int | None = None) -> int:
-        """Delete at most ``limit`` (default ``prune_batch``) expired results now; returns
-        how many."""
-        with self.pool.connection() as conn:
-            return prune_expired(conn, self.schema, limit=limit or self.reclaimer.batch)
-
-    def close(self) -> None:
-        """Close this backend's own pool (a broker's pool is left to the broker)."""
-        if self._owns_pool:
-            self.pool.close()

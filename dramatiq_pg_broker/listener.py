@@ -129,19 +129,7 @@ class Listener(Service):
                 # Listen before looking: a result stored between the look and the LISTEN
                 # would otherwise never wake us.
                 listening = self._ensure_listening(channel, _remaining(deadline))
-                if listening is None:
-                    # The server has no slot for the LISTEN connection, but the pool's
-                    # connections work: look now and then instead, quietly.
-                    value = check()
-                    if value is not None:
-                        return value
-                    remaining = _remaining(deadline)
-                    if remaining is not None and remaining <= 0:
-                        return None
-                    event.clear()
-                    event.wait(min(SATURATED_POLL_SECONDS, remaining or SATURATED_POLL_SECONDS))
-                    continue
-                if not listening:
+                if listening is False:
                     return check()
                 event.clear()
                 value = check()
@@ -150,7 +138,11 @@ class Listener(Service):
                 remaining = _remaining(deadline)
                 if remaining is not None and remaining <= 0:
                     return None
-                if not event.wait(remaining):
+                if listening is None:
+                    # The server has no slot for the LISTEN connection, but the pool's
+                    # connections work: look now and then instead, quietly.
+                    event.wait(min(SATURATED_POLL_SECONDS, remaining or SATURATED_POLL_SECONDS))
+                elif not event.wait(remaining):
                     return None
         finally:
             for payload in payloads:

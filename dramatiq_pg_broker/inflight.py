@@ -79,6 +79,14 @@ class State(enum.Enum):
     DONE = "done"
 
 
+class Completion(enum.Enum):
+    """Where a success written in the application's transaction stands (see
+    :meth:`Ledger.completing`)."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+
+
 class Slots:
     """The slots of one consumer's claim window: attempts it claimed that are not done yet.
 
@@ -161,6 +169,9 @@ class _Entry:
         "abort_requested",
         "skip",
         "retry",
+        "completion",
+        "completion_xid",
+        "renew_before",
     )
 
     def __init__(
@@ -193,6 +204,14 @@ class _Entry:
         self.skip: dict[str, Any] | None = None
         #: The retry's statement, written at the ack or nack (rescheduling attempts).
         self.retry: Callable[[], bool] | None = None
+        #: Its success was written in the application's transaction (a
+        #: ``complete_in()`` block): pending until that transaction is known to have
+        #: committed (then committed) or not (then None again).
+        self.completion: Completion | None = None
+        #: The id of that transaction, once the statement ran in it.
+        self.completion_xid: str | None = None
+        #: ``renew`` before the block (the heartbeat leaves the attempt alone meanwhile).
+        self.renew_before = True
 
 
 class Ledger:
@@ -439,6 +458,10 @@ class Ledger:
             for entry in self._entries.values():
                 if entry.state is not State.STARTED or entry.start_recorded:
                     continue
+                if entry.completion is not None:
+                    # Its row is locked by the application's transaction: the start would
+                    # wait for it (and a committed success needs none).
+                    continue
                 if entry.began + START_RECORD_DELAY <= now:
                     due.append(entry.attempt)
                 else:
@@ -453,8 +476,8 @@ class Ledger:
             with self._lock:
                 for attempt in due[len(orphans) :]:
                     entry = self._get(attempt, State.STARTED)
-                    if entry is None:
-                        continue  # its outcome came meanwhile
+                    if entry is None or entry.completion is not None:
+                        continue  # its outcome came meanwhile, or a complete_in() block
                     if attempt.id in owned:
                         entry.start_recorded = True
                     else:
@@ -515,6 +538,11 @@ class Ledger:
         self._check_fork()
         with self._lock:
             entry = self._get(attempt, State.CLAIMED, State.STARTED, State.RESCHEDULING)
+            if entry is not None and entry.completion is Completion.COMMITTED:
+                # Its success committed with the actor's transaction: nothing is left to
+                # write, whatever the actor did after the block.
+                self._finish(entry)
+                return True
             if entry is None or (entry.state is State.RESCHEDULING and entry.retry is None):
                 self._refuse(kind, attempt)
                 return False
@@ -598,6 +626,14 @@ class Ledger:
         self._check_fork()
         with self._lock:
             entry = self._get(attempt, State.STARTED)
+            if entry is not None and entry.completion is Completion.COMMITTED:
+                logger.info(
+                    "Job %s attempt %d raised after its complete_in() block committed: it "
+                    "succeeded, and is not retried.",
+                    attempt.id,
+                    attempt.attempt,
+                )
+                return True
             if entry is None:
                 self._refuse("reschedule", attempt)
                 return False
@@ -637,6 +673,97 @@ class Ledger:
             )
         return written
 
+    # -- success in the application's transaction ----------------------------------------
+
+    def completing(self, attempt: Attempt) -> bool:
+        """An actor's ``complete_in()`` block is about to write its attempt's success in
+        the application's transaction (:mod:`.completion`). From now until that
+        transaction is known to have ended, the heartbeat neither renews the lease nor
+        writes the start: the statement holds the row's lock until the application's
+        transaction ends, and either would wait for it. Returns False (the block raises
+        ``LostOwnership``) if the attempt is not this process's running one any more: lost,
+        aborted, or completed by an earlier block."""
+        self._check_fork()
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is None or entry.abort_requested or entry.completion is not None:
+                return False
+            entry.completion = Completion.PENDING
+            entry.renew_before, entry.renew = entry.renew, False
+            return True
+
+    def completion_written(self, attempt: Attempt, xid: str) -> None:
+        """The success is written in the application's transaction ``xid`` (not committed
+        yet)."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt:
+                entry.completion_xid = xid
+
+    def completion_committed(self, attempt: Attempt) -> None:
+        """The block committed the transaction it began: the job succeeded."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt and entry.completion is not None:
+                entry.completion = Completion.COMMITTED
+                if entry.state is State.RESCHEDULING:
+                    entry.state, entry.retry = State.STARTED, None
+
+    def completion_undone(self, attempt: Attempt) -> None:
+        """Nothing of the block's success stands (it was not written, or its transaction
+        rolled back): the attempt goes on as any other, its lease renewed again."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt and entry.completion is not None:
+                entry.completion = None
+                entry.completion_xid = None
+                entry.renew = entry.renew_before
+
+    def resolve_completion(self, attempt: Attempt) -> None:
+        """The actor returned (or raised): learn how the transaction that holds a pending
+        success ended, before Dramatiq's ack or nack is settled. One read, run only for an
+        attempt whose block joined a transaction (or whose commit raised):
+
+        - committed, and the row gone: the job succeeded (the ack writes nothing);
+        - rolled back (or the row still this attempt's): the usual outcome is written;
+        - still in progress (the actor returned with its transaction open): the attempt
+          is let go with no outcome and no renewal. The transaction decides: a commit
+          succeeds the job, a rollback leaves it to its lease (it runs again).
+        """
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is None or entry.attempt != attempt:
+                return
+            if entry.completion is not Completion.PENDING:
+                return
+            xid = entry.completion_xid
+        if xid is None:
+            self.completion_undone(attempt)
+            return
+        try:
+            status, running = self.store.completion_status(attempt, xid)
+        except Exception as e:
+            # The guarded outcome then settles it: a committed success leaves no row.
+            logger.debug("Could not read how job %s's transaction ended: %s", attempt.id, e)
+            self.completion_undone(attempt)
+            return
+        if status == "committed" and not running:
+            self.completion_committed(attempt)
+        elif status == "in progress":
+            logger.warning(
+                "Job %s attempt %d: the transaction of its complete_in() block is still open "
+                "after its actor returned; its commit will succeed the job, a rollback "
+                "leaves it to its lease (it runs again).",
+                attempt.id,
+                attempt.attempt,
+            )
+            with self._lock:
+                entry = self._entries.get(attempt.id)
+                if entry is not None and entry.attempt == attempt:
+                    self._finish(entry)
+        else:
+            self.completion_undone(attempt)
+
     # -- aborts --------------------------------------------------------------------------
 
     def running_in(self, attempt: Attempt, thread: int, *, interrupt: bool = True) -> bool:
@@ -674,6 +801,8 @@ class Ledger:
             entry = self._entries.get(str(job_id))
             if entry is None or entry.state not in (State.CLAIMED, State.STARTED):
                 return False
+            if entry.completion is Completion.COMMITTED:
+                return False  # it succeeded
             if entry.abort_requested:
                 return True
             entry.abort_requested = True
@@ -735,6 +864,10 @@ class Ledger:
             for attempt in attempts:
                 entry = self._entries.get(attempt.id)
                 if entry is None or entry.attempt != attempt or entry.state is State.DONE:
+                    continue
+                if entry.completion is not None:
+                    # Renewed just before a complete_in() block took the row: the block
+                    # and its transaction say what happened to it, not this renewal.
                     continue
                 if attempt.id in owned:
                     if leased_until is not None:

@@ -43,11 +43,13 @@ released message) is refused here, and only here.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
@@ -69,6 +71,10 @@ RETRY_CAP_SECONDS = 0.5
 
 #: How long after its actor began an attempt's start is written, if no outcome came first.
 START_RECORD_DELAY = 0.1
+
+#: The longest a ``complete_in()`` block waits for a heartbeat statement that is writing
+#: its attempt (normally one round trip).
+HEARTBEAT_WAIT_SECONDS = 5.0
 
 
 class State(enum.Enum):
@@ -226,6 +232,10 @@ class Ledger:
         self.store = broker.store
         self.settings = broker.settings
         self._lock = threading.RLock()
+        #: Signalled when a heartbeat statement is done with its attempts.
+        self._heartbeat_done = threading.Condition(self._lock)
+        #: Ids of the attempts a heartbeat statement (renewal, starts) is writing now.
+        self._heartbeat_writing: collections.Counter[str] = collections.Counter()
         self._entries: dict[str, _Entry] = {}
         self._closing = False
         #: Starts written before their actors run, group-committed (see :meth:`start`).
@@ -466,6 +476,7 @@ class Ledger:
                     due.append(entry.attempt)
                 else:
                     later.append(entry.began + START_RECORD_DELAY)
+            self._heartbeat_writing.update(a.id for a in due)
         if due:
             try:
                 owned = self.store.start(due, None)
@@ -473,6 +484,8 @@ class Ledger:
                 with self._lock:
                     self._orphans.extend(orphans)
                 raise
+            finally:
+                self._heartbeat_wrote(due)
             with self._lock:
                 for attempt in due[len(orphans) :]:
                     entry = self._get(attempt, State.STARTED)
@@ -690,6 +703,15 @@ class Ledger:
                 return False
             entry.completion = Completion.PENDING
             entry.renew_before, entry.renew = entry.renew, False
+            # A heartbeat statement that took the attempt before it was marked is let
+            # finish first (one round trip): taken after it, the row's lock would make it
+            # wait for the application's transaction.
+            self._heartbeat_done.wait_for(
+                lambda: not self._heartbeat_writing[attempt.id], HEARTBEAT_WAIT_SECONDS
+            )
+            entry = self._get(attempt, State.STARTED)
+            if entry is None or entry.completion is not Completion.PENDING:
+                return False  # the renewal found the attempt lost
             return True
 
     def completion_written(self, attempt: Attempt, xid: str) -> None:
@@ -854,6 +876,26 @@ class Ledger:
         self._check_fork()
         with self._lock:
             return [e.attempt for e in self._entries.values() if e.renew]
+
+    @contextlib.contextmanager
+    def renewing(self) -> Iterator[list[Attempt]]:
+        """:meth:`renewable`, held as being written until the block ends: a
+        ``complete_in()`` block waits for the statement to be done with its attempt before
+        it takes the row's lock (:meth:`completing`), so that the heartbeat never waits
+        for an application's transaction."""
+        with self._lock:
+            attempts = self.renewable()
+            self._heartbeat_writing.update(a.id for a in attempts)
+        try:
+            yield attempts
+        finally:
+            self._heartbeat_wrote(attempts)
+
+    def _heartbeat_wrote(self, attempts: Iterable[Attempt]) -> None:
+        with self._lock:
+            self._heartbeat_writing.subtract(a.id for a in attempts)
+            self._heartbeat_writing += collections.Counter()  # drops the zeros
+            self._heartbeat_done.notify_all()
 
     def renewed(
         self, attempts: Sequence[Attempt], owned: set[str], leased_until: float | None = None

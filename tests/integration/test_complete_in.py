@@ -480,3 +480,37 @@ def test_a_connection_to_another_database_is_refused(h, conn, schema, store, pg_
     wait_status(store, conn, schema, message.message_id, "failed")
     assert isinstance(seen[0], TransactionError), seen
     assert "a transaction cannot span two databases" in str(seen[0])
+
+
+def test_an_actor_that_returns_with_the_transaction_open_leaves_the_job_to_it(
+    h, conn, schema, store, effects, pg_url, caplog
+):
+    """The worker cannot wait for a transaction the actor left open: it says so, writes no
+    outcome and stops renewing; the application's commit then succeeds the job."""
+    broker = h.broker()
+    app = psycopg.connect(pg_url)  # not in autocommit mode: its first statement begins
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"open_{h.queue}")
+    def work():
+        job = current_job()
+        app.execute("SELECT 1")  # the application's transaction is open
+        with job.complete_in(app):  # a savepoint in it
+            app.execute(effects.insert, (job.id, job.attempt))
+
+    message = work.send()
+    h.start(broker)
+    try:
+        wait_for(
+            lambda: "is still open after its actor returned" in caplog.text,
+            20,
+            "the worker to notice the open transaction",
+        )
+        assert job_row(conn, schema, message.message_id)[0] == "running"
+        assert effects() == [], "nothing is committed yet"
+        app.commit()
+    finally:
+        app.close()
+    row = wait_status(store, conn, schema, message.message_id, "succeeded", timeout=5)
+    assert row[1] == 1
+    assert effects() == [(message.message_id, 1)]
+    succeeded_once(store, message.message_id)

@@ -533,6 +533,8 @@ SELECT id FROM done
 -- (inflight.py), and its own outcome later finds the row gone (committed) or still this
 -- attempt's (rolled back). Returns the transaction's id, by which the worker learns how
 -- the transaction ended (completion_status); no row: the attempt is no longer owned.
+-- The finish time is this statement's, not now(): the application's transaction may have
+-- begun well before it.
 WITH owned AS MATERIALIZED (
     SELECT j.id
     FROM {schema}.jobs AS j
@@ -553,8 +555,8 @@ WITH owned AS MATERIALIZED (
     )
     SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
            available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
+           result, created_at, coalesce(%(now)s::timestamptz, statement_timestamp()), started_at,
+           coalesce(%(now)s::timestamptz, statement_timestamp()), false, failures, interruptions,
            idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
     FROM done
 ), event AS (

@@ -514,3 +514,71 @@ def test_an_actor_that_returns_with_the_transaction_open_leaves_the_job_to_it(
     assert row[1] == 1
     assert effects() == [(message.message_id, 1)]
     succeeded_once(store, message.message_id)
+
+
+def test_a_commit_that_fails_leaves_the_usual_outcome(h, conn, schema, store, pg_url):
+    """The block's own COMMIT fails (a deferred constraint): nothing was committed, and the
+    exception retries the job as any other."""
+    table = sql.Identifier(schema, "cin_deferred")
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)"
+        ).format(table)
+    )
+    conn.execute(sql.SQL("TRUNCATE {}").format(table))
+    conn.execute(sql.SQL("INSERT INTO {} VALUES (1)").format(table))
+    insert = sql.SQL("INSERT INTO {} VALUES (%s)").format(table)
+    broker = h.broker()
+    raised: list[BaseException] = []
+
+    @dramatiq.actor(
+        broker=broker, queue_name=h.queue, actor_name=f"deferred_{h.queue}", min_backoff=10
+    )
+    def work():
+        job = current_job()
+        with psycopg.connect(pg_url) as app:
+            try:
+                with job.complete_in(app):
+                    app.execute(insert, (job.attempt,))  # 1 collides at COMMIT
+            except psycopg.errors.UniqueViolation as e:
+                raised.append(e)
+                raise
+
+    message = work.send()
+    h.start(broker)
+    row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    assert len(raised) == 1 and row[1] == 2
+    rows = conn.execute(sql.SQL("SELECT k FROM {} ORDER BY k").format(table)).fetchall()
+    assert rows == [(1,), (2,)]
+    types = [e["type"] for e in store.events_of(message.message_id)]
+    assert types.count("retry_scheduled") == 1 and types.count("succeeded") == 1, types
+
+
+def test_a_savepoint_rolled_back_around_the_block_leaves_the_usual_outcome(
+    h, conn, schema, store, effects, pg_url
+):
+    """The application rolls back a savepoint the block ran in and commits the rest: its
+    transaction committed, but without the job's success, which the worker then writes as
+    usual."""
+    broker = h.broker()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"savepoint_{h.queue}")
+    def work():
+        job = current_job()
+        with psycopg.connect(pg_url) as app, app.transaction():
+            app.execute(effects.insert, (job.id, 0))
+            try:
+                with app.transaction():
+                    with job.complete_in(app):
+                        app.execute(effects.insert, (job.id, job.attempt))
+                    raise LookupError("undo the savepoint")
+            except LookupError:
+                pass
+
+    message = work.send()
+    h.start(broker)
+    row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    assert row[1] == 1
+    assert effects() == [(message.message_id, 0)]
+    [event] = succeeded_once(store, message.message_id)
+    assert not (event["data"] or {}).get("in_transaction"), "the worker's own success"

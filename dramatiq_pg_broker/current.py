@@ -29,6 +29,14 @@ release, or spends minutes inside C code that no exception can interrupt) is dec
 
 ``job.abort_requested`` says the same without raising. Whatever such an actor raises once
 the abort was requested ends the job cancelled; if it returns normally, it succeeded.
+
+An actor whose work is database writes can commit the job's success with them, in one
+transaction (:meth:`CurrentJob.complete_in`, :mod:`.completion`)::
+
+    @dramatiq.actor
+    def charge(order_id):
+        with psycopg.connect(APP_URL) as conn, current_job().complete_in(conn):
+            conn.execute("INSERT INTO charges (order_id) VALUES (%s)", (order_id,))
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from .sending import RunningAttempt
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
+    from .completion import CompletionBlock
     from .inflight import Ledger
 
 #: A context variable, not a thread-local: async actors run on Dramatiq's event loop thread,
@@ -83,6 +92,33 @@ class CurrentJob:
         lease. Returns False if the attempt is no longer owned."""
         seconds = lease_seconds or self.broker.settings.lease_seconds
         return self.broker.store.progress(self.message.attempt, data, seconds)
+
+    def complete_in(self, conn: Any) -> CompletionBlock:
+        """A block whose transaction also records this job's success: when it commits,
+        the job has succeeded, and the worker writes no other outcome for this attempt
+        (exactly-once effects for database work; see the exactly-once guide). Put it last
+        in the actor: nothing done after it can make the job fail.
+
+        ``with`` it for a psycopg ``Connection``, a SQLAlchemy ``Session`` or
+        ``Connection``, or a Django connection (``django.db.connection``); ``async with``
+        it for a psycopg ``AsyncConnection`` or a SQLAlchemy ``AsyncSession`` or
+        ``AsyncConnection``. With no transaction open on it, the block begins one and
+        commits it at its end; inside one, the block is a savepoint and the job succeeds
+        when the application commits. The connection must reach the broker's database.
+
+        Parameters:
+          conn: the application's connection, session or Django connection.
+
+        Raises:
+          LostOwnership: when the block ends, the attempt is no longer this worker's (its
+            lease expired and another worker took the job, or an operator aborted it):
+            nothing is committed, the block's transaction or savepoint rolls back.
+          TransactionError: ``conn`` is of a kind the block cannot use, reaches another
+            database, or its transaction ended inside the block.
+        """
+        from .completion import CompletionBlock
+
+        return CompletionBlock(self, conn)
 
     @property
     def abort_requested(self) -> bool:
@@ -182,6 +218,7 @@ class JobContext(Middleware):
         _current.set(None)
         if isinstance(message, PgMessageProxy):
             broker.ledger.left(message.attempt)
+            broker.ledger.resolve_completion(message.attempt)
         if exception is not None and isinstance(message, PgMessageProxy):
             broker.ledger.failed_with(message.attempt, describe_exception(exception))
 
@@ -202,6 +239,9 @@ class AbortGuard(Middleware):
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         if isinstance(message, PgMessageProxy):
             broker.ledger.left(message.attempt)
+            # Before the Retries middleware asks for a retry: an actor that raised after
+            # its complete_in() block committed succeeded, and is not retried.
+            broker.ledger.resolve_completion(message.attempt)
 
     def after_skip_message(self, broker, message) -> None:
         if isinstance(message, PgMessageProxy):

@@ -139,6 +139,13 @@ class TransactionError(PgBrokerError):
     """``broker.transaction()`` was given a connection it cannot write jobs on."""
 
 
+class LostOwnership(PgBrokerError):
+    """This worker no longer owns the job's attempt (its lease expired and the job went to
+    another worker, or an operator aborted it): a ``current_job().complete_in()`` block
+    did not complete the job, and raised before its transaction committed, so that the
+    actor's writes in it roll back."""
+
+
 class QueueNotDeclared(PgBrokerError):
     """No worker has declared this queue: check its name, or pause it ahead of its workers
     with ``--force``."""

@@ -15,7 +15,8 @@ CLAIMED = "claimed"
 PROGRESS = "progress"
 #: A running actor explicitly renewed its lease (the background heartbeat writes none).
 LEASE_RENEWED = "lease_renewed"
-#: The attempt succeeded.
+#: The attempt succeeded (``data.in_transaction``: in the actor's own transaction, see
+#: ``current_job().complete_in()``).
 SUCCEEDED = "succeeded"
 #: The attempt failed and the job will run again after a backoff (``data.error``,
 #: ``data.delay_ms``, ``data.available_at``).

@@ -43,11 +43,13 @@ released message) is refused here, and only here.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
@@ -70,6 +72,10 @@ RETRY_CAP_SECONDS = 0.5
 #: How long after its actor began an attempt's start is written, if no outcome came first.
 START_RECORD_DELAY = 0.1
 
+#: The longest a ``complete_in()`` block waits for a heartbeat statement that is writing
+#: its attempt (normally one round trip).
+HEARTBEAT_WAIT_SECONDS = 5.0
+
 
 class State(enum.Enum):
     CLAIMED = "claimed"
@@ -77,6 +83,14 @@ class State(enum.Enum):
     RESCHEDULING = "rescheduling"
     OUTCOME_QUEUED = "outcome queued"
     DONE = "done"
+
+
+class Completion(enum.Enum):
+    """Where a success written in the application's transaction stands (see
+    :meth:`Ledger.completing`)."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
 
 
 class Slots:
@@ -161,6 +175,9 @@ class _Entry:
         "abort_requested",
         "skip",
         "retry",
+        "completion",
+        "completion_xid",
+        "renew_before",
     )
 
     def __init__(
@@ -193,6 +210,14 @@ class _Entry:
         self.skip: dict[str, Any] | None = None
         #: The retry's statement, written at the ack or nack (rescheduling attempts).
         self.retry: Callable[[], bool] | None = None
+        #: Its success was written in the application's transaction (a
+        #: ``complete_in()`` block): pending until that transaction is known to have
+        #: committed (then committed) or not (then None again).
+        self.completion: Completion | None = None
+        #: The id of that transaction, once the statement ran in it.
+        self.completion_xid: str | None = None
+        #: ``renew`` before the block (the heartbeat leaves the attempt alone meanwhile).
+        self.renew_before = True
 
 
 class Ledger:
@@ -207,6 +232,10 @@ class Ledger:
         self.store = broker.store
         self.settings = broker.settings
         self._lock = threading.RLock()
+        #: Signalled when a heartbeat statement is done with its attempts.
+        self._heartbeat_done = threading.Condition(self._lock)
+        #: Ids of the attempts a heartbeat statement (renewal, starts) is writing now.
+        self._heartbeat_writing: collections.Counter[str] = collections.Counter()
         self._entries: dict[str, _Entry] = {}
         self._closing = False
         #: Starts written before their actors run, group-committed (see :meth:`start`).
@@ -439,10 +468,15 @@ class Ledger:
             for entry in self._entries.values():
                 if entry.state is not State.STARTED or entry.start_recorded:
                     continue
+                if entry.completion is not None:
+                    # Its row is locked by the application's transaction: the start would
+                    # wait for it (and a committed success needs none).
+                    continue
                 if entry.began + START_RECORD_DELAY <= now:
                     due.append(entry.attempt)
                 else:
                     later.append(entry.began + START_RECORD_DELAY)
+            self._heartbeat_writing.update(a.id for a in due)
         if due:
             try:
                 owned = self.store.start(due, None)
@@ -450,11 +484,13 @@ class Ledger:
                 with self._lock:
                     self._orphans.extend(orphans)
                 raise
+            finally:
+                self._heartbeat_wrote(due)
             with self._lock:
                 for attempt in due[len(orphans) :]:
                     entry = self._get(attempt, State.STARTED)
-                    if entry is None:
-                        continue  # its outcome came meanwhile
+                    if entry is None or entry.completion is not None:
+                        continue  # its outcome came meanwhile, or a complete_in() block
                     if attempt.id in owned:
                         entry.start_recorded = True
                     else:
@@ -515,6 +551,11 @@ class Ledger:
         self._check_fork()
         with self._lock:
             entry = self._get(attempt, State.CLAIMED, State.STARTED, State.RESCHEDULING)
+            if entry is not None and entry.completion is Completion.COMMITTED:
+                # Its success committed with the actor's transaction: nothing is left to
+                # write, whatever the actor did after the block.
+                self._finish(entry)
+                return True
             if entry is None or (entry.state is State.RESCHEDULING and entry.retry is None):
                 self._refuse(kind, attempt)
                 return False
@@ -598,6 +639,14 @@ class Ledger:
         self._check_fork()
         with self._lock:
             entry = self._get(attempt, State.STARTED)
+            if entry is not None and entry.completion is Completion.COMMITTED:
+                logger.info(
+                    "Job %s attempt %d raised after its complete_in() block committed: it "
+                    "succeeded, and is not retried.",
+                    attempt.id,
+                    attempt.attempt,
+                )
+                return True
             if entry is None:
                 self._refuse("reschedule", attempt)
                 return False
@@ -637,6 +686,106 @@ class Ledger:
             )
         return written
 
+    # -- success in the application's transaction ----------------------------------------
+
+    def completing(self, attempt: Attempt) -> bool:
+        """An actor's ``complete_in()`` block is about to write its attempt's success in
+        the application's transaction (:mod:`.completion`). From now until that
+        transaction is known to have ended, the heartbeat neither renews the lease nor
+        writes the start: the statement holds the row's lock until the application's
+        transaction ends, and either would wait for it. Returns False (the block raises
+        ``LostOwnership``) if the attempt is not this process's running one any more: lost,
+        aborted, or completed by an earlier block."""
+        self._check_fork()
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is None or entry.abort_requested or entry.completion is not None:
+                return False
+            entry.completion = Completion.PENDING
+            entry.renew_before, entry.renew = entry.renew, False
+            # A heartbeat statement that took the attempt before it was marked is let
+            # finish first (one round trip): taken after it, the row's lock would make it
+            # wait for the application's transaction.
+            self._heartbeat_done.wait_for(
+                lambda: not self._heartbeat_writing[attempt.id], HEARTBEAT_WAIT_SECONDS
+            )
+            entry = self._get(attempt, State.STARTED)
+            if entry is None or entry.completion is not Completion.PENDING:
+                return False  # the renewal found the attempt lost
+            return True
+
+    def completion_written(self, attempt: Attempt, xid: str) -> None:
+        """The success is written in the application's transaction ``xid`` (not committed
+        yet)."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt:
+                entry.completion_xid = xid
+
+    def completion_committed(self, attempt: Attempt) -> None:
+        """The block committed the transaction it began: the job succeeded."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt and entry.completion is not None:
+                entry.completion = Completion.COMMITTED
+                if entry.state is State.RESCHEDULING:
+                    entry.state, entry.retry = State.STARTED, None
+
+    def completion_undone(self, attempt: Attempt) -> None:
+        """Nothing of the block's success stands (it was not written, or its transaction
+        rolled back): the attempt goes on as any other, its lease renewed again."""
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is not None and entry.attempt == attempt and entry.completion is not None:
+                entry.completion = None
+                entry.completion_xid = None
+                entry.renew = entry.renew_before
+
+    def resolve_completion(self, attempt: Attempt) -> None:
+        """The actor returned (or raised): learn how the transaction that holds a pending
+        success ended, before Dramatiq's ack or nack is settled. One read, run only for an
+        attempt whose block joined a transaction (or whose commit raised):
+
+        - committed, and the row gone: the job succeeded (the ack writes nothing);
+        - rolled back (or the row still this attempt's): the usual outcome is written;
+        - still in progress (the actor returned with its transaction open): the attempt
+          is let go with no outcome and no renewal. The transaction decides: a commit
+          succeeds the job, a rollback leaves it to its lease (it runs again).
+        """
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            if entry is None or entry.attempt != attempt:
+                return
+            if entry.completion is not Completion.PENDING:
+                return
+            xid = entry.completion_xid
+        if xid is None:
+            self.completion_undone(attempt)
+            return
+        try:
+            status, running = self.store.completion_status(attempt, xid)
+        except Exception as e:
+            # The guarded outcome then settles it: a committed success leaves no row.
+            logger.debug("Could not read how job %s's transaction ended: %s", attempt.id, e)
+            self.completion_undone(attempt)
+            return
+        if status == "committed" and not running:
+            self.completion_committed(attempt)
+        elif status == "in progress":
+            logger.warning(
+                "Job %s attempt %d: the transaction of its complete_in() block is still open "
+                "after its actor returned; its commit will succeed the job, a rollback "
+                "leaves it to its lease (it runs again).",
+                attempt.id,
+                attempt.attempt,
+            )
+            with self._lock:
+                entry = self._entries.get(attempt.id)
+                if entry is not None and entry.attempt == attempt:
+                    self._finish(entry)
+        else:
+            self.completion_undone(attempt)
+
     # -- aborts --------------------------------------------------------------------------
 
     def running_in(self, attempt: Attempt, thread: int, *, interrupt: bool = True) -> bool:
@@ -674,6 +823,8 @@ class Ledger:
             entry = self._entries.get(str(job_id))
             if entry is None or entry.state not in (State.CLAIMED, State.STARTED):
                 return False
+            if entry.completion is Completion.COMMITTED:
+                return False  # it succeeded
             if entry.abort_requested:
                 return True
             entry.abort_requested = True
@@ -726,6 +877,26 @@ class Ledger:
         with self._lock:
             return [e.attempt for e in self._entries.values() if e.renew]
 
+    @contextlib.contextmanager
+    def renewing(self) -> Iterator[list[Attempt]]:
+        """:meth:`renewable`, held as being written until the block ends: a
+        ``complete_in()`` block waits for the statement to be done with its attempt before
+        it takes the row's lock (:meth:`completing`), so that the heartbeat never waits
+        for an application's transaction."""
+        with self._lock:
+            attempts = self.renewable()
+            self._heartbeat_writing.update(a.id for a in attempts)
+        try:
+            yield attempts
+        finally:
+            self._heartbeat_wrote(attempts)
+
+    def _heartbeat_wrote(self, attempts: Iterable[Attempt]) -> None:
+        with self._lock:
+            self._heartbeat_writing.subtract(a.id for a in attempts)
+            self._heartbeat_writing += collections.Counter()  # drops the zeros
+            self._heartbeat_done.notify_all()
+
     def renewed(
         self, attempts: Sequence[Attempt], owned: set[str], leased_until: float | None = None
     ) -> None:
@@ -735,6 +906,10 @@ class Ledger:
             for attempt in attempts:
                 entry = self._entries.get(attempt.id)
                 if entry is None or entry.attempt != attempt or entry.state is State.DONE:
+                    continue
+                if entry.completion is not None:
+                    # Renewed just before a complete_in() block took the row: the block
+                    # and its transaction say what happened to it, not this renewal.
                     continue
                 if attempt.id in owned:
                     if leased_until is not None:

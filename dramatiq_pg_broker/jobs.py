@@ -1069,6 +1069,23 @@ class JobStore:
         rows = self._fetch("complete_jobs", {**self._attempt_params(attempts), "now": now}, conn)
         return {str(r[0]) for r in rows}
 
+    def complete_in_transaction(self, attempt: Attempt, conn, *, now=None) -> str | None:
+        """running -> succeeded for one attempt, in the transaction open on ``conn`` (an
+        application's connection): the job succeeds when that transaction commits. Returns
+        the transaction's id (for :meth:`completion_status`), or None if the attempt is no
+        longer owned (or its abort was requested)."""
+        params = {"id": attempt.id, "owner": attempt.owner, "attempt": attempt.attempt}
+        rows = self._fetch("complete_in_transaction", {**params, "now": now}, conn)
+        return str(rows[0][1]) if rows else None
+
+    def completion_status(self, attempt: Attempt, xid: str, *, conn=None) -> tuple[str, bool]:
+        """How the transaction ``xid`` that ran :meth:`complete_in_transaction` for
+        ``attempt`` ended (``committed``, ``aborted``, ``in progress``), and whether the
+        row is still that attempt's (running, owned)."""
+        params = {"id": attempt.id, "owner": attempt.owner, "attempt": attempt.attempt, "xid": xid}
+        status, running = self._fetch("completion_status", params, conn)[0]
+        return status, bool(running)
+
     def fail(
         self, attempts: Sequence[Attempt], errors: Sequence[str | None], *, conn=None, now=None
     ) -> set[str]:

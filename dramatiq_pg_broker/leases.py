@@ -173,12 +173,12 @@ class LeaseKeeper(Service):
         """Renew every attempt the ledger holds; the ledger lets go of those no longer
         owned, and stops those an operator asked to abort."""
         ledger = self.broker.ledger
-        attempts = ledger.renewable()
-        if not attempts:
-            return set()
-        sent = time.monotonic()
-        renewal = self.store.renew_leases(attempts, self.settings.lease_seconds)
-        ledger.renewed(attempts, renewal.owned, sent + self.settings.lease_seconds)
+        with ledger.renewing() as attempts:
+            if not attempts:
+                return set()
+            sent = time.monotonic()
+            renewal = self.store.renew_leases(attempts, self.settings.lease_seconds)
+            ledger.renewed(attempts, renewal.owned, sent + self.settings.lease_seconds)
         for job_id in renewal.abort_requested:
             ledger.abort(job_id)
         return renewal.owned

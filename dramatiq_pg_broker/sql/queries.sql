@@ -523,6 +523,62 @@ WITH owned AS MATERIALIZED (
 )
 SELECT id FROM done
 
+-- complete_in_transaction --
+-- running -> succeeded for one attempt, in the application's own transaction (an actor's
+-- `current_job().complete_in(conn)` block, see completion.py): the job succeeds if and
+-- when that transaction commits, and with it the actor's writes. Guarded by ownership like
+-- every exit from running, and by the absence of an abort request: an aborted attempt must
+-- not commit its effects. The row lock stays with the application's transaction until it
+-- ends; the worker neither renews nor records the start of the attempt meanwhile
+-- (inflight.py), and its own outcome later finds the row gone (committed) or still this
+-- attempt's (rolled back). Returns the transaction's id, by which the worker learns how
+-- the transaction ended (completion_status); no row: the attempt is no longer owned.
+-- The finish time is this statement's, not now(): the application's transaction may have
+-- begun well before it.
+WITH owned AS MATERIALIZED (
+    SELECT j.id
+    FROM {schema}.jobs AS j
+    WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s
+      AND j.attempts = %(attempt)s AND j.abort_requested_at IS NULL
+    FOR UPDATE OF j
+), done AS (
+    DELETE FROM {schema}.jobs AS j
+    USING owned
+    WHERE j.id = owned.id
+    RETURNING j.*
+), moved AS (
+    INSERT INTO {schema}.jobs_history (
+        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    )
+    SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
+           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
+           result, created_at, coalesce(%(now)s::timestamptz, statement_timestamp()), started_at,
+           coalesce(%(now)s::timestamptz, statement_timestamp()), false, failures, interruptions,
+           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    FROM done
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'succeeded', attempts, %(owner)s, jsonb_build_object('in_transaction', true)
+    FROM done WHERE %(events)s
+)
+SELECT id, pg_current_xact_id()::text FROM done
+
+-- completion_status --
+-- How the application's transaction that ran complete_in_transaction for an attempt ended,
+-- read by the worker once the actor returned: pg_xact_status of its id ('committed',
+-- 'aborted' or 'in progress'), and whether the row is still this attempt's (a transaction
+-- that committed after rolling back the savepoint the statement ran in leaves it so).
+-- A plain read: it never waits for the row's lock.
+SELECT pg_xact_status(%(xid)s::xid8),
+       EXISTS (
+           SELECT 1 FROM {schema}.jobs AS j
+           WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s
+             AND j.attempts = %(attempt)s
+       )
+
 -- fail_jobs --
 -- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
 -- The attempt counts as a failure. The job moves to jobs_history, as in complete_jobs.

@@ -24,7 +24,7 @@ from dramatiq_pg_broker import TransactionError
 from tests.helpers import drop_schema, new_schema_name
 from tests.rows import created_count, event_types, status_of
 
-from .workers import REPO, WorkerProcess, wait_until_run
+from .workers import REPO, WorkerProcess, wait_for, wait_until_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -348,3 +348,69 @@ def test_manage_py_runs_the_operator_commands_on_the_broker_s_database(migrated)
     assert "fits the schema" in status.stdout
     check = manage(migrated, "dramatiq_pg_migrate", "--check")
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("inside_atomic", [False, True], ids=["begins", "joins-atomic"])
+def test_complete_in_commits_the_success_with_the_actor_s_django_writes(
+    django_project, migrated, conn, inside_atomic
+):
+    """``current_job().complete_in(django.db.connection)`` in an actor run by an
+    in-process worker of the Django broker: alone it begins and commits a transaction
+    (``atomic()``); inside ``transaction.atomic()`` it is a savepoint and the job succeeds
+    with the application's commit. A first attempt whose atomic block raises leaves no
+    row: the job is retried, and its second attempt's row is the only one."""
+    from django.db import connection, transaction
+
+    from dramatiq_pg_broker import current_job
+
+    schema = migrated["DRAMATIQ_PG_SCHEMA"]
+    table = f"cin_django_{uuid.uuid4().hex[:8]}"
+    conn.execute(f'CREATE TABLE "{schema}"."{table}" (job_id uuid, attempt int)')
+    broker = django_project
+    queue = f"cin_{uuid.uuid4().hex[:8]}"
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=queue, min_backoff=10)
+    def work():
+        job = current_job()
+
+        def effect():
+            with connection.cursor() as cursor:
+                cursor.execute(f'INSERT INTO "{table}" VALUES (%s, %s)', (job.id, job.attempt))
+
+        if inside_atomic:
+            with transaction.atomic():
+                with job.complete_in(connection):
+                    effect()
+                if job.attempt == 1:
+                    raise RuntimeError("the atomic block fails after complete_in()")
+        else:
+            with job.complete_in(connection):
+                effect()
+                if job.attempt == 1:
+                    raise RuntimeError("the block fails")
+
+    message = work.send()
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(
+            lambda: status_of(broker.store, message.message_id) == "succeeded",
+            30,
+            "the job to succeed",
+            on_timeout=lambda: f"status: {status_of(broker.store, message.message_id)}",
+        )
+    finally:
+        worker.stop(timeout=10_000)
+        # The broker outlives the worker: Dramatiq's middleware of a stopped worker would
+        # still add consumers (threads nobody runs) for the queues declared after it.
+        broker.middleware[:] = [
+            m for m in broker.middleware if getattr(m, "worker", None) is not worker
+        ]
+    rows = conn.execute(f'SELECT job_id::text, attempt FROM "{schema}"."{table}"').fetchall()
+    assert rows == [(message.message_id, 2)], rows
+    types = event_types(broker.store, message.message_id)
+    assert types.count("succeeded") == 1 and types.count("retry_scheduled") == 1, types
+    [succeeded] = [
+        e for e in broker.store.events_of(message.message_id) if e["type"] == "succeeded"
+    ]
+    assert succeeded["data"] == {"in_transaction": True}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from dramatiq_pg_broker.inflight import State
 
 from ..helpers import wait_for
@@ -227,3 +229,72 @@ def test_unwritten_outcomes_beyond_the_allowance_keep_their_slots(
     writes.set()
     assert memory_broker.outcomes.flush(timeout=5)
     assert (slots.in_use, slots.held, len(ledger)) == (0, 0, 0)
+
+
+# -- a success written in the application's transaction (complete_in) -------------------------
+
+
+def test_a_block_waits_for_a_renewal_in_flight_before_it_takes_the_row(
+    memory_broker, memory_store, claim
+):
+    """A renewal that took the attempt before the block marked it runs to its end first:
+    taken after, the row's lock would make the heartbeat wait for the application."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    renewals = memory_store.hold("renew_leases")
+    beat = threading.Thread(target=memory_broker.leases.renew)
+    beat.start()
+    wait_for(lambda: memory_store.called("renew_leases"), 5, "the renewal to be sent")
+    marked = []
+    block = threading.Thread(target=lambda: marked.append(ledger.completing(attempt)))
+    block.start()
+    block.join(0.2)
+    assert block.is_alive(), "the block went on while a renewal of its row was in flight"
+    renewals.set()
+    beat.join(5)
+    block.join(5)
+    assert marked == [True]
+    assert attempt not in ledger.renewable(), "the heartbeat would wait for the app's lock"
+
+
+def test_a_committed_block_leaves_nothing_to_write_and_no_retry(memory_broker, memory_store, claim):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    assert ledger.completing(attempt)
+    ledger.completion_written(attempt, "1234")
+    ledger.completion_committed(attempt)
+    # The actor raised after the block: no retry, and its nack writes nothing.
+    assert ledger.reschedule(attempt, lambda: pytest.fail("a retry was written"))
+    ledger.failed_with(attempt, "RuntimeError: after the block")
+    assert ledger.settle(attempt, "fail", "RuntimeError: after the block")
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.called("fail") == [] and memory_store.called("complete") == []
+    assert len(ledger) == 0
+
+
+def test_an_undone_block_gives_the_attempt_back_to_the_heartbeat(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    assert ledger.completing(attempt)
+    assert not ledger.completing(attempt), "a second block of the same attempt"
+    ledger.completion_undone(attempt)
+    assert attempt in ledger.renewable()
+    assert ledger.settle(attempt, "complete")
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.status(attempt.id) == "succeeded"
+
+
+def test_a_block_of_an_attempt_whose_abort_was_requested_is_refused(
+    memory_broker, memory_store, claim
+):
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    ledger.running_in(attempt, threading.get_ident(), interrupt=False)
+    assert ledger.abort(attempt.id)
+    assert not ledger.completing(attempt)

@@ -6,6 +6,7 @@ import datetime as dt
 
 import dramatiq
 import falcon
+from pydantic import Field
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
@@ -27,7 +28,18 @@ from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import decode_job_cursor, job_links, link_to
 from ..queries import DELAYED, JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
-from ..validation import Field, Query, check_name, parse_uuid, read_object, read_optional_object
+from ..validation import (
+    Body,
+    DateTime,
+    Name,
+    Query,
+    Text,
+    check_name,
+    given,
+    parse_uuid,
+    read_body,
+    read_optional_body,
+)
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
 DEFAULT_LIMIT = 25
@@ -42,51 +54,66 @@ QUEUE_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9._-]*$"
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
-#: The body of ``POST /api/jobs``.
-JOB_FIELDS = {
-    "actor_name": Field(
-        "string", "The actor's name, as declared with @dramatiq.actor. Whitespace at "
+
+class JobRequest(Body):
+    """The body of POST /api/jobs."""
+
+    actor_name: Name = Field(
+        max_length=255,
+        description="The actor's name, as declared with @dramatiq.actor. Whitespace at "
         "either end, control characters (tabs, line breaks) and U+2028/U+2029 are refused, "
-        "not stripped.", required=True, max_length=255, name=True,
-    ),
-    "queue_name": Field(
-        "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'. "
-        "Default: the queue the actor was declared on by the workers (a different one is a "
-        "400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
-        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN, name=True,
-    ),
-    "args": Field("array", "Positional arguments of the actor.", default=[]),
-    "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
-    "priority": Field(
-        "integer", "Lower runs first (Dramatiq's meaning). Default: the priority the "
+        "not stripped.",
+    )
+    queue_name: Name = Field(
+        None,
+        max_length=255,
+        pattern=QUEUE_NAME_PATTERN,
+        description="The actor's queue: a letter or '_', then letters, digits, '.', '_', "
+        "'-'. Default: the queue the actor was declared on by the workers (a different one "
+        "is a 400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
+        "declared.",
+    )
+    args: list = Field([], description="Positional arguments of the actor.")
+    kwargs: dict = Field({}, description="Keyword arguments of the actor.")
+    priority: int = Field(
+        None,
+        ge=INT32_MIN,
+        le=INT32_MAX,
+        description="Lower runs first (Dramatiq's meaning). Default: the priority the "
         "workers declared the actor with (0 for an actor no worker declared).",
-        minimum=INT32_MIN, maximum=INT32_MAX,
-    ),
-    "delay": Field(
-        "integer", "Milliseconds to wait before the job may run. Not with available_at.",
-        minimum=0, maximum=MAX_DELAY_MS, nullable=True,
-    ),
-    "available_at": Field(
-        "datetime", "Earliest time the job may run (ISO 8601; UTC without an offset). "
-        "Not with delay.", nullable=True,
-    ),
-    "max_retries": Field(
-        "integer", "Retries after the first attempt (max_attempts = max_retries + 1). "
+    )
+    delay: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_DELAY_MS,
+        description="Milliseconds to wait before the job may run. Not with available_at.",
+    )
+    available_at: DateTime | None = Field(
+        None,
+        description="Earliest time the job may run (ISO 8601; UTC without an offset). "
+        "Not with delay.",
+    )
+    max_retries: int | None = Field(
+        None,
+        ge=0,
+        le=UNLIMITED_ATTEMPTS - 1,
+        description="Retries after the first attempt (max_attempts = max_retries + 1). "
         "Default: the max_retries the workers declared the actor with; for an actor "
         "declared without one, the row's max_attempts is DRAMATIQ_PG_MAX_ATTEMPTS.",
-        minimum=0, maximum=UNLIMITED_ATTEMPTS - 1, nullable=True,
-    ),
-    "idempotency_key": Field(
-        "string", "A second request with the same key returns the first job (200) "
+    )
+    idempotency_key: Text | None = Field(
+        None,
+        max_length=255,
+        description="A second request with the same key returns the first job (200) "
         "instead of creating one. A member's keys live in that member's own namespace.",
-        max_length=255, nullable=True,
-    ),
-}  # fmt: skip
+    )
 
-#: The body of the action endpoints (retry, cancel, abort; pause and resume of a queue):
-#: none, or an empty JSON object. Any field is refused, like every endpoint's unknown
-#: fields.
-ACTION_FIELDS: dict[str, Field] = {}
+
+class ActionRequest(Body):
+    """The body of the action endpoints (retry, cancel, abort; pause and resume of a
+    queue): none, or an empty JSON object. Any field is refused, like every endpoint's
+    unknown fields."""
+
 
 #: The list's status filter: a status, or ``delayed`` (queued, not runnable before a later
 #: ``available_at``: the overview's "Delayed").
@@ -179,7 +206,7 @@ class JobList:
         }
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        values = read_object(req, JOB_FIELDS)
+        values = given(read_body(req, JobRequest))
         user = req.context.user
         queue_name, declared = self._queue_of(values["actor_name"], values.get("queue_name"))
         if "delay" in values and "available_at" in values:
@@ -358,7 +385,7 @@ class JobTransition:
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         Query(req, ())
         job_id = job_id_param(job_id)
-        read_optional_object(req, ACTION_FIELDS)
+        read_optional_body(req, ActionRequest)
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
         # read, so the response shows what the operator did, not what happened next.

@@ -17,7 +17,6 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
 from dramatiq_pg_broker import __version__
-from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 
 from . import responses
 from .resources import dashboard as dashboard_resource
@@ -108,6 +107,15 @@ def _optional_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def _query(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """The query parameters of an endpoint, from its :class:`~admin_api.validation.Params`."""
+    properties = model.model_json_schema(schema_generator=Schemas)["properties"]
+    return [
+        _param(name, "query", schema, schema.pop("description", ""))
+        for name, schema in properties.items()
+    ]
+
+
 def _param(name: str, where: str, schema: dict, description: str, required: bool = False):
     return {
         "name": name,
@@ -147,7 +155,6 @@ _QUEUE_NAME = _param(
     {"type": "string", "maxLength": 255, "pattern": jobs_resource.QUEUE_NAME_PATTERN},
     "The queue's name.",
 )
-_TIME = {"type": "string", "format": "date-time"}
 
 _401 = _error("No credentials, or invalid ones.")
 _403 = _error("The caller's role may not do this (or a cross-site request was refused).")
@@ -184,6 +191,39 @@ def _protected(op: dict[str, Any], roles: str) -> dict[str, Any]:
     return _with_body(op)
 
 
+_UNDECLARED = _error("No worker has declared this queue.")
+
+
+def _tagged_get(summary: str, model: type[BaseModel], description: str) -> dict[str, Any]:
+    """A read of one job, with an ETag: 304 when If-None-Match still names it."""
+    op = {
+        "summary": summary,
+        "parameters": [_JOB_ID, _IF_NONE_MATCH],
+        "responses": {"200": _tagged(_json(model, description)), "304": _304, "404": _404},
+    }
+    return {"get": _protected(op, "any (members: their jobs)")}
+
+
+def _action(
+    param: dict[str, Any],
+    summary: str,
+    ok: tuple[type[BaseModel], str],
+    errors: dict[str, Any],
+    *,
+    description: str = "",
+) -> dict[str, Any]:
+    """An operator's action on one job or queue: a POST whose body is optional."""
+    op = {
+        "summary": summary,
+        "requestBody": _optional_body(ActionRequest),
+        "parameters": [param],
+        "responses": {"200": _json(*ok), **errors},
+    }
+    if description:
+        op["description"] = description
+    return {"post": _protected(op, "operator, admin")}
+
+
 def _paths() -> dict[str, Any]:
     return {
         "/api/health": {
@@ -212,54 +252,7 @@ def _paths() -> dict[str, Any]:
                     "description": "Members see only the jobs they created. Follow next and "
                     "previous (cursor links) to page; offset serves the first "
                     f"{jobs_resource.MAX_OFFSET:,} jobs only.",
-                    "parameters": [
-                        _param(
-                            "limit",
-                            "query",
-                            {
-                                "type": "integer",
-                                "minimum": 1,
-                                "maximum": jobs_resource.MAX_LIMIT,
-                                "default": jobs_resource.DEFAULT_LIMIT,
-                            },
-                            "Page size.",
-                        ),
-                        _param(
-                            "offset",
-                            "query",
-                            {"type": "integer", "minimum": 0, "maximum": jobs_resource.MAX_OFFSET},
-                            "Jobs to skip (not with cursor).",
-                        ),
-                        _param(
-                            "cursor",
-                            "query",
-                            {"type": "string"},
-                            "A position from a next or previous link.",
-                        ),
-                        _param(
-                            "status",
-                            "query",
-                            {"type": "string", "enum": list(jobs_resource.LIST_STATUSES)},
-                            "Exact status, or delayed: queued jobs whose available_at is "
-                            "still ahead (a delay, an eta, a retry backoff; the overview's "
-                            "Delayed count).",
-                        ),
-                        _param(
-                            "queue",
-                            "query",
-                            {"type": "string", "maxLength": jobs_resource.MAX_FILTER_LENGTH},
-                            "Exact queue name.",
-                        ),
-                        _param(
-                            "actor",
-                            "query",
-                            {"type": "string", "maxLength": jobs_resource.MAX_FILTER_LENGTH},
-                            "Case-insensitive substring of the actor's name (at most "
-                            "50 actor names may match).",
-                        ),
-                        _param("created_after", "query", _TIME, "Created at or after (ISO 8601)."),
-                        _param("created_before", "query", _TIME, "Created before (ISO 8601)."),
-                    ],
+                    "parameters": _query(jobs_resource.JobListParams),
                     "responses": {"200": _json(responses.JobPage, "One page of jobs.")},
                 },
                 "any",
@@ -312,118 +305,50 @@ def _paths() -> dict[str, Any]:
                 "viewer, operator, admin",
             )
         },
-        "/api/jobs/{job_id}": {
-            "get": _protected(
-                {
-                    "summary": "One job.",
-                    "parameters": [_JOB_ID, _IF_NONE_MATCH],
-                    "responses": {
-                        "200": _tagged(_json(responses.Job, "The job.")),
-                        "304": _304,
-                        "404": _404,
-                    },
-                },
-                "any (members: their jobs)",
-            )
-        },
-        "/api/jobs/{job_id}/events": {
-            "get": _protected(
-                {
-                    "summary": "A job's timeline, oldest first.",
-                    "parameters": [_JOB_ID, _IF_NONE_MATCH],
-                    "responses": {
-                        "200": _tagged(_json(responses.JobTimeline, "The events.")),
-                        "304": _304,
-                        "404": _404,
-                    },
-                },
-                "any (members: their jobs)",
-            )
-        },
-        "/api/jobs/{job_id}/retry": {
-            "post": _protected(
-                {
-                    "summary": "Move a failed job back to the queue; attempts start from zero.",
-                    "requestBody": _optional_body(ActionRequest),
-                    "parameters": [_JOB_ID],
-                    "responses": {
-                        "200": _json(responses.Job, "The job, queued again."),
-                        "404": _404,
-                        "409": _error("The job is not failed."),
-                    },
-                },
-                "operator, admin",
-            )
-        },
-        "/api/jobs/{job_id}/cancel": {
-            "post": _protected(
-                {
-                    "summary": "Cancel a queued job.",
-                    "requestBody": _optional_body(ActionRequest),
-                    "parameters": [_JOB_ID],
-                    "responses": {
-                        "200": _json(responses.Job, "The job, cancelled."),
-                        "404": _404,
-                        "409": _error("The job is not queued."),
-                    },
-                },
-                "operator, admin",
-            )
-        },
-        "/api/jobs/{job_id}/abort": {
-            "post": _protected(
-                {
-                    "summary": "Abort a job: a waiting one is cancelled at once; a running one "
-                    "is stopped by its worker and ends cancelled, never retried.",
-                    "description": "For a running job the answer comes before the worker "
-                    "stops it: the job is still running, with abort_requested_at and "
-                    "abort_requested_by set; it ends cancelled within about a second, with "
-                    "an aborted event naming who asked.",
-                    "requestBody": _optional_body(ActionRequest),
-                    "parameters": [_JOB_ID],
-                    "responses": {
-                        "200": _json(
-                            responses.Job, "The job, cancelled or with the abort requested."
-                        ),
-                        "404": _404,
-                        "409": _error("The job has finished (succeeded, failed or cancelled)."),
-                    },
-                },
-                "operator, admin",
-            )
-        },
-        "/api/queues/{queue_name}/pause": {
-            "post": _protected(
-                {
-                    "summary": "Pause a queue: no worker on any host claims its jobs from "
-                    "now on; sends are still accepted; the pause survives worker restarts.",
-                    "description": "Its workers give back the messages they prefetched and "
-                    "had not started; running jobs finish. Pausing a paused queue changes "
-                    "nothing.",
-                    "requestBody": _optional_body(ActionRequest),
-                    "parameters": [_QUEUE_NAME],
-                    "responses": {
-                        "200": _json(responses.QueueState, "The queue, paused."),
-                        "404": _error("No worker has declared this queue."),
-                    },
-                },
-                "operator, admin",
-            )
-        },
-        "/api/queues/{queue_name}/resume": {
-            "post": _protected(
-                {
-                    "summary": "Resume a paused queue: its workers claim its jobs at once.",
-                    "requestBody": _optional_body(ActionRequest),
-                    "parameters": [_QUEUE_NAME],
-                    "responses": {
-                        "200": _json(responses.QueueState, "The queue, active."),
-                        "404": _error("No worker has declared this queue."),
-                    },
-                },
-                "operator, admin",
-            )
-        },
+        "/api/jobs/{job_id}": _tagged_get("One job.", responses.Job, "The job."),
+        "/api/jobs/{job_id}/events": _tagged_get(
+            "A job's timeline, oldest first.", responses.JobTimeline, "The events."
+        ),
+        "/api/jobs/{job_id}/retry": _action(
+            _JOB_ID,
+            "Move a failed job back to the queue; attempts start from zero.",
+            (responses.Job, "The job, queued again."),
+            {"404": _404, "409": _error("The job is not failed.")},
+        ),
+        "/api/jobs/{job_id}/cancel": _action(
+            _JOB_ID,
+            "Cancel a queued job.",
+            (responses.Job, "The job, cancelled."),
+            {"404": _404, "409": _error("The job is not queued.")},
+        ),
+        "/api/jobs/{job_id}/abort": _action(
+            _JOB_ID,
+            "Abort a job: a waiting one is cancelled at once; a running one is stopped by its "
+            "worker and ends cancelled, never retried.",
+            (responses.Job, "The job, cancelled or with the abort requested."),
+            {
+                "404": _404,
+                "409": _error("The job has finished (succeeded, failed or cancelled)."),
+            },
+            description="For a running job the answer comes before the worker stops it: the "
+            "job is still running, with abort_requested_at and abort_requested_by set; it ends "
+            "cancelled within about a second, with an aborted event naming who asked.",
+        ),
+        "/api/queues/{queue_name}/pause": _action(
+            _QUEUE_NAME,
+            "Pause a queue: no worker on any host claims its jobs from now on; sends are still "
+            "accepted; the pause survives worker restarts.",
+            (responses.QueueState, "The queue, paused."),
+            {"404": _UNDECLARED},
+            description="Its workers give back the messages they prefetched and had not "
+            "started; running jobs finish. Pausing a paused queue changes nothing.",
+        ),
+        "/api/queues/{queue_name}/resume": _action(
+            _QUEUE_NAME,
+            "Resume a paused queue: its workers claim its jobs at once.",
+            (responses.QueueState, "The queue, active."),
+            {"404": _UNDECLARED},
+        ),
         "/api/workers": {
             "get": _protected(
                 {
@@ -453,27 +378,7 @@ def _paths() -> dict[str, Any]:
                 {
                     "summary": "Every job's events, newest first, with cursor pages.",
                     "description": "Follow next/previous; a cursor is opaque.",
-                    "parameters": [
-                        _param(
-                            "limit",
-                            "query",
-                            {
-                                "type": "integer",
-                                "minimum": 1,
-                                "maximum": events_resource.MAX_LIMIT,
-                                "default": events_resource.DEFAULT_LIMIT,
-                            },
-                            "Page size.",
-                        ),
-                        _param("cursor", "query", {"type": "string"}, "From a next/previous link."),
-                        _param(
-                            "type",
-                            "query",
-                            {"type": "string", "enum": list(EVENT_TYPES)},
-                            "Exact event type.",
-                        ),
-                        _param("job_id", "query", {"type": "string", "format": "uuid"}, "One job."),
-                    ],
+                    "parameters": _query(events_resource.FeedParams),
                     "responses": {"200": _json(responses.EventPage, "One page of events.")},
                 },
                 "any (members: events of their jobs)",
@@ -625,12 +530,6 @@ def _paths() -> dict[str, Any]:
 
 def _monitoring_paths() -> dict[str, Any]:
     """The endpoints the dashboard reads its overview from."""
-    minutes = _param(
-        "minutes",
-        "query",
-        {"type": "integer", "minimum": 1, "maximum": dashboard_resource.MAX_THROUGHPUT_MINUTES},
-        "The window, in minutes (default 60).",
-    )
     return {
         "/api/queues": {
             "get": _protected(
@@ -647,7 +546,7 @@ def _monitoring_paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "Succeeded, failed and retried attempts per minute.",
-                    "parameters": [minutes],
+                    "parameters": _query(dashboard_resource.ThroughputParams),
                     "responses": {
                         "200": _json(responses.Throughput, "One bucket per minute, oldest first.")
                     },

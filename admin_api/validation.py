@@ -1,13 +1,14 @@
-"""Reading what a client sends: JSON bodies into :class:`Body` models, and query
-parameters with bounds. Every failure is a 400 whose message names the field and says what
-it must be.
+"""Reading what a client sends: JSON bodies into :class:`Body` models, query parameters
+into :class:`Params` models. Every failure is a 400 whose message names the field and
+says what it must be.
 
-A body's model is its only declaration: pydantic validates the request with it, and the
-OpenAPI document (:mod:`admin_api.openapi`) takes the body's schema from it, so the
-document cannot drift from what the API accepts. What is this API's own is here: the
-sentences of its errors (pydantic's errors are translated, see :func:`_explain`), names
-refused rather than stripped, blank strings, date-times without an offset read as UTC,
-and what PostgreSQL cannot store (:func:`check_json_value`).
+A model is the only declaration of a body or of an endpoint's parameters: pydantic
+validates the request with it, and the OpenAPI document (:mod:`admin_api.openapi`) takes
+the schema from it, so the document cannot drift from what the API accepts. What is this
+API's own is here: the sentences of its errors (pydantic's are translated, see
+:func:`_explain`), names refused rather than stripped, blank strings, date-times without
+an offset read as UTC, integers in ASCII digits, and what PostgreSQL cannot store
+(:func:`check_json_value`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import math
 import re
 import typing
 import uuid
-from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 import falcon
 import pydantic
-from pydantic import BeforeValidator, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, StringConstraints, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from . import media
@@ -39,6 +39,7 @@ _INTEGER_RE = re.compile(r"-?[0-9]+")
 _UUID_RE = re.compile(r"(?:urn:uuid:)?\{?[0-9a-fA-F-]{32,36}\}?", re.ASCII)
 
 B = TypeVar("B", bound="Body")
+P = TypeVar("P", bound="Params")
 
 
 class Body(pydantic.BaseModel):
@@ -346,66 +347,85 @@ def _json_type(value: Any) -> str:
 # -- query parameters --------------------------------------------------------------------
 
 
-class Query:
-    """The query parameters of one request, read with bounds.
+class Params(pydantic.BaseModel):
+    """The query parameters of an endpoint, declared once: :func:`read_query` reads them
+    with the model, the OpenAPI document lists them from it. A parameter given empty is
+    absent. Its types are the ``Query*`` ones below: a query parameter is text, and each
+    says how it becomes a value (or a 400 naming the parameter)."""
 
-    Parameters:
-      req(falcon.Request): the request.
-      allowed(Iterable[str]): the parameters the endpoint knows; any other is a 400, so a
-        misspelt filter is reported instead of silently ignored.
+    model_config = pydantic.ConfigDict(strict=True, frozen=True)
+
+
+def _query_int(value: Any) -> Any:
+    # ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits.
+    digits = value.strip()
+    if _INTEGER_RE.fullmatch(digits) and len(digits) <= 20:
+        return int(digits)
+    return value  # not an integer: the int schema refuses it
+
+
+def _query_name(value: str, info: pydantic.ValidationInfo) -> str:
+    check_name(info.field_name, value)
+    return value
+
+
+#: An integer, in ASCII digits; bound it with ``Field(ge=..., le=...)``.
+QueryInt = Annotated[int, BeforeValidator(_query_int)]
+#: A name to filter by (see :func:`check_name`); bound it with ``Field(max_length=...)``.
+QueryName = Annotated[str, AfterValidator(_query_name)]
+#: A UUID, in its canonical text form.
+QueryUuid = Annotated[
+    str,
+    BeforeValidator(lambda value, info: parse_uuid(value, info.field_name)),
+    WithJsonSchema({"type": "string", "format": "uuid"}),
+]
+#: An ISO 8601 date-time; without an offset it is UTC.
+QueryDateTime = Annotated[
+    dt.datetime, BeforeValidator(lambda value, info: parse_datetime(info.field_name, value))
+]
+
+
+def read_query(req: falcon.Request, model: type[P] | None = None) -> P | None:
+    """The query parameters of ``req``, read with ``model`` (None: the endpoint takes
+    none).
+
+    Raises:
+      ApiError: 400 for a parameter the endpoint does not take (a misspelt filter is
+        reported instead of silently ignored), one given twice, or a bad value.
     """
-
-    def __init__(self, req: falcon.Request, allowed: Iterable[str]) -> None:
-        self.params = req.params
-        allowed = list(allowed)
-        unknown = sorted(set(self.params) - set(allowed))
-        if unknown:
-            known = ", ".join(allowed) if allowed else "none"
-            raise bad_request(
-                f"unknown query parameter(s) {', '.join(map(repr, unknown))}; this endpoint "
-                f"takes {known}"
-            )
-
-    def text(self, name: str) -> str | None:
-        value = self.params.get(name)
-        if value is None:
-            return None
+    fields = model.model_fields if model is not None else {}
+    unknown = sorted(set(req.params) - set(fields))
+    if unknown:
+        raise bad_request(
+            f"unknown query parameter(s) {', '.join(map(repr, unknown))}; this endpoint "
+            f"takes {', '.join(fields) or 'none'}"
+        )
+    if model is None:
+        return None
+    values = {}
+    for name, value in req.params.items():
         if isinstance(value, list):
             raise bad_request(f"give the query parameter {name} once")
         _check_text(value, f"query parameter {name}")
-        return value
+        if value != "":
+            values[name] = value
+    try:
+        return model.model_validate(values)
+    except pydantic.ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        name = str(error["loc"][0])
+        raise bad_request(_explain_param(name, fields[name], error, values[name])) from None
 
-    def integer(self, name: str, default: int, minimum: int, maximum: int) -> int:
-        raw = self.text(name)
-        if raw is None or raw == "":
-            return default
-        # ASCII digits only: int() would also take "+5", "1_000" and other scripts' digits.
-        digits = raw.strip()
-        value = int(digits) if _INTEGER_RE.fullmatch(digits) and len(digits) <= 20 else None
-        if value is None or not minimum <= value <= maximum:
-            raise bad_request(f"{name} must be an integer from {minimum} to {maximum}, not {raw!r}")
-        return value
 
-    def choice(self, name: str, choices: Iterable[str]) -> str | None:
-        raw = self.text(name)
-        if raw is None or raw == "":
-            return None
-        choices = tuple(choices)
-        if raw not in choices:
-            raise bad_request(f"{name} must be one of {', '.join(choices)}, not {raw!r}")
-        return raw
-
-    def uuid(self, name: str) -> str | None:
-        raw = self.text(name)
-        if raw is None or raw == "":
-            return None
-        return parse_uuid(raw, name)
-
-    def datetime(self, name: str) -> dt.datetime | None:
-        raw = self.text(name)
-        if raw is None or raw == "":
-            return None
-        return parse_datetime(name, raw)
+def _explain_param(name: str, field: Any, error: dict, raw: str) -> str:
+    if error["type"] == "literal_error":
+        return f"{name} must be one of {', '.join(_literals(field.annotation))}, not {raw!r}"
+    if error["type"] in ("int_type", "greater_than_equal", "less_than_equal"):
+        bounds = {
+            key: getattr(m, key) for m in field.metadata for key in ("ge", "le") if hasattr(m, key)
+        }
+        return f"{name} must be an integer from {bounds['ge']} to {bounds['le']}, not {raw!r}"
+    return f"{name} {_sentence(error, field)}"
 
 
 def parse_uuid(raw: str, name: str = "job id") -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Literal
 
 import dramatiq
 import falcon
@@ -32,13 +33,16 @@ from ..validation import (
     Body,
     DateTime,
     Name,
-    Query,
+    Params,
+    QueryDateTime,
+    QueryInt,
+    QueryName,
     Text,
-    check_name,
     given,
     parse_uuid,
     read_body,
     read_optional_body,
+    read_query,
 )
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
@@ -119,16 +123,27 @@ class ActionRequest(Body):
 #: ``available_at``: the overview's "Delayed").
 LIST_STATUSES = (*STATUSES, DELAYED)
 
-LIST_PARAMS = (
-    "limit",
-    "offset",
-    "cursor",
-    "status",
-    "queue",
-    "actor",
-    "created_after",
-    "created_before",
-)
+
+class JobListParams(Params):
+    """The filters and the page of ``GET /api/jobs``."""
+
+    limit: QueryInt = Field(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description="Page size.")
+    offset: QueryInt = Field(0, ge=0, le=MAX_OFFSET, description="Jobs to skip (not with cursor).")
+    cursor: str = Field(None, description="A position from a next or previous link.")
+    status: Literal[LIST_STATUSES] = Field(
+        None,
+        description="Exact status, or delayed: queued jobs whose available_at is still ahead "
+        "(a delay, an eta, a retry backoff; the overview's Delayed count).",
+    )
+    queue: QueryName = Field(None, max_length=MAX_FILTER_LENGTH, description="Exact queue name.")
+    actor: QueryName = Field(
+        None,
+        max_length=MAX_FILTER_LENGTH,
+        description="Case-insensitive substring of the actor's name (at most 50 actor names "
+        "may match).",
+    )
+    created_after: QueryDateTime = Field(None, description="Created at or after (ISO 8601).")
+    created_before: QueryDateTime = Field(None, description="Created before (ISO 8601).")
 
 
 def member_scope(user: User) -> str:
@@ -140,17 +155,6 @@ def member_scope(user: User) -> str:
     if user.role != "member":
         return APPLICATION_SCOPE
     return idempotency_scope(f"member:{user.id}")
-
-
-def _bounded(query: Query, name: str) -> str | None:
-    """A text filter of at most :data:`MAX_FILTER_LENGTH` characters (None when empty)."""
-    value = query.text(name)
-    if not value:
-        return None
-    if len(value) > MAX_FILTER_LENGTH:
-        raise bad_request(f"{name} must be at most {MAX_FILTER_LENGTH} characters long")
-    check_name(name, value)
-    return value
 
 
 def job_id_param(raw: str) -> str:
@@ -172,19 +176,17 @@ class JobList:
         self.settings = settings
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        query = Query(req, LIST_PARAMS)
-        limit = query.integer("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
-        offset = query.integer("offset", 0, 0, MAX_OFFSET)
-        raw_cursor = query.text("cursor")
-        cursor = decode_job_cursor(raw_cursor) if raw_cursor else None
+        params = read_query(req, JobListParams)
+        limit, offset = params.limit, params.offset
+        cursor = decode_job_cursor(params.cursor) if params.cursor else None
         if cursor is not None and offset:
             raise bad_request("give cursor or offset, not both")
         filters = JobFilters(
-            status=query.choice("status", LIST_STATUSES),
-            queue=_bounded(query, "queue"),
-            actor=_bounded(query, "actor"),
-            created_after=query.datetime("created_after"),
-            created_before=query.datetime("created_before"),
+            status=params.status,
+            queue=params.queue,
+            actor=params.actor,
+            created_after=params.created_after,
+            created_before=params.created_before,
         )
         try:
             page = self.queries.list_jobs(
@@ -326,26 +328,20 @@ class JobDetail:
         self.queries = queries
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         job_id = job_id_param(job_id)
-        job = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
-        conditional.respond(req, resp, job)
+        conditional.respond(req, resp, self.read(job_id, owner_scope(req.context.user)))
+
+    def read(self, job_id: str, owner_id: int | None) -> dict:
+        return self.queries.get_job(job_id, owner_id=owner_id)
 
 
-class JobEvents:
+class JobEvents(JobDetail):
     """``GET /api/jobs/{id}/events``: the job's timeline, oldest first, with an ``ETag``
     (304 when unchanged, as for the job)."""
 
-    permissions = {"GET": READERS}
-
-    def __init__(self, queries: JobQueries) -> None:
-        self.queries = queries
-
-    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
-        job_id = job_id_param(job_id)
-        events = self.queries.job_events(job_id, owner_id=owner_scope(req.context.user))
-        conditional.respond(req, resp, {"job_id": job_id, "results": events})
+    def read(self, job_id: str, owner_id: int | None) -> dict:
+        return {"job_id": job_id, "results": self.queries.job_events(job_id, owner_id=owner_id)}
 
 
 class JobStats:
@@ -358,7 +354,7 @@ class JobStats:
         self.queries = queries
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
+        read_query(req)
         resp.media = self.queries.stats()
 
 
@@ -383,7 +379,7 @@ class JobTransition:
         self.change = getattr(store, name)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         job_id = job_id_param(job_id)
         read_optional_body(req, ActionRequest)
         # The transition and its read-back share one transaction: a worker woken by the

@@ -11,7 +11,7 @@ from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.jobs import JobStore
 
 from ..auth import OPERATORS
-from ..validation import Query, check_name, read_optional_body
+from ..validation import check_name, read_optional_body, read_query
 from .jobs import ActionRequest
 
 
@@ -32,7 +32,7 @@ class QueueAction:
         self.action = getattr(queue_control, action)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
-        Query(req, ())
+        read_query(req)
         # A name with a line break at its end would pass the queue-name pattern's "$": said
         # here, as for the names of a new job, instead of a 404 for a queue that looks real.
         check_name("queue name", queue_name)

@@ -9,7 +9,7 @@ from ..accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
 from ..auth import ADMINS
 from ..errors import bad_request
 from ..pagination import link_to
-from ..validation import Body, Query, Secret, Text, choice, given, read_body
+from ..validation import Body, Secret, Text, choice, given, read_body, read_query
 
 Role = choice(ROLES)
 
@@ -60,7 +60,7 @@ class UserList:
         self.accounts = accounts
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
+        read_query(req)
         users = [user.as_dict() for user in self.accounts.list_users()]
         resp.media = {"count": len(users), "results": users}
 
@@ -81,7 +81,7 @@ class UserDetail:
         self.accounts = accounts
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         resp.media = self.accounts.get_user(id_param(user_id, "user")).as_dict()
 
     def on_patch(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
@@ -102,7 +102,7 @@ class UserTokens:
         self.accounts = accounts
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         user = self.accounts.get_user(id_param(user_id, "user"))
         tokens = [token.as_dict() for token in self.accounts.list_tokens(user.id)]
         resp.media = {"count": len(tokens), "results": tokens}
@@ -124,6 +124,6 @@ class TokenDetail:
         self.accounts = accounts
 
     def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         self.accounts.revoke_token(id_param(token_id, "token"))
         resp.status = falcon.HTTP_204

@@ -64,8 +64,11 @@ class Schemas(GenerateJsonSchema):
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """A request body's schema, inline (it is one operation's)."""
-    return model.model_json_schema(ref_template=REF, schema_generator=Schemas)
+    """A request body's schema, inline (it is one operation's); ``required`` even when
+    empty, so that a reader of the document need not guess."""
+    schema = model.model_json_schema(ref_template=REF, schema_generator=Schemas)
+    schema.setdefault("required", [])
+    return schema
 
 
 def _components() -> dict[str, Any]:

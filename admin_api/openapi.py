@@ -1,12 +1,12 @@
 """The OpenAPI 3.1 document of the API, served at ``/api/openapi.json``.
 
-Nothing here declares a body: request bodies are the :class:`~admin_api.validation.Body`
-models the resources validate with, response bodies the models of
-:mod:`admin_api.responses`, and their JSON Schemas are generated from those classes
-(:class:`Schemas`). What is written here is what no model says: the paths, their
-parameters (from the same bounds the resources read them with), statuses and roles, and
-the authentication schemes. A test checks that every route and method is documented and
-that real responses match their schemas.
+Nothing here declares a body or a query parameter: request bodies are the
+:class:`~admin_api.validation.Body` models the resources validate with, query parameters
+their :class:`~admin_api.validation.Params` models, response bodies the models of
+:mod:`admin_api.responses`; the JSON Schemas are generated from those classes
+(:class:`Schemas`). What is written here is what no model says: the paths, the path and
+header parameters, statuses and roles, and the authentication schemes. A test checks that
+every route and method is documented and that real responses match their schemas.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 
 import falcon
 
-from .errors import bad_request
+from .errors import ApiError, bad_request
 from .queries import Cursor, JobCursor, JobPage
 
 _CURSOR_RE = re.compile(r"^([on]):(\d{1,19})$")
@@ -73,50 +73,53 @@ def job_links(
     return following, preceding
 
 
-def encode_job_cursor(cursor: JobCursor) -> str:
-    text = f"{'o' if cursor.older else 'n'}|{cursor.created_at.isoformat()}|{cursor.id}"
+def _encode(text: str) -> str:
     return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _decode(raw: str) -> str:
+    """The text of a cursor made by :func:`_encode`.
+
+    Raises:
+      binascii.Error, ValueError: it is not base64 of ASCII text.
+    """
+    return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii")
+
+
+def _not_ours(newest: str) -> ApiError:
+    return bad_request(
+        "cursor is not one this API made: use the 'next' or 'previous' link of a response, "
+        f"or leave cursor out for the newest {newest}"
+    )
+
+
+def encode_job_cursor(cursor: JobCursor) -> str:
+    return _encode(f"{'o' if cursor.older else 'n'}|{cursor.created_at.isoformat()}|{cursor.id}")
 
 
 def decode_job_cursor(raw: str) -> JobCursor:
-    """Read a cursor made by :func:`encode_job_cursor`.
-
-    Raises:
-      ApiError: 400 when it is not one.
-    """
+    """The cursor made by :func:`encode_job_cursor`; a 400 (ApiError) for another."""
     try:
-        text = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii")
-        direction, created_at, job_id = text.split("|")
+        direction, created_at, job_id = _decode(raw).split("|")
         when = dt.datetime.fromisoformat(created_at)
         if direction not in ("o", "n") or when.tzinfo is None or len(raw) > 200:
-            raise ValueError(text)
+            raise ValueError(raw)
         return JobCursor(direction == "o", when, str(uuid.UUID(job_id)))
     except (binascii.Error, ValueError, UnicodeDecodeError):
-        raise bad_request(
-            "cursor is not one this API made: use the 'next' or 'previous' link of a "
-            "response, or leave cursor out for the newest jobs"
-        ) from None
+        raise _not_ours("jobs") from None
 
 
 def encode_cursor(cursor: Cursor) -> str:
-    text = f"{'o' if cursor.older else 'n'}:{cursor.event_id}"
-    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+    return _encode(f"{'o' if cursor.older else 'n'}:{cursor.event_id}")
 
 
 def decode_cursor(raw: str) -> Cursor:
-    """Read a cursor made by :func:`encode_cursor`.
-
-    Raises:
-      ApiError: 400 when it is not one.
-    """
+    """The cursor made by :func:`encode_cursor`; a 400 (ApiError) for another."""
     try:
-        text = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode("ascii")
+        text = _decode(raw)
     except (binascii.Error, ValueError):
         text = ""
     match = _CURSOR_RE.match(text)
     if match is None or int(match.group(2)) > MAX_EVENT_ID:
-        raise bad_request(
-            "cursor is not one this API made: use the 'next' or 'previous' link of a "
-            "response, or leave cursor out for the newest events"
-        )
+        raise _not_ours("events")
     return Cursor(older=match.group(1) == "o", event_id=int(match.group(2)))

@@ -24,11 +24,12 @@ import time
 from importlib import resources
 
 import falcon
+from pydantic import Field
 
 from ..auth import OBSERVERS
 from ..monitoring import Monitor
 from ..pagination import link_to
-from ..validation import Query
+from ..validation import Params, QueryInt, read_query
 
 #: The dashboard's files, read once: name -> (content type, bytes).
 STATIC_TYPES = {
@@ -108,7 +109,7 @@ class Queues:
         self.monitor = monitor
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
+        read_query(req)
         queues = self.monitor.queues()
         live = self.monitor.live_workers()
         resp.media = {
@@ -128,6 +129,14 @@ MAX_THROUGHPUT_MINUTES = 24 * 60
 THROUGHPUT_CACHE_SECONDS = 10.0
 
 
+class ThroughputParams(Params):
+    """The window of ``GET /api/throughput``."""
+
+    minutes: QueryInt = Field(
+        60, ge=1, le=MAX_THROUGHPUT_MINUTES, description="The window, in minutes."
+    )
+
+
 class Throughput:
     """``GET /api/throughput?minutes=60``: succeeded, failed and retried attempts per
     minute (see :meth:`Monitor.throughput`), reused for :data:`THROUGHPUT_CACHE_SECONDS`
@@ -141,8 +150,7 @@ class Throughput:
         self._cache: dict[int, tuple[float, dict]] = {}
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        query = Query(req, ("minutes",))
-        minutes = query.integer("minutes", 60, 1, MAX_THROUGHPUT_MINUTES)
+        minutes = read_query(req, ThroughputParams).minutes
         # One reader at a time: concurrent dashboards wait for the answer being counted
         # instead of counting it again.
         with self._lock:

@@ -7,19 +7,29 @@ offset each new event would shift the pages and show a row twice; a cursor is a 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import falcon
+from pydantic import Field
 
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 
 from ..auth import READERS, owner_scope
 from ..pagination import MAX_EVENT_ID, decode_cursor, encode_cursor, page_link
 from ..queries import Cursor, JobQueries
-from ..validation import Query
+from ..validation import Params, QueryInt, QueryUuid, read_query
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
 
-FEED_PARAMS = ("limit", "cursor", "type", "job_id")
+
+class FeedParams(Params):
+    """The filters and the page of ``GET /api/job-events``."""
+
+    limit: QueryInt = Field(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description="Page size.")
+    cursor: str = Field(None, description="From a next/previous link.")
+    type: Literal[EVENT_TYPES] = Field(None, description="Exact event type.")
+    job_id: QueryUuid = Field(None, description="One job.")
 
 
 class EventFeed:
@@ -29,15 +39,14 @@ class EventFeed:
         self.queries = queries
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        query = Query(req, FEED_PARAMS)
-        limit = query.integer("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
-        raw_cursor = query.text("cursor")
-        cursor = decode_cursor(raw_cursor) if raw_cursor else None
+        params = read_query(req, FeedParams)
+        limit = params.limit
+        cursor = decode_cursor(params.cursor) if params.cursor else None
         results, more = self.queries.event_feed(
             limit=limit,
             cursor=cursor,
-            event_type=query.choice("type", EVENT_TYPES),
-            job_id=query.uuid("job_id"),
+            event_type=params.type,
+            job_id=params.job_id,
             owner_id=owner_scope(req.context.user),
         )
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Literal
 
 import dramatiq
 import falcon
+from pydantic import Field
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
@@ -27,7 +29,21 @@ from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..pagination import decode_job_cursor, job_links, link_to
 from ..queries import DELAYED, JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
-from ..validation import Field, Query, check_name, parse_uuid, read_object, read_optional_object
+from ..validation import (
+    Body,
+    DateTime,
+    Name,
+    Params,
+    QueryDateTime,
+    QueryInt,
+    QueryName,
+    Text,
+    given,
+    parse_uuid,
+    read_body,
+    read_optional_body,
+    read_query,
+)
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
 DEFAULT_LIMIT = 25
@@ -42,66 +58,92 @@ QUEUE_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9._-]*$"
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
-#: The body of ``POST /api/jobs``.
-JOB_FIELDS = {
-    "actor_name": Field(
-        "string", "The actor's name, as declared with @dramatiq.actor. Whitespace at "
+
+class JobRequest(Body):
+    """The body of POST /api/jobs."""
+
+    actor_name: Name = Field(
+        max_length=255,
+        description="The actor's name, as declared with @dramatiq.actor. Whitespace at "
         "either end, control characters (tabs, line breaks) and U+2028/U+2029 are refused, "
-        "not stripped.", required=True, max_length=255, name=True,
-    ),
-    "queue_name": Field(
-        "string", "The actor's queue: a letter or '_', then letters, digits, '.', '_', '-'. "
-        "Default: the queue the actor was declared on by the workers (a different one is a "
-        "400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
-        "declared.", max_length=255, pattern=QUEUE_NAME_PATTERN, name=True,
-    ),
-    "args": Field("array", "Positional arguments of the actor.", default=[]),
-    "kwargs": Field("object", "Keyword arguments of the actor.", default={}),
-    "priority": Field(
-        "integer", "Lower runs first (Dramatiq's meaning). Default: the priority the "
+        "not stripped.",
+    )
+    queue_name: Name = Field(
+        None,
+        max_length=255,
+        pattern=QUEUE_NAME_PATTERN,
+        description="The actor's queue: a letter or '_', then letters, digits, '.', '_', "
+        "'-'. Default: the queue the actor was declared on by the workers (a different one "
+        "is a 400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
+        "declared.",
+    )
+    args: list = Field([], description="Positional arguments of the actor.")
+    kwargs: dict = Field({}, description="Keyword arguments of the actor.")
+    priority: int = Field(
+        None,
+        ge=INT32_MIN,
+        le=INT32_MAX,
+        description="Lower runs first (Dramatiq's meaning). Default: the priority the "
         "workers declared the actor with (0 for an actor no worker declared).",
-        minimum=INT32_MIN, maximum=INT32_MAX,
-    ),
-    "delay": Field(
-        "integer", "Milliseconds to wait before the job may run. Not with available_at.",
-        minimum=0, maximum=MAX_DELAY_MS, nullable=True,
-    ),
-    "available_at": Field(
-        "datetime", "Earliest time the job may run (ISO 8601; UTC without an offset). "
-        "Not with delay.", nullable=True,
-    ),
-    "max_retries": Field(
-        "integer", "Retries after the first attempt (max_attempts = max_retries + 1). "
+    )
+    delay: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_DELAY_MS,
+        description="Milliseconds to wait before the job may run. Not with available_at.",
+    )
+    available_at: DateTime | None = Field(
+        None,
+        description="Earliest time the job may run (ISO 8601; UTC without an offset). "
+        "Not with delay.",
+    )
+    max_retries: int | None = Field(
+        None,
+        ge=0,
+        le=UNLIMITED_ATTEMPTS - 1,
+        description="Retries after the first attempt (max_attempts = max_retries + 1). "
         "Default: the max_retries the workers declared the actor with; for an actor "
         "declared without one, the row's max_attempts is DRAMATIQ_PG_MAX_ATTEMPTS.",
-        minimum=0, maximum=UNLIMITED_ATTEMPTS - 1, nullable=True,
-    ),
-    "idempotency_key": Field(
-        "string", "A second request with the same key returns the first job (200) "
+    )
+    idempotency_key: Text | None = Field(
+        None,
+        max_length=255,
+        description="A second request with the same key returns the first job (200) "
         "instead of creating one. A member's keys live in that member's own namespace.",
-        max_length=255, nullable=True,
-    ),
-}  # fmt: skip
+    )
 
-#: The body of the action endpoints (retry, cancel, abort; pause and resume of a queue):
-#: none, or an empty JSON object. Any field is refused, like every endpoint's unknown
-#: fields.
-ACTION_FIELDS: dict[str, Field] = {}
+
+class ActionRequest(Body):
+    """The body of the action endpoints (retry, cancel, abort; pause and resume of a
+    queue): none, or an empty JSON object. Any field is refused, like every endpoint's
+    unknown fields."""
+
 
 #: The list's status filter: a status, or ``delayed`` (queued, not runnable before a later
 #: ``available_at``: the overview's "Delayed").
 LIST_STATUSES = (*STATUSES, DELAYED)
 
-LIST_PARAMS = (
-    "limit",
-    "offset",
-    "cursor",
-    "status",
-    "queue",
-    "actor",
-    "created_after",
-    "created_before",
-)
+
+class JobListParams(Params):
+    """The filters and the page of ``GET /api/jobs``."""
+
+    limit: QueryInt = Field(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT, description="Page size.")
+    offset: QueryInt = Field(0, ge=0, le=MAX_OFFSET, description="Jobs to skip (not with cursor).")
+    cursor: str = Field(None, description="A position from a next or previous link.")
+    status: Literal[LIST_STATUSES] = Field(
+        None,
+        description="Exact status, or delayed: queued jobs whose available_at is still ahead "
+        "(a delay, an eta, a retry backoff; the overview's Delayed count).",
+    )
+    queue: QueryName = Field(None, max_length=MAX_FILTER_LENGTH, description="Exact queue name.")
+    actor: QueryName = Field(
+        None,
+        max_length=MAX_FILTER_LENGTH,
+        description="Case-insensitive substring of the actor's name (at most 50 actor names "
+        "may match).",
+    )
+    created_after: QueryDateTime = Field(None, description="Created at or after (ISO 8601).")
+    created_before: QueryDateTime = Field(None, description="Created before (ISO 8601).")
 
 
 def member_scope(user: User) -> str:
@@ -113,17 +155,6 @@ def member_scope(user: User) -> str:
     if user.role != "member":
         return APPLICATION_SCOPE
     return idempotency_scope(f"member:{user.id}")
-
-
-def _bounded(query: Query, name: str) -> str | None:
-    """A text filter of at most :data:`MAX_FILTER_LENGTH` characters (None when empty)."""
-    value = query.text(name)
-    if not value:
-        return None
-    if len(value) > MAX_FILTER_LENGTH:
-        raise bad_request(f"{name} must be at most {MAX_FILTER_LENGTH} characters long")
-    check_name(name, value)
-    return value
 
 
 def job_id_param(raw: str) -> str:
@@ -145,19 +176,17 @@ class JobList:
         self.settings = settings
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        query = Query(req, LIST_PARAMS)
-        limit = query.integer("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
-        offset = query.integer("offset", 0, 0, MAX_OFFSET)
-        raw_cursor = query.text("cursor")
-        cursor = decode_job_cursor(raw_cursor) if raw_cursor else None
+        params = read_query(req, JobListParams)
+        limit, offset = params.limit, params.offset
+        cursor = decode_job_cursor(params.cursor) if params.cursor else None
         if cursor is not None and offset:
             raise bad_request("give cursor or offset, not both")
         filters = JobFilters(
-            status=query.choice("status", LIST_STATUSES),
-            queue=_bounded(query, "queue"),
-            actor=_bounded(query, "actor"),
-            created_after=query.datetime("created_after"),
-            created_before=query.datetime("created_before"),
+            status=params.status,
+            queue=params.queue,
+            actor=params.actor,
+            created_after=params.created_after,
+            created_before=params.created_before,
         )
         try:
             page = self.queries.list_jobs(
@@ -179,7 +208,7 @@ class JobList:
         }
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        values = read_object(req, JOB_FIELDS)
+        values = given(read_body(req, JobRequest))
         user = req.context.user
         queue_name, declared = self._queue_of(values["actor_name"], values.get("queue_name"))
         if "delay" in values and "available_at" in values:
@@ -299,26 +328,20 @@ class JobDetail:
         self.queries = queries
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         job_id = job_id_param(job_id)
-        job = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
-        conditional.respond(req, resp, job)
+        conditional.respond(req, resp, self.read(job_id, owner_scope(req.context.user)))
+
+    def read(self, job_id: str, owner_id: int | None) -> dict:
+        return self.queries.get_job(job_id, owner_id=owner_id)
 
 
-class JobEvents:
+class JobEvents(JobDetail):
     """``GET /api/jobs/{id}/events``: the job's timeline, oldest first, with an ``ETag``
     (304 when unchanged, as for the job)."""
 
-    permissions = {"GET": READERS}
-
-    def __init__(self, queries: JobQueries) -> None:
-        self.queries = queries
-
-    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
-        job_id = job_id_param(job_id)
-        events = self.queries.job_events(job_id, owner_id=owner_scope(req.context.user))
-        conditional.respond(req, resp, {"job_id": job_id, "results": events})
+    def read(self, job_id: str, owner_id: int | None) -> dict:
+        return {"job_id": job_id, "results": self.queries.job_events(job_id, owner_id=owner_id)}
 
 
 class JobStats:
@@ -331,7 +354,7 @@ class JobStats:
         self.queries = queries
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
+        read_query(req)
         resp.media = self.queries.stats()
 
 
@@ -356,9 +379,9 @@ class JobTransition:
         self.change = getattr(store, name)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         job_id = job_id_param(job_id)
-        read_optional_object(req, ACTION_FIELDS)
+        read_optional_body(req, ActionRequest)
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
         # read, so the response shows what the operator did, not what happened next.

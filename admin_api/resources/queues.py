@@ -11,8 +11,8 @@ from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.jobs import JobStore
 
 from ..auth import OPERATORS
-from ..validation import Query, check_name, read_optional_object
-from .jobs import ACTION_FIELDS
+from ..validation import check_name, read_optional_body, read_query
+from .jobs import ActionRequest
 
 
 class QueueAction:
@@ -32,11 +32,11 @@ class QueueAction:
         self.action = getattr(queue_control, action)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
-        Query(req, ())
+        read_query(req)
         # A name with a line break at its end would pass the queue-name pattern's "$": said
         # here, as for the names of a new job, instead of a 404 for a queue that looks real.
         check_name("queue name", queue_name)
-        read_optional_object(req, ACTION_FIELDS)
+        read_optional_body(req, ActionRequest)
         with self.store.pool.connection() as conn:
             state = self.action(conn, self.store.schema, queue_name, by=req.context.user.email)
         resp.media = state.as_dict()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import falcon
+from pydantic import Field
 
 from dramatiq_pg_broker.config import Settings
 
@@ -10,12 +11,14 @@ from ..accounts import AccountStore
 from ..auth import READERS, SESSION_COOKIE, clear_session_cookie, set_session_cookie
 from ..errors import ApiError
 from ..throttle import LoginThrottle, client_address
-from ..validation import Field, read_object
+from ..validation import Body, Secret, Text, read_body
 
-LOGIN_FIELDS = {
-    "email": Field("string", "The account's email address.", required=True, max_length=254),
-    "password": Field("string", "The account's password.", required=True, trim=False),
-}
+
+class LoginRequest(Body):
+    """The body of POST /api/auth/login."""
+
+    email: Text = Field(max_length=254, description="The account's email address.")
+    password: Secret = Field(description="The account's password.")
 
 
 class Login:
@@ -31,12 +34,12 @@ class Login:
         self.trusted_proxies = frozenset(settings.trusted_proxies)
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        values = read_object(req, LOGIN_FIELDS)
-        email, client = values["email"], client_address(req, self.trusted_proxies)
+        body = read_body(req, LoginRequest)
+        email, client = body.email, client_address(req, self.trusted_proxies)
         wait = self.throttle.retry_after(email, client)
         if wait > 0:
             raise too_many_logins(wait)
-        user = self.accounts.authenticate(email, values["password"])
+        user = self.accounts.authenticate(email, body.password)
         if user is None:
             wait = self.throttle.failed(email, client)
             raise ApiError(

@@ -3,42 +3,45 @@
 from __future__ import annotations
 
 import falcon
+from pydantic import Field
 
 from ..accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
 from ..auth import ADMINS
 from ..errors import bad_request
 from ..pagination import link_to
-from ..validation import Field, Query, read_object
+from ..validation import Body, Secret, Text, choice, given, read_body, read_query
 
-USER_FIELDS = {
-    "email": Field(
-        "string", "Email address; unique whatever its case.", required=True, max_length=254
-    ),
-    "password": Field(
-        "string",
-        "8 characters to 72 bytes (in UTF-8).",
-        required=True,
-        trim=False,
+Role = choice(ROLES)
+
+
+class UserRequest(Body):
+    """The body of POST /api/users."""
+
+    email: Text = Field(max_length=254, description="Email address; unique whatever its case.")
+    password: Secret = Field(
+        min_length=MIN_PASSWORD_LENGTH, description="8 characters to 72 bytes (in UTF-8)."
+    )
+    role: Role = Field(description="What the user may do.")
+    active: bool = Field(True, description="A deactivated user cannot log in or use tokens.")
+
+
+class UserUpdate(Body):
+    """The body of PATCH /api/users/{user_id}: at least one of its fields."""
+
+    role: Role = Field(None, description="What the user may do.")
+    active: bool = Field(None, description="Deactivating ends the user's sessions.")
+    password: Secret = Field(
+        None,
         min_length=MIN_PASSWORD_LENGTH,
-    ),
-    "role": Field("string", "What the user may do.", required=True, enum=ROLES),
-    "active": Field("boolean", "A deactivated user cannot log in or use tokens.", default=True),
-}
+        description="A new password, 8 characters to 72 bytes (in UTF-8); ends the user's "
+        "sessions.",
+    )
 
-USER_UPDATE_FIELDS = {
-    "role": Field("string", "What the user may do.", enum=ROLES),
-    "active": Field("boolean", "Deactivating ends the user's sessions."),
-    "password": Field(
-        "string",
-        "A new password, 8 characters to 72 bytes (in UTF-8); ends the user's sessions.",
-        trim=False,
-        min_length=MIN_PASSWORD_LENGTH,
-    ),
-}
 
-TOKEN_FIELDS = {
-    "name": Field("string", "What the token is for.", required=True, max_length=100),
-}
+class TokenRequest(Body):
+    """The body of POST /api/users/{user_id}/tokens."""
+
+    name: Text = Field(max_length=100, description="What the token is for.")
 
 
 def id_param(raw: str, what: str) -> int:
@@ -57,15 +60,13 @@ class UserList:
         self.accounts = accounts
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
+        read_query(req)
         users = [user.as_dict() for user in self.accounts.list_users()]
         resp.media = {"count": len(users), "results": users}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        values = read_object(req, USER_FIELDS)
-        user = self.accounts.create_user(
-            values["email"], values["password"], values["role"], active=values.get("active", True)
-        )
+        body = read_body(req, UserRequest)
+        user = self.accounts.create_user(body.email, body.password, body.role, active=body.active)
         resp.status = falcon.HTTP_201
         resp.location = link_to(req, f"/api/users/{user.id}")
         resp.media = user.as_dict()
@@ -80,14 +81,14 @@ class UserDetail:
         self.accounts = accounts
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         resp.media = self.accounts.get_user(id_param(user_id, "user")).as_dict()
 
     def on_patch(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
         user_id_value = id_param(user_id, "user")
-        values = read_object(req, USER_UPDATE_FIELDS)
+        values = given(read_body(req, UserUpdate))
         if not values:
-            raise bad_request("give at least one of role, active, password")
+            raise bad_request(f"give at least one of {', '.join(UserUpdate.model_fields)}")
         resp.media = self.accounts.update_user(user_id_value, **values).as_dict()
 
 
@@ -101,15 +102,15 @@ class UserTokens:
         self.accounts = accounts
 
     def on_get(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         user = self.accounts.get_user(id_param(user_id, "user"))
         tokens = [token.as_dict() for token in self.accounts.list_tokens(user.id)]
         resp.media = {"count": len(tokens), "results": tokens}
 
     def on_post(self, req: falcon.Request, resp: falcon.Response, user_id: str) -> None:
         user_id_value = id_param(user_id, "user")
-        values = read_object(req, TOKEN_FIELDS)
-        new = self.accounts.create_token(user_id_value, values["name"])
+        body = read_body(req, TokenRequest)
+        new = self.accounts.create_token(user_id_value, body.name)
         resp.status = falcon.HTTP_201
         resp.media = {**new.token.as_dict(), "token": new.secret}
 
@@ -123,6 +124,6 @@ class TokenDetail:
         self.accounts = accounts
 
     def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: str) -> None:
-        Query(req, ())
+        read_query(req)
         self.accounts.revoke_token(id_param(token_id, "token"))
         resp.status = falcon.HTTP_204

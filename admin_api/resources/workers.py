@@ -10,37 +10,45 @@ from dramatiq_pg_broker.jobs import JobStore
 from dramatiq_pg_broker.workers import list_actors, list_workers
 
 from ..auth import OBSERVERS, READERS
-from ..validation import Query
+from ..validation import read_query
 
 
-class WorkerList:
+class RegistryList:
+    """A list read from what the workers registered (see :meth:`read`), on the store's
+    pool: ``{"count": n, "results": [...]}``."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        read_query(req)
+        with self.store.pool.connection() as conn:
+            rows = self.read(conn, self.store.schema)
+        resp.media = self.body(rows)
+
+    def read(self, conn, schema: str) -> list[dict]:
+        raise NotImplementedError
+
+    def body(self, rows: list[dict]) -> dict:
+        return {"count": len(rows), "results": rows}
+
+
+class WorkerList(RegistryList):
     """Every live worker process: host, process id, queues, actors, version, when it
     started, its last heartbeat, and the attempts it holds (in flight). A process that
     stopped refreshing for a lease is not listed."""
 
     permissions = {"GET": OBSERVERS}
 
-    def __init__(self, store: JobStore) -> None:
-        self.store = store
-
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
-        with self.store.pool.connection() as conn:
-            rows = list_workers(conn, self.store.schema)
-        resp.media = {"count": len(rows), "results": rows}
+    def read(self, conn, schema: str) -> list[dict]:
+        return list_workers(conn, schema)
 
 
-class ActorList:
+class ActorList(RegistryList):
     """Every declared actor with its queue (what ``POST /api/jobs`` accepts), when a worker
     last declared it, and how many live workers declare it now."""
 
     permissions = {"GET": READERS}
 
-    def __init__(self, store: JobStore) -> None:
-        self.store = store
-
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        Query(req, ())
-        with self.store.pool.connection() as conn:
-            rows = list_actors(conn, self.store.schema)
-        resp.media = {"count": len(rows), "results": rows}
+    def read(self, conn, schema: str) -> list[dict]:
+        return list_actors(conn, schema)

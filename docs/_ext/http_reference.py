@@ -17,11 +17,15 @@ METHODS = ("get", "post", "put", "patch", "delete")
 def _type(schema: dict) -> str:
     if "$ref" in schema:
         return schema["$ref"].rsplit("/", 1)[1]
+    if "anyOf" in schema:  # a nullable object: [its schema, null]
+        return " or ".join(_type(choice) for choice in schema["anyOf"])
     kind = schema.get("type", "")
     if isinstance(kind, list):
         kind = " or ".join(kind)
     if kind == "array" and "items" in schema:
         kind = f"array of {_type(schema['items'])}"
+    if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
+        kind = f"object of {_type(schema['additionalProperties'])}"
     if "enum" in schema:
         kind += f" ({', '.join(str(v) for v in schema['enum'])})"
     if "format" in schema:

@@ -31,7 +31,7 @@ from .workers import REPO, wait_for
 pytestmark = pytest.mark.slow
 
 #: What the ``admin`` extra adds; none of it may be in a base install.
-ADMIN_ONLY = ("falcon", "gunicorn", "bcrypt", "sqlalchemy")
+ADMIN_ONLY = ("falcon", "gunicorn", "bcrypt", "sqlalchemy", "pydantic")
 #: The frameworks of the integrations (``dramatiq_pg_broker.contrib``); none of them either.
 FRAMEWORKS = ("django", "django_dramatiq", "fastapi", "uvicorn", "httpx")
 #: The only top-level packages the wheel may install.

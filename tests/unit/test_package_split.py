@@ -12,7 +12,7 @@ from pathlib import Path
 import dramatiq_pg_broker
 
 PACKAGE = Path(dramatiq_pg_broker.__file__).parent
-ADMIN_ONLY = ("admin_api", "falcon", "gunicorn", "bcrypt", "sqlalchemy")
+ADMIN_ONLY = ("admin_api", "falcon", "gunicorn", "bcrypt", "sqlalchemy", "pydantic")
 
 
 def test_importing_the_broker_loads_no_admin_module():

@@ -1,0 +1,367 @@
+"""What the API answers with, declared once as pydantic models: the OpenAPI document's
+component schemas (:mod:`admin_api.openapi` generates them from these classes; a model's
+docstring is its description there). The resources still build plain dicts, so answering
+costs nothing more; a test validates real answers against the document.
+
+Where a shape is already declared, it is derived, not written again: a job's fields from
+the table's columns (:data:`admin_api.tables.jobs`), a user's, a token's and a queue's
+state from the dataclasses the API serializes.
+
+A field that an answer may leave out defaults to ``None``; every other field is required.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import typing
+import uuid
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+
+from dramatiq_pg_broker.events import ALL as EVENT_TYPES
+from dramatiq_pg_broker.events import STATUSES
+from dramatiq_pg_broker.queues import QueueState as QueueStateRecord
+
+from . import accounts
+from .queries import JOB_COLUMNS, LIST_COLUMNS, PREVIEW_CHARS
+from .tables import jobs
+
+Time = dt.datetime
+Link = str | None
+
+
+def _link(description: str) -> Any:
+    return Field(json_schema_extra={"format": "uri-reference"}, description=description)
+
+
+def _column_type(column: sa.Column) -> Any:
+    """The Python type of a table column's values as the API shows them."""
+    kind = column.type
+    if isinstance(kind, JSONB):
+        return Any  # any JSON value, null included
+    if isinstance(kind, UUID):
+        python: Any = uuid.UUID
+    elif isinstance(kind, sa.DateTime):
+        python = dt.datetime
+    elif isinstance(kind, sa.Integer):
+        python = int
+    elif isinstance(kind, sa.Boolean):
+        python = bool
+    else:
+        python = str
+    return python | None if column.nullable else python
+
+
+def _from_dataclass(cls: type, name: str | None = None, **fields: Any) -> type[BaseModel]:
+    """A model with the fields of the dataclass ``cls`` (``fields`` added or replaced)."""
+    hints = typing.get_type_hints(cls)
+    own = {f.name: (hints[f.name], ...) for f in dataclasses.fields(cls)}
+    return create_model(name or cls.__name__, __doc__=cls.__doc__, **{**own, **fields})
+
+
+def _list_of(model: type[BaseModel]) -> type[BaseModel]:
+    """``{"count": n, "results": [...]}`` of ``model``."""
+    return create_model(
+        f"{model.__name__}List",
+        __doc__=f"Every {model.__name__.lower()}, with their count.",
+        count=(int, ...),
+        results=(list[model], ...),
+    )
+
+
+class Error(BaseModel):
+    """Every error's body."""
+
+    error: str = Field(description="A stable code, e.g. bad_request.")
+    message: str = Field(description="What was wrong, as a sentence.")
+
+
+Job = create_model(
+    "Job",
+    __doc__="A job: its row's columns, its message, who created it and who asked to abort it.",
+    **{
+        # The row's columns the API shows, typed from the table's definition ...
+        **{name: (_column_type(jobs.c[name]), ...) for name in JOB_COLUMNS},
+        # ... and what the table does not say.
+        "status": (Literal[STATUSES], ...),
+        "message": (
+            dict | None,
+            Field(
+                description="The Dramatiq message (args, kwargs, options ...); null when it "
+                "is stored in a binary encoding."
+            ),
+        ),
+        "message_encoding": (Literal["json", "binary"], ...),
+        "owner": (
+            str | None,
+            Field(description="Email of the user who created the job through the API."),
+        ),
+        "abort_requested_at": (
+            Time | None,
+            Field(description="When an operator asked for the job's abort (null: never)."),
+        ),
+        "abort_requested_by": (str | None, Field(description="Who asked for the job's abort.")),
+    },
+)
+
+JobSummary = create_model(
+    "JobSummary",
+    __doc__="A job in a list: its fields, but bounded previews instead of its arguments, "
+    "result and last error (the job's own endpoint has them whole).",
+    # A list row has the job's own fields but its arguments, result and last error.
+    **{
+        name: (Job.model_fields[name].annotation, Job.model_fields[name])
+        for name in (*LIST_COLUMNS, "message_encoding", "owner")
+    },
+    args_preview=(
+        str | None,
+        Field(
+            max_length=PREVIEW_CHARS,
+            description=f"The arguments (args, then kwargs when there are any) as JSON, at "
+            f"most {PREVIEW_CHARS} characters, ending with '…' when cut; null for a message "
+            "in a binary encoding.",
+        ),
+    ),
+    error_preview=(
+        str | None,
+        Field(
+            max_length=PREVIEW_CHARS,
+            description=f"The last error, at most {PREVIEW_CHARS} characters.",
+        ),
+    ),
+)
+
+
+class JobPage(BaseModel):
+    """One page of jobs, with the links to the pages around it."""
+
+    count: int = Field(description="Matching jobs, counted up to 10,000 (see count_exact).")
+    count_exact: bool = Field(
+        description="False when more than 10,000 jobs match: count is then 10,000."
+    )
+    next: Link = _link(
+        "Older jobs (a keyset cursor link; relative unless DRAMATIQ_PG_PUBLIC_URL is set)."
+    )
+    previous: Link = _link("Newer jobs (a keyset cursor link).")
+    results: list[JobSummary]
+
+
+class Event(BaseModel):
+    """One event of a job's timeline."""
+
+    id: int
+    job_id: uuid.UUID
+    type: Literal[EVENT_TYPES]
+    attempt: int
+    actor: str | None = Field(description="Worker or operator.")
+    data: Any
+    created_at: Time
+
+
+class JobTimeline(BaseModel):
+    """A job's events, oldest first."""
+
+    job_id: uuid.UUID
+    results: list[Event]
+
+
+class EventPage(BaseModel):
+    """One page of every job's events, newest first."""
+
+    next: Link = _link("Older events.")
+    previous: Link = _link("Newer events.")
+    results: list[Event]
+
+
+class Schedule(BaseModel):
+    """A periodic schedule as the workers registered it."""
+
+    name: str
+    kind: Literal["actor", "maintenance"]
+    actor_name: str | None
+    queue_name: str | None
+    trigger: str = Field(description="'cron <expr>' or 'every <n><unit>'.")
+    timezone: str
+    missed: Literal["run_once", "skip"]
+    last_tick: Time | None
+    next_run: Time | None
+    last_job_id: uuid.UUID | None
+    last_job_status: str | None
+    updated_at: Time
+
+
+class ScheduleList(BaseModel):
+    """Every schedule the workers registered."""
+
+    schedules: list[Schedule]
+
+
+StatusCounts = create_model(
+    "StatusCounts", __doc__="Jobs per status.", **{status: (int, ...) for status in STATUSES}
+)
+
+
+class QueueLoad(BaseModel):
+    """A queue's unfinished jobs."""
+
+    queued: int
+    running: int
+
+
+class OldestQueued(BaseModel):
+    """The queued job that has waited longest."""
+
+    id: uuid.UUID
+    queue_name: str
+    actor_name: str
+    created_at: Time
+    age_seconds: float
+
+
+class Stats(BaseModel):
+    """Counts by status and queue, expired leases, pending retries, the oldest queued job."""
+
+    total: int
+    estimated: bool = Field(
+        description="total and at least one of succeeded, failed and cancelled are "
+        "estimates (that status's history is big)."
+    )
+    by_status: StatusCounts
+    by_queue: dict[str, QueueLoad] = Field(description="Unfinished jobs per queue.")
+    expired_leases: int = Field(
+        description="Running jobs whose lease expired (the reaper will requeue them)."
+    )
+    retries_pending: int = Field(
+        description="Queued jobs waiting for a retry after a failed attempt."
+    )
+    oldest_queued: OldestQueued | None
+
+
+class Health(BaseModel):
+    """Whether the database answers and has the schema this code needs."""
+
+    status: Literal["ok", "unavailable"]
+    database: Literal["ok", "unreachable"]
+    schema_: Literal["ok", "missing", "migrations_pending", "code_too_old"] = Field(
+        None, alias="schema", description="Absent when the database does not answer."
+    )
+    detail: str = Field(None, description="Why it is unavailable.")
+
+
+class Settings(BaseModel):
+    """Settings without secrets (see the settings reference)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+QueueState = _from_dataclass(QueueStateRecord)
+
+
+class Worker(BaseModel):
+    """A live worker process."""
+
+    id: str = Field(description="host:pid:random, per process start.")
+    host: str
+    pid: int
+    queues: list[str]
+    actors: list[str]
+    version: str | None
+    started_at: Time
+    heartbeat_at: Time
+    expires_at: Time = Field(description="Without a heartbeat by then, the process counts as gone.")
+    in_flight: int = Field(
+        description="Attempts it held at its last heartbeat (prefetched, running or waiting "
+        "for their outcome to be written)."
+    )
+
+
+class Actor(BaseModel):
+    """An actor a worker declared, with its queue."""
+
+    actor_name: str
+    queue_name: str
+    declared_at: Time
+    seen_at: Time = Field(description="When a worker last declared it.")
+    live_workers: int = Field(description="Live workers declaring it.")
+
+
+User = _from_dataclass(accounts.User, role=(Literal[accounts.ROLES], ...))
+Token = _from_dataclass(
+    accounts.Token,
+    token=(str, Field(None, description="Only when created; shown once.")),
+)
+
+
+class Login(BaseModel):
+    """The account logged in, and how long its session lasts."""
+
+    user: User
+    expires_in: int = Field(description="Seconds until the session expires.")
+
+
+class Caller(BaseModel):
+    """The caller's account, and how they authenticated."""
+
+    user: User
+    via: Literal["session", "token"]
+
+
+class QueueOverview(BaseModel):
+    """A queue's jobs by state, its oldest wait, its workers and its pause."""
+
+    queue_name: str
+    queued: int = Field(ge=0, description="Waiting and runnable now.")
+    delayed: int = Field(ge=0, description="Waiting for a later available_at.")
+    running: int = Field(ge=0, description="Claimed by a worker.")
+    failed: int = Field(ge=0, description="In the dead-letter state.")
+    oldest_waiting_seconds: float = Field(
+        description="How long the oldest runnable job has waited (0: none)."
+    )
+    declared: bool = Field(
+        description="A worker declared the queue (false: jobs wait in a queue no worker consumes)."
+    )
+    live_workers: int = Field(
+        ge=0,
+        description="Live worker processes consuming the queue now (0: its jobs wait, "
+        "whether or not a worker declared it before).",
+    )
+    paused: bool = Field(description="An operator paused the queue.")
+    paused_at: Time | None
+    paused_by: str | None
+
+
+class QueueList(BaseModel):
+    """The queues, by name."""
+
+    results: list[QueueOverview]
+
+
+class ThroughputBucket(BaseModel):
+    """One minute's finished attempts."""
+
+    at: Time
+    succeeded: int = Field(ge=0)
+    failed: int = Field(ge=0)
+    retried: int = Field(ge=0)
+
+
+class Throughput(BaseModel):
+    """Finished attempts per minute, oldest first."""
+
+    since: Time
+    until: Time
+    buckets: list[ThroughputBucket]
+    truncated: bool = Field(
+        description="The window held more events than one read takes; the oldest minutes "
+        "are incomplete."
+    )
+
+
+WorkerList = _list_of(Worker)
+ActorList = _list_of(Actor)
+UserList = _list_of(User)
+TokenList = _list_of(Token)

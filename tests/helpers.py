@@ -25,6 +25,18 @@ def drop_schema(url: str, schema: str) -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
+def idle_in_transaction(conn: psycopg.Connection, application_name: str) -> list[str]:
+    """The states of the connections named ``application_name`` that sit inside a
+    transaction nobody ended (the server reports a backend's state before it tells the
+    client a statement is done, so there is nothing to wait for)."""
+    rows = conn.execute(
+        "SELECT state FROM pg_stat_activity WHERE application_name = %s"
+        " AND state LIKE 'idle in transaction%%'",
+        (application_name,),
+    ).fetchall()
+    return [state for (state,) in rows]
+
+
 def wait_for(
     predicate: Callable[[], Any],
     timeout: float,

@@ -1,5 +1,5 @@
-"""Helpers every tier of the tests uses: schemas of their own, bounded waits, and a
-statement counter."""
+"""Helpers every tier of the tests uses: schemas of their own (a later release's among
+them), bounded waits, the connections left inside a transaction, and a statement counter."""
 
 from __future__ import annotations
 

@@ -92,7 +92,12 @@ def test_an_order_commits_with_its_job_and_the_worker_runs_it(shop, client, conn
         30,
         "the worker to send the receipt",
     )
-    assert status_of(app.broker.store, body["job"]) == "succeeded"
+    # The job's outcome is written a moment after its actor returned (write-behind).
+    wait_for(
+        lambda: status_of(app.broker.store, body["job"]) == "succeeded",
+        10,
+        "the job's success to be written",
+    )
 
 
 def test_a_refused_order_leaves_neither_order_nor_job(shop, client, conn, schema, app_name):

@@ -80,6 +80,18 @@ def empty_schema(pg_url):
 
 
 @pytest.fixture
+def behind(pg_url, empty_schema):
+    """``empty_schema`` migrated up to 0.1.0's schema (:data:`~.helpers.RELEASED`): older
+    than this code needs."""
+    from dramatiq_pg_broker.migrate import migrate
+
+    from .helpers import RELEASED
+
+    migrate(pg_url, empty_schema, target=RELEASED)
+    return empty_schema
+
+
+@pytest.fixture
 def conn(pg_url):
     with psycopg.connect(pg_url, autocommit=True) as c:
         yield c

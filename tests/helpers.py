@@ -1,18 +1,25 @@
-"""Helpers every tier of the tests uses: schemas of their own, bounded waits, and a
-statement counter."""
+"""Helpers every tier of the tests uses: schemas of their own (a later release's among
+them), bounded waits, the connections left inside a transaction, and a statement counter."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+
+#: 0.1.0's last migration, the one before the schema handshake (``CONTRACT_FROM`` - 1):
+#: every migration since is pending on a schema migrated up to it (the breaking 0012 among
+#: them).
+RELEASED = 9
 
 
 def new_schema_name(prefix: str = "t") -> str:
@@ -23,6 +30,38 @@ def new_schema_name(prefix: str = "t") -> str:
 def drop_schema(url: str, schema: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def migrate_ahead(url: str, schema: str, directory: Path, kind: str) -> str:
+    """Migrate ``schema`` with this code's migrations plus one more of ``kind``
+    (``compatible``, ``breaking``) that this code does not ship, written into
+    ``directory``/migrations: a later release's schema, as this code sees it. Returns the
+    added migration's name."""
+    from dramatiq_pg_broker import handshake
+    from dramatiq_pg_broker.migrate import migrate, migrations_dir
+
+    folder = directory / "migrations"
+    shutil.copytree(migrations_dir(), folder)
+    version = handshake.this_code().level + 1
+    name = f"{version:04d}_future_{kind}"
+    (folder / f"{name}.sql").write_text(
+        f"-- compatibility: {kind}\n-- A later release's change, made up by the test.\n"
+        "CREATE TABLE future_probe (id integer);\n"
+    )
+    migrate(url, schema, directory=folder)
+    return name
+
+
+def idle_in_transaction(conn: psycopg.Connection, application_name: str) -> list[str]:
+    """The states of the connections named ``application_name`` that sit inside a
+    transaction nobody ended (the server reports a backend's state before it tells the
+    client a statement is done, so there is nothing to wait for)."""
+    rows = conn.execute(
+        "SELECT state FROM pg_stat_activity WHERE application_name = %s"
+        " AND state LIKE 'idle in transaction%%'",
+        (application_name,),
+    ).fetchall()
+    return [state for (state,) in rows]
 
 
 def wait_for(

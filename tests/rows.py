@@ -32,3 +32,15 @@ def created_count(conn: psycopg.Connection, schema: str) -> int:
         sql.Identifier(schema, "job_events")
     )
     return conn.execute(query).fetchone()[0]
+
+
+def tables_of(conn: psycopg.Connection, schema: str, job_id: str) -> list[tuple[str, str]]:
+    """(table, status) of every row with this id, in ``jobs`` and in ``jobs_history``: more
+    than one means the id has a second row."""
+    return conn.execute(
+        sql.SQL(
+            "SELECT 'jobs', status FROM {s}.jobs WHERE id = %(id)s "
+            "UNION ALL SELECT 'history', status FROM {s}.jobs_history WHERE id = %(id)s"
+        ).format(s=sql.Identifier(schema)),
+        {"id": job_id},
+    ).fetchall()

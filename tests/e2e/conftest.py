@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from psycopg import sql
+
+from dramatiq_pg_broker import PostgresBroker
 
 from .clusters import cluster_factory
+from .worker_actors import create_executions_table, declare
 from .workers import worker_starter
 
 
@@ -19,3 +23,19 @@ def new_cluster():
     """Make throwaway PostgreSQL clusters of the test's own (see :mod:`.clusters`): the
     fixture's value makes one and starts it; every one is removed afterwards."""
     yield from cluster_factory()
+
+
+@pytest.fixture
+def recorded_actors(pg_url, schema, conn):
+    """``(broker, actors)``: the actors of :mod:`.worker_actors` (by name), declared on a
+    broker of the module's schema to send their messages, with an empty ``executions``
+    table and none of the module's earlier jobs left; the broker is closed afterwards."""
+    schema_id = sql.Identifier(schema)
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}.executions").format(schema_id))
+    conn.execute(
+        sql.SQL("TRUNCATE {0}.jobs, {0}.jobs_history, {0}.job_keys CASCADE").format(schema_id)
+    )
+    create_executions_table(conn, schema)
+    broker = PostgresBroker(url=pg_url, schema=schema)
+    yield broker, declare(broker)
+    broker.close()

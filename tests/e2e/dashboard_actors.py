@@ -1,4 +1,5 @@
-"""Actors for the dashboard's browser tests: ``dramatiq tests.e2e.dashboard_actors``.
+"""Actors for the dashboard's browser tests and the admin API's end-to-end test:
+``dramatiq tests.e2e.dashboard_actors``.
 
 The broker is configured from DRAMATIQ_PG_URL and DRAMATIQ_PG_SCHEMA (the test's schema).
 """

@@ -115,6 +115,27 @@ def worker(migrated, pg_url, tmp_path_factory):
     process.kill_group()
 
 
+@pytest.fixture
+def own_broker(django_project, migrated):
+    """``own_broker(**options)``: a broker of the Django integration besides the project's
+    (on its schema unless ``options`` say otherwise) and an actor of it that does nothing,
+    on a queue of its own; the broker is closed afterwards."""
+    from dramatiq_pg_broker.contrib.django import PostgresBroker
+
+    brokers = []
+
+    def make(**options):
+        options.setdefault("schema", migrated["DRAMATIQ_PG_SCHEMA"])
+        broker = PostgresBroker(**options)
+        brokers.append(broker)
+        queue = f"own_{uuid.uuid4().hex[:6]}"
+        return broker, dramatiq.actor(lambda: None, broker=broker, queue_name=queue)
+
+    yield make
+    for broker in brokers:
+        broker.close()
+
+
 def test_the_broker_is_the_django_one_on_django_s_database(django_project, migrated):
     from dramatiq_pg_broker.contrib.django import PostgresBroker
 
@@ -224,66 +245,49 @@ def test_the_view_s_refused_order_takes_its_job_with_it(django_project, migrated
     assert created_count(conn, schema) == created, "the refused order's job was created"
 
 
-def test_join_atomic_off_sends_through_the_broker_s_own_connections(django_project, migrated):
+def sent_in_a_rolled_back_block(actor: dramatiq.Actor, why: str) -> dramatiq.Message:
+    """Send with ``actor`` inside an atomic block that then rolls back; return the message."""
     from django.db import transaction
 
-    from dramatiq_pg_broker.contrib.django import PostgresBroker
-
-    broker = PostgresBroker(join_atomic=False, schema=migrated["DRAMATIQ_PG_SCHEMA"])
-    actor = dramatiq.actor(lambda: None, broker=broker, queue_name=f"off_{uuid.uuid4().hex[:6]}")
-    try:
-        with pytest.raises(RuntimeError):
-            with transaction.atomic():
-                message = actor.send()
-                raise RuntimeError("rolled back, but the job committed on its own")
-        assert status_of(broker.store, message.message_id) == "queued"
-    finally:
-        broker.close()
-
-
-def test_a_broker_url_of_its_own_is_checked_against_django_s_connection(
-    django_project, migrated, pg_url
-):
-    from django.db import transaction
-
-    from dramatiq_pg_broker.contrib.django import PostgresBroker
-
-    schema = migrated["DRAMATIQ_PG_SCHEMA"]
-    same = PostgresBroker(url=pg_url, schema=schema)
-    actor = dramatiq.actor(lambda: None, broker=same, queue_name=f"url_{uuid.uuid4().hex[:6]}")
-    try:
-        with pytest.raises(RuntimeError):
-            with transaction.atomic():
-                message = actor.send()
-                raise RuntimeError("rolled back")
-        assert status_of(same.store, message.message_id) is None
-        # The check itself: a connection that reaches another database is refused.
-        # What the sender learned at the block above; no public call makes it learn again.
-        same.sender._identity = ("another", None)
-        same.sender.broker_identity = lambda: ("another", None)
+    with pytest.raises(RuntimeError):
         with transaction.atomic():
-            with pytest.raises(TransactionError, match="cannot span two databases"):
-                actor.send()
-    finally:
-        same.close()
+            message = actor.send()
+            raise RuntimeError(why)
+    return message
 
 
-def test_a_failed_write_marks_the_atomic_block_for_rollback(django_project, migrated):
+def test_join_atomic_off_sends_through_the_broker_s_own_connections(own_broker):
+    broker, actor = own_broker(join_atomic=False)
+    message = sent_in_a_rolled_back_block(actor, "rolled back, but the job committed on its own")
+    assert status_of(broker.store, message.message_id) == "queued"
+
+
+def test_a_broker_url_of_its_own_is_checked_against_django_s_connection(own_broker, pg_url):
+    from django.db import transaction
+
+    same, actor = own_broker(url=pg_url)
+    message = sent_in_a_rolled_back_block(actor, "rolled back")
+    assert status_of(same.store, message.message_id) is None
+    # The check itself: a connection that reaches another database is refused.
+    # What the sender learned at the block above; no public call makes it learn again.
+    same.sender._identity = ("another", None)
+    same.sender.broker_identity = lambda: ("another", None)
+    with transaction.atomic():
+        with pytest.raises(TransactionError, match="cannot span two databases"):
+            actor.send()
+
+
+def test_a_failed_write_marks_the_atomic_block_for_rollback(own_broker):
     from django.db import connection, transaction
 
     from dramatiq_pg_broker import SchemaMissing
-    from dramatiq_pg_broker.contrib.django import PostgresBroker
 
-    broker = PostgresBroker(schema="no_such_schema_here")
+    broker, actor = own_broker(schema="no_such_schema_here")
     broker.pool.check_schema = lambda: None  # let the statement reach the server
-    actor = dramatiq.actor(lambda: None, broker=broker, queue_name="nowhere")
-    try:
-        with transaction.atomic():
-            with pytest.raises(SchemaMissing):
-                actor.send()
-            assert connection.needs_rollback, "Django would have committed an aborted block"
-    finally:
-        broker.close()
+    with transaction.atomic():
+        with pytest.raises(SchemaMissing):
+            actor.send()
+        assert connection.needs_rollback, "Django would have committed an aborted block"
 
 
 @pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")

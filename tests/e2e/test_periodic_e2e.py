@@ -34,6 +34,24 @@ def started(worker) -> bool:
     return "Scheduler started" in worker.log_path.read_text(errors="replace")
 
 
+def ticks_with_all_up(pg_url, schema, workers, ticks: int, what: str, logs):
+    """Wait until the schedulers of ``workers`` all started, then until ``ticks`` ticks
+    passed after that; return the moment all were up and the tick jobs so far (ticks
+    with one job each: a doubled tick would be a second row with the same tick)."""
+    wait_for(lambda: all(started(w) for w in workers), 90, what, on_timeout=logs)
+    all_up = server_now(pg_url)
+    wait_for(
+        lambda: sum(t > all_up for t, _, _ in tick_jobs(pg_url, schema)) >= ticks,
+        60,
+        f"{ticks} ticks with {what} up",
+        on_timeout=logs,
+    )
+    jobs = tick_jobs(pg_url, schema)
+    ticks_seen = [t for t, _, _ in jobs]
+    assert len(ticks_seen) == len(set(ticks_seen)), f"a tick has two jobs: {ticks_seen}"
+    return all_up, jobs
+
+
 def test_three_workers_one_job_per_tick_and_no_tick_lost_across_a_restart(
     start_worker, pg_url, schema
 ):
@@ -42,20 +60,11 @@ def test_three_workers_one_job_per_tick_and_no_tick_lost_across_a_restart(
     def logs():
         return "\n".join(w.log_tail(15) for w in workers)
 
-    wait_for(lambda: all(started(w) for w in workers), 90, "3 schedulers", on_timeout=logs)
-    all_up = server_now(pg_url)
-    wait_for(
-        lambda: sum(t > all_up for t, _, _ in tick_jobs(pg_url, schema)) >= 11,
-        60,
-        "11 ticks with all three workers up",
-        on_timeout=logs,
-    )
+    all_up, before = ticks_with_all_up(pg_url, schema, workers, 11, "the 3 schedulers", logs)
 
     # Exactly one job per tick while the three ran: consecutive seconds, none missing, none
-    # doubled (a doubled tick would be a second row with the same tick).
-    before = tick_jobs(pg_url, schema)
+    # doubled.
     ticks = [t for t, _, _ in before]
-    assert len(ticks) == len(set(ticks)), f"a tick has two jobs: {ticks}"
     live = [t for t in ticks if t > all_up]
     assert len(live) >= 11
     assert all(b - a == SECOND for a, b in zip(ticks, ticks[1:])), f"a tick is missing: {ticks}"
@@ -72,18 +81,8 @@ def test_three_workers_one_job_per_tick_and_no_tick_lost_across_a_restart(
 
     restarted = [start_worker(app=APP, threads=1) for _ in range(3)]
     workers = restarted
-    wait_for(lambda: all(started(w) for w in restarted), 90, "3 restarted", on_timeout=logs)
-    back = server_now(pg_url)
-    wait_for(
-        lambda: sum(t > back for t, _, _ in tick_jobs(pg_url, schema)) >= 5,
-        60,
-        "5 ticks after the restart",
-        on_timeout=logs,
-    )
-
-    jobs = tick_jobs(pg_url, schema)
+    _, jobs = ticks_with_all_up(pg_url, schema, restarted, 5, "the 3 restarted schedulers", logs)
     ticks = [t for t, _, _ in jobs]
-    assert len(ticks) == len(set(ticks)), f"a tick has two jobs: {ticks}"
     # A job for tick t standing for `missed` ticks covers t - missed + 1 .. t. Under the
     # catch-up policy every tick from the first to the last is covered: none was lost.
     covered = set()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
 
 import psycopg
@@ -20,15 +19,15 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker, handshake
-from dramatiq_pg_broker.migrate import CONTRACT_FROM, migrate, migrations_dir
+from dramatiq_pg_broker.migrate import migrate
 
+from ..helpers import migrate_ahead
 from .servers import HEALTH_REQUEST, free_port, raw_request, start_gunicorn, stop
 from .worker_actors import create_executions_table, declare
 from .workers import WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-RELEASED = CONTRACT_FROM - 1
 #: The ``dramatiq`` command forwards its workers' logs, and its own signals, only once they
 #: booted or this many milliseconds passed (its ``--worker-fork-timeout``, 30 s by default);
 #: a worker waiting for a migration has not booted.
@@ -37,6 +36,23 @@ FORK_TIMEOUT = ("--worker-fork-timeout", "1000")
 
 def log_lines(worker: WorkerProcess) -> list[str]:
     return worker.log_path.read_text(errors="replace").splitlines()
+
+
+@contextlib.contextmanager
+def waiting_worker(pg_url: str, schema: str, tmp_path):
+    """A ``dramatiq`` worker on ``schema`` (behind its code), once it said that it waits for
+    a migration; its process group is killed afterwards."""
+    worker = WorkerProcess(pg_url, schema, tmp_path / "worker.log", options=FORK_TIMEOUT)
+    try:
+        wait_for(
+            lambda: any("waits for a migration" in line for line in log_lines(worker)),
+            60,
+            "the worker to say that it waits for the migration",
+            on_timeout=worker.log_tail,
+        )
+        yield worker
+    finally:
+        worker.kill_group()
 
 
 def status_of(pg_url: str, schema: str, job_id: str) -> str:
@@ -52,35 +68,25 @@ def status_of(pg_url: str, schema: str, job_id: str) -> str:
 
 
 def test_a_worker_started_before_the_migration_waits_says_so_once_and_proceeds(
-    pg_url, empty_schema, tmp_path, monkeypatch
+    pg_url, behind, conn, tmp_path
 ):
-    schema = empty_schema
-    migrate(pg_url, schema, target=RELEASED)
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        create_executions_table(conn, schema)
+    schema = behind
+    create_executions_table(conn, schema)
     # A job queued by the released code, which fits the schema as it is: written as that
     # release writes it (this code's sends need the pending migration's tables).
     sender = PostgresBroker(url=pg_url, schema=schema)
     message = declare(sender)["quick"].message()
     sender.close()
     job = message.message_id
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL(
-                "INSERT INTO {}.jobs (id, queue_name, actor_name, message_bytes, max_attempts) "
-                "VALUES (%s, %s, %s, %s, 21)"
-            ).format(sql.Identifier(schema)),
-            (job, message.queue_name, message.actor_name, message.encode()),
-        )
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {}.jobs (id, queue_name, actor_name, message_bytes, max_attempts) "
+            "VALUES (%s, %s, %s, %s, 21)"
+        ).format(sql.Identifier(schema)),
+        (job, message.queue_name, message.actor_name, message.encode()),
+    )
 
-    worker = WorkerProcess(pg_url, schema, tmp_path / "worker.log", options=FORK_TIMEOUT)
-    try:
-        wait_for(
-            lambda: any("waits for a migration" in line for line in log_lines(worker)),
-            60,
-            "the worker to say that it waits for the migration",
-            on_timeout=worker.log_tail,
-        )
+    with waiting_worker(pg_url, schema, tmp_path) as worker:
         assert worker.proc.poll() is None, "the waiting worker exited"
         assert status_of(pg_url, schema, job) == "queued", "the waiting worker claimed a job"
 
@@ -95,8 +101,6 @@ def test_a_worker_started_before_the_migration_waits_says_so_once_and_proceeds(
         )
         worker.signal(signal.SIGTERM)
         assert worker.wait(30) == 0, worker.log_tail()
-    finally:
-        worker.kill_group()
     lines = log_lines(worker)
     waits = [line for line in lines if "waits for a migration" in line]
     assert len(waits) == 1, waits
@@ -106,33 +110,16 @@ def test_a_worker_started_before_the_migration_waits_says_so_once_and_proceeds(
     assert "Traceback" not in "\n".join(lines)
 
 
-def test_a_waiting_worker_stops_at_once_on_sigterm(pg_url, empty_schema, tmp_path):
-    migrate(pg_url, empty_schema, target=RELEASED)
-    worker = WorkerProcess(pg_url, empty_schema, tmp_path / "worker.log", options=FORK_TIMEOUT)
-    try:
-        wait_for(
-            lambda: any("waits for a migration" in line for line in log_lines(worker)),
-            60,
-            "the worker to say that it waits for the migration",
-            on_timeout=worker.log_tail,
-        )
+def test_a_waiting_worker_stops_at_once_on_sigterm(pg_url, behind, tmp_path):
+    with waiting_worker(pg_url, behind, tmp_path) as worker:
         worker.signal(signal.SIGTERM)
         assert worker.wait(10) == 0, worker.log_tail()
-    finally:
-        worker.kill_group()
     assert any("Stopped while waiting for the schema" in line for line in log_lines(worker))
 
 
 def test_a_worker_the_schema_no_longer_admits_stops_with_one_line(pg_url, empty_schema, tmp_path):
-    folder = tmp_path / "migrations"
-    shutil.copytree(migrations_dir(), folder)
-    level = handshake.this_code().level + 1
-    future = f"{level:04d}_future_breaking"
-    (folder / f"{future}.sql").write_text(
-        "-- compatibility: breaking\n-- A later release's change, made up by the test.\n"
-        "CREATE TABLE future_probe (id integer);\n"
-    )
-    migrate(pg_url, empty_schema, directory=folder)
+    future = migrate_ahead(pg_url, empty_schema, tmp_path, "breaking")
+    level = int(future[:4])
 
     worker = WorkerProcess(pg_url, empty_schema, tmp_path / "worker.log")
     try:
@@ -150,12 +137,11 @@ def test_a_worker_the_schema_no_longer_admits_stops_with_one_line(pg_url, empty_
 
 
 def test_gunicorn_boots_against_a_schema_behind_its_code_and_serves_once_migrated(
-    pg_url, empty_schema, tmp_path
+    pg_url, behind, tmp_path
 ):
-    migrate(pg_url, empty_schema, target=RELEASED)
     port = free_port()
     log = tmp_path / "gunicorn.log"
-    process = start_gunicorn(pg_url, empty_schema, port, log, ADMIN_API_WORKERS="1")
+    process = start_gunicorn(pg_url, behind, port, log, ADMIN_API_WORKERS="1")
 
     def health() -> tuple[int, dict] | None:
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -172,7 +158,7 @@ def test_gunicorn_boots_against_a_schema_behind_its_code_and_serves_once_migrate
             assert health()[0] == 503
         assert process.poll() is None, "gunicorn stopped"
 
-        migrate(pg_url, empty_schema)
+        migrate(pg_url, behind)
         ok = health()
         assert ok[0] == 200 and ok[1]["schema"] == "ok", ok
     finally:

@@ -12,9 +12,7 @@ import signal
 
 import pytest
 
-from dramatiq_pg_broker import PostgresBroker
-
-from .worker_actors import QUEUE, create_executions_table, declare
+from .worker_actors import QUEUE
 from .workers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -23,11 +21,9 @@ QUICK_JOBS = 20
 
 
 def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(
-    pg_url, schema, conn, start_worker
+    schema, conn, start_worker, recorded_actors
 ):
-    create_executions_table(conn, schema)
-    broker = PostgresBroker(url=pg_url, schema=schema)
-    actors = declare(broker)
+    broker, actors = recorded_actors
     hung = actors["hang_first"].send(120)
     quick = [actors["quick"].send(0.2) for _ in range(QUICK_JOBS)]
     ids = [hung.message_id] + [m.message_id for m in quick]
@@ -120,24 +116,18 @@ def test_kill_9_mid_job_loses_nothing_and_reruns_only_what_was_in_flight(
     assert types[-2:] == [("claimed", 2), ("succeeded", 2)], types
     second_run = [e for e in executions() if e[0] == hung.message_id and e[1] == 2]
     assert second_run and all(e[2] != victim_pid for e in second_run)
-    broker.close()
 
 
 PREFETCH = 10
 
 
 def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
-    pg_url, schema, conn, start_worker
+    schema, conn, start_worker, recorded_actors
 ):
     """One thread busy with a hanging job, the rest of the prefetch claimed and waiting:
     kill -9. The waiting messages never started, so they go back uncharged; only the job
     that was running counts an interruption (not a failure)."""
-    # The module's schema may hold another test's jobs and executions.
-    conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
-    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history, "{schema}".job_keys CASCADE')
-    create_executions_table(conn, schema)
-    broker = PostgresBroker(url=pg_url, schema=schema)
-    actors = declare(broker)
+    broker, actors = recorded_actors
     hung = actors["hang_first"].send(120)
     waiting = [actors["quick"].send(0.0) for _ in range(PREFETCH - 1)]
     waiting_ids = {m.message_id for m in waiting}
@@ -206,19 +196,17 @@ def test_kill_9_with_a_full_prefetch_of_unstarted_messages_charges_none_of_them(
     assert all(ran[job_id] == 1 for job_id in waiting_ids), ran
     _, _, attempts, failures, interruptions = final[hung.message_id]
     assert (attempts, failures, interruptions) == (2, 0, 1), "the running job is an interruption"
-    broker.close()
 
 
-def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, conn, start_worker):
+def test_a_message_that_kills_its_worker_at_once_ends_failed(
+    schema, conn, start_worker, recorded_actors
+):
     """A poison message kills its worker process the moment it starts, before the worker
     has written the start. That first death leaves an abandoned claim, given back
     uncharged; from then on the start is written before the actor runs, so every later
     death is an interruption, and the job fails once they reach the bound (2 here)."""
-    conn.execute(f'DROP TABLE IF EXISTS "{schema}".executions')
-    conn.execute(f'TRUNCATE "{schema}".jobs, "{schema}".jobs_history, "{schema}".job_keys CASCADE')
-    create_executions_table(conn, schema)
-    broker = PostgresBroker(url=pg_url, schema=schema)
-    poison = declare(broker)["die_at_once"].send()
+    _, actors = recorded_actors
+    poison = actors["die_at_once"].send()
 
     def job():
         return conn.execute(
@@ -253,7 +241,6 @@ def test_a_message_that_kills_its_worker_at_once_ends_failed(pg_url, schema, con
     # Only the first death can come before the start was written (usually it does).
     assert abandoned <= 1 and runs == deaths == interruptions + abandoned, (job(), runs, deaths)
     assert "interrupted 2 times (the limit)" in error
-    broker.close()
 
 
 def _wait_for_recorded_start(conn, schema: str, job_id: str, worker) -> None:

@@ -8,9 +8,7 @@ import signal
 
 import pytest
 
-from dramatiq_pg_broker import PostgresBroker
-
-from .worker_actors import QUEUE, create_executions_table, declare
+from .worker_actors import QUEUE
 from .workers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -20,11 +18,9 @@ SLOW_SECONDS = 3
 
 
 def test_sigterm_finishes_in_flight_jobs_and_releases_prefetched_ones(
-    pg_url, schema, conn, start_worker
+    schema, conn, start_worker, recorded_actors
 ):
-    create_executions_table(conn, schema)
-    broker = PostgresBroker(url=pg_url, schema=schema)
-    actors = declare(broker)
+    broker, actors = recorded_actors
     # Claim order and Dramatiq's work queue both put the slow actor (priority 0) before the
     # quick one (priority 10): two worker threads take the slow jobs, and the quick jobs
     # claimed with them wait in the worker's memory (prefetched).
@@ -100,4 +96,3 @@ def test_sigterm_finishes_in_flight_jobs_and_releases_prefetched_ones(
     assert second.wait(30) == 0, second.log_tail()
     assert starts() == {m.message_id: 1 for m in slow + quick}
     assert {a for _, a, _ in jobs().values()} == {1}
-    broker.close()

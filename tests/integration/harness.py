@@ -72,6 +72,22 @@ class Harness:
         dramatiq.set_broker(broker)
         return broker
 
+    def noop(self, broker: PostgresBroker) -> dramatiq.Actor:
+        """An actor of the test's queue, declared on ``broker``, that does nothing with its
+        one argument."""
+        return dramatiq.actor(
+            lambda n: None, broker=broker, queue_name=self.queue, actor_name=f"noop_{self.queue}"
+        )
+
+    def recorder(self, broker: PostgresBroker, item: str = "ran", **options) -> dramatiq.Actor:
+        """An actor of the test's queue, declared on ``broker``, that takes no argument and
+        records ``item`` each time it runs. ``options`` are the actor's (``max_age``,
+        ``actor_name`` ...); it is named ``item`` unless told otherwise."""
+        options.setdefault("actor_name", item)
+        return dramatiq.actor(
+            lambda: self.record(item), broker=broker, queue_name=self.queue, **options
+        )
+
     def record(self, *item) -> None:
         with self.lock:
             self.runs.append(item)

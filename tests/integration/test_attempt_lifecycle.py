@@ -149,11 +149,7 @@ def test_a_batch_the_database_refuses_is_written_one_outcome_at_a_time(h):
 
 def test_a_reschedule_is_written_by_the_ack_and_the_ledger_refuses_a_second_outcome(h):
     broker = h.broker()
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def noop(n):
-        pass
-
+    noop = h.noop(broker)
     first, second = noop.send(1), noop.send(2)
     consumer = broker.consume(h.queue, prefetch=2, timeout=1000)
     a, b = next(consumer), next(consumer)
@@ -192,11 +188,7 @@ def test_unwritten_outcomes_are_bounded_by_the_prefetch(h):
     their slots. (The claim window stays at the prefetch: prefetch_growth=1.)"""
     broker = h.broker(prefetch_growth=1)
     gate = _stall_completes(broker)
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def noop(n):
-        pass
-
+    noop = h.noop(broker)
     for n in range(6):
         noop.send(n)
     consumer = broker.consume(h.queue, prefetch=2, timeout=300)
@@ -639,11 +631,7 @@ def test_outcomes_behind_a_shrunken_window_count_as_held(h):
     never runs more than twice its window ahead of what the database recorded."""
     broker = h.broker(prefetch_growth=4)
     gate = _stall_completes(broker)
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def noop(n):
-        pass
-
+    noop = h.noop(broker)
     broker.enqueue_many([noop.message(n) for n in range(20)])
     consumer = broker.consume(h.queue, prefetch=2, timeout=300)
     try:
@@ -671,11 +659,7 @@ def test_outcomes_behind_a_shrunken_window_count_as_held(h):
 
 def test_a_consumer_with_short_jobs_claims_more_than_its_prefetch_and_only_then(h):
     broker = h.broker(prefetch_growth=4)
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def short(n):
-        pass
-
+    short = h.noop(broker)
     broker.enqueue_many([short.message(n) for n in range(200)])
     consumer = broker.consume(h.queue, prefetch=2, timeout=1000)
     biggest = 0
@@ -695,11 +679,7 @@ def test_the_next_batch_is_claimed_while_the_last_one_runs(h):
     """Claims take at most half the window, and the next one goes out as soon as a batch
     is handed over: a consumer never waits for its batch to finish before claiming."""
     broker = h.broker(prefetch_growth=1)
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def running(n):
-        pass
-
+    running = h.noop(broker)
     broker.enqueue_many([running.message(n) for n in range(10)])
     claims = []
     real_claim = broker.store.claim_or_wait

@@ -123,10 +123,7 @@ def test_age_limit_fails_an_expired_message_without_running_it(h):
 
     # A fresh message must be processed well within max_age even on a loaded machine; the
     # stale one becomes available only after max_age has passed.
-    @dramatiq.actor(broker=broker, queue_name=h.queue, max_age=2_000)
-    def fresh_only():
-        h.record("ran")
-
+    fresh_only = h.recorder(broker, max_age=2_000)
     stale = fresh_only.send_with_options(delay=2_500)
     fresh = fresh_only.send()
     h.start(broker)

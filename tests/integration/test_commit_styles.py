@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 from dramatiq_pg_broker import JobAlreadyFinished, TransactionError
+from tests.helpers import idle_in_transaction
 from tests.rows import status_of
 
 
@@ -42,18 +43,6 @@ def orders(app_table, schema):
 
 def sa_url(pg_url: str) -> str:
     return "postgresql+psycopg://" + pg_url.split("://", 1)[1]
-
-
-def stuck(conn: psycopg.Connection, app_name: str) -> list[str]:
-    """The states of the test's connections that sit inside a transaction (the server
-    reports a backend's state before it tells the client a statement is done, so there is
-    nothing to wait for)."""
-    rows = conn.execute(
-        "SELECT state FROM pg_stat_activity WHERE application_name = %s"
-        " AND state LIKE 'idle in transaction%%'",
-        (app_name,),
-    ).fetchall()
-    return [state for (state,) in rows]
 
 
 def committed(broker, message) -> bool:
@@ -76,18 +65,21 @@ async def async_engine(pg_url, app_name):
         await engine.dispose()
 
 
-def run_async(main, pg_url, conn, app_name):
-    """Run ``main(engine)`` with an async engine of the test's own; return what it returns
-    once the test's connections were seen outside any transaction (the pool still holds
-    them)."""
+@pytest.fixture
+def in_engine(pg_url, conn, app_name):
+    """``in_engine(main)``: run ``main(engine)`` with an async engine of the test's own;
+    return what it returns once the test's connections were seen outside any transaction
+    (the pool still holds them)."""
 
-    async def wrapper():
+    async def wrapper(main):
         async with async_engine(pg_url, app_name) as engine:
             result = await main(engine)
-            assert stuck(conn, app_name) == [], "a connection was left idle in transaction"
+            assert idle_in_transaction(conn, app_name) == [], (
+                "a connection was left idle in transaction"
+            )
             return result
 
-    return asyncio.run(wrapper())
+    return lambda main: asyncio.run(wrapper(main))
 
 
 # -- AsyncSession and AsyncConnection -----------------------------------------------------
@@ -112,77 +104,74 @@ async def app_of(engine, kind):
             yield conn, conn.commit, conn.rollback, insert
 
 
-ASYNC_KINDS = ["asyncsession", "asyncconnection"]
+@pytest.fixture(params=["asyncsession", "asyncconnection"])
+def in_app(request, in_engine):
+    """``in_app(main)``: :func:`in_engine` for ``main(app, commit, rollback, insert)``, on what
+    the application holds (:func:`app_of`): the test runs once with each kind."""
+
+    async def with_app(engine, main):
+        async with app_of(engine, request.param) as held:
+            return await main(*held)
+
+    return lambda main: in_engine(lambda engine: with_app(engine, main))
 
 
-@pytest.mark.parametrize("kind", ASYNC_KINDS)
 def test_a_commit_inside_the_block_commits_the_jobs_sent_before_it(
-    broker, task, pg_url, conn, app_name, orders, kind
+    broker, task, conn, orders, in_app
 ):
-    async def main(engine):
-        async with app_of(engine, kind) as (app, commit, _, insert):
-            async with broker.transaction(app):
-                await insert(orders, 1)
-                message = task.send(1)
-                assert not committed(broker, message)
-                await commit()
-                # Written on the application's connection just before its COMMIT.
-                assert committed(broker, message), "the commit did not take the job"
-                assert count(conn, orders) == 1
-            return message
+    async def main(app, commit, _, insert):
+        async with broker.transaction(app):
+            await insert(orders, 1)
+            message = task.send(1)
+            assert not committed(broker, message)
+            await commit()
+            # Written on the application's connection just before its COMMIT.
+            assert committed(broker, message), "the commit did not take the job"
+            assert count(conn, orders) == 1
+        return message
 
-    message = run_async(main, pg_url, conn, app_name)
+    message = in_app(main)
     assert committed(broker, message)
 
 
-@pytest.mark.parametrize("kind", ASYNC_KINDS)
-def test_a_send_after_a_commit_inside_the_block_is_refused(
-    broker, task, pg_url, conn, app_name, orders, kind
-):
-    async def main(engine):
-        async with app_of(engine, kind) as (app, commit, _, insert):
-            async with broker.transaction(app):
-                first = task.send(1)
-                await commit()
-                with pytest.raises(TransactionError, match="was committed inside the block"):
-                    task.send(2)
-                with pytest.raises(TransactionError, match="was committed"):
-                    await broker.enqueue_async(task.message(3))
-                # Nothing is pending: write_pending_sends() has nothing to write.
-                assert await broker.write_pending_sends() == []
-            # A new block joins the session's next transaction.
-            async with broker.transaction(app):
-                await insert(orders, 4)
-                second = task.send(4)
-            assert not committed(broker, second)
+def test_a_send_after_a_commit_inside_the_block_is_refused(broker, task, conn, orders, in_app):
+    async def main(app, commit, _, insert):
+        async with broker.transaction(app):
+            first = task.send(1)
             await commit()
-            return first, second
+            with pytest.raises(TransactionError, match="was committed inside the block"):
+                task.send(2)
+            with pytest.raises(TransactionError, match="was committed"):
+                await broker.enqueue_async(task.message(3))
+            # Nothing is pending: write_pending_sends() has nothing to write.
+            assert await broker.write_pending_sends() == []
+        # A new block joins the session's next transaction.
+        async with broker.transaction(app):
+            await insert(orders, 4)
+            second = task.send(4)
+        assert not committed(broker, second)
+        await commit()
+        return first, second
 
-    first, second = run_async(main, pg_url, conn, app_name)
+    first, second = in_app(main)
     assert committed(broker, first) and committed(broker, second)
     assert count(conn, orders) == 1
 
 
-@pytest.mark.parametrize("kind", ASYNC_KINDS)
-def test_a_commit_after_the_block_commits_its_jobs_only_then(
-    broker, task, pg_url, conn, app_name, orders, kind
-):
-    async def main(engine):
-        async with app_of(engine, kind) as (app, commit, _, insert):
-            async with broker.transaction(app):
-                await insert(orders, 1)
-                message = task.send(1)
-            assert not committed(broker, message), "visible before the application's commit"
-            await commit()
-            assert committed(broker, message)
-            return message
+def test_a_commit_after_the_block_commits_its_jobs_only_then(broker, task, conn, orders, in_app):
+    async def main(app, commit, _, insert):
+        async with broker.transaction(app):
+            await insert(orders, 1)
+            message = task.send(1)
+        assert not committed(broker, message), "visible before the application's commit"
+        await commit()
+        assert committed(broker, message)
+        return message
 
-    run_async(main, pg_url, conn, app_name)
+    in_app(main)
 
 
-def test_session_begin_around_the_block_commits_at_its_end(
-    broker, task, pg_url, conn, app_name, orders
-):
+def test_session_begin_around_the_block_commits_at_its_end(broker, task, orders, in_engine):
     async def main(engine):
         async with AsyncSession(engine) as session:
             async with session.begin(), broker.transaction(session):
@@ -194,35 +183,31 @@ def test_session_begin_around_the_block_commits_at_its_end(
             assert not committed(broker, other)
         return message, other
 
-    message, other = run_async(main, pg_url, conn, app_name)
+    message, other = in_engine(main)
     assert committed(broker, message) and committed(broker, other)
 
 
 @pytest.mark.parametrize("ending", ["rollback", "close"])
-@pytest.mark.parametrize("kind", ASYNC_KINDS)
 def test_a_rollback_inside_the_block_drops_its_jobs_and_refuses_later_sends(
-    broker, task, pg_url, conn, app_name, orders, kind, ending
+    broker, task, conn, orders, in_app, ending
 ):
-    async def main(engine):
-        async with app_of(engine, kind) as (app, _, rollback, insert):
-            async with broker.transaction(app):
-                await insert(orders, 1)
-                written = task.send(1)
-                await broker.write_pending_sends()
-                collected = task.send(2)
-                await (rollback() if ending == "rollback" else app.close())
-                with pytest.raises(TransactionError, match="rolled back"):
-                    task.send(3)
-            return written, collected
+    async def main(app, _, rollback, insert):
+        async with broker.transaction(app):
+            await insert(orders, 1)
+            written = task.send(1)
+            await broker.write_pending_sends()
+            collected = task.send(2)
+            await (rollback() if ending == "rollback" else app.close())
+            with pytest.raises(TransactionError, match="rolled back"):
+                task.send(3)
+        return written, collected
 
-    written, collected = run_async(main, pg_url, conn, app_name)
+    written, collected = in_app(main)
     assert not committed(broker, written) and not committed(broker, collected)
     assert count(conn, orders) == 0
 
 
-def test_savepoints_inside_the_block_take_their_sends_with_them(
-    broker, task, pg_url, conn, app_name, orders
-):
+def test_savepoints_inside_the_block_take_their_sends_with_them(broker, task, orders, in_engine):
     async def main(engine):
         async with AsyncSession(engine) as session:
             async with broker.transaction(session):
@@ -245,14 +230,12 @@ def test_savepoints_inside_the_block_take_their_sends_with_them(
                 await session.commit()
             return kept, [dropped, dropped_inner, written_then_rolled], [in_released, after]
 
-    kept, dropped, also_kept = run_async(main, pg_url, conn, app_name)
+    kept, dropped, also_kept = in_engine(main)
     assert [committed(broker, m) for m in [kept, *also_kept]] == [True] * 3
     assert [committed(broker, m) for m in dropped] == [False] * 3
 
 
-def test_a_savepoint_block_that_raises_and_nested_broker_blocks(
-    broker, task, pg_url, conn, app_name, orders
-):
+def test_a_savepoint_block_that_raises_and_nested_broker_blocks(broker, task, orders, in_engine):
     async def main(engine):
         async with AsyncSession(engine) as session:
             async with broker.transaction(session):
@@ -270,12 +253,12 @@ def test_a_savepoint_block_that_raises_and_nested_broker_blocks(
                     task.send(4)
             return dropped
 
-    dropped = run_async(main, pg_url, conn, app_name)
+    dropped = in_engine(main)
     assert not committed(broker, dropped)
 
 
 def test_a_block_inside_a_savepoint_rolled_back_inside_it_drops_its_jobs(
-    broker, task, pg_url, conn, app_name, orders
+    broker, task, orders, in_engine
 ):
     async def main(engine):
         async with AsyncSession(engine) as session:
@@ -291,13 +274,13 @@ def test_a_block_inside_a_savepoint_rolled_back_inside_it_drops_its_jobs(
                     kept = task.send(3)
             return outside, dropped, kept
 
-    outside, dropped, kept = run_async(main, pg_url, conn, app_name)
+    outside, dropped, kept = in_engine(main)
     assert committed(broker, outside) and committed(broker, kept)
     assert not committed(broker, dropped)
 
 
 def test_a_transaction_ended_behind_the_block_s_back_raises_at_its_end(
-    broker, task, pg_url, conn, app_name, orders
+    broker, task, orders, in_engine
 ):
     async def main(engine):
         async with AsyncSession(engine) as session:
@@ -307,29 +290,25 @@ def test_a_transaction_ended_behind_the_block_s_back_raises_at_its_end(
                     await (await session.connection()).invalidate()
             return first, second
 
-    first, second = run_async(main, pg_url, conn, app_name)
+    first, second = in_engine(main)
     assert not committed(broker, first) and not committed(broker, second)
 
 
-@pytest.mark.parametrize("kind", ASYNC_KINDS)
-def test_a_job_refused_at_the_commit_fails_the_commit(
-    broker, task, pg_url, conn, app_name, orders, kind
-):
+def test_a_job_refused_at_the_commit_fails_the_commit(broker, task, conn, orders, in_app):
     finished = task.send(5)
     broker.store.cancel(finished.message_id)
 
-    async def main(engine):
-        async with app_of(engine, kind) as (app, commit, rollback, insert):
-            async with broker.transaction(app):
-                await insert(orders, 1)
-                ok = task.send(1)
-                broker.enqueue(finished.copy())  # the id of a job that finished
-                with pytest.raises(JobAlreadyFinished):
-                    await commit()
-                await rollback()
-            return ok
+    async def main(app, commit, rollback, insert):
+        async with broker.transaction(app):
+            await insert(orders, 1)
+            ok = task.send(1)
+            broker.enqueue(finished.copy())  # the id of a job that finished
+            with pytest.raises(JobAlreadyFinished):
+                await commit()
+            await rollback()
+        return ok
 
-    ok = run_async(main, pg_url, conn, app_name)
+    ok = in_app(main)
     assert not committed(broker, ok)
     assert count(conn, orders) == 0, "the application's row was committed without its job"
 
@@ -357,7 +336,7 @@ def test_a_psycopg_connection_commits_at_the_block_s_end_and_refuses_a_commit_in
                 async with broker.transaction(app):
                     inner = task.send(3)
                 assert not committed(broker, inner)
-            assert stuck(conn, app_name) == []
+            assert idle_in_transaction(conn, app_name) == []
             return message, refused, inner
 
     message, refused, inner = asyncio.run(main())
@@ -403,12 +382,12 @@ def test_a_synchronous_commit_inside_the_block_refuses_later_sends(
                 task.send(2)
             with pytest.raises(TransactionError, match="was committed"), broker.batch():
                 task.send(3)
-            assert stuck(conn, app_name) == []
+            assert idle_in_transaction(conn, app_name) == []
         with broker.transaction(app):
             second = task.send(4)
         assert not committed(broker, second)
         app.commit()
-        assert stuck(conn, app_name) == []
+        assert idle_in_transaction(conn, app_name) == []
     assert committed(broker, second)
     assert count(conn, orders) == 1
 
@@ -423,7 +402,7 @@ def test_a_synchronous_rollback_inside_the_block_refuses_later_sends(
             app.rollback()
             with pytest.raises(TransactionError, match="was rolled back"):
                 task.send(2)
-            assert stuck(conn, app_name) == []
+            assert idle_in_transaction(conn, app_name) == []
     assert not committed(broker, first)
 
 
@@ -437,6 +416,6 @@ def test_synchronous_begin_and_savepoints_around_and_inside_the_block(
             dropped = task.send(2)
             savepoint.rollback()
             after = task.send(3)
-        assert stuck(conn, app_name) == []
+        assert idle_in_transaction(conn, app_name) == []
     assert committed(broker, kept) and committed(broker, after)
     assert not committed(broker, dropped)

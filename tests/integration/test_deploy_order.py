@@ -23,15 +23,6 @@ from dramatiq_pg_broker.migrate import discover, lock_key, migrate, migrate_lock
 
 from ..helpers import wait_for
 
-#: 0.1.0's schema: every migration since is pending (0012, breaking, among them).
-RELEASED = 9
-
-
-@pytest.fixture
-def behind(pg_url, empty_schema):
-    migrate(pg_url, empty_schema, target=RELEASED)
-    return empty_schema
-
 
 def declare(broker: PostgresBroker) -> dramatiq.Actor:
     return dramatiq.actor(lambda: None, actor_name="noop", queue_name="deploy", broker=broker)
@@ -66,6 +57,33 @@ class Migrator:
         self.conn.close()
 
 
+@pytest.fixture
+def noop_broker(pg_url, behind):
+    """``noop_broker(**options)``: a broker on the ``behind`` schema that waits up to 60 s for a
+    running migration unless told otherwise, and a do-nothing actor of it; the broker is
+    closed afterwards."""
+    brokers: list[PostgresBroker] = []
+
+    def make(**options) -> tuple[PostgresBroker, dramatiq.Actor]:
+        options.setdefault("migration_wait_seconds", 60)
+        broker = PostgresBroker(url=pg_url, schema=behind, **options)
+        brokers.append(broker)
+        return broker, declare(broker)
+
+    yield make
+    for broker in brokers:
+        broker.close()
+
+
+@pytest.fixture
+def migrator(pg_url, behind):
+    """A :class:`Migrator` holding the ``behind`` schema's migration lock until the test
+    ends (or it releases the lock)."""
+    migrator = Migrator(pg_url, behind)
+    yield migrator
+    migrator.close()
+
+
 def send_sync(broker, noop) -> str:
     return noop.send().message_id
 
@@ -87,10 +105,10 @@ def send_in_async_transaction(broker, noop) -> str:
 @pytest.mark.parametrize(
     "send", [send_sync, send_from_asyncio, send_in_async_transaction], ids=lambda f: f.__name__
 )
-def test_a_send_made_while_migrate_runs_waits_for_it_then_sends(pg_url, behind, conn, send):
-    broker = PostgresBroker(url=pg_url, schema=behind, migration_wait_seconds=60)
-    noop = declare(broker)
-    migrator = Migrator(pg_url, behind)
+def test_a_send_made_while_migrate_runs_waits_for_it_then_sends(
+    noop_broker, migrator, behind, conn, send
+):
+    broker, noop = noop_broker()
     outcome: dict = {}
 
     def sender() -> None:
@@ -123,27 +141,17 @@ def test_a_send_made_while_migrate_runs_waits_for_it_then_sends(pg_url, behind, 
         ).fetchone()
         assert count == 1, "the send that waited wrote no job"
     finally:
-        migrator.close()
+        migrator.close()  # a send still waiting goes on: it ends before the broker closes
         thread.join(30)
-        broker.close()
 
 
-def test_many_sending_threads_wait_on_one_connection(pg_url, behind, conn):
+def test_many_sending_threads_wait_on_one_connection(noop_broker, migrator, pg_url, behind, conn):
     """Eight threads send in their own transactions while migrate runs (each checks the
     schema through the broker's pool of two connections, which a caller waits for at most
     1 s): one thread waits for the lock on one connection, the others wait for it without
     asking the pool, and all of them send once the migration is in, though it held the lock
     longer than the pool's timeout."""
-    broker = PostgresBroker(
-        url=pg_url,
-        schema=behind,
-        migration_wait_seconds=60,
-        pool_max_size=2,
-        pool_timeout=1,
-        enqueue_retries=0,
-    )
-    noop = declare(broker)
-    migrator = Migrator(pg_url, behind)
+    broker, noop = noop_broker(pool_max_size=2, pool_timeout=1, enqueue_retries=0)
     results: list = []
     barrier = threading.Barrier(8)
 
@@ -156,61 +164,47 @@ def test_many_sending_threads_wait_on_one_connection(pg_url, behind, conn):
             results.append(e)
 
     threads = [threading.Thread(target=sender, daemon=True) for _ in range(8)]
-    try:
-        for thread in threads:
-            thread.start()
-        wait_for(lambda: waiting_for_the_lock(conn, behind), 20, "a send to wait for the lock")
-        # Held past the pool's timeout on purpose: a thread that waited for a pooled
-        # connection instead would fail with a connection error (no retries here).
-        time.sleep(1.5)
-        assert not results, f"sends ended while migrate held its lock: {results}"
-        (waiting,) = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            " AND objid = %s::bigint::oid",
-            (lock_key(behind)[1] & 0xFFFFFFFF,),
-        ).fetchone()
-        assert waiting == 1, f"{waiting} connections wait for the migration lock, not one"
-        migrator.apply()
-        migrator.release()
-        for thread in threads:
-            thread.join(30)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        assert not errors, errors
-        assert len(results) == 8
-    finally:
-        migrator.close()
-        broker.close()
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: waiting_for_the_lock(conn, behind), 20, "a send to wait for the lock")
+    # Held past the pool's timeout on purpose: a thread that waited for a pooled
+    # connection instead would fail with a connection error (no retries here).
+    time.sleep(1.5)
+    assert not results, f"sends ended while migrate held its lock: {results}"
+    (waiting,) = conn.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND objid = %s::bigint::oid",
+        (lock_key(behind)[1] & 0xFFFFFFFF,),
+    ).fetchone()
+    assert waiting == 1, f"{waiting} connections wait for the migration lock, not one"
+    migrator.apply()
+    migrator.release()
+    for thread in threads:
+        thread.join(30)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    assert len(results) == 8
 
 
-def test_a_send_past_migration_wait_seconds_raises_saying_it_waited(pg_url, behind):
-    broker = PostgresBroker(url=pg_url, schema=behind, migration_wait_seconds=0.5)
-    noop = declare(broker)
-    migrator = Migrator(pg_url, behind)
-    try:
-        started = time.monotonic()
-        with pytest.raises(MigrationsPending) as info:
-            noop.send()
-        took = time.monotonic() - started
-        assert 0.5 <= took < 10, f"the send gave up after {took:.2f}s, not after 0.5s"
-        line = str(info.value)
-        assert "waited 0.5 s" in line and "migration_wait_seconds" in line, line
-        assert "run `dramatiq-pg-broker migrate`" in line, line
-    finally:
-        migrator.close()
-        broker.close()
+def test_a_send_past_migration_wait_seconds_raises_saying_it_waited(noop_broker, migrator):
+    _, noop = noop_broker(migration_wait_seconds=0.5)
+    started = time.monotonic()
+    with pytest.raises(MigrationsPending) as info:
+        noop.send()
+    took = time.monotonic() - started
+    assert 0.5 <= took < 10, f"the send gave up after {took:.2f}s, not after 0.5s"
+    line = str(info.value)
+    assert "waited 0.5 s" in line and "migration_wait_seconds" in line, line
+    assert "run `dramatiq-pg-broker migrate`" in line, line
 
 
-def test_without_a_running_migration_a_send_refuses_at_once(pg_url, behind):
-    broker = PostgresBroker(url=pg_url, schema=behind, migration_wait_seconds=60)
-    noop = declare(broker)
-    try:
-        started = time.monotonic()
-        with pytest.raises(MigrationsPending) as info:
-            noop.send()
-        assert time.monotonic() - started < 5
-        assert "waited" not in str(info.value)
-    finally:
-        broker.close()
+def test_without_a_running_migration_a_send_refuses_at_once(noop_broker):
+    _, noop = noop_broker()
+    started = time.monotonic()
+    with pytest.raises(MigrationsPending) as info:
+        noop.send()
+    assert time.monotonic() - started < 5
+    assert "waited" not in str(info.value)
 
 
 # -- a breaking migration and live work ------------------------------------------------------

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
 import uuid
 
 import dramatiq
 import pytest
 from psycopg import sql
 
+from tests.helpers import idle_in_transaction, wait_for
 from tests.rows import created_count, status_of
 
 from .harness import start_worker, stop_workers
@@ -73,26 +73,9 @@ def client(shop):
         yield client
 
 
-def stuck(conn, app_name) -> list[str]:
-    """The example's connections left inside a transaction."""
-    rows = conn.execute(
-        "SELECT state FROM pg_stat_activity WHERE application_name = %s"
-        " AND state LIKE 'idle in transaction%%'",
-        (app_name,),
-    ).fetchall()
-    return [state for (state,) in rows]
-
-
 def orders(conn, schema) -> int:
     table = sql.Identifier(schema, "orders")
     return conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0]
-
-
-def wait_for(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_an_order_commits_with_its_job_and_the_worker_runs_it(shop, client, conn, schema, app_name):
@@ -102,14 +85,19 @@ def test_an_order_commits_with_its_job_and_the_worker_runs_it(shop, client, conn
     body = created.json()
     # Committed by the endpoint's own commit, inside the broker's block.
     assert status_of(app.broker.store, body["job"]) == "queued"
-    assert stuck(conn, app_name) == []
+    assert idle_in_transaction(conn, app_name) == []
     start_worker(app.broker, workers, threads=1)
     wait_for(
         lambda: client.get(f"/orders/{body['order']}").json()["receipt_sent_at"] is not None,
         30,
         "the worker to send the receipt",
     )
-    assert status_of(app.broker.store, body["job"]) == "succeeded"
+    # The job's outcome is written a moment after its actor returned (write-behind).
+    wait_for(
+        lambda: status_of(app.broker.store, body["job"]) == "succeeded",
+        10,
+        "the job's success to be written",
+    )
 
 
 def test_a_refused_order_leaves_neither_order_nor_job(shop, client, conn, schema, app_name):
@@ -119,7 +107,7 @@ def test_a_refused_order_leaves_neither_order_nor_job(shop, client, conn, schema
     assert "at most 10" in refused.json()["detail"]
     assert (created_count(conn, schema), orders(conn, schema)) == before
     assert client.post("/orders", json={"item": "", "quantity": 0}).status_code == 422
-    assert stuck(conn, app_name) == []
+    assert idle_in_transaction(conn, app_name) == []
 
 
 def test_bulk_orders_and_a_resend_outside_a_transaction(shop, client, conn, app_name):
@@ -132,4 +120,4 @@ def test_bulk_orders_and_a_resend_outside_a_transaction(shop, client, conn, app_
     assert again.status_code == 202, again.text
     assert status_of(app.broker.store, again.json()["job"]) is not None
     assert client.post("/orders/999999/receipt").status_code == 404
-    assert stuck(conn, app_name) == []
+    assert idle_in_transaction(conn, app_name) == []

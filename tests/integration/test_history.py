@@ -17,16 +17,7 @@ from dramatiq_pg_broker.errors import JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.retention import create_partitions
 
-
-def where(conn, schema: str, job_id: str) -> list[tuple[str, str]]:
-    """(table, status) of every row with this id, in jobs and in jobs_history."""
-    return conn.execute(
-        sql.SQL(
-            "SELECT 'jobs', status FROM {s}.jobs WHERE id = %(id)s "
-            "UNION ALL SELECT 'history', status FROM {s}.jobs_history WHERE id = %(id)s"
-        ).format(s=sql.Identifier(schema)),
-        {"id": job_id},
-    ).fetchall()
+from ..rows import tables_of
 
 
 def finish(broker, queue: str, job_id: str, outcome: str, now: dt.datetime | None = None) -> None:
@@ -47,9 +38,9 @@ def test_an_outcome_moves_the_row_to_history_with_its_event(
     broker, task, queue, conn, schema, outcome
 ):
     message = task.send(1)
-    assert where(conn, schema, message.message_id) == [("jobs", "queued")]
+    assert tables_of(conn, schema, message.message_id) == [("jobs", "queued")]
     finish(broker, queue, message.message_id, outcome)
-    assert where(conn, schema, message.message_id) == [("history", outcome)]
+    assert tables_of(conn, schema, message.message_id) == [("history", outcome)]
     job = broker.store.get(message.message_id)
     assert job["status"] == outcome and job["finished_at"] is not None
     assert job["locked_by"] is None and not job["started"]
@@ -65,9 +56,9 @@ def test_a_batch_of_acks_moves_every_row_in_one_statement(broker, task, queue, c
     stale = Attempt(ids[0], "someone-else", 1)
     done = broker.store.complete([stale, *attempts[1:]])
     assert done == set(ids[1:])
-    assert where(conn, schema, ids[0]) == [("jobs", "running")]
+    assert tables_of(conn, schema, ids[0]) == [("jobs", "running")]
     for job_id in ids[1:]:
-        assert where(conn, schema, job_id) == [("history", "succeeded")]
+        assert tables_of(conn, schema, job_id) == [("history", "succeeded")]
 
 
 def test_a_manual_retry_moves_the_job_back_and_it_can_finish_again(
@@ -77,12 +68,12 @@ def test_a_manual_retry_moves_the_job_back_and_it_can_finish_again(
     finish(broker, queue, message.message_id, "failed")
     retried = broker.store.retry_failed(message.message_id, by="ops")
     assert retried["status"] == "queued"
-    assert where(conn, schema, message.message_id) == [("jobs", "queued")]
+    assert tables_of(conn, schema, message.message_id) == [("jobs", "queued")]
     job = broker.store.get(message.message_id)
     assert (job["attempts"], job["failures"], job["finished_at"]) == (0, 0, None)
     assert job["last_error"] == "boom"
     finish(broker, queue, message.message_id, "succeeded")
-    assert where(conn, schema, message.message_id) == [("history", "succeeded")]
+    assert tables_of(conn, schema, message.message_id) == [("history", "succeeded")]
     types = [e["type"] for e in broker.store.events_of(message.message_id)]
     assert types == ["created", "claimed", "failed", "manual_retry", "claimed", "succeeded"]
 
@@ -105,7 +96,7 @@ def test_an_id_in_history_is_refused_on_every_send_path(
     else:
         with pytest.raises(JobAlreadyFinished, match=f"message {len(others)} of the batch"):
             broker.enqueue_many([*others, done.copy()])
-    assert where(conn, schema, done.message_id) == [("history", outcome)]
+    assert tables_of(conn, schema, done.message_id) == [("history", outcome)]
 
 
 @pytest.mark.parametrize("path", ["single", "bulk", "copy"])
@@ -189,7 +180,7 @@ def test_flush_deletes_the_unfinished_jobs_and_their_events_and_keeps_history(
         (dropped,),
     ).fetchone()
     assert events == 0
-    assert where(conn, schema, kept.message_id) == [("history", "succeeded")]
+    assert tables_of(conn, schema, kept.message_id) == [("history", "succeeded")]
 
 
 def test_a_keyed_send_racing_with_the_first_jobs_move_to_history_gets_that_job(
@@ -247,7 +238,7 @@ def test_a_key_whose_job_was_deleted_by_hand_is_taken_by_the_next_send(broker, q
     )
     again = keyed.send_with_options(args=(2,), idempotency_key=key)
     assert again.message_id != first.message_id and list(again.args) == [2]
-    assert where(conn, schema, again.message_id) == [("jobs", "queued")]
+    assert tables_of(conn, schema, again.message_id) == [("jobs", "queued")]
 
 
 def history_locks(conn, schema: str) -> set[str]:
@@ -308,7 +299,7 @@ def test_a_finished_id_is_found_in_its_days_partition(broker, task, queue, conn,
     for send in (broker.enqueue, lambda m: broker.enqueue_many([m])):
         with pytest.raises(JobAlreadyFinished, match="already failed"):
             send(done.copy())
-    assert where(conn, schema, done.message_id) == [("history", "failed")]
+    assert tables_of(conn, schema, done.message_id) == [("history", "failed")]
 
 
 def test_a_partition_dropped_by_hand_sends_through_the_parent(
@@ -322,7 +313,7 @@ def test_a_partition_dropped_by_hand_sends_through_the_parent(
     )
     second = task.message(1).copy(message_timestamp=stamp)
     broker.enqueue(second)
-    assert where(conn, schema, second.message_id) == [("jobs", "queued")]
+    assert tables_of(conn, schema, second.message_id) == [("jobs", "queued")]
     # The failed job now lands in the DEFAULT partition, where the parent's probe finds it.
     finish(broker, queue, first.message_id, "failed", now=at_noon(stamp))
     with pytest.raises(JobAlreadyFinished):

@@ -150,20 +150,24 @@ def test_misnamed_migration_files_are_refused(tmp_path):
         discover(tmp_path)
 
 
-def test_the_cli_migrates_an_empty_database_twice(pg_url, empty_schema):
-    env = {"DRAMATIQ_PG_URL": pg_url, "DRAMATIQ_PG_SCHEMA": empty_schema, "PATH": "/usr/bin:/bin"}
-    command = [sys.executable, "-m", "dramatiq_pg_broker", "migrate"]
-
-    first = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    second = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    report = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_broker", "status"],
+def run_module(url: str, schema: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m dramatiq_pg_broker *args`` in a process of its own, run from the
+    repository's root and configured by its environment alone."""
+    env = {"DRAMATIQ_PG_URL": url, "DRAMATIQ_PG_SCHEMA": schema, "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_broker", *args],
         env=env,
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_the_cli_migrates_an_empty_database_twice(pg_url, empty_schema):
+    first = run_module(pg_url, empty_schema, "migrate")
+    second = run_module(pg_url, empty_schema, "migrate")
+    report = run_module(pg_url, empty_schema, "status")
 
     assert first.returncode == 0, first.stderr
     assert "applying 0001_jobs ... done in" in first.stdout
@@ -175,19 +179,8 @@ def test_the_cli_migrates_an_empty_database_twice(pg_url, empty_schema):
 
 
 def test_the_cli_reports_an_unreachable_database_in_a_sentence(empty_schema):
-    env = {
-        "DRAMATIQ_PG_URL": "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2",
-        "DRAMATIQ_PG_SCHEMA": empty_schema,
-        "PATH": "/usr/bin:/bin",
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "dramatiq_pg_broker", "migrate"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    unreachable = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=2"
+    result = run_module(unreachable, empty_schema, "migrate")
     assert result.returncode == 2
     assert "error: cannot connect to the database" in result.stderr
     assert "Traceback" not in result.stderr

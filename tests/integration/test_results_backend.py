@@ -27,18 +27,21 @@ from .results_support import BROKER_KINDS, BrokerHarness
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=BROKER_KINDS)
-def h(request, pg_url, schema):
-    harness = BrokerHarness(request.param, pg_url, schema)
-    yield harness
-    harness.close()
-
-
 @pytest.fixture
 def backend(pg_url, schema):
     backend = PostgresBackend(url=pg_url, schema=schema, namespace=f"ns-{uuid.uuid4().hex}")
     yield backend
     backend.close()
+
+
+@pytest.fixture(params=BROKER_KINDS)
+def h(request, pg_url, schema, backend):
+    """A broker of each kind (the test runs once with each) with Dramatiq's Results
+    middleware storing into ``backend``."""
+    harness = BrokerHarness(request.param, pg_url, schema)
+    harness.broker.add_middleware(Results(backend=backend))
+    yield harness
+    harness.close()
 
 
 def a_message(queue="default", actor="do_work"):
@@ -56,7 +59,6 @@ def stored_rows(conn, schema, message):
 
 
 def test_actors_can_store_results(h, backend):
-    h.broker.add_middleware(Results(backend=backend))
 
     @dramatiq.actor(store_results=True, queue_name=h.queue)
     def do_work():
@@ -73,7 +75,6 @@ def test_actors_can_store_results(h, backend):
 
 
 def test_actors_can_store_exceptions(h, backend):
-    h.broker.add_middleware(Results(backend=backend))
 
     @dramatiq.actor(store_results=True, max_retries=0, queue_name=h.queue)
     def do_work():
@@ -89,7 +90,6 @@ def test_actors_can_store_exceptions(h, backend):
 
 
 def test_a_missing_result_raises_result_missing_and_a_late_one_times_out(h, backend):
-    h.broker.add_middleware(Results(backend=backend))
     release = threading.Event()
 
     @dramatiq.actor(store_results=True, queue_name=h.queue)
@@ -108,7 +108,6 @@ def test_a_missing_result_raises_result_missing_and_a_late_one_times_out(h, back
 
 
 def test_group_and_pipeline_results(h, backend):
-    h.broker.add_middleware(Results(backend=backend))
 
     @dramatiq.actor(store_results=True, queue_name=h.queue)
     def add(x, y=0):
@@ -127,7 +126,6 @@ def test_group_and_pipeline_results(h, backend):
 
 
 def test_a_group_that_cannot_finish_in_time_times_out(h, backend):
-    h.broker.add_middleware(Results(backend=backend))
     release = threading.Event()
 
     @dramatiq.actor(store_results=True, queue_name=h.queue)
@@ -145,7 +143,6 @@ def test_a_group_that_cannot_finish_in_time_times_out(h, backend):
 
 
 def test_a_message_skipped_by_the_age_limit_stores_a_skip_failure(h, backend):
-    h.broker.add_middleware(Results(backend=backend))
 
     @dramatiq.actor(store_results=True, max_age=1, queue_name=h.queue)
     def do_work():

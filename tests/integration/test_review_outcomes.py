@@ -85,11 +85,7 @@ def test_an_unexpected_write_error_does_not_stop_the_outcome_writer(h):
 
 def test_claimed_messages_that_cannot_be_returned_are_no_longer_renewed(h):
     broker = h.broker()
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def ok(n):
-        pass
-
+    ok = h.noop(broker)
     for n in range(3):
         ok.send(n)
     # A claim takes at most half the window: a prefetch of 6 claims all three at once.

@@ -4,10 +4,8 @@ API refuse a schema their code does not fit, in one line, and go on once it fits
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import dramatiq
 import psycopg
@@ -21,30 +19,9 @@ from dramatiq_pg_broker import PostgresBroker, handshake
 from dramatiq_pg_broker.cli import main
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.errors import CodeTooOld, MigrationsPending
-from dramatiq_pg_broker.migrate import discover, migrate, migrations_dir
+from dramatiq_pg_broker.migrate import discover, migrate
 
-#: The last migration released before the handshake (0.1.0's schema).
-RELEASED = 9
-
-
-def future_migrations(tmp_path: Path, kind: str) -> tuple[Path, str]:
-    """This code's migrations plus one more, of ``kind``, that this code does not ship."""
-    folder = tmp_path / "migrations"
-    shutil.copytree(migrations_dir(), folder)
-    version = handshake.this_code().level + 1
-    name = f"{version:04d}_future_{kind}"
-    (folder / f"{name}.sql").write_text(
-        f"-- compatibility: {kind}\n-- A later release's change, made up by the test.\n"
-        "CREATE TABLE future_probe (id integer);\n"
-    )
-    return folder, name
-
-
-@pytest.fixture
-def behind(pg_url, empty_schema):
-    """A schema at 0.1.0's migrations: older than this code needs."""
-    migrate(pg_url, empty_schema, target=RELEASED)
-    return empty_schema
+from ..helpers import RELEASED, migrate_ahead
 
 
 def declare(broker: PostgresBroker) -> dramatiq.Actor:
@@ -99,8 +76,7 @@ def test_the_handshake_is_one_read_per_process_not_per_message(pg_url, schema, m
 def test_code_the_schema_no_longer_admits_is_refused_with_what_to_upgrade(
     pg_url, empty_schema, tmp_path
 ):
-    folder, future = future_migrations(tmp_path, "breaking")
-    migrate(pg_url, empty_schema, directory=folder)
+    future = migrate_ahead(pg_url, empty_schema, tmp_path, "breaking")
     broker = PostgresBroker(url=pg_url, schema=empty_schema)
     try:
         with pytest.raises(CodeTooOld) as info:
@@ -120,8 +96,7 @@ def test_code_the_schema_no_longer_admits_is_refused_with_what_to_upgrade(
 def test_a_newer_compatible_schema_admits_the_code_and_says_so_once(
     pg_url, empty_schema, tmp_path, caplog
 ):
-    folder, future = future_migrations(tmp_path, "compatible")
-    migrate(pg_url, empty_schema, directory=folder)
+    future = migrate_ahead(pg_url, empty_schema, tmp_path, "compatible")
     caplog.set_level(logging.INFO, logger="dramatiq_pg_broker.handshake")
     broker = PostgresBroker(url=pg_url, schema=empty_schema)
     noop = declare(broker)
@@ -136,8 +111,7 @@ def test_a_newer_compatible_schema_admits_the_code_and_says_so_once(
 
 
 def test_migrate_records_each_headers_kind_and_the_applying_version(pg_url, empty_schema, tmp_path):
-    folder, future = future_migrations(tmp_path, "breaking")
-    migrate(pg_url, empty_schema, directory=folder)
+    future = migrate_ahead(pg_url, empty_schema, tmp_path, "breaking")
     with psycopg.connect(pg_url) as conn:
         rows = conn.execute(
             sql.SQL(
@@ -209,8 +183,7 @@ def test_a_worker_waits_for_the_migration_then_proceeds(pg_url, behind, monkeypa
 def test_a_worker_the_schema_no_longer_admits_stops_in_one_line(
     pg_url, empty_schema, tmp_path, caplog
 ):
-    folder, future = future_migrations(tmp_path, "breaking")
-    migrate(pg_url, empty_schema, directory=folder)
+    future = migrate_ahead(pg_url, empty_schema, tmp_path, "breaking")
     broker = PostgresBroker(url=pg_url, schema=empty_schema)
     worker = dramatiq.Worker(broker, worker_threads=1)
     try:
@@ -254,32 +227,45 @@ def test_operator_commands_refuse_a_schema_behind_the_code_in_one_line(pg_url, b
     )
 
 
-def test_status_says_when_the_database_is_newer_than_the_code(
-    pg_url, empty_schema, tmp_path, capsys
+@pytest.mark.parametrize(
+    ("kind", "says", "code"),
+    [
+        pytest.param(
+            "compatible",
+            [
+                "{future:<35} unknown",
+                "1 unknown to this code",
+                "the database is newer than this code",
+            ],
+            0,
+            id="newer-compatible",
+        ),
+        pytest.param(
+            "breaking",
+            [
+                "minimum code level: {level} (set by the breaking migration {future})",
+                "this code may not use the schema",
+            ],
+            2,
+            id="no-longer-admitted",
+        ),
+    ],
+)
+def test_status_check_and_commands_on_a_database_newer_than_the_code(
+    pg_url, empty_schema, tmp_path, capsys, kind, says, code
 ):
-    folder, future = future_migrations(tmp_path, "compatible")
-    migrate(pg_url, empty_schema, directory=folder)
+    """``status`` says what the newer schema means for this code; ``migrate --check`` and
+    the operator commands go on (exit 0) while the schema admits the code, and exit 2
+    saying what to upgrade once it does not."""
+    future = migrate_ahead(pg_url, empty_schema, tmp_path, kind)
     assert main(cli(pg_url, empty_schema, "status")) == 0
     out = capsys.readouterr().out
-    assert f"{future:<35} unknown" in out
-    assert "1 unknown to this code" in out
-    assert "the database is newer than this code" in out
-    assert main(cli(pg_url, empty_schema, "migrate", "--check")) == 0
-    assert main(cli(pg_url, empty_schema, "jobs", "list")) == 0
-
-
-def test_status_and_check_report_code_the_schema_no_longer_admits(
-    pg_url, empty_schema, tmp_path, capsys
-):
-    folder, future = future_migrations(tmp_path, "breaking")
-    migrate(pg_url, empty_schema, directory=folder)
-    assert main(cli(pg_url, empty_schema, "status")) == 0
-    out = capsys.readouterr().out
-    assert f"minimum code level: {future[:4]} (set by the breaking migration {future})" in out
-    assert "this code may not use the schema" in out
-    assert main(cli(pg_url, empty_schema, "migrate", "--check")) == 2
-    assert "upgrade dramatiq-pg-broker" in capsys.readouterr().err
-    assert main(cli(pg_url, empty_schema, "jobs", "list")) == 2
+    for line in says:
+        assert line.format(future=future, level=future[:4]) in out, out
+    assert main(cli(pg_url, empty_schema, "migrate", "--check")) == code
+    if code:
+        assert "upgrade dramatiq-pg-broker" in capsys.readouterr().err
+    assert main(cli(pg_url, empty_schema, "jobs", "list")) == code
 
 
 # -- the admin API --------------------------------------------------------------------------

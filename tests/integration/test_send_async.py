@@ -85,79 +85,85 @@ def count_orders(conn, schema) -> int:
     return conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_rolled_back_block_leaves_no_job_and_no_event(
-    broker, task, pg_url, conn, schema, orders, kind
-):
-    async def main():
-        async with app_connection(pg_url, kind) as (app, execute, transaction):
-            with pytest.raises(RuntimeError):
-                async with transaction(), broker.transaction(app):
-                    await execute(orders, (1,))
-                    message = task.send(1)
-                    await broker.write_pending_sends()  # written, then rolled back
-                    raise RuntimeError("the application changed its mind")
-            return message
+@pytest.fixture(params=KINDS)
+def in_block(request, pg_url, broker):
+    """``in_block(body)``: run ``await body(app, execute)`` in the application's own
+    transaction with the broker's block around it, on what the application holds (see
+    :func:`app_connection`: the test runs once with each kind); return what it returns."""
 
-    message = asyncio.run(main())
+    async def main(body):
+        async with app_connection(pg_url, request.param) as (app, execute, transaction):
+            async with transaction(), broker.transaction(app):
+                return await body(app, execute)
+
+    return lambda body: asyncio.run(main(body))
+
+
+def savepoint(app):
+    """The application's savepoint on ``app``."""
+    if isinstance(app, psycopg.AsyncConnection):
+        return app.transaction()
+    return app.begin_nested()
+
+
+def test_a_rolled_back_block_leaves_no_job_and_no_event(
+    broker, task, conn, schema, orders, in_block
+):
+    sent = []
+
+    async def body(app, execute):
+        await execute(orders, (1,))
+        sent.append(task.send(1))
+        await broker.write_pending_sends()  # written, then rolled back
+        raise RuntimeError("the application changed its mind")
+
+    with pytest.raises(RuntimeError, match="changed its mind"):
+        in_block(body)
+    [message] = sent
     assert status_of(broker.store, message.message_id) is None
     assert event_types(broker.store, message.message_id) == []
     assert count_orders(conn, schema) == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_committed_block_leaves_one_job_invisible_until_the_commit(
-    broker, task, pg_url, conn, schema, orders, kind
+    broker, task, conn, schema, orders, in_block
 ):
-    async def main():
-        async with app_connection(pg_url, kind) as (app, execute, transaction):
-            async with transaction(), broker.transaction(app):
-                await execute(orders, (2,))
-                message = task.send(2)
-                # Collected, not written: no I/O inside the synchronous send.
-                assert status_of(broker.store, message.message_id) is None
-                await broker.write_pending_sends()
-                # Written on the application's connection: still invisible to others.
-                assert status_of(broker.store, message.message_id) is None, (
-                    "the job was visible to another connection before the commit"
-                )
-            return message
+    async def body(app, execute):
+        await execute(orders, (2,))
+        message = task.send(2)
+        # Collected, not written: no I/O inside the synchronous send.
+        assert status_of(broker.store, message.message_id) is None
+        await broker.write_pending_sends()
+        # Written on the application's connection: still invisible to others.
+        assert status_of(broker.store, message.message_id) is None, (
+            "the job was visible to another connection before the commit"
+        )
+        return message
 
-    message = asyncio.run(main())
+    message = in_block(body)
     assert status_of(broker.store, message.message_id) == "queued"
     assert event_types(broker.store, message.message_id) == ["created"]
     assert count_orders(conn, schema) == 1
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_savepoint_rolled_back_drops_only_its_own_sends(
-    broker, task, pg_url, conn, schema, orders, kind
-):
-    async def main():
-        async with app_connection(pg_url, kind) as (app, execute, transaction):
-            async with transaction(), broker.transaction(app):
-                kept = task.send(1)
-                with pytest.raises(RuntimeError):
-                    # The application's savepoint, with its own block inside: the block's
-                    # sends are written in the savepoint, and go with its rollback.
-                    async with savepoint(app, kind), broker.transaction(app):
-                        dropped = task.send(2)
-                        await broker.write_pending_sends()  # written in the savepoint
-                        raise RuntimeError("this part is undone")
-                also_kept = task.send(3)
-            return kept, dropped, also_kept
+def test_a_savepoint_rolled_back_drops_only_its_own_sends(broker, task, in_block):
+    async def body(app, execute):
+        kept = task.send(1)
+        with pytest.raises(RuntimeError):
+            # The application's savepoint, with its own block inside: the block's sends
+            # are written in the savepoint, and go with its rollback.
+            async with savepoint(app), broker.transaction(app):
+                dropped = task.send(2)
+                await broker.write_pending_sends()  # written in the savepoint
+                raise RuntimeError("this part is undone")
+        also_kept = task.send(3)
+        return kept, dropped, also_kept
 
-    kept, dropped, also_kept = asyncio.run(main())
+    kept, dropped, also_kept = in_block(body)
     assert status_of(broker.store, kept.message_id) == "queued"
     assert status_of(broker.store, also_kept.message_id) == "queued"
     assert status_of(broker.store, dropped.message_id) is None
     assert event_types(broker.store, dropped.message_id) == []
-
-
-def savepoint(app, kind):
-    if kind == "psycopg":
-        return app.transaction()
-    return app.begin_nested()
 
 
 def test_an_open_psycopg_transaction_is_joined_and_decides(broker, task, pg_url, orders):

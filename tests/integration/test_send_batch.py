@@ -49,13 +49,7 @@ def rows(conn, schema, queue) -> list[tuple]:
 
 
 def created_events(conn, schema, queue) -> int:
-    return conn.execute(
-        sql.SQL(
-            "SELECT count(*) FROM {} e JOIN {} j ON j.id = e.job_id "
-            "WHERE j.queue_name = %s AND e.type = 'created'"
-        ).format(sql.Identifier(schema, "job_events"), sql.Identifier(schema, "all_jobs")),
-        (queue,),
-    ).fetchone()[0]
+    return sum(1 for _, kind, _, _ in event_rows(conn, schema, queue) if kind == "created")
 
 
 def test_a_loop_of_sends_is_written_once_at_the_end_of_the_block(

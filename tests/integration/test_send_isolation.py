@@ -26,6 +26,7 @@ from dramatiq_pg_broker.errors import DuplicateJobId, JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 
 from ..helpers import wait_for
+from ..rows import tables_of
 
 LEVELS = ["read committed", "repeatable read", "serializable"]
 
@@ -40,21 +41,28 @@ PATHS = ["single", "group", "arrays", "batch", "copy", "staged", "async"]
 REFUSED = (JobAlreadyFinished, psycopg.errors.SerializationFailure)
 
 
-def rows_of(conn, schema: str, job_id: str) -> list[tuple[str, str]]:
-    """(table, status) of every row with this id, in jobs and in jobs_history."""
-    return conn.execute(
-        sql.SQL(
-            "SELECT 'jobs', status FROM {s}.jobs WHERE id = %(id)s "
-            "UNION ALL SELECT 'history', status FROM {s}.jobs_history WHERE id = %(id)s"
-        ).format(s=sql.Identifier(schema)),
-        {"id": job_id},
-    ).fetchall()
-
-
 def claim(broker, queue: str, job_id: str) -> Attempt:
     claimed = [c for c in broker.store.claim(queue, 100, "w", 60) if c.id == job_id]
     assert claimed, f"job {job_id} was not claimed"
     return Attempt(job_id, "w", claimed[0].attempts)
+
+
+def race_with_the_move(broker, pg_url: str, queue: str, message, send, waiting, what: str):
+    """Claim ``message``'s job and move it to history in a worker's transaction left open;
+    meanwhile run ``send`` in a thread, wait until ``waiting()`` says that it waits for the
+    move (``what`` names the send), then commit the move: the send must end within 30 s."""
+    attempt = claim(broker, queue, message.message_id)
+    with psycopg.connect(pg_url, autocommit=True) as mover:
+        mover.execute("BEGIN")
+        assert broker.store.complete([attempt], conn=mover) == {message.message_id}
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            wait_for(waiting, 10, f"{what} to wait for the worker's move")
+        finally:
+            mover.execute("COMMIT")
+            thread.join(30)
+    assert not thread.is_alive(), f"{what} hung"
 
 
 def send_again(broker, task, app, path: str, message: dramatiq.Message) -> None:
@@ -142,12 +150,12 @@ def test_a_job_that_finished_after_the_snapshot_is_not_sent_again(
         assert started.wait(10), "the application's transaction did not begin"
         broker.enqueue(message)
         broker.store.fail([claim(broker, queue, message.message_id)], ["boom"])
-        assert rows_of(conn, schema, message.message_id) == [("history", "failed")]
+        assert tables_of(conn, schema, message.message_id) == [("history", "failed")]
     finally:
         go_on.set()
         thread.join(30)
     assert not thread.is_alive(), "the application's send hung"
-    assert rows_of(conn, schema, message.message_id) == [("history", "failed")]
+    assert tables_of(conn, schema, message.message_id) == [("history", "failed")]
     error = outcome["error"]
     if level == "read committed":
         assert isinstance(error, JobAlreadyFinished), error
@@ -155,7 +163,7 @@ def test_a_job_that_finished_after_the_snapshot_is_not_sent_again(
         assert isinstance(error, psycopg.errors.SerializationFailure), error
     # And the operator's retry then finds one row to move back.
     assert broker.store.retry_failed(message.message_id)["status"] == "queued"
-    assert rows_of(conn, schema, message.message_id) == [("jobs", "queued")]
+    assert tables_of(conn, schema, message.message_id) == [("jobs", "queued")]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -166,35 +174,20 @@ def test_a_send_racing_with_the_finish_of_its_job_never_makes_a_second_row(
     """The worker's move to history is under way (its transaction holds the row) when the
     application sends the message again; the move then commits."""
     message = broker.enqueue(task.message(0))
-    attempt = claim(broker, queue, message.message_id)
     outcome: dict = {}
     pids: list[int] = []
-    with psycopg.connect(pg_url, autocommit=True) as mover:
-        mover.execute("BEGIN")
-        assert broker.store.complete([attempt], conn=mover) == {message.message_id}
-        thread = threading.Thread(
-            target=lambda: outcome.setdefault(
-                "error", attempt_send(broker, task, pg_url, level, path, message, pids.append)
-            )
-        )
-        thread.start()
-        try:
-            wait_for(
-                lambda: (
-                    pids
-                    and conn.execute(
-                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                        (pids[0],),
-                    ).fetchone()[0]
-                ),
-                10,
-                "the application's send to wait for the worker's move",
-            )
-        finally:
-            mover.execute("COMMIT")
-            thread.join(30)
-    assert not thread.is_alive(), "the application's send hung"
-    assert rows_of(conn, schema, message.message_id) == [("history", "succeeded")]
+
+    def send() -> None:
+        outcome["error"] = attempt_send(broker, task, pg_url, level, path, message, pids.append)
+
+    def waiting() -> bool:
+        if not pids:  # the application's transaction has not begun yet
+            return False
+        query = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+        return conn.execute(query, (pids[0],)).fetchone()[0]
+
+    race_with_the_move(broker, pg_url, queue, message, send, waiting, "the application's send")
+    assert tables_of(conn, schema, message.message_id) == [("history", "succeeded")]
     error = outcome["error"]
     assert error is not None, "the send of a finished job was taken without a word"
     if level == "read committed":
@@ -209,7 +202,6 @@ def test_a_pooled_send_racing_with_the_finish_of_its_job_never_makes_a_second_ro
     send, the group commit's statement (the sends of several threads at once), a bulk
     send through the pool."""
     message = broker.enqueue(task.message(0))
-    attempt = claim(broker, queue, message.message_id)
     outcome: dict = {}
 
     def send() -> None:
@@ -227,26 +219,15 @@ def test_a_pooled_send_racing_with_the_finish_of_its_job_never_makes_a_second_ro
         except JobAlreadyFinished as e:
             outcome["error"] = e
 
-    with psycopg.connect(pg_url, autocommit=True) as mover:
-        mover.execute("BEGIN")
-        assert broker.store.complete([attempt], conn=mover) == {message.message_id}
-        thread = threading.Thread(target=send)
-        thread.start()
-        try:
-            wait_for(
-                lambda: conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND pid IN (SELECT pid FROM pg_locks WHERE NOT granted "
-                    "AND transactionid IS NOT NULL)"
-                ).fetchone()[0],
-                10,
-                "the send to wait for the worker's move",
-            )
-        finally:
-            mover.execute("COMMIT")
-            thread.join(30)
-    assert not thread.is_alive(), "the send hung"
-    assert rows_of(conn, schema, message.message_id) == [("history", "succeeded")]
+    def waiting() -> bool:
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND pid IN (SELECT pid FROM pg_locks WHERE NOT granted "
+            "AND transactionid IS NOT NULL)"
+        ).fetchone()[0]
+
+    race_with_the_move(broker, pg_url, queue, message, send, waiting, "the send")
+    assert tables_of(conn, schema, message.message_id) == [("history", "succeeded")]
     assert isinstance(outcome.get("error"), JobAlreadyFinished), outcome
 
 
@@ -256,7 +237,7 @@ def test_a_new_job_sends_at_every_level(broker, task, queue, conn, schema, pg_ur
     for path in PATHS:
         message = task.message(0)
         assert attempt_send(broker, task, pg_url, level, path, message) is None, path
-        assert rows_of(conn, schema, message.message_id) == [("jobs", "queued")], path
+        assert tables_of(conn, schema, message.message_id) == [("jobs", "queued")], path
 
 
 def double_in_history(conn, schema: str, job_id: str) -> None:
@@ -307,9 +288,9 @@ def test_retry_all_failed_skips_and_reports_ids_with_a_second_row(
     assert code == 0, err
     assert "retried 1 failed job(s)" in out, out
     assert doubled in out and twice in out, out
-    assert rows_of(conn, schema, alone) == [("jobs", "queued")]
-    assert sorted(rows_of(conn, schema, doubled)) == [("history", "failed"), ("jobs", "queued")]
-    assert rows_of(conn, schema, twice) == [("history", "failed"), ("history", "failed")]
+    assert tables_of(conn, schema, alone) == [("jobs", "queued")]
+    assert sorted(tables_of(conn, schema, doubled)) == [("history", "failed"), ("jobs", "queued")]
+    assert tables_of(conn, schema, twice) == [("history", "failed"), ("history", "failed")]
     # Run again: the skipped ones are reported again, nothing crashes.
     code, out, err = run("jobs", "retry", "--all-failed", "--queue", queue, "--json")
     assert code == 0, err

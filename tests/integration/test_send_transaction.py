@@ -15,6 +15,8 @@ from sqlalchemy.orm import Session
 from dramatiq_pg_broker import TransactionError
 from dramatiq_pg_broker.jobs import channel_name
 
+from ..rows import event_types
+
 
 @pytest.fixture
 def invoices(app_table):
@@ -30,16 +32,6 @@ def jobs_of(conn, schema, queue) -> list[str]:
         (queue,),
     ).fetchall()
     return [str(r[0]) for r in rows]
-
-
-def events_of(conn, schema, job_id) -> list[str]:
-    rows = conn.execute(
-        sql.SQL("SELECT type FROM {} WHERE job_id = %s").format(
-            sql.Identifier(schema, "job_events")
-        ),
-        (job_id,),
-    ).fetchall()
-    return [r[0] for r in rows]
 
 
 def count_invoices(conn, schema) -> int:
@@ -69,7 +61,7 @@ def test_the_job_commits_with_the_application_and_is_notified_only_then(
         assert jobs_of(conn, schema, queue) == [message.message_id]
         assert count_invoices(conn, schema) == 1
         assert listener(10) == [channel_name(schema, queue)]
-        assert events_of(conn, schema, message.message_id) == ["created"]
+        assert event_types(broker.store, message.message_id) == ["created"]
 
 
 @pytest.mark.parametrize("autocommit", [False, True])
@@ -83,7 +75,7 @@ def test_a_rollback_leaves_no_job_and_no_event(
                 message = task.send(1)
                 raise RuntimeError("the application changed its mind")
     assert jobs_of(conn, schema, queue) == []
-    assert events_of(conn, schema, message.message_id) == []
+    assert event_types(broker.store, message.message_id) == []
     assert count_invoices(conn, schema) == 0
     assert listener(0.3) == []
 
@@ -123,7 +115,7 @@ def test_a_sqlalchemy_session_commits_or_rolls_back_the_job(
     finally:
         engine.dispose()
     assert jobs_of(conn, schema, queue) == [committed.message_id]
-    assert events_of(conn, schema, rolled_back.message_id) == []
+    assert event_types(broker.store, rolled_back.message_id) == []
     assert count_invoices(conn, schema) == 1
 
 

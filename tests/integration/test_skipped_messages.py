@@ -67,10 +67,7 @@ def test_an_abort_cancel_of_a_queued_job_ends_it_cancelled(h):
         busy.set()
         release.wait(30)
 
-    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
-    def work():
-        h.record("ran")
-
+    work = h.recorder(broker, max_retries=0)
     h.start(broker, threads=1)
     blocker.send()
     assert busy.wait(30), "the blocker did not start"
@@ -91,11 +88,7 @@ def test_an_abort_cancel_of_a_queued_job_ends_it_cancelled(h):
 
 def test_an_abort_cancel_of_a_delayed_job_ends_it_cancelled(h):
     broker = abortable_broker(h)
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
-    def work():
-        h.record("ran")
-
+    work = h.recorder(broker, max_retries=0)
     message = work.send_with_options(delay=500)
     abort(message.message_id, mode=AbortMode.CANCEL)
     h.start(broker, threads=1)
@@ -109,15 +102,8 @@ def test_an_abort_cancel_of_a_delayed_job_ends_it_cancelled(h):
 def test_a_middleware_skip_ends_the_job_cancelled_naming_the_middleware(h):
     broker = h.broker()
     broker.add_middleware(NotToday())
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name="skipped")
-    def skipped():
-        h.record("ran")
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue)
-    def kept():
-        h.record("kept")
-
+    skipped = h.recorder(broker, actor_name="skipped")
+    kept = h.recorder(broker, "kept")
     message, other = skipped.send(), kept.send()
     h.start(broker)
     job = finished(broker, h, message)
@@ -137,11 +123,7 @@ def test_a_middleware_skip_ends_the_job_cancelled_naming_the_middleware(h):
 
 def test_the_age_limit_fails_the_job_and_names_itself(h):
     broker = h.broker()
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue, max_age=1)
-    def old():
-        h.record("ran")
-
+    old = h.recorder(broker, max_age=1)
     message = old.send_with_options(delay=50)
     h.start(broker)
     job = finished(broker, h, message)
@@ -155,11 +137,7 @@ def test_the_age_limit_fails_the_job_and_names_itself(h):
 def test_a_failed_skip_stays_a_failure(h):
     broker = h.broker()
     broker.add_middleware(FailAndSkip())
-
-    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name="skipped", max_retries=3)
-    def skipped():
-        h.record("ran")
-
+    skipped = h.recorder(broker, actor_name="skipped", max_retries=3)
     message = skipped.send()
     h.start(broker)
     job = finished(broker, h, message)

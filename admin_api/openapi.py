@@ -22,6 +22,7 @@ from .queries import JOB_COLUMNS, LIST_COLUMNS, PREVIEW_CHARS
 from .resources import dashboard as dashboard_resource
 from .resources import events as events_resource
 from .resources import jobs as jobs_resource
+from .resources import queues as queues_resource
 from .resources.sessions import LOGIN_FIELDS
 from .resources.users import TOKEN_FIELDS, USER_FIELDS, USER_UPDATE_FIELDS
 from .tables import jobs
@@ -310,6 +311,23 @@ _SCHEMAS: dict[str, Any] = {
             "resumed_at": _NULLABLE_TIME,
             "resumed_by": {"type": ["string", "null"]},
             "declared_at": _TIME,
+        },
+    },
+    "QueueLimit": {
+        "type": "object",
+        "properties": {
+            "queue_name": {"type": "string"},
+            "limit": {
+                "type": ["integer", "null"],
+                "description": "At most this many of its jobs run at once (null: no limit).",
+            },
+            "source": {
+                "type": ["string", "null"],
+                "enum": ["code", "operator", None],
+                "description": "Who set it: a worker's queue_limits setting, or an operator.",
+            },
+            "set_by": {"type": ["string", "null"]},
+            "set_at": _NULLABLE_TIME,
         },
     },
     "Worker": {
@@ -669,6 +687,26 @@ def _paths() -> dict[str, Any]:
                 "operator, admin",
             )
         },
+        "/api/queues/{queue_name}/limit": {
+            "put": _protected(
+                {
+                    "summary": "Limit a queue: at most N of its jobs run at a time, across "
+                    "every worker on every host; null lifts the limit.",
+                    "description": "In force from the next claim of every worker; jobs "
+                    "already running beyond a lowered limit finish. An operator's limit wins "
+                    "over the queue_limits setting workers boot with. A job counts as "
+                    "running from its claim until its outcome is written, or, if its worker "
+                    "died, until the reaper takes it back.",
+                    "requestBody": _body(queues_resource.LIMIT_FIELDS),
+                    "parameters": [_QUEUE_NAME],
+                    "responses": {
+                        "200": _json(_ref("QueueLimit"), "The queue's limit now."),
+                        "404": _error("No worker has declared this queue."),
+                    },
+                },
+                "operator, admin",
+            )
+        },
         "/api/workers": {
             "get": _protected(
                 {
@@ -915,6 +953,11 @@ def _monitoring_paths() -> dict[str, Any]:
             "paused": {"type": "boolean", "description": "An operator paused the queue."},
             "paused_at": _NULLABLE_TIME,
             "paused_by": {"type": ["string", "null"]},
+            "limit": {
+                "type": ["integer", "null"],
+                "description": "At most this many of its jobs run at once, across every "
+                "worker (null: no limit).",
+            },
         },
     }
     bucket = {
@@ -950,8 +993,8 @@ def _monitoring_paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "Per queue: queued, delayed, running and failed jobs, the age "
-                    "of the oldest runnable job, and whether it is paused. Every declared "
-                    "queue is listed; another queue only while it has such jobs.",
+                    "of the oldest runnable job, whether it is paused and its limit. Every "
+                    "declared queue is listed; another queue only while it has such jobs.",
                     "responses": {
                         "200": _json(
                             {

@@ -72,7 +72,7 @@ NOTICE_INTERVAL = 0.25
 #: How soon a consumer of a limited queue looks again when the queue was at its limit, or
 #: its process had no free worker thread: a place under the limit frees up when a job of
 #: the queue ends on any host, which is not announced.
-LIMIT_RETRY_SECONDS = 0.05
+LIMIT_RETRY_SECONDS = 0.025
 
 #: Seconds a consumer whose LISTEN connection could not be opened polls before it tries
 #: again (doubling from the first, up to the last).

@@ -207,6 +207,8 @@ class PostgresConsumer(Consumer):
         self._handed_last = False
         #: Whether the queue was limited at the last claim (see :mod:`.limits`).
         self._limited = False
+        #: Whether the limited queue's last look found jobs to run (or found it at its limit).
+        self._had_work = True
 
     @property
     def window(self) -> int:
@@ -325,13 +327,15 @@ class PostgresConsumer(Consumer):
             self._became_limited()
             # Only what this process's threads can start now: no prefetch.
             free = limits.free_threads()
+            if free is not None and free <= 0:
+                self._no_free_thread()
+                return False
             if free is not None:
                 limit = min(limit, free)
-            if limit <= 0:
-                self._wait_under_limit()
-                return False
             self._notified = False
             claim = self.store.claim_limited(self.queue_name, limit, self.owner, lease)
+            limits.fed(self.queue_name)
+            self._had_work = bool(claim.jobs) or claim.at_limit
             if claim.queue_limit is None:
                 # The limit was cleared and this process has not heard yet.
                 limits.invalidate()
@@ -340,6 +344,16 @@ class PostgresConsumer(Consumer):
                 return False
         else:
             self._limited = False
+            reserved = limits.reserved()
+            if reserved:
+                # A limited queue of this process waits for a thread: leave it the next
+                # ones (see QueueLimits.hungry).
+                free = limits.free_threads()
+                if free is not None and free - reserved < limit:
+                    limit = free - reserved
+                    if limit <= 0:
+                        self._wait_under_limit()
+                        return False
             self._notified = False
             claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
         self._short = len(claim.jobs) < limit
@@ -427,6 +441,25 @@ class PostgresConsumer(Consumer):
         self._last_empty = time.monotonic()
         self._next_due = self._last_empty + LIMIT_RETRY_SECONDS
         self._short = True
+
+    def _no_free_thread(self) -> None:
+        """A limited queue's consumer found every worker thread of its process taken. If
+        its queue has jobs to run (its last claim found some, something was announced, or
+        a look at the queue says so: one statement, at most once per poll), it asks the
+        process's other consumers to leave it the next free thread (:meth:`.QueueLimits.
+        hungry`) and looks again soon; otherwise it waits as an idle consumer does."""
+        limits = self.broker.queue_limits
+        if not (self._had_work or self._notified):
+            peek = self.store.claim_or_wait(self.queue_name, 0, self.owner, 0)
+            wait = peek.seconds_until_available
+            if peek.paused or wait is None or wait > 0:
+                limits.fed(self.queue_name)
+                self._last_empty = time.monotonic()
+                self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
+                return
+            self._had_work = True
+        limits.hungry(self.queue_name)
+        self._wait_under_limit()
 
     def _became_limited(self) -> None:
         """The queue is limited (now, or since the last claim): the first time, give back

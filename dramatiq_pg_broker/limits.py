@@ -69,8 +69,9 @@ MAX_LIMIT = 1_000_000
 #: How old a worker's copy of which queues are limited may get while it claims work.
 REFRESH_SECONDS = 1.0
 
-#: Who a limit set by a worker's configuration is recorded as set by.
-CODE_SOURCE = "code"
+#: How long a limited queue that found no free worker thread keeps the next ones reserved
+#: for it without saying so again (its consumer says so every few claims' time).
+HUNGER_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,12 +216,16 @@ class QueueLimits(Middleware):
         self._read_at: float | None = None
         #: The worker's thread count (None: no worker booted in this process).
         self.worker_threads: int | None = None
+        #: Limited queues of this process that wait for a free thread, with when each
+        #: last said so (see :meth:`hungry`).
+        self._hungry: dict[str, float] = {}
         self._process = forks.PerProcess(self._enter_process, value=None)
 
     def _enter_process(self) -> None:
         with self._lock:
             self._limits = {}
             self._read_at = None
+            self._hungry = {}
 
     def before_worker_boot(self, broker, worker) -> None:
         self.worker_threads = getattr(worker, "worker_threads", None)
@@ -261,6 +266,28 @@ class QueueLimits(Middleware):
             self._limits = limits
             self._read_at = time.monotonic()
             return limits
+
+    def hungry(self, queue_name: str) -> None:
+        """A limited queue has jobs to run and below its limit, but every worker thread of
+        this process is taken (running, or prefetched by the other queues' consumers).
+        Until it is fed, or says nothing for :data:`HUNGER_SECONDS`, the other consumers
+        of this process claim only what leaves it the next free thread (:meth:`reserved`):
+        otherwise their prefetch would keep every thread busy and the limited queue, which
+        never prefetches, would starve on a worker the other queues keep busy."""
+        self._hungry[queue_name] = time.monotonic()
+
+    def fed(self, queue_name: str) -> None:
+        """The limited queue claimed (or is at its limit, or has nothing to run)."""
+        if self._hungry:
+            self._hungry.pop(queue_name, None)
+
+    def reserved(self) -> int:
+        """How many of the next free threads the unlimited consumers leave to hungry
+        limited queues (0 in a process with no limited queue waiting: nothing is read)."""
+        if not self._hungry:
+            return 0
+        now = time.monotonic()
+        return sum(1 for at in list(self._hungry.values()) if now - at < HUNGER_SECONDS)
 
     def free_threads(self) -> int | None:
         """Worker threads of this process that could start a message now: the threads

@@ -1,7 +1,8 @@
 """Queue limits with real ``dramatiq`` worker processes: a queue limited to 3, drained by two
 worker processes of 8 threads each with 0.2 s jobs, never has more than 3 jobs running
 (sampled from the database every 20 ms); an unlimited queue drains meanwhile at about its
-usual rate; a limit raised to 5, then lowered to 1, mid-drain, holds within a second.
+usual rate, and the limited queue still gets threads while it does; a limit raised to 5,
+then lowered to 1, mid-drain, holds within a second.
 
 The figures (the limited queue's throughput at its limit, the unlimited queue's drain time
 alone and beside the limited one) are printed: run with ``-s`` to see them."""
@@ -162,3 +163,6 @@ def test_a_limit_holds_across_two_worker_processes_and_changes_within_a_second(
     # usual rate (3 of the 16 threads were the limited queue's).
     assert beside <= 2 * alone + 1.0, f"unlimited drain: {alone:.2f}s alone, {beside:.2f}s beside"
     assert sampler.unlimited_max(unlimited_start, unlimited_end) > 3
+    # Nor was the limited queue starved while the unlimited one kept every thread busy:
+    # the other consumers left it the threads it waited for (QueueLimits.hungry).
+    assert rate_beside >= 1.5, f"the limited queue ran {rate_beside:.1f} jobs/s meanwhile"

@@ -207,8 +207,8 @@ class PostgresConsumer(Consumer):
         self._handed_last = False
         #: Whether the queue was limited at the last claim (see :mod:`.limits`).
         self._limited = False
-        #: Whether the limited queue's last look found jobs to run (or found it at its limit).
-        self._had_work = True
+        #: What the limited queue's last claim found: "work", "empty" or "at limit".
+        self._last_look = "work"
 
     @property
     def window(self) -> int:
@@ -335,7 +335,7 @@ class PostgresConsumer(Consumer):
             self._notified = False
             claim = self.store.claim_limited(self.queue_name, limit, self.owner, lease)
             limits.fed(self.queue_name)
-            self._had_work = bool(claim.jobs) or claim.at_limit
+            self._last_look = "at limit" if claim.at_limit else "work" if claim.jobs else "empty"
             if claim.queue_limit is None:
                 # The limit was cleared and this process has not heard yet.
                 limits.invalidate()
@@ -444,12 +444,19 @@ class PostgresConsumer(Consumer):
 
     def _no_free_thread(self) -> None:
         """A limited queue's consumer found every worker thread of its process taken. If
-        its queue has jobs to run (its last claim found some, something was announced, or
-        a look at the queue says so: one statement, at most once per poll), it asks the
-        process's other consumers to leave it the next free thread (:meth:`.QueueLimits.
-        hungry`) and looks again soon; otherwise it waits as an idle consumer does."""
+        its queue has jobs it may run now (its last claim found some, or something was
+        announced, or a look says so: one statement), it asks the process's other
+        consumers to leave it the next free thread (:meth:`.QueueLimits.hungry`) and looks
+        again soon. A queue at its limit looks again soon without asking (the limit, not
+        the threads, holds it back); an empty one waits as an idle consumer does."""
         limits = self.broker.queue_limits
-        if not (self._had_work or self._notified):
+        if self._last_look == "at limit" and not self._notified:
+            if self.store.limited_room(self.queue_name) <= 0:
+                limits.fed(self.queue_name)
+                self._wait_under_limit()
+                return
+            self._last_look = "work"
+        elif self._last_look == "empty" and not self._notified:
             peek = self.store.claim_or_wait(self.queue_name, 0, self.owner, 0)
             wait = peek.seconds_until_available
             if peek.paused or wait is None or wait > 0:
@@ -457,7 +464,7 @@ class PostgresConsumer(Consumer):
                 self._last_empty = time.monotonic()
                 self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
                 return
-            self._had_work = True
+            self._last_look = "work"
         limits.hungry(self.queue_name)
         self._wait_under_limit()
 

@@ -1100,6 +1100,16 @@ class JobStore:
         claim = _claim_of(rows)
         return dataclasses.replace(claim, queue_limit=max_running)
 
+    def limited_room(self, queue_name: str, *, conn=None) -> int:
+        """How many more jobs of a limited queue may run now, by a read that takes no lock
+        (a hint: :meth:`claim_limited` decides). A large number for a queue without a
+        limit."""
+        with self.pool.use(conn) as c:
+            max_running, room = c.execute(
+                _limit_queries(self.schema)["limited_queue_room"], {"queue_name": queue_name}
+            ).fetchone()
+        return room if max_running is not None else 1 << 30
+
     def queue_limits(self, *, conn=None) -> dict[str, int]:
         """Every queue's limit, by queue name (see :mod:`.limits`)."""
         with self.pool.use(conn) as c:

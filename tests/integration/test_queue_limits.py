@@ -63,8 +63,10 @@ def test_the_limited_claim_takes_only_the_room_left_under_the_limit(store):
     assert len(second.jobs) == 1, "3 may run: 2 run, so 1 more"
     full = store.claim_limited(queue, 5, "w3", 30)
     assert full.jobs == [] and full.at_limit and full.queue_limit == 3
+    assert store.limited_room(queue) == 0
     # A finished job frees its place.
     store.complete([Attempt(first.jobs[0].id, "w1", first.jobs[0].attempts)])
+    assert store.limited_room(queue) == 1
     assert len(store.claim_limited(queue, 5, "w3", 30).jobs) == 1
     # Raised: the room follows at once, without any worker's cache.
     set_limit(store, queue, 6)

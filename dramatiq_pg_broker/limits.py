@@ -251,12 +251,16 @@ class QueueLimits(Middleware):
             and (busy or queue_name in self._limits or not self.broker.settings.listen)
         )
         if stale:
-            self.refresh()
+            self.refresh(unless_read_since=read_at)
         return self._limits.get(queue_name)
 
-    def refresh(self) -> dict[str, int]:
-        """Read every limit now (one statement)."""
+    def refresh(self, *, unless_read_since: float | None = None) -> dict[str, int]:
+        """Read every limit now (one statement), unless another thread read them since
+        ``unless_read_since`` (the read its caller saw): the consumers of a process that
+        find the copy stale at once read it once."""
         with self._lock:
+            if unless_read_since is not None and self._read_at not in (None, unless_read_since):
+                return self._limits
             limits = self.broker.store.queue_limits()
             if limits != self._limits:
                 logger.info(

@@ -67,3 +67,47 @@ def test_a_hungry_limited_queue_reserves_a_thread_until_fed_or_silent(monkeypatc
     later = time.monotonic() + HUNGER_SECONDS + 0.1
     monkeypatch.setattr(time, "monotonic", lambda: later)
     assert limits.reserved() == 0, "a queue that stopped saying so reserves nothing"
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.reads = 0
+        self.limits: dict[str, int] = {}
+
+    def queue_limits(self) -> dict[str, int]:
+        self.reads += 1
+        return dict(self.limits)
+
+
+class _ListeningBroker(_Broker):
+    def __init__(self) -> None:
+        super().__init__(occupying=0)
+        self.store = _Store()
+        self.settings = Settings(listen=True)
+
+
+def test_the_limits_are_read_when_announced_or_a_second_old_while_busy(monkeypatch):
+    broker = _ListeningBroker()
+    limits = QueueLimits(broker)
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 1
+    broker.store.limits = {"a": 3}
+    # An idle consumer of an unlimited queue, listening, reads nothing more...
+    clock[0] += 5
+    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 1
+    # ...until a change is announced, or it claims work and the copy is a second old.
+    limits.invalidate()
+    assert limits.limit_of("a", busy=False) == 3 and broker.store.reads == 2
+    clock[0] += 0.5
+    assert limits.limit_of("a", busy=True) == 3 and broker.store.reads == 2
+    broker.store.limits = {}
+    clock[0] += 0.6
+    # A limited queue's copy is read again every second, busy or not.
+    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 3
+    # Two consumers that found the copy stale at once read it once.
+    seen = limits._read_at
+    clock[0] += 2
+    limits.refresh(unless_read_since=seen)
+    limits.refresh(unless_read_since=seen)
+    assert broker.store.reads == 4

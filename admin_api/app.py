@@ -29,7 +29,7 @@ from .resources.events import EventFeed
 from .resources.health import Health
 from .resources.jobs import JobDetail, JobEvents, JobList, JobStats, JobTransition
 from .resources.metrics import MetricsPage
-from .resources.queues import QueueAction
+from .resources.queues import QueueAction, QueueLimit
 from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
@@ -207,6 +207,7 @@ def routes(
         ("/api/jobs/{job_id}/abort", JobTransition(queries, store, "abort")),
         ("/api/queues/{queue_name}/pause", QueueAction(store, "pause")),
         ("/api/queues/{queue_name}/resume", QueueAction(store, "resume")),
+        ("/api/queues/{queue_name}/limit", QueueLimit(store)),
         ("/api/workers", WorkerList(store)),
         ("/api/actors", ActorList(store)),
         ("/api/job-events", EventFeed(queries)),

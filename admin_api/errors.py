@@ -20,6 +20,7 @@ import psycopg_pool
 import sqlalchemy.exc
 
 from dramatiq_pg_broker.errors import (
+    InvalidQueueLimit,
     InvalidQueueName,
     InvalidTransition,
     JobNotFound,
@@ -170,6 +171,7 @@ def add_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(InvalidTransition, _raise(409, "{ex}."))
     app.add_error_handler(QueueNotDeclared, _raise(404, "{ex}."))
     app.add_error_handler(InvalidQueueName, _raise(400, "{ex}."))
+    app.add_error_handler(InvalidQueueLimit, _raise(400, "{ex}."))
     app.add_error_handler(InvalidAccountData, _raise(400, "{ex}."))
     app.add_error_handler(EmailTaken, _raise(409, "{ex}."))
     app.add_error_handler(LastAdmin, _raise(409, "{ex}."))

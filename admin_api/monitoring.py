@@ -21,6 +21,7 @@ from dramatiq_pg_broker.db import Queries
 from dramatiq_pg_broker.jobs import LEASE_EXPIRED, QueueCounts, queue_counts_of
 
 from .tables import Timestamp, job_events
+from .tables import queue_limits as queue_limits_table
 from .tables import queues as queues_table
 from .tables import workers as workers_table
 
@@ -128,6 +129,13 @@ class Monitor:
             counts.paused = bool(row.paused)
             counts.paused_at = row.paused_at
             counts.paused_by = row.paused_by
+        limits = conn.execute(
+            sa.select(queue_limits_table.c.queue_name, queue_limits_table.c.max_running)
+        ).all()
+        for row in limits:
+            # A limit set ahead of its workers (--force) shows with the queue's counts.
+            counts = found.setdefault(row.queue_name, QueueCounts(oldest_waiting_seconds=0.0))
+            counts.limit = row.max_running
         return dict(sorted(found.items()))
 
     def throughput(self, *, minutes: int = 60, now: dt.datetime | None = None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from .resources import dashboard as dashboard_resource
 from .resources import events as events_resource
 from .resources import jobs as jobs_resource
 from .resources.jobs import ActionRequest, JobRequest
+from .resources.queues import LimitRequest
 from .resources.sessions import LoginRequest
 from .resources.users import TokenRequest, UserRequest, UserUpdate
 from .validation import MAX_BODY_BYTES
@@ -352,6 +353,26 @@ def _paths() -> dict[str, Any]:
             (responses.QueueState, "The queue, active."),
             {"404": _UNDECLARED},
         ),
+        "/api/queues/{queue_name}/limit": {
+            "put": _protected(
+                {
+                    "summary": "Limit a queue: at most N of its jobs run at a time, across "
+                    "every worker on every host; null lifts the limit.",
+                    "description": "In force from the next claim of every worker; jobs "
+                    "already running beyond a lowered limit finish. An operator's limit wins "
+                    "over the queue_limits setting workers boot with. A job counts as "
+                    "running from its claim until its outcome is written, or, if its worker "
+                    "died, until the reaper takes it back.",
+                    "requestBody": _body(LimitRequest),
+                    "parameters": [_QUEUE_NAME],
+                    "responses": {
+                        "200": _json(responses.QueueLimit, "The queue's limit now."),
+                        "404": _UNDECLARED,
+                    },
+                },
+                "operator, admin",
+            )
+        },
         "/api/workers": {
             "get": _protected(
                 {
@@ -538,8 +559,8 @@ def _monitoring_paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "Per queue: queued, delayed, running and failed jobs, the age "
-                    "of the oldest runnable job, and whether it is paused. Every declared "
-                    "queue is listed; another queue only while it has such jobs.",
+                    "of the oldest runnable job, whether it is paused and its limit. Every "
+                    "declared queue is listed; another queue only while it has such jobs.",
                     "responses": {"200": _json(responses.QueueList, "The queues, by name.")},
                 },
                 "viewer, operator, admin",

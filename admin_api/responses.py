@@ -311,7 +311,7 @@ class Caller(BaseModel):
 
 
 class QueueOverview(BaseModel):
-    """A queue's jobs by state, its oldest wait, its workers and its pause."""
+    """A queue's jobs by state, its oldest wait, its workers, its pause and its limit."""
 
     queue_name: str
     queued: int = Field(ge=0, description="Waiting and runnable now.")
@@ -332,6 +332,24 @@ class QueueOverview(BaseModel):
     paused: bool = Field(description="An operator paused the queue.")
     paused_at: Time | None
     paused_by: str | None
+    limit: int | None = Field(
+        description="At most this many of its jobs run at once, across every worker "
+        "(null: no limit)."
+    )
+
+
+class QueueLimit(BaseModel):
+    """A queue's limit (every field but the name null when it has none)."""
+
+    queue_name: str
+    limit: int | None = Field(
+        description="At most this many of its jobs run at once (null: no limit)."
+    )
+    source: Literal["code", "operator"] | None = Field(
+        description="Who set it: a worker's queue_limits setting, or an operator."
+    )
+    set_by: str | None
+    set_at: Time | None
 
 
 class QueueList(BaseModel):

@@ -158,6 +158,17 @@ queues = Table(
     Column("declared_at", Timestamp, nullable=False),
 )
 
+# Queue limits (0015): at most max_running jobs of a queue run at once.
+queue_limits = Table(
+    "queue_limits",
+    metadata,
+    Column("queue_name", Text, primary_key=True),
+    Column("max_running", Integer, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("set_by", Text, nullable=False),
+    Column("set_at", Timestamp, nullable=False),
+)
+
 actors = Table(
     "actors",
     metadata,

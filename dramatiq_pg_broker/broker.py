@@ -35,6 +35,7 @@ from .handshake import SchemaGate
 from .inflight import Ledger
 from .jobs import JobStore
 from .leases import LeaseKeeper
+from .limits import QueueLimits
 from .outcomes import OutcomeWriter
 from .periodic import Periodic, Schedule
 from .retries import Retries
@@ -74,6 +75,10 @@ class PostgresBroker(dramatiq.Broker):
         it is.
       schedules(list[Schedule]): periodic schedules the workers run (see
         :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
+      queue_limits(dict[str, int]): at most this many jobs of each named queue run at a
+        time across every worker (``{"partner_api": 5}``; the ``queue_limits`` setting).
+        Each worker writes them when it boots; a limit an operator set with the CLI or the
+        admin API wins over it (see :mod:`dramatiq_pg_broker.limits`).
       settings(Settings): every other knob (see :class:`Settings`); keyword arguments win.
       store(JobStore): the job store every statement of the broker goes through (default:
         one on the pool). The worker side (consumers, the in-flight ledger, the outcome
@@ -139,6 +144,9 @@ class PostgresBroker(dramatiq.Broker):
         self.add_middleware(self.schema_gate)
         self.periodic = Periodic()
         self.add_middleware(self.periodic)
+        #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
+        self.queue_limits = QueueLimits(self)
+        self.add_middleware(self.queue_limits)
         #: This process in the worker registry (see :mod:`.workers`).
         self.presence = Presence()
         self.add_middleware(self.presence)

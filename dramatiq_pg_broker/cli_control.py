@@ -1,7 +1,8 @@
-"""The operator's control commands: ``queues list|pause|resume``, ``workers`` and
+"""The operator's control commands: ``queues list|pause|resume|limit``, ``workers`` and
 ``actors``.
 
-Pauses go through :mod:`.queues` (the functions the admin API uses too); the lists read the
+Pauses go through :mod:`.queues` and limits through :mod:`.limits` (the functions the
+admin API uses too); the lists read the
 worker registry (:mod:`.workers`). Names are printed with control and bidirectional
 characters escaped (``\\u202e``), so that a name cannot pass for another on a terminal.
 Output is aligned columns; ``--json`` prints the same data for scripts. Bad arguments print
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
 
+from . import limits as queue_limits
 from . import queues as queue_control
 from .cli_jobs import (
     Context,
@@ -37,13 +40,14 @@ def run_queues_list(ctx: Context, args) -> int:
     now = dt.datetime.now(dt.timezone.utc)
     print(
         table(
-            ["QUEUE", "STATE", "SINCE", "BY", "QUEUED", "DELAYED", "RUNNING"],
+            ["QUEUE", "STATE", "SINCE", "BY", "LIMIT", "QUEUED", "DELAYED", "RUNNING"],
             (
                 [
                     printable(r["queue_name"]),
                     "paused" if r["paused"] else "active",
                     relative(r["paused_at"] if r["paused"] else r["resumed_at"], now) or "-",
                     printable(r["paused_by"] if r["paused"] else r["resumed_by"]) or "-",
+                    "-" if r["limit"] is None else r["limit"],
                     r["queued"],
                     r["delayed"],
                     r["running"],
@@ -89,6 +93,36 @@ def run_queues_resume(ctx: Context, args) -> int:
         before = queue_control.get(conn, ctx.settings.schema, args.name)
         state = queue_control.resume(conn, ctx.settings.schema, args.name, by=operator_name())
     _print_state(state, args, "resumed", before is not None and before.paused)
+    return 0
+
+
+@command
+def run_queues_limit(ctx: Context, args) -> int:
+    if args.clear == (args.limit is not None):
+        print(
+            "error: give either a limit (a whole number of at least 1) or --clear",
+            file=sys.stderr,
+        )
+        return 2
+    with ctx.pool.connection() as conn:
+        limit = queue_limits.set_limit(
+            conn,
+            ctx.settings.schema,
+            args.name,
+            None if args.clear else args.limit,
+            by=operator_name(),
+            force=args.force,
+        )
+    name = printable(args.name)
+    if args.json:
+        print(to_json({"queue_name": args.name, **(limit.as_dict() if limit else {"limit": None})}))
+    elif limit is None:
+        print(f"queue {name} has no limit: workers claim its jobs as they can run them")
+    else:
+        print(
+            f"queue {name} is limited to {limit.limit} running job(s) at a time, on every "
+            "worker, from the next claim on"
+        )
     return 0
 
 
@@ -149,13 +183,28 @@ def run_actors(ctx: Context, args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or value > queue_limits.MAX_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a limit: give a whole number from 1 to {queue_limits.MAX_LIMIT} "
+            "(pause a queue to stop it; --clear lifts its limit)"
+        )
+    return value
+
+
 def add_control_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``queues``, ``workers`` and ``actors`` to the CLI."""
-    queues = sub.add_parser("queues", help="list, pause and resume queues")
+    queues = sub.add_parser("queues", help="list, pause, resume and limit queues")
     queues_sub = queues.add_subparsers(
-        dest="queues_command", metavar="{list,pause,resume}", required=True
+        dest="queues_command", metavar="{list,pause,resume,limit}", required=True
     )
-    listing = queues_sub.add_parser("list", help="known queues: paused or not, jobs waiting")
+    listing = queues_sub.add_parser(
+        "list", help="known queues: paused or not, their limits, jobs waiting"
+    )
     _json_flag(listing)
     listing.set_defaults(func=run_queues_list)
 
@@ -173,6 +222,21 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:
     resume.add_argument("name")
     _json_flag(resume)
     resume.set_defaults(func=run_queues_resume)
+
+    limit = queues_sub.add_parser(
+        "limit",
+        help="at most N running jobs of a queue at a time, across every worker (or --clear)",
+    )
+    limit.add_argument("name")
+    limit.add_argument(
+        "limit", nargs="?", type=_positive_int, help="the most jobs of the queue running at once"
+    )
+    limit.add_argument("--clear", action="store_true", help="lift the queue's limit")
+    limit.add_argument(
+        "--force", action="store_true", help="limit a queue no worker has declared yet"
+    )
+    _json_flag(limit)
+    limit.set_defaults(func=run_queues_limit)
 
     workers = sub.add_parser("workers", help="the live worker processes")
     _json_flag(workers)

@@ -21,6 +21,8 @@ from .errors import ConfigurationError, InvalidDatabaseURL
 ENV_PREFIX = "DRAMATIQ_PG_"
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+#: Dramatiq's rule for queue names (as :data:`.queues.QUEUE_NAME_RE`).
+_QUEUE_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]{0,254}$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -127,6 +129,15 @@ class Settings:
         "(`dramatiq_queue_prefetch`, twice the threads by default), as a multiple. It grows "
         "only while claims come back full and find the worker threads out of work (short "
         "jobs) and falls back otherwise; `1` keeps the prefetch exactly.",
+        group="Workers",
+    )
+    queue_limits: tuple[tuple[str, int], ...] = _setting(
+        (),
+        "Queues whose running jobs are limited across every worker, as `name=N` pairs "
+        "separated by commas (`partner_api=5,reports=2`; in code, "
+        '`queue_limits={"partner_api": 5}`). Each worker writes them when it boots; a '
+        "limit an operator set (`dramatiq-pg-broker queues limit`, the admin API) wins. "
+        "See [queue limits](../guides/queue-limits.md).",
         group="Workers",
     )
     events: bool = _setting(
@@ -348,6 +359,7 @@ class Settings:
                     f"public_url {self.public_url!r} must be an http(s) base URL such as "
                     "https://ops.example.com (no query string)"
                 )
+        object.__setattr__(self, "queue_limits", _queue_limits(self.queue_limits))
         if self.enqueue_retries < 0:
             raise ConfigurationError("enqueue_retries must not be negative")
 
@@ -385,6 +397,7 @@ class Settings:
     def public(self) -> dict[str, Any]:
         """The settings without secrets (the URL's password is masked)."""
         data = dataclasses.asdict(self)
+        data["queue_limits"] = dict(self.queue_limits)
         data["url"] = mask_url(self.url)
         data["heartbeat_seconds"] = self.heartbeat_interval
         data["cors_origins"] = list(self.cors_origins)
@@ -586,3 +599,40 @@ def _parse(name: str, type_: Any, raw: str) -> Any:
     except ValueError:
         raise ConfigurationError(f"{env}={raw!r} is not a valid value for {name}") from None
     return raw.strip() or None
+
+
+def _queue_limits(value: Any) -> tuple[tuple[str, int], ...]:
+    """The ``queue_limits`` setting as sorted ``(queue, limit)`` pairs, from a mapping, from
+    pairs, or from ``name=N`` strings (the environment variable's comma-separated form).
+
+    Raises:
+      ConfigurationError: a pair that is not a queue name and a whole number of at least 1.
+    """
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    items = value.items() if isinstance(value, Mapping) else value
+    limits: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, str):
+            name, sep, raw = item.partition("=")
+            try:
+                limit: Any = int(raw) if sep else None
+            except ValueError:
+                limit = raw
+            pair = (name.strip(), limit)
+        else:
+            pair = tuple(item)
+        if (
+            len(pair) != 2
+            or not isinstance(pair[0], str)
+            or not _QUEUE_RE.fullmatch(pair[0])
+            or isinstance(pair[1], bool)
+            or not isinstance(pair[1], int)
+            or pair[1] < 1
+        ):
+            raise ConfigurationError(
+                f"queue_limits: {item!r} is not a queue name and a limit of at least 1 "
+                "(write name=N, e.g. partner_api=5)"
+            )
+        limits[pair[0]] = pair[1]
+    return tuple(sorted(limits.items()))

@@ -24,6 +24,14 @@ paused queue claims nothing (the claim statement refuses it); when its consumer 
 the pause (that payload, or a claim that reports it), it gives back the messages it
 claimed and has not started, uncharged, so that none of them starts after the pause.
 Messages already running finish.
+
+Queue limits (:mod:`.limits`): a consumer whose queue is limited claims with
+:meth:`~.jobs.JobStore.claim_limited`, and only as many messages as its process's worker
+threads can start at once (no prefetch: a message waiting for a thread would hold a place
+of the limit that a worker on another host could use). A limited queue at its limit, or a
+process with no free thread, looks again every :data:`LIMIT_RETRY_SECONDS`. When a
+consumer learns that its queue became limited (the ``limit`` payload, or its periodic read
+of the limits), it gives back, uncharged, the messages it claimed and has not started.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from dramatiq.errors import BrokerConnectionError
 from .db import connect, translate_errors
 from .inflight import RETRY_CAP_SECONDS, Slots
 from .jobs import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
+from .limits import LIMIT_PAYLOAD
 
 if TYPE_CHECKING:
     from .broker import PostgresBroker
@@ -59,6 +68,11 @@ WINDOW_SHRINK_CLAIMS = 4
 #: How often a consumer waiting for a free slot (its workers busy) reads its notifications:
 #: an operator's abort of a running job reaches the worker this way.
 NOTICE_INTERVAL = 0.25
+
+#: How soon a consumer of a limited queue looks again when the queue was at its limit, or
+#: its process had no free worker thread: a place under the limit frees up when a job of
+#: the queue ends on any host, which is not announced.
+LIMIT_RETRY_SECONDS = 0.025
 
 #: Seconds a consumer whose LISTEN connection could not be opened polls before it tries
 #: again (doubling from the first, up to the last).
@@ -191,6 +205,10 @@ class PostgresConsumer(Consumer):
         self._short = False
         #: Whether the last call handed over the last message of a short claim.
         self._handed_last = False
+        #: Whether the queue was limited at the last claim (see :mod:`.limits`).
+        self._limited = False
+        #: What the limited queue's last claim found: "work", "empty" or "at limit".
+        self._last_look = "work"
 
     @property
     def window(self) -> int:
@@ -304,8 +322,40 @@ class PostgresConsumer(Consumer):
         if limit <= 0:
             # The window just shrank below what is held: wait for slots instead.
             return False
-        self._notified = False
-        claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
+        limits = self.broker.queue_limits
+        if limits.limit_of(self.queue_name, busy=self._last_empty is None) is not None:
+            self._became_limited()
+            # Only what this process's threads can start now: no prefetch.
+            free = limits.free_threads()
+            if free is not None and free <= 0:
+                self._no_free_thread()
+                return False
+            if free is not None:
+                limit = min(limit, free)
+            self._notified = False
+            claim = self.store.claim_limited(self.queue_name, limit, self.owner, lease)
+            limits.fed(self.queue_name)
+            self._last_look = "at limit" if claim.at_limit else "work" if claim.jobs else "empty"
+            if claim.queue_limit is None:
+                # The limit was cleared and this process has not heard yet.
+                limits.invalidate()
+            if claim.at_limit:
+                self._wait_under_limit()
+                return False
+        else:
+            self._limited = False
+            reserved = limits.reserved()
+            if reserved:
+                # A limited queue of this process waits for a thread: leave it the next
+                # ones (see QueueLimits.hungry).
+                free = limits.free_threads()
+                if free is not None and free - reserved < limit:
+                    limit = free - reserved
+                    if limit <= 0:
+                        self._wait_under_limit()
+                        return False
+            self._notified = False
+            claim = self.store.claim_or_wait(self.queue_name, limit, self.owner, lease)
         self._short = len(claim.jobs) < limit
         self.claim_window.claimed(
             sent=sent,
@@ -385,6 +435,48 @@ class PostgresConsumer(Consumer):
         )
         return PgMessageProxy(message, attempt)
 
+    def _wait_under_limit(self) -> None:
+        """The queue is at its limit, or this process has no free thread: look again
+        after :data:`LIMIT_RETRY_SECONDS` (or at once if something is announced)."""
+        self._last_empty = time.monotonic()
+        self._next_due = self._last_empty + LIMIT_RETRY_SECONDS
+        self._short = True
+
+    def _no_free_thread(self) -> None:
+        """A limited queue's consumer found every worker thread of its process taken. If
+        its queue has jobs it may run now (its last claim found some, or something was
+        announced, or a look says so: one statement), it asks the process's other
+        consumers to leave it the next free thread (:meth:`.QueueLimits.hungry`) and looks
+        again soon. A queue at its limit looks again soon without asking (the limit, not
+        the threads, holds it back); an empty one waits as an idle consumer does."""
+        limits = self.broker.queue_limits
+        if self._last_look == "at limit" and not self._notified:
+            if self.store.limited_room(self.queue_name) <= 0:
+                limits.fed(self.queue_name)
+                self._wait_under_limit()
+                return
+            self._last_look = "work"
+        elif self._last_look == "empty" and not self._notified:
+            peek = self.store.claim_or_wait(self.queue_name, 0, self.owner, 0)
+            wait = peek.seconds_until_available
+            if peek.paused or wait is None or wait > 0:
+                limits.fed(self.queue_name)
+                self._last_empty = time.monotonic()
+                self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
+                return
+            self._last_look = "work"
+        limits.hungry(self.queue_name)
+        self._wait_under_limit()
+
+    def _became_limited(self) -> None:
+        """The queue is limited (now, or since the last claim): the first time, give back
+        what this consumer claimed and has not started, claimed before the limit was
+        known here."""
+        if self._limited:
+            return
+        self._limited = True
+        self._give_back("has a limit now")
+
     def _wait_for_work(self, remaining: float) -> None:
         wait = remaining
         if self._last_empty is not None:
@@ -438,6 +530,8 @@ class PostgresConsumer(Consumer):
                 conn.close()
                 raise
             self._listen_conn = conn
+            # A limit changed while nobody listened is not announced again: read them.
+            self.broker.queue_limits.invalidate()
             self._listen_retry_at = None
             self._listen_backoff = LISTEN_RETRY_SECONDS[0]
         return self._listen_conn
@@ -461,6 +555,12 @@ class PostgresConsumer(Consumer):
             self.ledger.abort(payload[len(ABORT_PAYLOAD_PREFIX) :])
         elif payload == PAUSE_PAYLOAD:
             self._queue_paused()
+        elif payload == LIMIT_PAYLOAD:
+            limits = self.broker.queue_limits
+            limits.invalidate()
+            self._notified = True
+            if limits.limit_of(self.queue_name, busy=True) is not None:
+                self._became_limited()
         else:
             self._notified = True
 
@@ -473,21 +573,28 @@ class PostgresConsumer(Consumer):
             logger.info(
                 "Queue %r is paused: nothing is claimed until it is resumed.", self.queue_name
             )
+        self._give_back("is paused")
+
+    def _give_back(self, why: str) -> None:
+        """Give back, uncharged, every message this consumer claimed that has not started
+        (in its buffer, or handed to Dramatiq and waiting for a worker thread)."""
         self._buffer.clear()
         try:
             released = self.ledger.release(self.ledger.claimed_by(self.owner))
         except BrokerConnectionError as e:
             logger.warning(
-                "Queue %r is paused but its unstarted messages could not be given back (%s); "
+                "Queue %r %s but its unstarted messages could not be given back (%s); "
                 "their leases expire and they go back uncharged.",
                 self.queue_name,
+                why,
                 e,
             )
             return
         if released:
             logger.info(
-                "Queue %r is paused: returned %d unstarted message(s).",
+                "Queue %r %s: returned %d unstarted message(s).",
                 self.queue_name,
+                why,
                 len(released),
             )
 

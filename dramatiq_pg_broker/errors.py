@@ -151,6 +151,11 @@ class QueueNotDeclared(PgBrokerError):
     with ``--force``."""
 
 
+class InvalidQueueLimit(PgBrokerError, ValueError):
+    """A queue limit must be a whole number of at least 1: pause a queue to stop it, clear
+    its limit to lift it."""
+
+
 class InvalidQueueName(PgBrokerError, ValueError):
     """The name cannot be a queue's: Dramatiq's queue names are a letter or '_', then
     letters, digits, '.', '_' or '-'."""

@@ -299,6 +299,14 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def occupying(self) -> int:
+        """Attempts that take or wait for a worker thread: claimed and not started yet
+        (handed to Dramatiq, or about to be), started, or being rescheduled. A queue with a
+        limit claims only what the threads left can start (see :mod:`.limits`)."""
+        busy = (State.CLAIMED, State.STARTED, State.RESCHEDULING)
+        with self._lock:
+            return sum(1 for entry in self._entries.values() if entry.state in busy)
+
     # -- claiming ------------------------------------------------------------------------
 
     @property

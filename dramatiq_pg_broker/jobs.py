@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import json
 import math
@@ -94,6 +95,11 @@ class Claim:
     #: True when nothing was claimed because an operator paused the queue (no wait is
     #: reported then: nothing there becomes runnable by itself).
     paused: bool = False
+    #: The queue's limit as a limited claim read it (:meth:`JobStore.claim_limited`; None:
+    #: no limit, or a plain claim).
+    queue_limit: int | None = None
+    #: True when a limited claim found the queue at its limit and claimed nothing.
+    at_limit: bool = False
 
 
 # Not frozen: a frozen dataclass's __init__ costs three times as much, which a bulk enqueue
@@ -253,6 +259,8 @@ class QueueCounts:
         where only the counts were read.
       paused(bool), paused_at(datetime), paused_by(str): whether an operator paused it,
         when and who (where the queue's state was read).
+      limit(int): at most this many of its jobs run at once, across every worker (None:
+        no limit, or only the counts were read; see :mod:`dramatiq_pg_broker.limits`).
     """
 
     queued: int = 0
@@ -264,6 +272,7 @@ class QueueCounts:
     paused: bool = False
     paused_at: dt.datetime | None = None
     paused_by: str | None = None
+    limit: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -281,6 +290,21 @@ def queue_counts_of(rows: Iterable[Sequence[Any]]) -> dict[str, QueueCounts]:
         )
         for queue_name, queued, delayed, running, failed, oldest in rows
     }
+
+
+def _claim_of(rows: list[tuple]) -> Claim:
+    """The rows of the claim statement as a :class:`Claim`."""
+    if len(rows) == 1 and rows[0][0] is None:
+        left = rows[0][11]
+        return Claim(
+            [], rows[0][9], rows[0][8], math.inf if left is None else left, bool(rows[0][13])
+        )
+    return Claim([ClaimedJob(str(r[0]), *r[1:8], abort_requested=r[12]) for r in rows])
+
+
+@functools.cache
+def _limit_queries(schema: str) -> Queries:
+    return Queries(schema, "limits.sql")
 
 
 def channel_name(schema: str, queue_name: str) -> str:
@@ -1029,12 +1053,68 @@ class JobStore:
             },
             conn,
         )
-        if len(rows) == 1 and rows[0][0] is None:
-            left = rows[0][11]
-            return Claim(
-                [], rows[0][9], rows[0][8], math.inf if left is None else left, bool(rows[0][13])
+        return _claim_of(rows)
+
+    def claim_limited(
+        self,
+        queue_name: str,
+        limit: int,
+        owner: str,
+        lease_seconds: float,
+        *,
+        conn: psycopg.Connection | None = None,
+        now: dt.datetime | None = None,
+    ) -> Claim:
+        """:meth:`claim_or_wait` for a queue with a limit (see :mod:`.limits`): at most
+        ``limit`` jobs, and never so many that more of the queue's jobs would be running
+        than its limit allows, however many workers claim at once on however many hosts.
+
+        One transaction: an advisory lock of the transaction on the queue (claims of the
+        queue take turns until it commits), then the room left under the limit, read with
+        a snapshot taken after the lock was granted, then the plain claim statement for at
+        most that many jobs. The returned claim carries the limit read (``queue_limit``;
+        None: the queue has no limit any more and the claim was not bounded by one) and,
+        when the queue was at its limit, ``at_limit``.
+        """
+        queries = _limit_queries(self.schema)
+        with self.pool.use(conn) as c, c.transaction():
+            c.execute(queries["lock_limited_queue"], {"key": f"{self.schema}.{queue_name}"})
+            max_running, room = c.execute(
+                queries["limited_queue_room"], {"queue_name": queue_name}
+            ).fetchone()
+            if max_running is not None:
+                limit = min(limit, room)
+            if limit <= 0:
+                return Claim([], queue_limit=max_running, at_limit=True)
+            rows = self._fetch(
+                "claim_jobs",
+                {
+                    "queue_name": queue_name,
+                    "limit": limit,
+                    "owner": owner,
+                    "lease_ms": _ms(lease_seconds),
+                    "now": now,
+                },
+                c,
             )
-        return Claim([ClaimedJob(str(r[0]), *r[1:8], abort_requested=r[12]) for r in rows])
+        claim = _claim_of(rows)
+        return dataclasses.replace(claim, queue_limit=max_running)
+
+    def limited_room(self, queue_name: str, *, conn=None) -> int:
+        """How many more jobs of a limited queue may run now, by a read that takes no lock
+        (a hint: :meth:`claim_limited` decides). A large number for a queue without a
+        limit."""
+        with self.pool.use(conn) as c:
+            max_running, room = c.execute(
+                _limit_queries(self.schema)["limited_queue_room"], {"queue_name": queue_name}
+            ).fetchone()
+        return room if max_running is not None else 1 << 30
+
+    def queue_limits(self, *, conn=None) -> dict[str, int]:
+        """Every queue's limit, by queue name (see :mod:`.limits`)."""
+        with self.pool.use(conn) as c:
+            rows = c.execute(_limit_queries(self.schema)["queue_limits"]).fetchall()
+        return {row[0]: row[1] for row in rows}
 
     def next_available_at(self, queue_name: str, *, conn=None) -> dt.datetime | None:
         """When the earliest waiting job of a queue becomes runnable, or None."""

@@ -8,7 +8,8 @@ beat, the attempts it holds (in flight). The row expires a lease after the last 
 then, and retention deletes its row. A clean exit deletes the row at once.
 
 At the same boot the process declares its actors, each with its queue, in
-``<schema>.actors``, and its queues in ``<schema>.queues`` (:mod:`.queues`). Declared actors
+``<schema>.actors``, its queues in ``<schema>.queues`` (:mod:`.queues`), and the queue
+limits it was configured with (:func:`.limits.apply_declared`). Declared actors
 outlive the workers that declared them, so an operator can enqueue through the admin API
 while every worker is being redeployed; the admin API creates jobs only for declared
 actors, on their own queue (see ``DRAMATIQ_PG_ADMIN_ADHOC_ACTORS``). An actor that is
@@ -38,6 +39,7 @@ from psycopg.types.json import Jsonb
 
 from . import forks
 from .db import Queries
+from .limits import apply_declared
 from .queues import declare as declare_queues
 
 if TYPE_CHECKING:
@@ -189,6 +191,13 @@ class Presence(Middleware):
         with broker.pool.connection() as conn, conn.transaction():
             if not self._declared:
                 declare_queues(conn, broker.settings.schema, self._queues)
+                # The queue_limits setting; an operator's limit wins (see limits.py).
+                apply_declared(
+                    conn,
+                    broker.settings.schema,
+                    dict(broker.settings.queue_limits),
+                    by=f"worker {self._id}",
+                )
                 if self._actors:
                     conn.execute(
                         queries["declare_actors"],

@@ -308,6 +308,7 @@ async function overviewPage() {
       el("th", { scope: "col", text: "Queue" }),
       COUNT_FIELDS.map(([, label, help]) => el("th", { scope: "col", class: "num", title: help, text: label })),
       el("th", { scope: "col", class: "num", title: "How long the oldest runnable job has waited", text: "Oldest waiting" }),
+      el("th", { scope: "col", class: "num", title: "At most this many of its jobs run at once, across every worker", text: "Limit" }),
       el("th", { scope: "col", title: "A paused queue is claimed by no worker; sends are still accepted", text: "State" }))),
     el("tbody"));
   const workers = el("table", { class: "data", id: "workers", "aria-labelledby": "h-workers" },
@@ -356,17 +357,20 @@ async function overviewPage() {
         COUNT_FIELDS.map(([key]) => el("td", { class: "num", "data-field": key }, link(key, queue[key]))),
         el("td", { class: "num" + (queue.oldest_waiting_seconds > 300 ? " stale" : ""), "data-field": "oldest_waiting_seconds" },
           queue.queued ? formatAge(queue.oldest_waiting_seconds) : "—"),
+        el("td", { class: "num", "data-field": "limit",
+          title: queue.limit == null ? "No limit" : `At most ${queue.limit} running at once, across every worker` },
+          queue.limit == null ? "—" : String(queue.limit)),
         el("td", { "data-field": "state" }, queueState(queue)));
     });
     const hidden = undeclared.slice(UNDECLARED_SHOWN);
     if (hidden.length) {
       const jobs = hidden.reduce((sum, queue) => sum + jobsOf(queue), 0);
-      rows.push(el("tr", { id: "queues-more" }, el("td", { colspan: 7, class: "muted",
+      rows.push(el("tr", { id: "queues-more" }, el("td", { colspan: 8, class: "muted",
         text: `and ${hidden.length} more queue${hidden.length === 1 ? "" : "s"} no worker declared ` +
           `(${jobs} job${jobs === 1 ? "" : "s"}; counted in the totals above).` })));
     }
     if (!rows.length) {
-      rows.push(el("tr", {}, el("td", { colspan: 7, class: "muted", text: "No queues: workers declare theirs when they boot." })));
+      rows.push(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No queues: workers declare theirs when they boot." })));
     }
     table.tBodies[0].replaceChildren(...rows);
     cards.replaceChildren(...COUNT_FIELDS.map(([key, label, help]) =>

@@ -45,10 +45,12 @@ FROM {schema}.queues
 WHERE queue_name = %(name)s
 
 -- list_queues --
--- Every known queue with its state and its unfinished jobs: waiting (runnable now and
--- delayed) and running, each counted from its partial index.
+-- Every known queue with its state, its limit (NULL: none; see limits.sql) and its
+-- unfinished jobs: waiting (runnable now and delayed) and running, each counted from its
+-- partial index.
 SELECT q.queue_name, q.paused, q.paused_at, q.paused_by, q.resumed_at, q.resumed_by,
-       q.declared_at,
+       q.declared_at, l.max_running AS "limit", l.source AS limit_source,
+       l.set_by AS limit_set_by, l.set_at AS limit_set_at,
        (SELECT count(*) FROM {schema}.jobs AS j
         WHERE j.queue_name = q.queue_name AND j.status = 'queued' AND j.available_at <= now())
            AS queued,
@@ -58,6 +60,7 @@ SELECT q.queue_name, q.paused, q.paused_at, q.paused_by, q.resumed_at, q.resumed
        (SELECT count(*) FROM {schema}.jobs AS j
         WHERE j.queue_name = q.queue_name AND j.status = 'running') AS running
 FROM {schema}.queues AS q
+LEFT JOIN {schema}.queue_limits AS l ON l.queue_name = q.queue_name
 ORDER BY q.queue_name
 
 -- queue_states --

@@ -193,6 +193,7 @@ class Walk:
         ("patch", "/api/users/{user_id}"): lambda: {"active": True},
         ("post", "/api/users/{user_id}/tokens"): lambda: {"name": "walk"},
         ("post", "/api/auth/login"): lambda: {"email": "viewer@example.com", "password": PASSWORD},
+        ("put", "/api/queues/{queue_name}/limit"): lambda: {"limit": 3},
         **{
             ("post", f"/api/{path}"): dict
             for path in (

@@ -45,6 +45,7 @@ EXPECTED = {
     ("post", "/api/jobs/{job_id}/abort"): OPERATORS,
     ("post", "/api/queues/{queue_name}/pause"): OPERATORS,
     ("post", "/api/queues/{queue_name}/resume"): OPERATORS,
+    ("put", "/api/queues/{queue_name}/limit"): OPERATORS,
     ("get", "/api/workers"): OBSERVERS,
     ("get", "/api/actors"): ANY,
     ("get", "/api/users"): ADMINS,

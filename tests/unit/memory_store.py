@@ -218,6 +218,10 @@ class InMemoryJobStore:
     def claim(self, queue_name: str, limit: int, owner: str, lease_seconds: float, **_: Any):
         return self.claim_or_wait(queue_name, limit, owner, lease_seconds).jobs
 
+    def queue_limits(self, **_: Any) -> dict[str, int]:
+        """No queue is limited here (the limits are tested against PostgreSQL)."""
+        return {}
+
     # -- transitions of an attempt -----------------------------------------------------
 
     def start(self, attempts: Sequence[Attempt], lease_seconds: float | None, **_: Any) -> set[str]:

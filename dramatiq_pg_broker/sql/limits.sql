@@ -1,0 +1,71 @@
+-- Named statements of queue limits (dramatiq_pg_broker.limits): setting, clearing and
+-- reading them, and the two statements a claim of a limited queue runs before the claim
+-- itself (JobStore.claim_limited). Same layout as queries.sql.
+
+-- set_queue_limit --
+-- An operator's limit (the CLI, the admin API): it replaces any limit of the queue,
+-- whoever set it. Returns the row.
+INSERT INTO {schema}.queue_limits (queue_name, max_running, source, set_by, set_at)
+VALUES (%(name)s, %(limit)s, 'operator', %(by)s, now())
+ON CONFLICT (queue_name) DO UPDATE
+SET max_running = EXCLUDED.max_running, source = 'operator', set_by = EXCLUDED.set_by,
+    set_at = EXCLUDED.set_at
+RETURNING queue_name, max_running, source, set_by, set_at
+
+-- clear_queue_limit --
+-- Lift a queue's limit, whoever set it. Returns the row removed (nothing: it had none).
+DELETE FROM {schema}.queue_limits WHERE queue_name = %(name)s
+RETURNING queue_name
+
+-- apply_code_limits --
+-- The limits a booting worker was configured with (the queue_limits setting). A queue
+-- with no limit gets the configured one; a limit set by code takes the new value; a limit
+-- an operator set is left as it is. Returns the queues whose limit changed.
+INSERT INTO {schema}.queue_limits AS l (queue_name, max_running, source, set_by, set_at)
+SELECT name, max_running, 'code', %(by)s, now()
+FROM unnest(%(names)s::text[], %(limits)s::int[]) AS w (name, max_running)
+ON CONFLICT (queue_name) DO UPDATE
+SET max_running = EXCLUDED.max_running, set_by = EXCLUDED.set_by, set_at = EXCLUDED.set_at
+WHERE l.source = 'code' AND l.max_running <> EXCLUDED.max_running
+RETURNING queue_name
+
+-- get_queue_limit --
+-- One queue's limit, if it has one.
+SELECT queue_name, max_running, source, set_by, set_at
+FROM {schema}.queue_limits
+WHERE queue_name = %(name)s
+
+-- queue_limits --
+-- Every limit (a worker's cache of which queues are limited: one small read, at most once
+-- a second per process while it claims, and when a change is announced).
+SELECT queue_name, max_running, source, set_by, set_at
+FROM {schema}.queue_limits
+ORDER BY queue_name
+
+-- notify_limit --
+-- Tell a queue's consumers on every host that its limit changed (payload 'limit'): they
+-- read the limits again before their next claim. Delivered at commit.
+SELECT pg_notify(%(channel)s, 'limit')
+
+-- lock_limited_queue --
+-- The first statement of a limited queue's claim, in the claim's transaction: claims of
+-- the queue take turns, on every host, until their transaction ends. An advisory lock of
+-- the transaction, not of the session: nothing is held across statements outside the
+-- transaction, so transaction-mode poolers (PgBouncer) keep working. Its own statement:
+-- the statements after it take their snapshot once the lock is granted, and so see every
+-- claim committed before.
+SELECT pg_advisory_xact_lock(hashtext('dramatiq_pg_broker.queue_limit'), hashtext(%(key)s))
+
+-- limited_queue_room --
+-- How many more jobs of the queue may run now: its limit less its running jobs (claimed,
+-- started, or whose worker died and whose lease the reaper has not yet taken back), and
+-- the limit itself (NULL: the queue has no limit any more, and the claim is not bounded).
+-- Running rows are few (one per busy worker thread): the count reads the running-rows
+-- index.
+SELECT l.max_running,
+       greatest(0, l.max_running - (
+           SELECT count(*) FROM {schema}.jobs AS j
+           WHERE j.queue_name = %(queue_name)s AND j.status = 'running'
+       ))::int
+FROM (SELECT 1) AS one
+LEFT JOIN {schema}.queue_limits AS l ON l.queue_name = %(queue_name)s

@@ -1,0 +1,13 @@
+"""``dramatiq tests.e2e.queue_limits_app``: the queue-limit test's actors (see
+:mod:`tests.e2e.queue_limits_actors`) on a broker configured from ``DRAMATIQ_PG_*``."""
+
+from __future__ import annotations
+
+import dramatiq
+
+from dramatiq_pg_broker import PostgresBroker
+from tests.e2e.queue_limits_actors import declare
+
+broker = PostgresBroker()
+dramatiq.set_broker(broker)
+actors = declare(broker)

@@ -1,0 +1,343 @@
+"""Queue limits against real PostgreSQL: the limited claim never lets more of a queue's jobs
+run than its limit, however many connections claim at once; operators set and clear
+limits (and win over limits set in code); in-process workers hold a limited queue to its
+limit, learn a change without restart and give back what they prefetched before it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import dramatiq
+import psycopg
+import pytest
+from psycopg import sql
+
+from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker import limits as queue_limits
+from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
+from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
+
+from ..helpers import wait_for
+from .harness import declared_queue, start_worker, stop_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def send(store: JobStore, queue: str, n: int = 1) -> list[str]:
+    ids = [str(uuid.uuid4()) for _ in range(n)]
+    for job_id in ids:
+        store.enqueue(
+            NewJob(id=job_id, queue_name=queue, actor_name="tests.a", message={}, max_attempts=3)
+        )
+    return ids
+
+
+def running(pg_url: str, schema: str, queue: str) -> int:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        return conn.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {}.jobs WHERE queue_name = %s AND status = 'running'"
+            ).format(sql.Identifier(schema)),
+            (queue,),
+        ).fetchone()[0]
+
+
+def set_limit(store: JobStore, queue: str, limit: int | None, **kwargs):
+    with store.pool.connection() as conn:
+        return queue_limits.set_limit(conn, store.schema, queue, limit, by="ops", **kwargs)
+
+
+# -- the claim ------------------------------------------------------------------------------
+
+
+def test_the_limited_claim_takes_only_the_room_left_under_the_limit(store):
+    queue = declared_queue(store)
+    send(store, queue, 10)
+    set_limit(store, queue, 3)
+    first = store.claim_limited(queue, 2, "w1", 30)
+    assert len(first.jobs) == 2 and first.queue_limit == 3 and not first.at_limit
+    second = store.claim_limited(queue, 5, "w2", 30)
+    assert len(second.jobs) == 1, "3 may run: 2 run, so 1 more"
+    full = store.claim_limited(queue, 5, "w3", 30)
+    assert full.jobs == [] and full.at_limit and full.queue_limit == 3
+    assert store.limited_room(queue) == 0
+    # A finished job frees its place.
+    store.complete([Attempt(first.jobs[0].id, "w1", first.jobs[0].attempts)])
+    assert store.limited_room(queue) == 1
+    assert len(store.claim_limited(queue, 5, "w3", 30).jobs) == 1
+    # Raised: the room follows at once, without any worker's cache.
+    set_limit(store, queue, 6)
+    assert len(store.claim_limited(queue, 10, "w4", 30).jobs) == 3
+    # Cleared: the claim is bounded only by what was asked.
+    set_limit(store, queue, None)
+    cleared = store.claim_limited(queue, 10, "w5", 30)
+    assert cleared.queue_limit is None and len(cleared.jobs) == 3, "the 3 left, 6 running"
+
+
+def test_an_empty_limited_queue_reports_its_next_delayed_job_like_the_plain_claim(store):
+    queue = declared_queue(store)
+    set_limit(store, queue, 2)
+    claim = store.claim_limited(queue, 2, "w1", 30)
+    assert claim.jobs == [] and not claim.at_limit
+    assert claim.seconds_until_available is None and claim.lease_seconds_left is not None
+
+
+@pytest.mark.parametrize("limit", [1, 4])
+def test_concurrent_claimers_on_their_own_connections_never_exceed_the_limit(store, pg_url, limit):
+    """Twelve threads, each with its own connection, released together by a barrier, claim
+    the same limited queue in rounds; after every round the running jobs are counted."""
+    queue = declared_queue(store)
+    send(store, queue, 200)
+    set_limit(store, queue, limit)
+    claimers = 12
+    barrier = threading.Barrier(claimers)
+    claimed: list[list[str]] = [[] for _ in range(claimers)]
+    errors: list[BaseException] = []
+    maxima: list[int] = []
+
+    def claim(i: int) -> None:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            for _ in range(5):
+                try:
+                    barrier.wait(timeout=30)
+                    got = store.claim_limited(queue, 3, f"w{i}", 30, conn=conn)
+                    claimed[i].extend(job.id for job in got.jobs)
+                    barrier.wait(timeout=30)
+                    if i == 0:
+                        maxima.append(running(pg_url, store.schema, queue))
+                    barrier.wait(timeout=30)
+                    # Each claimer finishes what it claimed; the next round claims again.
+                    mine = [j for j in got.jobs]
+                    store.complete([Attempt(j.id, f"w{i}", j.attempts) for j in mine], conn=conn)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    barrier.abort()
+                    return
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(claimers)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert time.monotonic() - started < 60, "the claims took too long"
+    ids = [job_id for got in claimed for job_id in got]
+    assert len(ids) == len(set(ids)), "a job was claimed twice"
+    assert maxima == [limit] * 5, (
+        f"after each round of 12 simultaneous claims, the running jobs were {maxima}: the "
+        f"limit is {limit}"
+    )
+    assert len(ids) == 5 * limit
+
+
+def test_the_plain_claim_statement_is_unchanged_for_an_unlimited_queue(store):
+    """An unlimited queue's consumer never reads the limits table in its claim: the plain
+    statement does not name it."""
+    assert "queue_limits" not in store.queries["claim_jobs"]
+
+
+# -- setting and clearing -------------------------------------------------------------------
+
+
+def test_setting_a_limit_is_recorded_announced_and_refused_when_malformed(store, pg_url):
+    queue = declared_queue(store)
+    with psycopg.connect(pg_url, autocommit=True) as listener:
+        listener.execute(
+            sql.SQL("LISTEN {}").format(sql.Identifier(channel_name(store.schema, queue)))
+        )
+        limit = set_limit(store, queue, 5)
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["limit"]
+        assert set_limit(store, queue, None) is None
+        assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["limit"]
+    assert (limit.limit, limit.source, limit.set_by) == (5, "operator", "ops")
+    for bad in (0, -1, 2.5, "3", True, queue_limits.MAX_LIMIT + 1):
+        with pytest.raises(InvalidQueueLimit, match="whole number from 1"):
+            set_limit(store, queue, bad)
+    with pytest.raises(InvalidQueueName):
+        set_limit(store, "9lives", 3)
+    ahead = f"ahead_{uuid.uuid4().hex[:8]}"
+    with pytest.raises(QueueNotDeclared, match="no worker has declared queue"):
+        set_limit(store, ahead, 3)
+    assert set_limit(store, ahead, 3, force=True).limit == 3
+
+
+def test_a_limit_in_code_is_written_at_boot_and_an_operators_limit_wins(store):
+    queue = declared_queue(store)
+    other = declared_queue(store)
+    with store.pool.connection() as conn:
+        assert queue_limits.apply_declared(conn, store.schema, {queue: 4}, by="worker a") == [queue]
+        got = queue_limits.get(conn, store.schema, queue)
+        assert (got.limit, got.source) == (4, "code")
+        # Another deploy's code changes it; the same value again changes nothing.
+        assert queue_limits.apply_declared(conn, store.schema, {queue: 6}, by="b") == [queue]
+        assert queue_limits.apply_declared(conn, store.schema, {queue: 6}, by="c") == []
+    # The operator's limit stands against every later boot's setting...
+    set_limit(store, queue, 2)
+    set_limit(store, other, 9)
+    with store.pool.connection() as conn:
+        assert queue_limits.apply_declared(conn, store.schema, {queue: 6, other: 1}, by="d") == []
+        assert queue_limits.get(conn, store.schema, queue).limit == 2
+        assert queue_limits.get(conn, store.schema, other).limit == 9
+    # ...until it is cleared: the next boot sets the code's limit again.
+    set_limit(store, queue, None)
+    with store.pool.connection() as conn:
+        assert queue_limits.apply_declared(conn, store.schema, {queue: 6}, by="e") == [queue]
+        assert queue_limits.get(conn, store.schema, queue).source == "code"
+
+
+def test_a_worker_booted_with_queue_limits_writes_them(pg_url, schema):
+    queue = f"ql_{uuid.uuid4().hex[:8]}"
+    previous = dramatiq.broker.global_broker
+    broker = PostgresBroker(url=pg_url, schema=schema, queue_limits={queue: 3})
+    workers: list[dramatiq.Worker] = []
+    try:
+        dramatiq.actor(lambda: None, actor_name=f"noop_{queue}", queue_name=queue, broker=broker)
+        start_worker(broker, workers, threads=2)
+
+        def written():
+            with broker.pool.connection() as conn:
+                return queue_limits.get(conn, schema, queue)
+
+        limit = wait_for(written, 10, "the worker to write its queue limit")
+        assert (limit.limit, limit.source) == (3, "code")
+        assert limit.set_by.startswith("worker ")
+    finally:
+        stop_workers(workers)
+        broker.close()
+        dramatiq.broker.global_broker = previous
+
+
+# -- workers --------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Counts a queue's running jobs from the database every 20 ms, in its own thread."""
+
+    def __init__(self, pg_url: str, schema: str, queue: str) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._args = (pg_url, schema, queue)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pg_url, schema, queue = self._args
+        query = sql.SQL(
+            "SELECT count(*) FROM {}.jobs WHERE queue_name = %s AND status = 'running'"
+        ).format(sql.Identifier(schema))
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            while not self._stop.is_set():
+                n = conn.execute(query, (queue,)).fetchone()[0]
+                self.samples.append((time.monotonic(), n))
+                self._stop.wait(0.02)
+
+    def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.samples
+
+    def max_between(self, start: float, end: float) -> int:
+        return max((n for t, n in self.samples if start <= t < end), default=0)
+
+
+def test_workers_hold_a_limited_queue_to_its_limit_and_learn_a_change_at_once(h, store):
+    """Two in-process workers of 4 threads each drain a queue limited to 2; the limit goes
+    to 1 mid-drain; the running jobs never exceed the limit in force (the jobs running
+    when it dropped finish: within their 0.1 s, plus the claims' turn, of the change)."""
+    queue = declared_queue(store, h.queue)
+    set_limit(store, queue, 2)
+    brokers = [h.broker(), h.broker()]
+    for broker in brokers:
+
+        @dramatiq.actor(broker=broker, queue_name=queue, actor_name="limited_sleep")
+        def limited_sleep(n):
+            time.sleep(0.1)
+
+    jobs = [limited_sleep.send(n).message_id for n in range(40)]
+    sampler = Sampler(store.pool.url, store.schema, queue)
+    for broker in brokers:
+        h.start(broker, threads=4)
+    wait_for(lambda: store.count_unfinished(queue) <= 30, 30, "the workers to start draining")
+    changed = time.monotonic()
+    set_limit(store, queue, 1)
+    wait_for(lambda: store.count_unfinished(queue) == 0, 60, "the queue to drain")
+    samples = sampler.stop()
+    assert max(n for _, n in samples) >= 2, "the queue never ran at its limit: the test is void"
+    assert sampler.max_between(0, changed) <= 2, samples
+    assert sampler.max_between(changed + 0.5, time.monotonic()) <= 1, samples
+    assert all(store.get(j)["status"] == "succeeded" for j in jobs)
+
+
+def test_a_worker_gives_back_its_prefetch_when_its_queue_becomes_limited(h, store):
+    """A worker with 2 threads prefetched a busy unlimited queue; a limit of 1 makes it
+    give back, uncharged, what it claimed and had not started."""
+    queue = declared_queue(store, h.queue)
+    broker = h.broker()
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name="blocked")
+    def blocked(n):
+        release.wait(10)
+
+    for n in range(12):
+        blocked.send(n)
+    h.start(broker, threads=2)
+    wait_for(lambda: running(store.pool.url, store.schema, queue) > 2, 10, "a prefetch")
+    set_limit(store, queue, 1)
+    try:
+        # The two started jobs keep running; the prefetched ones go back.
+        wait_for(
+            lambda: running(store.pool.url, store.schema, queue) == 2,
+            5,
+            "the prefetched messages to go back",
+        )
+    finally:
+        release.set()
+    wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def test_queues_limit_sets_lists_and_clears_a_limit(store, run):
+    queue = declared_queue(store)
+    send(store, queue)
+    code, out, _ = run("queues", "limit", queue, "3")
+    assert code == 0 and out.startswith(f"queue {queue} is limited to 3 running job(s)")
+    code, out, _ = run("queues", "list")
+    header = out.splitlines()[0].split()
+    row = next(line.split() for line in out.splitlines() if line.startswith(queue))
+    assert header[4] == "LIMIT" and row[4] == "3" and row[-3:] == ["1", "0", "0"]
+    code, out, _ = run("queues", "list", "--json")
+    listed = {q["queue_name"]: q for q in json.loads(out)}
+    assert listed[queue]["limit"] == 3 and listed[queue]["limit_source"] == "operator"
+    assert listed[queue]["limit_set_by"].startswith("cli")
+    code, out, _ = run("queues", "limit", queue, "5", "--json")
+    assert code == 0 and json.loads(out)["limit"] == 5
+    code, out, _ = run("queues", "limit", queue, "--clear")
+    assert code == 0 and out.startswith(f"queue {queue} has no limit")
+    code, out, _ = run("queues", "list", "--json")
+    assert {q["queue_name"]: q for q in json.loads(out)}[queue]["limit"] is None
+    code, out, _ = run("queues", "list")
+    row = next(line.split() for line in out.splitlines() if line.startswith(queue))
+    assert row[4] == "-"
+
+
+def test_queues_limit_refuses_what_is_not_a_limit_in_one_line(store, run):
+    queue = declared_queue(store)
+    for args in ([queue, "0"], [queue, "-2"], [queue, "three"], [queue, "2.5"]):
+        code, _, err = run("queues", "limit", *args)
+        assert code == 2 and "is not a limit: give a whole number from 1" in err, err
+    code, _, err = run("queues", "limit", queue)
+    assert code == 2 and "give either a limit" in err
+    code, _, err = run("queues", "limit", queue, "3", "--clear")
+    assert code == 2 and "give either a limit" in err
+    name = f"later_{uuid.uuid4().hex[:6]}"
+    code, _, err = run("queues", "limit", name, "2")
+    assert code == 2 and "no worker has declared queue" in err and err.count("\n") == 1
+    code, out, _ = run("queues", "limit", name, "2", "--force")
+    assert code == 0 and "is limited to 2" in out

@@ -1,0 +1,113 @@
+"""Queue limits without a database: the ``queue_limits`` setting in its three spellings,
+and a worker process's view of its free threads and of the limited queues that wait for
+one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dramatiq_pg_broker import Settings
+from dramatiq_pg_broker.errors import ConfigurationError
+from dramatiq_pg_broker.limits import HUNGER_SECONDS, QueueLimits
+
+
+def test_queue_limits_are_read_from_keywords_and_the_environment():
+    assert Settings(queue_limits={"b": 2, "a": 5}).queue_limits == (("a", 5), ("b", 2))
+    assert Settings(queue_limits=[("a", 1)]).queue_limits == (("a", 1),)
+    env = Settings.load(environ={"DRAMATIQ_PG_QUEUE_LIMITS": "partner_api=5, reports.v2=2"})
+    assert env.queue_limits == (("partner_api", 5), ("reports.v2", 2))
+    assert Settings.load(environ={}).queue_limits == ()
+    assert Settings(queue_limits={"a": 3}).public()["queue_limits"] == {"a": 3}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"a": 0}, {"a": -1}, {"a": True}, {"a": "3"}, {"9a": 3}, {"a\n": 3}, "a", "a=x", "=3"],
+)
+def test_a_malformed_queue_limit_is_refused_in_a_sentence(value):
+    with pytest.raises(ConfigurationError, match="is not a queue name and a limit of at least 1"):
+        if isinstance(value, str):
+            Settings.load(environ={"DRAMATIQ_PG_QUEUE_LIMITS": value})
+        else:
+            Settings(queue_limits=value)
+
+
+class _Ledger:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def occupying(self) -> int:
+        return self.n
+
+
+class _Broker:
+    def __init__(self, occupying: int) -> None:
+        self.ledger = _Ledger(occupying)
+
+
+def test_free_threads_are_the_threads_less_what_runs_or_waits_for_one():
+    limits = QueueLimits(_Broker(occupying=5))
+    assert limits.free_threads() is None, "no worker booted: no thread bound"
+    limits.worker_threads = 8
+    assert limits.free_threads() == 3
+    limits.broker.ledger.n = 20
+    assert limits.free_threads() == 0
+
+
+def test_a_hungry_limited_queue_reserves_a_thread_until_fed_or_silent(monkeypatch):
+    limits = QueueLimits(_Broker(occupying=0))
+    assert limits.reserved() == 0
+    limits.hungry("partner_api")
+    limits.hungry("reports")
+    assert limits.reserved() == 2
+    limits.fed("reports")
+    assert limits.reserved() == 1
+    later = time.monotonic() + HUNGER_SECONDS + 0.1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert limits.reserved() == 0, "a queue that stopped saying so reserves nothing"
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.reads = 0
+        self.limits: dict[str, int] = {}
+
+    def queue_limits(self) -> dict[str, int]:
+        self.reads += 1
+        return dict(self.limits)
+
+
+class _ListeningBroker(_Broker):
+    def __init__(self) -> None:
+        super().__init__(occupying=0)
+        self.store = _Store()
+        self.settings = Settings(listen=True)
+
+
+def test_the_limits_are_read_when_announced_or_a_second_old_while_busy(monkeypatch):
+    broker = _ListeningBroker()
+    limits = QueueLimits(broker)
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 1
+    broker.store.limits = {"a": 3}
+    # An idle consumer of an unlimited queue, listening, reads nothing more...
+    clock[0] += 5
+    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 1
+    # ...until a change is announced, or it claims work and the copy is a second old.
+    limits.invalidate()
+    assert limits.limit_of("a", busy=False) == 3 and broker.store.reads == 2
+    clock[0] += 0.5
+    assert limits.limit_of("a", busy=True) == 3 and broker.store.reads == 2
+    broker.store.limits = {}
+    clock[0] += 0.6
+    # A limited queue's copy is read again every second, busy or not.
+    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 3
+    # Two consumers that found the copy stale at once read it once.
+    seen = limits._read_at
+    clock[0] += 2
+    limits.refresh(unless_read_since=seen)
+    limits.refresh(unless_read_since=seen)
+    assert broker.store.reads == 4

@@ -9,6 +9,34 @@
 -- Every transition out of "running" is guarded by ownership: id, status, locked_by and
 -- attempts must all match the attempt the caller claimed. A stale worker's update matches
 -- no row; the caller sees that as a result, not an error.
+--
+-- A job row is written here once: the block job_columns lists its columns, and a statement
+-- writes {job_columns} for that list and {job_row: column = expression, ...} (or a row
+-- fragment, {finished_row: ...}) for a row's values in that order, each column the source
+-- row's own unless assigned; they are expanded when the file is loaded (db.py,
+-- expand_macros), so the server sees plain SQL. A column added to the tables passes through
+-- every move unless a statement assigns it, and a test holds job_columns equal to the
+-- migrated jobs, jobs_history and all_jobs. {clock_slack_ms} is history_probe.CLOCK_SLACK_MS.
+
+-- job_columns --
+-- A fragment, not a statement: the columns of a job row, in the order of the jobs table,
+-- jobs_history and all_jobs (see above).
+id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+
+-- finished_row --
+-- A fragment, not a statement: what every move to history writes on the row of a job
+-- that ends (succeeded, failed or cancelled), the move being the row's DELETE from jobs
+-- and, in the same statement, INSERT INTO jobs_history ({job_columns}) SELECT
+-- {finished_row: status = ..., ...} FROM the deleted rows: no lock, not started, finished
+-- now. Each finishing statement assigns its status and whatever else it changes.
+locked_by = NULL,
+locked_until = NULL,
+started = false,
+updated_at = coalesce(%(now)s::timestamptz, now()),
+finished_at = coalesce(%(now)s::timestamptz, now())
 
 -- insert_job --
 -- Store one message as a queued job with its `created` event, and wake the queue's
@@ -58,7 +86,7 @@ WITH new_key AS (
         SELECT 1 FROM {schema}.jobs_history AS h
         WHERE h.id = %(id)s::uuid
           AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+              'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
               '-infinity')
     ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = %(id)s::uuid)
       AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
@@ -90,7 +118,7 @@ FROM (
     FROM {schema}.jobs_history
     WHERE id = %(id)s::uuid
       AND finished_at >= coalesce(
-          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
           '-infinity')
     UNION ALL
     SELECT id, status, message, message_bytes
@@ -193,7 +221,7 @@ WITH given AS (
         SELECT 1 FROM {schema}.jobs_history AS h
         WHERE h.id = g.id
           AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
+              'epoch'::timestamptz + (g.sent_at_ms - {clock_slack_ms}) * interval '1 millisecond',
               '-infinity')
     ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id)
       AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
@@ -250,7 +278,7 @@ SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])
       AND h.finished_at >= coalesce(
-          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
           '-infinity')
 ), current_setting('transaction_isolation')
 
@@ -262,7 +290,7 @@ SELECT EXISTS (
 SELECT DISTINCT id FROM {schema}.jobs_history AS h
 WHERE h.id = ANY(%(ids)s::uuid[])
   AND h.finished_at >= coalesce(
-      'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+      'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
       '-infinity')
 
 -- refuse_send --
@@ -323,7 +351,7 @@ WITH new_keys AS (
         SELECT 1 FROM {schema}.jobs_history AS h
         WHERE h.id = g.id::uuid
           AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
+              'epoch'::timestamptz + (g.sent_at_ms - {clock_slack_ms}) * interval '1 millisecond',
               '-infinity')
     ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id::uuid)
       AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
@@ -505,17 +533,8 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'succeeded'}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
@@ -600,17 +619,8 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner, owned.error
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'failed', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures + 1, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'failed', last_error = error, failures = failures + 1}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
@@ -650,21 +660,14 @@ WITH requeued AS (
       AND j.abort_requested_at IS NOT NULL
     RETURNING j.*
 ), cancelled AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name,
-           CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
-           CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
-           'cancelled', priority, available_at, attempts,
-           coalesce(%(max_attempts)s::integer, max_attempts), idempotency_key, NULL, NULL,
-           coalesce(%(error)s, last_error), result, created_at,
-           coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures + 1, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = 'cancelled',
+        message = CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
+        message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
+        max_attempts = coalesce(%(max_attempts)s::integer, max_attempts),
+        last_error = coalesce(%(error)s, last_error),
+        failures = failures + 1}
     FROM removed
     RETURNING id, attempts, available_at, queue_name, status, abort_requested_by
 ), moved AS (
@@ -833,28 +836,17 @@ WITH expired AS MATERIALIZED (
     WHERE j.id = expired.id AND expired.ends
     RETURNING j.*, expired.locked_by AS previous_owner, expired.started AS was_started
 ), ended AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes,
-           CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
-           priority, available_at,
-           CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
-           max_attempts, idempotency_key, NULL, NULL,
-           CASE WHEN abort_requested_at IS NOT NULL THEN last_error
-                ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
-                     || attempts || '; interrupted ' || (interruptions + 1)
-                     || ' times (the limit): its worker died, hung or lost its lease each time'
-           END,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures,
-           interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
-           idempotency_scope,
-           abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END,
-           abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
+        attempts = CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
+        last_error = CASE WHEN abort_requested_at IS NOT NULL THEN last_error
+            ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
+                 || attempts || '; interrupted ' || (interruptions + 1)
+                 || ' times (the limit): its worker died, hung or lost its lease each time'
+        END,
+        interruptions = interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
+        abandoned_claims = abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END}
     FROM removed
     RETURNING id, status, attempts, available_at, last_error, queue_name, actor_name,
               message, message_bytes, failures, interruptions
@@ -929,16 +921,21 @@ WITH candidates AS (
     WHERE h.id = picked.id AND h.status = 'failed' AND h.finished_at = picked.finished_at
     RETURNING h.*
 ), moved AS (
-    INSERT INTO {schema}.jobs (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'queued', priority,
-           coalesce(%(now)s::timestamptz, now()), 0, max_attempts, idempotency_key, NULL,
-           NULL, last_error, result, created_at, coalesce(%(now)s::timestamptz, now()),
-           started_at, NULL, false, 0, 0, idempotency_scope, 0, NULL, NULL
+    INSERT INTO {schema}.jobs ({job_columns})
+    SELECT {job_row:
+        status = 'queued',
+        available_at = coalesce(%(now)s::timestamptz, now()),
+        attempts = 0,
+        locked_by = NULL,
+        locked_until = NULL,
+        updated_at = coalesce(%(now)s::timestamptz, now()),
+        finished_at = NULL,
+        started = false,
+        failures = 0,
+        interruptions = 0,
+        abandoned_claims = 0,
+        abort_requested_at = NULL,
+        abort_requested_by = NULL}
     FROM removed
     RETURNING id, queue_name
 ), event AS (
@@ -958,17 +955,8 @@ WITH moved AS (
     WHERE j.id = %(id)s AND j.status = 'queued'
     RETURNING j.*
 ), finished AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'cancelled'}
     FROM moved
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
@@ -992,17 +980,11 @@ WITH target AS MATERIALIZED (
     WHERE j.id = target.id AND target.status = 'queued'
     RETURNING j.*
 ), cancelled AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, coalesce(%(now)s::timestamptz, now()), %(by)s
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = 'cancelled',
+        abort_requested_at = coalesce(%(now)s::timestamptz, now()),
+        abort_requested_by = %(by)s}
     FROM removed
     RETURNING id, attempts, status, queue_name, NULL::text AS locked_by
 ), flagged AS (
@@ -1056,17 +1038,8 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'cancelled'}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
@@ -1102,17 +1075,8 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner, owned.skip
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'cancelled'}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)

@@ -43,26 +43,47 @@ JOB_ROW = "job_row"
 
 
 @functools.cache
+def _blocks(filename: str, package: str) -> dict[str, str]:
+    text = resources.files(package).joinpath("sql", filename).read_text("utf-8")
+    parts = _BLOCK_RE.split(text)
+    blocks: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2]):
+        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+        blocks[name] = "\n".join(lines).strip()
+    return blocks
+
+
+@functools.cache
+def load_fragments(filename: str = "queries.sql", package: str = __package__) -> dict[str, str]:
+    """The blocks of a file that its statements use as macros (see :func:`expand_macros`):
+    ``{name: text}``, as written. They are no statements: :func:`load_queries` leaves them
+    out."""
+    blocks = _blocks(filename, package)
+    used = {m.group(1) for text in blocks.values() for m in _MACRO_RE.finditer(text)}
+    return {name: text for name, text in blocks.items() if name in used}
+
+
+@functools.cache
 def load_queries(filename: str = "queries.sql", package: str = __package__) -> dict[str, str]:
     """Parse a file of named statements into ``{name: text}``, macros expanded.
 
     A block starts with a line ``-- name --``; the comment lines right after it describe
-    the statement, the rest up to the next block is the statement.
-
-    A file may define the job row once and let its statements compose it (see
-    :func:`expand_macros`): ``{job_columns}``, ``{job_row: ...}`` and the row fragments.
+    the statement, the rest up to the next block is the statement. A block that other
+    blocks use as a macro is a fragment (:func:`load_fragments`), not a statement: that is
+    how queries.sql writes the job row and the ownership guard once (see
+    :func:`expand_macros`).
 
     Parameters:
       filename(str): the file, in the package's ``sql/`` directory.
       package(str): the package holding it (the admin API keeps its own statements).
     """
-    text = resources.files(package).joinpath("sql", filename).read_text("utf-8")
-    parts = _BLOCK_RE.split(text)
-    raw: dict[str, str] = {}
-    for name, body in zip(parts[1::2], parts[2::2]):
-        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
-        raw[name] = "\n".join(lines).strip()
-    return {name: expand_macros(body, raw, filename) for name, body in raw.items()}
+    blocks = _blocks(filename, package)
+    fragments = load_fragments(filename, package)
+    return {
+        name: expand_macros(body, blocks, filename)
+        for name, body in blocks.items()
+        if name not in fragments
+    }
 
 
 def expand_macros(text: str, blocks: dict[str, str], filename: str = "queries.sql") -> str:
@@ -76,6 +97,9 @@ def expand_macros(text: str, blocks: dict[str, str], filename: str = "queries.sq
     - ``{fragment: column = expression, ...}``, where the block ``fragment`` is itself a
       list of assignments (``finished_row``, what every move to history writes): the
       fragment's assignments, then the statement's, over ``{job_row}``;
+    - ``{owned_attempts}``, ``{owned_attempts: name = array, where = condition}``: the
+      ownership guard of the exits from running, locking the rows in id order, written
+      once (the block owned_attempts, whose ``{:slots}`` take the arrays and conditions);
     - ``{name}`` for a name of :data:`CONSTANTS`: its value.
 
     Anything else in braces (``{schema}``) is left for :class:`Queries`. A column a
@@ -95,6 +119,8 @@ def expand_macros(text: str, blocks: dict[str, str], filename: str = "queries.sq
             if arguments is not None:
                 raise ValueError(f"{filename}: {{{name}: ...}} is no macro of this file")
             return match.group(0)
+        if name != JOB_ROW and "{:" in blocks[name]:
+            return _attempts(blocks[name], _assignments(arguments or "", name, filename))
         columns = _columns(blocks, filename)
         values = {column: column for column in columns}
         given = _assignments(blocks[name], name, filename) if name != JOB_ROW else []
@@ -109,6 +135,19 @@ def expand_macros(text: str, blocks: dict[str, str], filename: str = "queries.sq
         return ", ".join(values[column] for column in columns)
 
     return _MACRO_RE.sub(one, text)
+
+
+def _attempts(template: str, given: list[tuple[str, str]]) -> str:
+    """The fragment owned_attempts: each ``name = array`` is one more array of the unnest
+    and one more column of its rows; ``where = condition`` one more condition on the row."""
+    arrays = [(name, array) for name, array in given if name != "where"]
+    where = "".join(f" AND {condition}" for name, condition in given if name == "where")
+    return (
+        template.replace("{:values}", "".join(f", o.{name}" for name, _ in arrays))
+        .replace("{:arrays}", "".join(f", {array}" for _, array in arrays))
+        .replace("{:names}", "".join(f", {name}" for name, _ in arrays))
+        .replace("{:where}", where)
+    )
 
 
 def _columns(blocks: dict[str, str], filename: str) -> list[str]:

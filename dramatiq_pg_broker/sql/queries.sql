@@ -38,6 +38,24 @@ started = false,
 updated_at = coalesce(%(now)s::timestamptz, now()),
 finished_at = coalesce(%(now)s::timestamptz, now())
 
+-- owned_attempts --
+-- A fragment, not a statement: the rows of the attempts %(ids)s, %(owners)s, %(attempts)s
+-- that are still theirs (the ownership guard of every exit from running), locked first, in
+-- id order, whatever plan the statement gets: two statements on overlapping rows (the
+-- heartbeat and the outcome writer, say) never deadlock. The id = ANY(...) condition lets
+-- the plan find the rows by primary key. Returns (id, owner, ...): a statement writing
+-- {owned_attempts: name = array, ...} also gets each attempt's element of the array as
+-- that column, and one writing {owned_attempts: where = condition} locks only the rows
+-- (j) that meet the condition too.
+SELECT j.id, o.owner{:values}
+FROM {schema}.jobs AS j
+JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]{:arrays})
+    AS o (id, owner, attempt{:names}) ON j.id = o.id
+WHERE j.id = ANY(%(ids)s::uuid[])
+  AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt{:where}
+ORDER BY j.id
+FOR UPDATE OF j
+
 -- insert_job --
 -- Store one message as a queued job with its `created` event, and wake the queue's
 -- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
@@ -488,17 +506,7 @@ ORDER BY 2, 10, 11, 1
 -- flush: a start lost in a server crash only makes the attempt look unstarted, and the
 -- next durable commit flushes it.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts}
 ), marked AS (
     UPDATE {schema}.jobs AS j
     SET started = true,
@@ -516,17 +524,7 @@ SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS
 -- job leaves the jobs table for jobs_history in this statement: the row is deleted and
 -- inserted there as it ends (the same columns, in the same order; see 0012).
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
@@ -602,17 +600,7 @@ SELECT pg_xact_status(%(xid)s::xid8),
 -- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
 -- The attempt counts as a failure. The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner, o.error
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(errors)s::text[])
-        AS o (id, owner, attempt, error) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: error = %(errors)s::text[]}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
@@ -689,17 +677,7 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- running -> queued at once for claimed messages that never started (worker shutdown): the
 -- attempt their claim added is given back. The caller wakes the queues' consumers.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt AND NOT j.started
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: where = NOT j.started}
 ), released AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
@@ -723,17 +701,7 @@ SELECT id, queue_name FROM released
 -- %(record)s writes a lease_renewed event (explicit renewals by an actor; the background
 -- heartbeat renews silently so that the timeline is not flooded).
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts}
 ), renewed AS (
     UPDATE {schema}.jobs AS j
     SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
@@ -1020,18 +988,7 @@ SELECT pg_notify(%(channel)s, %(payload)s)
 -- operator action's event is. The attempt stays counted: it ran, or was claimed to run.
 -- The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-      AND j.abort_requested_at IS NOT NULL
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: where = j.abort_requested_at IS NOT NULL}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
@@ -1058,17 +1015,7 @@ SELECT id FROM done
 -- an operator's cancel is: nothing else explains the status. The attempt stays counted (it
 -- was claimed to run). The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner, o.skip
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(skips)s::jsonb[])
-        AS o (id, owner, attempt, skip) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: skip = %(skips)s::jsonb[]}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned

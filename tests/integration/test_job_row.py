@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from dramatiq_pg_broker.db import JOB_COLUMNS, load_queries
+from dramatiq_pg_broker.db import JOB_COLUMNS, load_fragments, load_queries
 from dramatiq_pg_broker.jobs import Attempt, NewJob
 
 #: What every move to history sets (the block finished_row), apart from the status.
@@ -20,7 +20,7 @@ FINISHED = {"status", "locked_by", "locked_until", "started", "updated_at", "fin
 
 
 def named_columns() -> list[str]:
-    return [c.strip() for c in load_queries()[JOB_COLUMNS].split(",")]
+    return [c.strip() for c in load_fragments()[JOB_COLUMNS].split(",")]
 
 
 def migrated_columns(conn, schema: str, relation: str) -> list[tuple[str, str, str]]:
@@ -74,7 +74,16 @@ def test_no_statement_writes_the_row_s_columns_by_hand():
             path.name
         )
         assert "3600000" not in text, path.name
-    assert load_queries()["complete_jobs"].count("INSERT INTO {schema}.jobs_history") == 1
+        # The ownership guard that locks the rows in id order too (the block owned_attempts).
+        assert text.count("FOR UPDATE OF j") <= 1, path.name
+    queries = load_queries()
+    assert queries["complete_jobs"].count("INSERT INTO {schema}.jobs_history") == 1
+    guarded = [name for name, text in queries.items() if "ORDER BY j.id\nFOR UPDATE OF j" in text]
+    assert sorted(guarded) == sorted(
+        ["start_jobs", "complete_jobs", "fail_jobs", "release_jobs", "renew_leases"]
+        + ["abort_attempts", "cancel_skipped"]
+    )
+    assert "AND NOT j.started\nORDER BY j.id" in queries["release_jobs"]
 
 
 # -- every move carries every column ------------------------------------------------------

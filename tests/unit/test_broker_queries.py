@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import dramatiq_pg_broker
-from dramatiq_pg_broker.db import Queries, load_queries
+from dramatiq_pg_broker.db import Queries, load_fragments, load_queries
 from dramatiq_pg_broker.jobs import channel_name
 from dramatiq_pg_broker.retries import backoff_ms
 
@@ -80,7 +80,8 @@ def test_query_names_are_unique_and_every_block_has_a_description_and_a_statemen
     for name, body in zip(headers, blocks):
         lines = body.strip().splitlines()
         assert lines and lines[0].startswith("-- "), f"{name}: no one-line description"
-        assert load_queries(filename)[name], f"{name}: no statement"
+        blocks = {**load_queries(filename), **load_fragments(filename)}
+        assert blocks[name], f"{name}: no statement"
 
 
 def test_schema_is_filled_in_as_an_identifier():

@@ -522,7 +522,8 @@ SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS
 -- complete_jobs --
 -- running -> succeeded for many attempts at once (acks are written in batches). A finished
 -- job leaves the jobs table for jobs_history in this statement: the row is deleted and
--- inserted there as it ends (the same columns, in the same order; see 0012).
+-- inserted there as it ends (the same columns, in the same order, see 0012: every value
+-- carried over but what finished_row and the statement set).
 WITH owned AS MATERIALIZED (
     {owned_attempts}
 ), done AS (

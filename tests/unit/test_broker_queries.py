@@ -173,3 +173,15 @@ def test_a_row_macro_that_names_no_column_of_the_row_is_refused(text, error):
 
     with pytest.raises(ValueError, match=re.escape(error)):
         expand_macros(text, {"job_columns": "id, status"})
+
+
+def test_the_ownership_guard_takes_each_statement_s_arrays_and_condition():
+    """The fragment owned_attempts, written once, as each exit from running uses it."""
+    queries = {name: " ".join(text.split()) for name, text in load_queries().items()}
+    assert (
+        "%(attempts)s::int[], %(errors)s::text[]) AS o (id, owner, attempt, error)"
+        in queries["fail_jobs"]
+    )
+    assert "SELECT j.id, o.owner, o.skip FROM" in queries["cancel_skipped"]
+    assert "j.attempts = o.attempt AND NOT j.started ORDER BY j.id" in queries["release_jobs"]
+    assert "j.attempts = o.attempt ORDER BY j.id FOR UPDATE OF j" in queries["complete_jobs"]

@@ -565,17 +565,11 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = owned.id
     RETURNING j.*
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, statement_timestamp()), started_at,
-           coalesce(%(now)s::timestamptz, statement_timestamp()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = 'succeeded',
+        updated_at = coalesce(%(now)s::timestamptz, statement_timestamp()),
+        finished_at = coalesce(%(now)s::timestamptz, statement_timestamp())}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)

@@ -9,6 +9,52 @@
 -- Every transition out of "running" is guarded by ownership: id, status, locked_by and
 -- attempts must all match the attempt the caller claimed. A stale worker's update matches
 -- no row; the caller sees that as a result, not an error.
+--
+-- A job row is written here once: the block job_columns lists its columns, and a statement
+-- writes {job_columns} for that list and {job_row: column = expression, ...} (or a row
+-- fragment, {finished_row: ...}) for a row's values in that order, each column the source
+-- row's own unless assigned; they are expanded when the file is loaded (db.py,
+-- expand_macros), so the server sees plain SQL. A column added to the tables passes through
+-- every move unless a statement assigns it, and a test holds job_columns equal to the
+-- migrated jobs, jobs_history and all_jobs. {clock_slack_ms} is history_probe.CLOCK_SLACK_MS.
+
+-- job_columns --
+-- A fragment, not a statement: the columns of a job row, in the order of the jobs table,
+-- jobs_history and all_jobs (see above).
+id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
+attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
+created_at, updated_at, started_at, finished_at, started, failures, interruptions,
+idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+
+-- finished_row --
+-- A fragment, not a statement: what every move to history writes on the row of a job
+-- that ends (succeeded, failed or cancelled), the move being the row's DELETE from jobs
+-- and, in the same statement, INSERT INTO jobs_history ({job_columns}) SELECT
+-- {finished_row: status = ..., ...} FROM the deleted rows: no lock, not started, finished
+-- now. Each finishing statement assigns its status and whatever else it changes.
+locked_by = NULL,
+locked_until = NULL,
+started = false,
+updated_at = coalesce(%(now)s::timestamptz, now()),
+finished_at = coalesce(%(now)s::timestamptz, now())
+
+-- owned_attempts --
+-- A fragment, not a statement: the rows of the attempts %(ids)s, %(owners)s, %(attempts)s
+-- that are still theirs (the ownership guard of every exit from running), locked first, in
+-- id order, whatever plan the statement gets: two statements on overlapping rows (the
+-- heartbeat and the outcome writer, say) never deadlock. The id = ANY(...) condition lets
+-- the plan find the rows by primary key. Returns (id, owner, ...): a statement writing
+-- {owned_attempts: name = array, ...} also gets each attempt's element of the array as
+-- that column, and one writing {owned_attempts: where = condition} locks only the rows
+-- (j) that meet the condition too.
+SELECT j.id, o.owner{:values}
+FROM {schema}.jobs AS j
+JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]{:arrays})
+    AS o (id, owner, attempt{:names}) ON j.id = o.id
+WHERE j.id = ANY(%(ids)s::uuid[])
+  AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt{:where}
+ORDER BY j.id
+FOR UPDATE OF j
 
 -- insert_job --
 -- Store one message as a queued job with its `created` event, and wake the queue's
@@ -58,7 +104,7 @@ WITH new_key AS (
         SELECT 1 FROM {schema}.jobs_history AS h
         WHERE h.id = %(id)s::uuid
           AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+              'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
               '-infinity')
     ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = %(id)s::uuid)
       AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
@@ -90,7 +136,7 @@ FROM (
     FROM {schema}.jobs_history
     WHERE id = %(id)s::uuid
       AND finished_at >= coalesce(
-          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
           '-infinity')
     UNION ALL
     SELECT id, status, message, message_bytes
@@ -193,7 +239,7 @@ WITH given AS (
         SELECT 1 FROM {schema}.jobs_history AS h
         WHERE h.id = g.id
           AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
+              'epoch'::timestamptz + (g.sent_at_ms - {clock_slack_ms}) * interval '1 millisecond',
               '-infinity')
     ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id)
       AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
@@ -250,7 +296,7 @@ SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])
       AND h.finished_at >= coalesce(
-          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
           '-infinity')
 ), current_setting('transaction_isolation')
 
@@ -262,7 +308,7 @@ SELECT EXISTS (
 SELECT DISTINCT id FROM {schema}.jobs_history AS h
 WHERE h.id = ANY(%(ids)s::uuid[])
   AND h.finished_at >= coalesce(
-      'epoch'::timestamptz + (%(sent_at_ms)s::bigint - 3600000) * interval '1 millisecond',
+      'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
       '-infinity')
 
 -- refuse_send --
@@ -323,7 +369,7 @@ WITH new_keys AS (
         SELECT 1 FROM {schema}.jobs_history AS h
         WHERE h.id = g.id::uuid
           AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (g.sent_at_ms - 3600000) * interval '1 millisecond',
+              'epoch'::timestamptz + (g.sent_at_ms - {clock_slack_ms}) * interval '1 millisecond',
               '-infinity')
     ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id::uuid)
       AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
@@ -460,17 +506,7 @@ ORDER BY 2, 10, 11, 1
 -- flush: a start lost in a server crash only makes the attempt look unstarted, and the
 -- next durable commit flushes it.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts}
 ), marked AS (
     UPDATE {schema}.jobs AS j
     SET started = true,
@@ -486,36 +522,18 @@ SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS
 -- complete_jobs --
 -- running -> succeeded for many attempts at once (acks are written in batches). A finished
 -- job leaves the jobs table for jobs_history in this statement: the row is deleted and
--- inserted there as it ends (the same columns, in the same order; see 0012).
+-- inserted there as it ends (the same columns, in the same order, see 0012: every value
+-- carried over but what finished_row and the statement set).
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'succeeded'}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
@@ -547,17 +565,11 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = owned.id
     RETURNING j.*
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'succeeded', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, statement_timestamp()), started_at,
-           coalesce(%(now)s::timestamptz, statement_timestamp()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = 'succeeded',
+        updated_at = coalesce(%(now)s::timestamptz, statement_timestamp()),
+        finished_at = coalesce(%(now)s::timestamptz, statement_timestamp())}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
@@ -583,34 +595,15 @@ SELECT pg_xact_status(%(xid)s::xid8),
 -- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
 -- The attempt counts as a failure. The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner, o.error
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(errors)s::text[])
-        AS o (id, owner, attempt, error) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: error = %(errors)s::text[]}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner, owned.error
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'failed', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures + 1, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'failed', last_error = error, failures = failures + 1}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
@@ -650,21 +643,14 @@ WITH requeued AS (
       AND j.abort_requested_at IS NOT NULL
     RETURNING j.*
 ), cancelled AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name,
-           CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
-           CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
-           'cancelled', priority, available_at, attempts,
-           coalesce(%(max_attempts)s::integer, max_attempts), idempotency_key, NULL, NULL,
-           coalesce(%(error)s, last_error), result, created_at,
-           coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures + 1, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = 'cancelled',
+        message = CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
+        message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
+        max_attempts = coalesce(%(max_attempts)s::integer, max_attempts),
+        last_error = coalesce(%(error)s, last_error),
+        failures = failures + 1}
     FROM removed
     RETURNING id, attempts, available_at, queue_name, status, abort_requested_by
 ), moved AS (
@@ -686,17 +672,7 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- running -> queued at once for claimed messages that never started (worker shutdown): the
 -- attempt their claim added is given back. The caller wakes the queues' consumers.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt AND NOT j.started
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: where = NOT j.started}
 ), released AS (
     UPDATE {schema}.jobs AS j
     SET status = 'queued',
@@ -720,17 +696,7 @@ SELECT id, queue_name FROM released
 -- %(record)s writes a lease_renewed event (explicit renewals by an actor; the background
 -- heartbeat renews silently so that the timeline is not flooded).
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts}
 ), renewed AS (
     UPDATE {schema}.jobs AS j
     SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
@@ -833,28 +799,17 @@ WITH expired AS MATERIALIZED (
     WHERE j.id = expired.id AND expired.ends
     RETURNING j.*, expired.locked_by AS previous_owner, expired.started AS was_started
 ), ended AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes,
-           CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
-           priority, available_at,
-           CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
-           max_attempts, idempotency_key, NULL, NULL,
-           CASE WHEN abort_requested_at IS NOT NULL THEN last_error
-                ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
-                     || attempts || '; interrupted ' || (interruptions + 1)
-                     || ' times (the limit): its worker died, hung or lost its lease each time'
-           END,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures,
-           interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
-           idempotency_scope,
-           abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END,
-           abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
+        attempts = CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
+        last_error = CASE WHEN abort_requested_at IS NOT NULL THEN last_error
+            ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
+                 || attempts || '; interrupted ' || (interruptions + 1)
+                 || ' times (the limit): its worker died, hung or lost its lease each time'
+        END,
+        interruptions = interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
+        abandoned_claims = abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END}
     FROM removed
     RETURNING id, status, attempts, available_at, last_error, queue_name, actor_name,
               message, message_bytes, failures, interruptions
@@ -929,16 +884,21 @@ WITH candidates AS (
     WHERE h.id = picked.id AND h.status = 'failed' AND h.finished_at = picked.finished_at
     RETURNING h.*
 ), moved AS (
-    INSERT INTO {schema}.jobs (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'queued', priority,
-           coalesce(%(now)s::timestamptz, now()), 0, max_attempts, idempotency_key, NULL,
-           NULL, last_error, result, created_at, coalesce(%(now)s::timestamptz, now()),
-           started_at, NULL, false, 0, 0, idempotency_scope, 0, NULL, NULL
+    INSERT INTO {schema}.jobs ({job_columns})
+    SELECT {job_row:
+        status = 'queued',
+        available_at = coalesce(%(now)s::timestamptz, now()),
+        attempts = 0,
+        locked_by = NULL,
+        locked_until = NULL,
+        updated_at = coalesce(%(now)s::timestamptz, now()),
+        finished_at = NULL,
+        started = false,
+        failures = 0,
+        interruptions = 0,
+        abandoned_claims = 0,
+        abort_requested_at = NULL,
+        abort_requested_by = NULL}
     FROM removed
     RETURNING id, queue_name
 ), event AS (
@@ -958,17 +918,8 @@ WITH moved AS (
     WHERE j.id = %(id)s AND j.status = 'queued'
     RETURNING j.*
 ), finished AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'cancelled'}
     FROM moved
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
@@ -992,17 +943,11 @@ WITH target AS MATERIALIZED (
     WHERE j.id = target.id AND target.status = 'queued'
     RETURNING j.*
 ), cancelled AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, coalesce(%(now)s::timestamptz, now()), %(by)s
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row:
+        status = 'cancelled',
+        abort_requested_at = coalesce(%(now)s::timestamptz, now()),
+        abort_requested_by = %(by)s}
     FROM removed
     RETURNING id, attempts, status, queue_name, NULL::text AS locked_by
 ), flagged AS (
@@ -1038,35 +983,15 @@ SELECT pg_notify(%(channel)s, %(payload)s)
 -- operator action's event is. The attempt stays counted: it ran, or was claimed to run.
 -- The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[])
-        AS o (id, owner, attempt) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-      AND j.abort_requested_at IS NOT NULL
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: where = j.abort_requested_at IS NOT NULL}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'cancelled'}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
@@ -1085,34 +1010,15 @@ SELECT id FROM done
 -- an operator's cancel is: nothing else explains the status. The attempt stays counted (it
 -- was claimed to run). The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
-    -- Lock the rows first, in id order, whatever plan the update gets: two statements on
-    -- overlapping rows (the heartbeat and the outcome writer, say) never deadlock. The
-    -- id = ANY(...) condition lets the plan find the rows by primary key.
-    SELECT j.id, o.owner, o.skip
-    FROM {schema}.jobs AS j
-    JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[], %(skips)s::jsonb[])
-        AS o (id, owner, attempt, skip) ON j.id = o.id
-    WHERE j.id = ANY(%(ids)s::uuid[])
-      AND j.status = 'running' AND j.locked_by = o.owner AND j.attempts = o.attempt
-    ORDER BY j.id
-    FOR UPDATE OF j
+    {owned_attempts: skip = %(skips)s::jsonb[]}
 ), done AS (
     DELETE FROM {schema}.jobs AS j
     USING owned
     WHERE j.id = owned.id
     RETURNING j.*, owned.owner, owned.skip
 ), moved AS (
-    INSERT INTO {schema}.jobs_history (
-        id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
-        attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
-        created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-        idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, 'cancelled', priority,
-           available_at, attempts, max_attempts, idempotency_key, NULL, NULL, last_error,
-           result, created_at, coalesce(%(now)s::timestamptz, now()), started_at,
-           coalesce(%(now)s::timestamptz, now()), false, failures, interruptions,
-           idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: status = 'cancelled'}
     FROM done
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)

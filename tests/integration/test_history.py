@@ -136,8 +136,8 @@ def test_the_send_probe_prunes_old_partitions_in_a_generic_plan(broker, conn, sc
         sql.SQL(
             "PREPARE history_probe (uuid, bigint) AS SELECT 1 FROM {}.jobs_history AS h "
             "WHERE h.id = $1 AND h.finished_at >= coalesce('epoch'::timestamptz "
-            "+ ($2 - 3600000) * interval '1 millisecond', '-infinity')"
-        ).format(sql.Identifier(schema))
+            "+ ($2 - {slack}) * interval '1 millisecond', '-infinity')"
+        ).format(sql.Identifier(schema), slack=sql.Literal(history_probe.CLOCK_SLACK_MS))
     )
     sent_at = int(now.timestamp() * 1000)
     plan = "\n".join(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import dramatiq_pg_broker
-from dramatiq_pg_broker.db import Queries, load_queries
+from dramatiq_pg_broker.db import Queries, load_fragments, load_queries
 from dramatiq_pg_broker.jobs import channel_name
 from dramatiq_pg_broker.retries import backoff_ms
 
@@ -80,7 +80,8 @@ def test_query_names_are_unique_and_every_block_has_a_description_and_a_statemen
     for name, body in zip(headers, blocks):
         lines = body.strip().splitlines()
         assert lines and lines[0].startswith("-- "), f"{name}: no one-line description"
-        assert load_queries(filename)[name], f"{name}: no statement"
+        blocks = {**load_queries(filename), **load_fragments(filename)}
+        assert blocks[name], f"{name}: no statement"
 
 
 def test_schema_is_filled_in_as_an_identifier():
@@ -122,3 +123,65 @@ def test_every_form_of_a_send_lists_the_send_fields_in_one_order():
     job = NewJob("00000000-0000-0000-0000-000000000001", "q", "a", max_attempts=3, delay_ms=-5)
     values = dict(zip(names, send_values(job)))
     assert (values["max_attempts"], values["delay_ms"], values["message"]) == (3, 0, None)
+
+
+def test_the_clock_slack_of_the_statements_is_the_code_s():
+    """The send statements' history probe and the probe's partitions (history_probe.py)
+    allow the same difference of clocks: {clock_slack_ms} is filled in from the constant."""
+    from dramatiq_pg_broker.history_probe import CLOCK_SLACK_MS
+
+    queries = load_queries()
+    users = [name for name, text in queries.items() if "sent_at_ms" in text]
+    assert {"insert_job", "insert_jobs", "find_existing", "copied_in_history"} <= set(users)
+    for name in users:
+        if "jobs_history" in queries[name]:
+            assert f"- {CLOCK_SLACK_MS})" in queries[name], name
+    assert not any("{clock_slack_ms}" in text for text in queries.values())
+
+
+def test_every_macro_is_expanded_and_only_the_schema_is_left():
+    for filename in _sql_files():
+        for name, text in load_queries(filename).items():
+            left = re.sub(r"\{\{\w+\}\}", "", text)  # {{x}}: a literal {x}, for psycopg
+            assert set(re.findall(r"\{[^}]*\}", left)) <= {"{schema}"}, (filename, name)
+
+
+def test_a_row_macro_passes_every_column_through_unless_assigned():
+    from dramatiq_pg_broker.db import expand_macros
+
+    blocks = {"job_columns": "id, status, note", "finished_row": "status = 'done'"}
+    assert expand_macros("SELECT {job_columns}", blocks) == "SELECT id, status, note"
+    assert expand_macros("SELECT {job_row: }", blocks) == "SELECT id, status, note"
+    assert expand_macros("SELECT {finished_row}", blocks) == "SELECT id, 'done', note"
+    # The statement's assignments win over the fragment's; commas inside parentheses and
+    # quotes belong to the expression.
+    text = "{finished_row: status = coalesce(a, 'b,c'), note = f(x, y)}"
+    assert expand_macros(text, blocks) == "id, coalesce(a, 'b,c'), f(x, y)"
+    assert expand_macros("{schema}.jobs", blocks) == "{schema}.jobs"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("{job_row: statsu = 'done'}", "'statsu', which is not a column"),
+        ("{job_row: status 'done'}", "not `column = expression`"),
+        ("{schema: x = 1}", "no macro of this file"),
+    ],
+)
+def test_a_row_macro_that_names_no_column_of_the_row_is_refused(text, error):
+    from dramatiq_pg_broker.db import expand_macros
+
+    with pytest.raises(ValueError, match=re.escape(error)):
+        expand_macros(text, {"job_columns": "id, status"})
+
+
+def test_the_ownership_guard_takes_each_statement_s_arrays_and_condition():
+    """The fragment owned_attempts, written once, as each exit from running uses it."""
+    queries = {name: " ".join(text.split()) for name, text in load_queries().items()}
+    assert (
+        "%(attempts)s::int[], %(errors)s::text[]) AS o (id, owner, attempt, error)"
+        in queries["fail_jobs"]
+    )
+    assert "SELECT j.id, o.owner, o.skip FROM" in queries["cancel_skipped"]
+    assert "j.attempts = o.attempt AND NOT j.started ORDER BY j.id" in queries["release_jobs"]
+    assert "j.attempts = o.attempt ORDER BY j.id FOR UPDATE OF j" in queries["complete_jobs"]

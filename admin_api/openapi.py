@@ -561,6 +561,11 @@ def _paths() -> dict[str, Any]:
             "get": _protected(
                 {
                     "summary": "One job.",
+                    "description": (
+                        "Its ETag is weak and leaves out locked_until: a running job's lease "
+                        "renewals alone answer 304 to If-None-Match. Ask without it for the "
+                        "current lease."
+                    ),
                     "parameters": [_JOB_ID, _IF_NONE_MATCH],
                     "responses": {
                         "200": _tagged(_json(_ref("Job"), "The job.")),

@@ -291,7 +291,9 @@ def _shown(name: str) -> str:
 
 class JobDetail:
     """``GET /api/jobs/{id}``, with an ``ETag``: 304 with no body when ``If-None-Match``
-    names the job's current tag (see :mod:`admin_api.conditional`)."""
+    names the job's current tag (see :mod:`admin_api.conditional`). The tag is weak and
+    leaves out ``locked_until``: a running job's lease renewals alone do not change it, so
+    the dashboard's poll of a running job stays a 304 between its real changes."""
 
     permissions = {"GET": READERS}
 
@@ -302,7 +304,8 @@ class JobDetail:
         Query(req, ())
         job_id = job_id_param(job_id)
         job = self.queries.get_job(job_id, owner_id=owner_scope(req.context.user))
-        conditional.respond(req, resp, job)
+        tagged = {name: value for name, value in job.items() if name != "locked_until"}
+        conditional.respond(req, resp, job, tagged=tagged)
 
 
 class JobEvents:

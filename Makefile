@@ -40,10 +40,16 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-## The test command: lint, then every test against real PostgreSQL. Each test's name is
-## printed as it starts (-v), so a long end-to-end test is never minutes of silence.
+## The test command: lint, then every test against real PostgreSQL, in TEST_WORKERS parallel
+## pytest-xdist workers (more than the cores: most tests wait on PostgreSQL and on child
+## processes). Each test module runs whole on one worker, the slow ones handed out first,
+## and the modules that fail over clusters of their own one after another (see
+## tests/conftest.py). Each test's name is printed as it starts and as it ends (-v), with
+## its worker. PYTEST_ARGS=-n0 runs the suite serially, in one process.
+TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest -v -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v -p no:cacheprovider --durations=10 \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 ## Unit and integration tests only (no real worker processes).
 test-fast: $(STAMP)

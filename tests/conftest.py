@@ -28,6 +28,98 @@ def pytest_report_header(config) -> list[str]:
     ]
 
 
+def pytest_configure(config) -> None:
+    """With parallel workers (pytest-xdist's ``-n``) and no database URL, start the embedded
+    PostgreSQL here, in the controller, before any worker starts: the workers then find it
+    running instead of all starting it at once (the start itself also holds a file lock;
+    see :func:`dramatiq_pg_broker.embedded.embedded_url`). A failure to start it is left for
+    the tests that need a database to report, as in a serial run."""
+    if hasattr(config, "workerinput") or getattr(config.option, "dist", "no") == "no":
+        return
+    if os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL"):
+        return
+    from dramatiq_pg_broker.embedded import embedded_url
+    from dramatiq_pg_broker.errors import ConfigurationError
+
+    try:
+        embedded_url()
+    except ConfigurationError:
+        pass
+
+
+#: In a parallel run, the test modules that run one after another on one worker, by group:
+#: those that stop, crash and fail over PostgreSQL clusters of their own and time the
+#: outages, which other clusters starting beside them would slow.
+SAME_WORKER = {
+    "tests/e2e/test_database_faults.py": "clusters",
+    "tests/e2e/test_failover.py": "clusters",
+    "tests/e2e/test_outage_logs.py": "clusters",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (``make test``): each test module goes to one worker as a whole,
+    and the modules of a :data:`SAME_WORKER` group to the same one.
+
+    A module's tests share a migrated schema and often servers of their own (module-scoped
+    fixtures): spread over workers, each worker would build them again. (pytest-xdist's own
+    ``loadgroup`` cannot be used: its group marks are lost with pytest 9's node ids.)
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SAME_WORKER.get(module, module)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """In a parallel run, the tests marked ``slow`` are handed out first, those allowed the
+    longest time (their ``timeout`` mark) ahead: a long test that starts last makes the
+    whole run wait for it (``make test`` keeps this order: ``--no-loadscope-reorder``). A
+    serial run keeps the files' order."""
+    if not hasattr(config, "workerinput"):
+        return
+    default_timeout = float(config.getini("timeout") or 0)
+
+    def rank(item) -> tuple[int, float]:
+        if item.get_closest_marker("slow") is None:
+            return (1, 0.0)
+        timeout = item.get_closest_marker("timeout")
+        return (0, -float(timeout.args[0] if timeout and timeout.args else default_timeout))
+
+    items.sort(key=rank)  # stable: the files' order otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config, report):
+    """A parallel worker sends each test's report to the controller over a channel that
+    carries only UTF-8 text: a lone surrogate anywhere in it (a captured log line of a test
+    whose error text cannot be encoded, on purpose) would end the whole run with an internal
+    error. Such characters are sent escaped (``\\udcff``), as ``repr`` shows them."""
+    data = yield
+    return _utf8(data) if hasattr(config, "workerinput") else data
+
+
+def _utf8(value):
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {key: _utf8(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_utf8(item) for item in value)
+    return value
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     """After pytest removed a green run's temporary directory, remove its now empty

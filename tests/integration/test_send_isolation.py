@@ -234,10 +234,11 @@ def test_a_pooled_send_racing_with_the_finish_of_its_job_never_makes_a_second_ro
         thread.start()
         try:
             wait_for(
+                # Blocked by the mover itself: another test's lock waits (the suite runs in
+                # parallel) are not this send's.
                 lambda: conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                    "AND pid IN (SELECT pid FROM pg_locks WHERE NOT granted "
-                    "AND transactionid IS NOT NULL)"
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (mover.info.backend_pid,),
                 ).fetchone()[0],
                 10,
                 "the send to wait for the worker's move",

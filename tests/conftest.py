@@ -47,37 +47,6 @@ def pytest_configure(config) -> None:
         pass
 
 
-#: In a parallel run, the test modules that run one after another on one worker, by group:
-#: those that stop, crash and fail over PostgreSQL clusters of their own and time the
-#: outages, which other clusters starting beside them would slow.
-SAME_WORKER = {
-    "tests/e2e/test_database_faults.py": "clusters",
-    "tests/e2e/test_failover.py": "clusters",
-    "tests/e2e/test_outage_logs.py": "clusters",
-}
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` (``make test``): each test module goes to one worker as a whole,
-    and the modules of a :data:`SAME_WORKER` group to the same one.
-
-    A module's tests share a migrated schema and often servers of their own (module-scoped
-    fixtures): spread over workers, each worker would build them again. (pytest-xdist's own
-    ``loadgroup`` cannot be used: its group marks are lost with pytest 9's node ids.)
-    """
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class ModuleScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid)
-            return SAME_WORKER.get(module, module)
-
-    return ModuleScheduling(config, log)
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     """In a parallel run, the tests marked ``slow`` are handed out first, those allowed the
     longest time (their ``timeout`` mark) ahead: a long test that starts last makes the

@@ -40,10 +40,20 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-## The test command: lint, then every test against real PostgreSQL. Each test's name is
-## printed as it starts (-v), so a long end-to-end test is never minutes of silence.
+## The test command: lint, then every test against real PostgreSQL, in two runs.
+## First all but the "alone" ones, in TEST_WORKERS parallel pytest-xdist workers (more than
+## the cores: most tests wait on PostgreSQL and on child processes), each test module whole
+## on one worker and the slow ones handed out first (tests/conftest.py). Then, serially,
+## the few marked "alone", which time server outages to the second. Each test's name is
+## printed as it starts and as it ends (-v). PYTEST_ARGS=-n0 runs the first part serially
+## too; a selection in PYTEST_ARGS that leaves one of the two runs without a test (pytest's
+## exit status 5) is not a failure.
+TEST_WORKERS ?= 4
+PYTEST := $(BIN)/python -m pytest -v -p no:cacheprovider --durations=10
 test: lint
-	$(BIN)/python -m pytest -v -p no:cacheprovider --durations=10 $(PYTEST_ARGS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" \
+		$(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PYTEST) -n0 -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 ## Unit and integration tests only (no real worker processes).
 test-fast: $(STAMP)

@@ -198,10 +198,12 @@ def _protected(op: dict[str, Any], roles: str) -> dict[str, Any]:
 _UNDECLARED = _error("No worker has declared this queue.")
 
 
-def _tagged_get(summary: str, model: type[BaseModel], description: str) -> dict[str, Any]:
+def _tagged_get(
+    summary: str, model: type[BaseModel], description: str, *, details: str | None = None
+) -> dict[str, Any]:
     """A read of one job, with an ETag: 304 when If-None-Match still names it."""
-    op = {
-        "summary": summary,
+    op: dict[str, Any] = {"summary": summary, **({"description": details} if details else {})}
+    op |= {
         "parameters": [_JOB_ID, _IF_NONE_MATCH],
         "responses": {"200": _tagged(_json(model, description)), "304": _304, "404": _404},
     }
@@ -309,7 +311,13 @@ def _paths() -> dict[str, Any]:
                 "viewer, operator, admin",
             )
         },
-        "/api/jobs/{job_id}": _tagged_get("One job.", responses.Job, "The job."),
+        "/api/jobs/{job_id}": _tagged_get(
+            "One job.",
+            responses.Job,
+            "The job.",
+            details="Its ETag is weak and leaves out locked_until: a running job's lease "
+            "renewals alone answer 304 to If-None-Match. Ask without it for the current lease.",
+        ),
         "/api/jobs/{job_id}/events": _tagged_get(
             "A job's timeline, oldest first.", responses.JobTimeline, "The events."
         ),

@@ -14,6 +14,7 @@ virtual environment the server is per user (see :func:`data_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -99,17 +100,41 @@ def embedded_url() -> str:
                 ) from None
             path = data_dir()
             path.mkdir(parents=True, exist_ok=True)
-            if not (path / "postmaster.pid").exists():
-                logger.warning(
-                    "starting the embedded PostgreSQL in %s; it keeps running after this "
-                    "process (dramatiq-pg-broker embedded stop stops it)",
-                    path,
-                )
-            # cleanup_mode=None: keep the server running after this process exits so that
-            # workers, the API and the demo share it.
-            server = pgserver.get_server(path, cleanup_mode=None)
-            _url = server.get_uri()
+            with _starting(path):
+                if not (path / "postmaster.pid").exists():
+                    logger.warning(
+                        "starting the embedded PostgreSQL in %s; it keeps running after this "
+                        "process (dramatiq-pg-broker embedded stop stops it)",
+                        path,
+                    )
+                # cleanup_mode=None: keep the server running after this process exits so
+                # that workers, the API and the demo share it.
+                server = pgserver.get_server(path, cleanup_mode=None)
+                _url = server.get_uri()
         return _url
+
+
+@contextlib.contextmanager
+def _starting(path: Path):
+    """Hold ``<data directory>.lock`` while one process starts or finds the server.
+
+    Several processes reach for the server at once (the demo's workers and API, the test
+    run's parallel workers): pgserver serializes its own initdb and start, but not all of
+    what comes before (as root, creating the user the server runs as), and only one of
+    them should say that it starts the server. Without ``fcntl`` (Windows) there is no lock
+    and pgserver's own is all there is.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(path.parent / f"{path.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def import_pgserver():

@@ -28,6 +28,67 @@ def pytest_report_header(config) -> list[str]:
     ]
 
 
+def pytest_configure(config) -> None:
+    """With parallel workers (pytest-xdist's ``-n``) and no database URL, start the embedded
+    PostgreSQL here, in the controller, before any worker starts: the workers then find it
+    running instead of all starting it at once (the start itself also holds a file lock;
+    see :func:`dramatiq_pg_broker.embedded.embedded_url`). A failure to start it is left for
+    the tests that need a database to report, as in a serial run."""
+    if hasattr(config, "workerinput") or getattr(config.option, "dist", "no") == "no":
+        return
+    if os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL"):
+        return
+    from dramatiq_pg_broker.embedded import embedded_url
+    from dramatiq_pg_broker.errors import ConfigurationError
+
+    try:
+        embedded_url()
+    except ConfigurationError:
+        pass
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """In a parallel run, the tests marked ``slow`` are handed out first, those allowed the
+    longest time (their ``timeout`` mark) ahead: a long test that starts last makes the
+    whole run wait for it (``make test`` keeps this order: ``--no-loadscope-reorder``). A
+    serial run keeps the files' order."""
+    if not hasattr(config, "workerinput"):
+        return
+    default_timeout = float(config.getini("timeout") or 0)
+
+    def rank(item) -> tuple[int, float]:
+        if item.get_closest_marker("slow") is None:
+            return (1, 0.0)
+        timeout = item.get_closest_marker("timeout")
+        return (0, -float(timeout.args[0] if timeout and timeout.args else default_timeout))
+
+    items.sort(key=rank)  # stable: the files' order otherwise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config, report):
+    """A parallel worker sends each test's report to the controller over a channel that
+    carries only UTF-8 text: a lone surrogate anywhere in it (a captured log line of a test
+    whose error text cannot be encoded, on purpose) would end the whole run with an internal
+    error. Such characters are sent escaped (``\\udcff``), as ``repr`` shows them."""
+    data = yield
+    return _utf8(data) if hasattr(config, "workerinput") else data
+
+
+def _utf8(value):
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
+    if isinstance(value, dict):
+        return {key: _utf8(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_utf8(item) for item in value)
+    return value
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
     """After pytest removed a green run's temporary directory, remove its now empty

@@ -54,8 +54,9 @@ def migrate_ahead(url: str, schema: str, directory: Path, kind: str) -> str:
 
 def idle_in_transaction(conn: psycopg.Connection, application_name: str) -> list[str]:
     """The states of the connections named ``application_name`` that sit inside a
-    transaction nobody ended (the server reports a backend's state before it tells the
-    client a statement is done, so there is nothing to wait for)."""
+    transaction nobody ended. The server reports a backend's state before it tells the
+    client a statement is done; but a connection the client dropped inside a transaction is
+    ended by its backend only when that backend notices the closed socket."""
     rows = conn.execute(
         "SELECT state FROM pg_stat_activity WHERE application_name = %s"
         " AND state LIKE 'idle in transaction%%'",

@@ -116,9 +116,10 @@ async function api(method, path, body, extraHeaders) {
 const NOT_MODIFIED = Symbol("not modified");
 const tagged = new Map();
 
-// GET path, answered from the kept copy when the API says it has not changed.
-async function poll(path) {
-  const known = tagged.get(path);
+// GET path, answered from the kept copy when the API says it has not changed; `whole`
+// asks for the whole answer, whatever is kept.
+async function poll(path, whole = false) {
+  const known = whole ? undefined : tagged.get(path);
   const data = await api("GET", path, undefined, known ? { "If-None-Match": known.etag } : {});
   return data === NOT_MODIFIED ? known.data : data;
 }
@@ -606,8 +607,13 @@ async function jobPage(jobId) {
   // A finished job changes only by an operator's action here (Retry reloads the page).
   if (FINISHED.includes(job.status)) return stopPolling();
   schedule(async function pollJob() {
-    // Conditional requests: an unchanged job and timeline are two 304s without a body.
-    const [fresh, freshEvents] = await Promise.all([poll(jobPath), poll(jobPath + "/events")]);
+    // Conditional requests: an unchanged job and timeline are two 304s without a body. The
+    // job's tag leaves out its lease, so a heartbeat's renewal alone is a 304 too; the kept
+    // lease is asked for again only once it has passed, so that a job whose worker renews
+    // it never shows an expired lease (one whole answer a lease, not one a renewal).
+    const leasePassed = job.locked_until && Date.parse(job.locked_until) <= Date.now();
+    const [fresh, freshEvents] = await Promise.all([poll(jobPath, leasePassed), poll(jobPath + "/events")]);
+    job = fresh;
     // Leave the page alone while a confirmation is open.
     if (document.getElementById("confirm").open) return true;
     renderJob(fresh, freshEvents.results);

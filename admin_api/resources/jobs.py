@@ -320,7 +320,9 @@ def _shown(name: str) -> str:
 
 class JobDetail:
     """``GET /api/jobs/{id}``, with an ``ETag``: 304 with no body when ``If-None-Match``
-    names the job's current tag (see :mod:`admin_api.conditional`)."""
+    names the job's current tag (see :mod:`admin_api.conditional`). The tag is weak and
+    leaves out ``locked_until``: a running job's lease renewals alone do not change it, so
+    the dashboard's poll of a running job stays a 304 between its real changes."""
 
     permissions = {"GET": READERS}
 
@@ -330,10 +332,16 @@ class JobDetail:
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         read_query(req)
         job_id = job_id_param(job_id)
-        conditional.respond(req, resp, self.read(job_id, owner_scope(req.context.user)))
+        value = self.read(job_id, owner_scope(req.context.user))
+        conditional.respond(req, resp, value, tagged=self.tagged(value))
 
     def read(self, job_id: str, owner_id: int | None) -> dict:
         return self.queries.get_job(job_id, owner_id=owner_id)
+
+    @staticmethod
+    def tagged(job: dict) -> dict:
+        """What the job's tag stands for: the job without its lease's end."""
+        return {name: value for name, value in job.items() if name != "locked_until"}
 
 
 class JobEvents(JobDetail):
@@ -342,6 +350,12 @@ class JobEvents(JobDetail):
 
     def read(self, job_id: str, owner_id: int | None) -> dict:
         return {"job_id": job_id, "results": self.queries.job_events(job_id, owner_id=owner_id)}
+
+    @staticmethod
+    def tagged(timeline: dict) -> None:
+        """The timeline's tag is its whole body's (strong): no part of it changes without
+        meaning something."""
+        return None
 
 
 class JobStats:

@@ -28,7 +28,14 @@ from dramatiq_pg_broker.migrate import migrate
 from .worker_actors import create_executions_table, declare
 from .workers import WorkerProcess, outage_seconds, outage_story, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+# Alone: it stops, crashes or fails over PostgreSQL clusters of its own and times the
+# outages to the second, which the parallel tests' load would stretch (make test runs it
+# after them, serially).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(420),
+    pytest.mark.alone,
+]
 
 JOBS_PER_FAULT = 1500
 SCHEMA = "faults"

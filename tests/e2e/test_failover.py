@@ -47,7 +47,14 @@ from .failover_actors import create_runs_table, declare
 from .tcp_proxy import Proxy
 from .workers import OUTAGE_ENDS, OUTAGE_STARTS, WorkerProcess, outage_story, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# Alone: it stops, crashes or fails over PostgreSQL clusters of its own and times the
+# outages to the second, which the parallel tests' load would stretch (make test runs it
+# after them, serially).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.alone,
+]
 
 SCHEMA = "failover"
 #: Jobs waiting before the senders start, so that the kill lands mid-drain.

@@ -33,7 +33,14 @@ from .workers import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+# Alone: it stops, crashes or fails over PostgreSQL clusters of its own and times the
+# outages to the second, which the parallel tests' load would stretch (make test runs it
+# after them, serially).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    pytest.mark.alone,
+]
 
 SCHEMA = "outage_logs"
 REMINDER_SECONDS = 2.0

@@ -5,6 +5,7 @@ no list could show."""
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 
 import pytest
@@ -187,12 +188,13 @@ def test_an_unchanged_job_and_timeline_answer_304_without_a_body(env):
     for path in (f"/api/jobs/{job_id}", f"/api/jobs/{job_id}/events"):
         first = env.get(path, "viewer")
         tag = first.headers["etag"]
-        assert first.status_code == 200 and tag.startswith('"'), first.headers
+        assert first.status_code == 200 and tag.endswith('"'), first.headers
         again = env.get(path, "viewer", headers={"If-None-Match": tag})
         assert again.status_code == 304 and again.content == b"", path
         assert again.headers["etag"] == tag
         # Weak comparison, a list, and "*" match; another tag does not.
-        for header in (f"W/{tag}", f'"other", {tag}', "*"):
+        strong = tag.removeprefix("W/")
+        for header in (f"W/{strong}", strong, f'"other", {tag}', "*"):
             assert env.get(path, "viewer", headers={"If-None-Match": header}).status_code == 304
         other = env.get(path, "viewer", headers={"If-None-Match": '"other"'})
         assert other.status_code == 200 and other.json == first.json
@@ -205,6 +207,33 @@ def test_an_unchanged_job_and_timeline_answer_304_without_a_body(env):
         changed = env.get(path, headers={"If-None-Match": tag})
         assert changed.status_code == 200 and changed.headers["etag"] != tag, path
     assert changed.json["results"][-1]["type"] == "cancelled"
+
+
+def test_a_lease_renewal_alone_leaves_a_running_job_unchanged_for_its_poll(env):
+    """The heartbeat moves a running job's ``locked_until`` every few seconds: the job page's
+    poll still answers 304 after a renewal, and a real change (its outcome) answers 200."""
+    job_id = env.enqueue()
+    attempt = env.claim(job_id, lease_seconds=60)
+    paths = (f"/api/jobs/{job_id}", f"/api/jobs/{job_id}/events")
+    first = {path: env.get(path, "viewer") for path in paths}
+    assert first[paths[0]].json["status"] == "running"
+    # The heartbeat's renewal: silent (no event), the lease an hour further.
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)
+    assert env.store.renew([attempt], 60, now=later) == {job_id}
+    for path in paths:
+        polled = env.get(path, "viewer", headers={"If-None-Match": first[path].headers["etag"]})
+        assert polled.status_code == 304 and polled.content == b"", path
+    # Asked without the tag, the job has its new lease (the tag left only the lease out).
+    whole = env.get(paths[0], "viewer")
+    assert whole.json["locked_until"] != first[paths[0]].json["locked_until"]
+    assert whole.headers["etag"] == first[paths[0]].headers["etag"]
+    # Its outcome is a change: a new tag and the whole answer, for the job and its timeline.
+    assert env.store.complete([attempt]) == {job_id}
+    for path in paths:
+        polled = env.get(path, "viewer", headers={"If-None-Match": first[path].headers["etag"]})
+        assert polled.status_code == 200 and polled.headers["etag"] != first[path].headers["etag"]
+    assert polled.json["results"][-1]["type"] == "succeeded"
+    assert env.get(paths[0], "viewer").json["status"] == "succeeded"
 
 
 def test_polling_a_job_with_a_megabyte_of_arguments_moves_kilobytes_not_megabytes(env):

@@ -279,17 +279,20 @@ def test_current_job_progress_and_renew_are_recorded(h):
 
 
 def test_heartbeat_keeps_long_actors_and_heartbeat_false_lets_the_lease_expire(h):
-    broker = h.broker(lease_seconds=1, reaper_interval=0.2, backoff_base_ms=10, max_interruptions=2)
+    # A 2 s lease renewed every 0.67 s: a heartbeat held back for over a second (a busy
+    # machine running the suite in parallel) still renews in time; the actors run well past
+    # one lease.
+    broker = h.broker(lease_seconds=2, reaper_interval=0.2, backoff_base_ms=10, max_interruptions=2)
     finished = []
 
     @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
     def renewed():
-        time.sleep(2.5)
+        time.sleep(3.5)
         finished.append("renewed")
 
     @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0, heartbeat=False)
     def unrenewed():
-        time.sleep(2.5)
+        time.sleep(3.5)
         finished.append("unrenewed")
 
     kept = renewed.send()

@@ -49,8 +49,9 @@ def claim(broker, queue: str, job_id: str) -> Attempt:
 
 def race_with_the_move(broker, pg_url: str, queue: str, message, send, waiting, what: str):
     """Claim ``message``'s job and move it to history in a worker's transaction left open;
-    meanwhile run ``send`` in a thread, wait until ``waiting()`` says that it waits for the
-    move (``what`` names the send), then commit the move: the send must end within 30 s."""
+    meanwhile run ``send`` in a thread, wait until ``waiting(mover_pid)`` says that it waits
+    for the move (``what`` names the send), then commit the move: the send must end within
+    30 s."""
     attempt = claim(broker, queue, message.message_id)
     with psycopg.connect(pg_url, autocommit=True) as mover:
         mover.execute("BEGIN")
@@ -58,7 +59,8 @@ def race_with_the_move(broker, pg_url: str, queue: str, message, send, waiting, 
         thread = threading.Thread(target=send)
         thread.start()
         try:
-            wait_for(waiting, 10, f"{what} to wait for the worker's move")
+            mover_pid = mover.info.backend_pid
+            wait_for(lambda: waiting(mover_pid), 10, f"{what} to wait for the worker's move")
         finally:
             mover.execute("COMMIT")
             thread.join(30)
@@ -180,7 +182,7 @@ def test_a_send_racing_with_the_finish_of_its_job_never_makes_a_second_row(
     def send() -> None:
         outcome["error"] = attempt_send(broker, task, pg_url, level, path, message, pids.append)
 
-    def waiting() -> bool:
+    def waiting(mover_pid: int) -> bool:
         if not pids:  # the application's transaction has not begun yet
             return False
         query = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
@@ -219,11 +221,12 @@ def test_a_pooled_send_racing_with_the_finish_of_its_job_never_makes_a_second_ro
         except JobAlreadyFinished as e:
             outcome["error"] = e
 
-    def waiting() -> bool:
+    def waiting(mover_pid: int) -> bool:
+        # Blocked by the mover itself: another test's lock waits (the suite runs in
+        # parallel) are not this send's.
         return conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND pid IN (SELECT pid FROM pg_locks WHERE NOT granted "
-            "AND transactionid IS NOT NULL)"
+            "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+            (mover_pid,),
         ).fetchone()[0]
 
     race_with_the_move(broker, pg_url, queue, message, send, waiting, "the send")

@@ -41,6 +41,7 @@ import uuid
 import psycopg
 from psycopg import sql
 
+from dramatiq_pg_broker import retention
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
@@ -88,24 +89,25 @@ def setup(url: str, schema: str, default_rows: int) -> dt.datetime:
     return now
 
 
-def refill_expired(url: str, schema: str, expired: dt.datetime, run: int) -> list[str]:
-    """Make the expired day's partitions again (each statement under a short lock timeout)
-    and put keyed finished jobs in them; returns their keys."""
+def refill_expired(
+    url: str, schema: str, expired: dt.datetime, run: int, pool: ProcessPool | None = None
+) -> list[str]:
+    """Make the expired day's partitions again and put keyed finished jobs in them;
+    returns their keys. While the load runs (``pool`` given) the partitions are attached
+    the way maintenance attaches a day it moved out of DEFAULT (never queueing behind a
+    long holder, the DEFAULT partition's scan spared by a constraint), so that this
+    harness does not itself stall the hot path; a day not attached within a few tries
+    leaves the keyed jobs in DEFAULT, where the ``default`` step deletes them."""
     q = sql.Identifier(schema)
     day = expired.astimezone(dt.timezone.utc).date()
     keys = [f"expiring-{run}-{i}" for i in range(KEYS_PER_RUN)]
+    if pool is not None:
+        attach_past_day(pool, schema, day)
     with psycopg.connect(url, autocommit=True) as conn:
-        for _ in range(50):
-            try:
-                with conn.transaction():
-                    conn.execute("SET LOCAL lock_timeout = '50ms'")
-                    conn.execute(
-                        sql.SQL("SELECT {q}.create_history_partitions(%s, %s)").format(q=q),
-                        (day, day),
-                    )
-                break
-            except psycopg.errors.LockNotAvailable:
-                time.sleep(random.uniform(0.05, 0.2))
+        if pool is None:
+            conn.execute(
+                sql.SQL("SELECT {q}.create_history_partitions(%s, %s)").format(q=q), (day, day)
+            )
         with conn.transaction():
             conn.execute(
                 sql.SQL(
@@ -120,6 +122,37 @@ def refill_expired(url: str, schema: str, expired: dt.datetime, run: int) -> lis
                 {"at": expired, "keys": keys},
             )
     return keys
+
+
+def attach_past_day(pool: ProcessPool, schema: str, day: dt.date) -> None:
+    run = retention._Run(
+        pool,
+        schema,
+        RetentionPolicy(),
+        batch=1000,
+        dry_run=False,
+        budget_seconds=None,
+        stop=None,
+        rest=False,
+        partitions_ahead=0,
+    )
+    for parent in retention.PARENTS:
+        name = retention._partition_name(parent, day)
+        for _ in range(10):
+            try:
+                run.ddl(run.queries["prepare_partition"], {"parent": parent, "day": day})
+            except retention.LockBusy:
+                continue
+            with pool.connection() as conn:
+                attached = conn.execute(
+                    "SELECT relispartition FROM pg_class WHERE oid = to_regclass(%s)",
+                    (f"{schema}.{name}",),
+                ).fetchone()
+            if (attached and attached[0]) or run.attach_moved(
+                parent, day, f"{parent}_default", lambda: None
+            ):
+                break
+            time.sleep(random.uniform(0.05, 0.2))
 
 
 class Load:
@@ -194,14 +227,16 @@ def long_reader(url: str, schema: str, stop: threading.Event) -> None:
             stop.wait(1)
 
 
-def maintenance(load: Load, url: str, schema: str, now: dt.datetime, stop, steps, runs) -> None:
+def maintenance(
+    load: Load, url: str, schema: str, now: dt.datetime, stop, steps, runs, batch: int
+) -> None:
     pool = ProcessPool(Settings.load(url=url, schema=schema))
     expired = now - dt.timedelta(days=EXPIRED_DAYS_AGO)
     try:
         k = 0
         while not stop.is_set():
             k += 1
-            load.keys = refill_expired(url, schema, expired, k)
+            load.keys = refill_expired(url, schema, expired, k, pool)
             age = dt.timedelta(days=AGE_DAYS + k)
             policy = RetentionPolicy(succeeded=age, failed=age, cancelled=age)
             started = time.monotonic()
@@ -211,6 +246,7 @@ def maintenance(load: Load, url: str, schema: str, now: dt.datetime, stop, steps
                 policy,
                 now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=k),
                 stop=stop,
+                batch=batch,
             )
             runs.append(
                 {
@@ -252,6 +288,9 @@ def main(argv=None) -> int:
     parser.add_argument("--default-rows", type=int, default=500_000)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--no-maintenance", action="store_true", help="the control run")
+    parser.add_argument(
+        "--batch", type=int, default=1000, help="rows a maintenance transaction moves or deletes"
+    )
     parser.add_argument("--schema", default=SCHEMA)
     parser.add_argument(
         "--url",
@@ -275,7 +314,8 @@ def main(argv=None) -> int:
     if not args.no_maintenance:
         threads.append(
             threading.Thread(
-                target=maintenance, args=(load, args.url, args.schema, now, stop, steps, runs)
+                target=maintenance,
+                args=(load, args.url, args.schema, now, stop, steps, runs, args.batch),
             )
         )
     for t in threads:
@@ -291,6 +331,7 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "default_rows": args.default_rows,
         "maintenance": not args.no_maintenance,
+        "batch": args.batch,
         **{op: summary(load.times[op]) for op in ("send", "keyed_send", "claim", "outcome")},
         "errors": sum(load.errors.values()),
         "deadlocks": load.deadlocks,

@@ -32,6 +32,7 @@ import argparse
 import collections
 import datetime as dt
 import json
+import logging
 import os
 import random
 import threading
@@ -163,6 +164,9 @@ class Load:
         self.expired_ms = int(expired.timestamp() * 1000)
         self.keys: list[str] = []
         self.times: dict[str, list[float]] = collections.defaultdict(list)
+        #: op -> (seconds it took, seconds after the load started when it ended)
+        self.slowest: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        self.started = time.monotonic()
         self.errors: collections.Counter = collections.Counter()
         self.deadlocks = 0
         self.lock = threading.Lock()
@@ -180,8 +184,13 @@ class Load:
             with self.lock:
                 self.errors[f"{op}: {type(e).__name__}: {str(e).splitlines()[0][:80]}"] += 1
         finally:
+            ended = time.monotonic()
             with self.lock:
-                self.times[op].append(time.monotonic() - started)
+                self.times[op].append(ended - started)
+                slowest = self.slowest[op]
+                slowest.append((ended - started, ended - self.started))
+                slowest.sort(reverse=True)
+                del slowest[3:]
         return None
 
     def worker(self, n: int) -> None:
@@ -292,6 +301,7 @@ def main(argv=None) -> int:
         "--batch", type=int, default=1000, help="rows a maintenance transaction moves or deletes"
     )
     parser.add_argument("--schema", default=SCHEMA)
+    parser.add_argument("--log", action="store_true", help="maintenance's log on stderr")
     parser.add_argument(
         "--url",
         default=os.environ.get("DRAMATIQ_PG_URL") or os.environ.get("DRAMATIQ_PG_TEST_URL"),
@@ -304,6 +314,11 @@ def main(argv=None) -> int:
     now = setup(args.url, args.schema, args.default_rows)
     print(f"setup: {time.monotonic() - started:.1f}s", flush=True)
     expired = now - dt.timedelta(days=EXPIRED_DAYS_AGO)
+    if args.log:
+        logging.basicConfig(
+            level=logging.DEBUG, format="%(relativeCreated)8.0f ms %(name)s %(message)s"
+        )
+        logging.getLogger("psycopg").setLevel(logging.WARNING)
     load = Load(args.url, args.schema, args.threads, expired)
     load.keys = refill_expired(args.url, args.schema, expired, 0)
     stop = threading.Event()
@@ -320,6 +335,7 @@ def main(argv=None) -> int:
         )
     for t in threads:
         t.start()
+    logging.getLogger(__name__).info("load started")
     stop.wait(args.seconds)
     stop.set()
     load.stop.set()
@@ -332,7 +348,13 @@ def main(argv=None) -> int:
         "default_rows": args.default_rows,
         "maintenance": not args.no_maintenance,
         "batch": args.batch,
-        **{op: summary(load.times[op]) for op in ("send", "keyed_send", "claim", "outcome")},
+        **{
+            op: {
+                **summary(load.times[op]),
+                "slowest_at_s": [(round(t * 1000, 1), round(at, 1)) for t, at in load.slowest[op]],
+            }
+            for op in ("send", "keyed_send", "claim", "outcome")
+        },
         "errors": sum(load.errors.values()),
         "deadlocks": load.deadlocks,
         "error_kinds": dict(load.errors),

@@ -414,11 +414,19 @@ class _Run:
         """
         for attempt in range(DDL_TRIES):
             try:
-                with self.pool.connection() as conn, conn.transaction():
-                    conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-                    conn.execute("SET LOCAL synchronous_commit = off")
-                    self.check_holders(conn, locks)
-                    return work(conn)
+                with self.pool.connection() as conn:
+                    started = time.monotonic()
+                    with conn.transaction():
+                        conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                        conn.execute("SET LOCAL synchronous_commit = off")
+                        self.check_holders(conn, locks)
+                        result = work(conn)
+                    logger.debug(
+                        "Maintenance transaction on %s: %.0f ms.",
+                        ", ".join(r for r, _ in locks) or "new tables",
+                        (time.monotonic() - started) * 1000,
+                    )
+                    return result
             except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected, LockHeld):
                 if attempt + 1 < DDL_TRIES:
                     self.pause(random.uniform(*RETRY_PAUSE))

@@ -1,6 +1,6 @@
 """Load test of partition maintenance: does it ever stall or deadlock the hot path?
 
-``python -m benchmarks.maintenance_load --seconds 60 --default-rows 500000 --threads 4``
+``python -m benchmarks.maintenance_load --seconds 60 --default-rows 2000000 --threads 4``
 
 For ``--seconds``, ``--threads`` threads each send, claim and complete jobs continuously
 (one job at a time, each step its own statement and commit, as a worker's are), one send
@@ -19,9 +19,14 @@ the same time:
   partitions, on days two to four days ago, which the first runs move out.
 
 It prints the slowest single send (plain sends and the keyed sends of the expiring day
-apart: only the latter read history through its parents), claim and outcome, their 99th
-percentiles, the errors (deadlocks counted apart) and what the maintenance steps
-reported. ``--no-maintenance`` runs the same load without maintenance: the control.
+apart), claim and outcome, when the three slowest of each ended (seconds after the load
+started), their 99th percentiles, the errors (deadlocks counted apart) and what the
+maintenance steps reported. Plain sends carry no timestamp and keyed sends are stamped on
+the expiring day, so both read history through its parents (``DEFAULT`` partitions
+included). ``--no-maintenance`` runs the same load without maintenance: the control.
+``--log`` prints maintenance's log on stderr (each try given up, with the lock's holder;
+each maintenance transaction's duration); ``--batch`` sets the rows a maintenance
+transaction moves or deletes.
 Results are one run on whatever else the machine is doing: compare against the control
 of the same moment.
 """

@@ -18,8 +18,9 @@ fails is logged with its error and reported, and the next one still runs.
 - ``default``: the rows of the DEFAULT partitions (days that had no partition when they
   were written): those past their age are deleted in batches of ``retention_batch`` (a
   job with its events), the others moved in batches into their day's partition, made for
-  the purpose and attached once the day's rows are in, so that DEFAULT stays empty (every
-  attach scans it);
+  the purpose and attached once the day's rows are in, so that DEFAULT stays empty (an
+  attach scans it under ACCESS EXCLUSIVE, unless a validated constraint proves it holds
+  none of the day: see :data:`SCAN_AT_ONCE_BYTES`);
 - ``results``, ``rate_limits``, ``workers``, ``abort``: the ``prune_expired(conn, schema,
   *, limit) -> int`` of those modules (:data:`RECLAIMERS`), in batches.
 
@@ -438,6 +439,7 @@ class _Run:
         if not locks:
             return
         pairs = [(relation, held) for relation, mode in locks for held in CONFLICTS[mode]]
+        conn.execute(self.queries["clear_activity_snapshot"])
         holder = conn.execute(
             self.queries["lock_holders"],
             {
@@ -612,9 +614,10 @@ class _Run:
         outcomes never wait for. Returns the names to drop it by (:meth:`drop_exclusion`).
 
         Raises:
-          LockBusy: a lock was not granted (nothing is left behind).
-          psycopg.errors.CheckViolation: the partition holds rows of those days (nothing is
-            left behind).
+          LockBusy: a lock was not granted.
+          psycopg.errors.CheckViolation: the partition holds rows of those days.
+        Either way the constraint is dropped again (if that lock is not granted either, it
+        stays until the next run's :meth:`sweep_exclusions`).
         """
         last = first if last is None else last
         default = f"{parent}_default"

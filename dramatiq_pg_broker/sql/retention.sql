@@ -240,7 +240,9 @@ SELECT count(*) FROM (
 -- Whoever might keep a maintenance statement waiting for long: a session holding (or
 -- waiting for) a lock that conflicts with one the statement is about to take, on the
 -- relations it names, that is idle in its transaction, in a transaction begun
--- %(brief_ms)s ms ago or more, not a client (autovacuum), or a prepared transaction.
+-- %(brief_ms)s ms ago or more, not a client (autovacuum), or a prepared transaction (no
+-- session). A session seen idle has just ended the transaction that held the lock (the
+-- two views are read a moment apart): not a holder.
 -- %(relations)s and %(modes)s pair each relation with one lock mode that conflicts with
 -- what the statement needs (one pair per conflicting mode). Any row: the statement is not
 -- run (it would queue behind that holder, and every send, claim or outcome needing the
@@ -256,10 +258,16 @@ JOIN pg_locks AS l
  AND l.mode = w.mode
 LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
 WHERE l.pid IS DISTINCT FROM pg_backend_pid()
+  AND a.state IS DISTINCT FROM 'idle'
   AND (NOT l.granted OR a.pid IS NULL OR a.state IS DISTINCT FROM 'active'
        OR a.backend_type IS DISTINCT FROM 'client backend'
        OR a.xact_start < clock_timestamp() - %(brief_ms)s * interval '1 millisecond')
 LIMIT 1
+
+-- clear_activity_snapshot --
+-- pg_stat_activity is read once per transaction and kept: read it afresh (a transaction
+-- of maintenance may ask lock_holders twice).
+SELECT pg_stat_clear_snapshot()
 
 -- relation_size --
 -- The bytes of one partition: what an attach that has to scan it reads (dead rows
@@ -283,11 +291,6 @@ WITH moved AS (
     RETURNING *
 )
 INSERT INTO {schema}.{{partition}} SELECT * FROM moved
-
--- default_has_rows --
--- Whether a DEFAULT partition holds any row (an attach then scans it, unless a validated
--- constraint proves it holds none of the new day).
-SELECT EXISTS (SELECT 1 FROM {schema}.{{partition}})
 
 -- exclude_day --
 -- A constraint on a DEFAULT partition saying it holds no row of the days from {{lo}} to

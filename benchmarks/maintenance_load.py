@@ -1,6 +1,6 @@
 """Load test of partition maintenance: does it ever stall or deadlock the hot path?
 
-``python -m benchmarks.maintenance_load --seconds 60 --default-rows 500000 --threads 4``
+``python -m benchmarks.maintenance_load --seconds 60 --default-rows 2000000 --threads 4``
 
 For ``--seconds``, ``--threads`` threads each send, claim and complete jobs continuously
 (one job at a time, each step its own statement and commit, as a worker's are), one send
@@ -19,9 +19,14 @@ the same time:
   partitions, on days two to four days ago, which the first runs move out.
 
 It prints the slowest single send (plain sends and the keyed sends of the expiring day
-apart: only the latter read history through its parents), claim and outcome, their 99th
-percentiles, the errors (deadlocks counted apart) and what the maintenance steps
-reported. ``--no-maintenance`` runs the same load without maintenance: the control.
+apart), claim and outcome, when the three slowest of each ended (seconds after the load
+started), their 99th percentiles, the errors (deadlocks counted apart) and what the
+maintenance steps reported. Plain sends carry no timestamp and keyed sends are stamped on
+the expiring day, so both read history through its parents (``DEFAULT`` partitions
+included). ``--no-maintenance`` runs the same load without maintenance: the control.
+``--log`` prints maintenance's log on stderr (each try given up, with the lock's holder;
+each maintenance transaction's duration); ``--batch`` sets the rows a maintenance
+transaction moves or deletes.
 Results are one run on whatever else the machine is doing: compare against the control
 of the same moment.
 """
@@ -32,6 +37,7 @@ import argparse
 import collections
 import datetime as dt
 import json
+import logging
 import os
 import random
 import threading
@@ -41,6 +47,7 @@ import uuid
 import psycopg
 from psycopg import sql
 
+from dramatiq_pg_broker import retention
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
@@ -88,24 +95,25 @@ def setup(url: str, schema: str, default_rows: int) -> dt.datetime:
     return now
 
 
-def refill_expired(url: str, schema: str, expired: dt.datetime, run: int) -> list[str]:
-    """Make the expired day's partitions again (each statement under a short lock timeout)
-    and put keyed finished jobs in them; returns their keys."""
+def refill_expired(
+    url: str, schema: str, expired: dt.datetime, run: int, pool: ProcessPool | None = None
+) -> list[str]:
+    """Make the expired day's partitions again and put keyed finished jobs in them;
+    returns their keys. While the load runs (``pool`` given) the partitions are attached
+    the way maintenance attaches a day it moved out of DEFAULT (never queueing behind a
+    long holder, the DEFAULT partition's scan spared by a constraint), so that this
+    harness does not itself stall the hot path; a day not attached within a few tries
+    leaves the keyed jobs in DEFAULT, where the ``default`` step deletes them."""
     q = sql.Identifier(schema)
     day = expired.astimezone(dt.timezone.utc).date()
     keys = [f"expiring-{run}-{i}" for i in range(KEYS_PER_RUN)]
+    if pool is not None:
+        attach_past_day(pool, schema, day)
     with psycopg.connect(url, autocommit=True) as conn:
-        for _ in range(50):
-            try:
-                with conn.transaction():
-                    conn.execute("SET LOCAL lock_timeout = '50ms'")
-                    conn.execute(
-                        sql.SQL("SELECT {q}.create_history_partitions(%s, %s)").format(q=q),
-                        (day, day),
-                    )
-                break
-            except psycopg.errors.LockNotAvailable:
-                time.sleep(random.uniform(0.05, 0.2))
+        if pool is None:
+            conn.execute(
+                sql.SQL("SELECT {q}.create_history_partitions(%s, %s)").format(q=q), (day, day)
+            )
         with conn.transaction():
             conn.execute(
                 sql.SQL(
@@ -122,6 +130,37 @@ def refill_expired(url: str, schema: str, expired: dt.datetime, run: int) -> lis
     return keys
 
 
+def attach_past_day(pool: ProcessPool, schema: str, day: dt.date) -> None:
+    run = retention._Run(
+        pool,
+        schema,
+        RetentionPolicy(),
+        batch=1000,
+        dry_run=False,
+        budget_seconds=None,
+        stop=None,
+        rest=False,
+        partitions_ahead=0,
+    )
+    for parent in retention.PARENTS:
+        name = retention._partition_name(parent, day)
+        for _ in range(10):
+            try:
+                run.ddl(run.queries["prepare_partition"], {"parent": parent, "day": day})
+            except retention.LockBusy:
+                continue
+            with pool.connection() as conn:
+                attached = conn.execute(
+                    "SELECT relispartition FROM pg_class WHERE oid = to_regclass(%s)",
+                    (f"{schema}.{name}",),
+                ).fetchone()
+            if (attached and attached[0]) or run.attach_moved(
+                parent, day, f"{parent}_default", lambda: None
+            ):
+                break
+            time.sleep(random.uniform(0.05, 0.2))
+
+
 class Load:
     def __init__(self, url: str, schema: str, threads: int, expired: dt.datetime) -> None:
         self.pool = ProcessPool(Settings.load(url=url, schema=schema, pool_max_size=threads + 4))
@@ -130,6 +169,9 @@ class Load:
         self.expired_ms = int(expired.timestamp() * 1000)
         self.keys: list[str] = []
         self.times: dict[str, list[float]] = collections.defaultdict(list)
+        #: op -> (seconds it took, seconds after the load started when it ended)
+        self.slowest: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        self.started = time.monotonic()
         self.errors: collections.Counter = collections.Counter()
         self.deadlocks = 0
         self.lock = threading.Lock()
@@ -147,8 +189,13 @@ class Load:
             with self.lock:
                 self.errors[f"{op}: {type(e).__name__}: {str(e).splitlines()[0][:80]}"] += 1
         finally:
+            ended = time.monotonic()
             with self.lock:
-                self.times[op].append(time.monotonic() - started)
+                self.times[op].append(ended - started)
+                slowest = self.slowest[op]
+                slowest.append((ended - started, ended - self.started))
+                slowest.sort(reverse=True)
+                del slowest[3:]
         return None
 
     def worker(self, n: int) -> None:
@@ -194,14 +241,16 @@ def long_reader(url: str, schema: str, stop: threading.Event) -> None:
             stop.wait(1)
 
 
-def maintenance(load: Load, url: str, schema: str, now: dt.datetime, stop, steps, runs) -> None:
+def maintenance(
+    load: Load, url: str, schema: str, now: dt.datetime, stop, steps, runs, batch: int
+) -> None:
     pool = ProcessPool(Settings.load(url=url, schema=schema))
     expired = now - dt.timedelta(days=EXPIRED_DAYS_AGO)
     try:
         k = 0
         while not stop.is_set():
             k += 1
-            load.keys = refill_expired(url, schema, expired, k)
+            load.keys = refill_expired(url, schema, expired, k, pool)
             age = dt.timedelta(days=AGE_DAYS + k)
             policy = RetentionPolicy(succeeded=age, failed=age, cancelled=age)
             started = time.monotonic()
@@ -211,6 +260,7 @@ def maintenance(load: Load, url: str, schema: str, now: dt.datetime, stop, steps
                 policy,
                 now=dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=k),
                 stop=stop,
+                batch=batch,
             )
             runs.append(
                 {
@@ -252,7 +302,11 @@ def main(argv=None) -> int:
     parser.add_argument("--default-rows", type=int, default=500_000)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--no-maintenance", action="store_true", help="the control run")
+    parser.add_argument(
+        "--batch", type=int, default=1000, help="rows a maintenance transaction moves or deletes"
+    )
     parser.add_argument("--schema", default=SCHEMA)
+    parser.add_argument("--log", action="store_true", help="maintenance's log on stderr")
     parser.add_argument(
         "--url",
         default=os.environ.get("DRAMATIQ_PG_URL") or os.environ.get("DRAMATIQ_PG_TEST_URL"),
@@ -265,6 +319,11 @@ def main(argv=None) -> int:
     now = setup(args.url, args.schema, args.default_rows)
     print(f"setup: {time.monotonic() - started:.1f}s", flush=True)
     expired = now - dt.timedelta(days=EXPIRED_DAYS_AGO)
+    if args.log:
+        logging.basicConfig(
+            level=logging.DEBUG, format="%(relativeCreated)8.0f ms %(name)s %(message)s"
+        )
+        logging.getLogger("psycopg").setLevel(logging.WARNING)
     load = Load(args.url, args.schema, args.threads, expired)
     load.keys = refill_expired(args.url, args.schema, expired, 0)
     stop = threading.Event()
@@ -275,11 +334,13 @@ def main(argv=None) -> int:
     if not args.no_maintenance:
         threads.append(
             threading.Thread(
-                target=maintenance, args=(load, args.url, args.schema, now, stop, steps, runs)
+                target=maintenance,
+                args=(load, args.url, args.schema, now, stop, steps, runs, args.batch),
             )
         )
     for t in threads:
         t.start()
+    logging.getLogger(__name__).info("load started")
     stop.wait(args.seconds)
     stop.set()
     load.stop.set()
@@ -291,7 +352,14 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "default_rows": args.default_rows,
         "maintenance": not args.no_maintenance,
-        **{op: summary(load.times[op]) for op in ("send", "keyed_send", "claim", "outcome")},
+        "batch": args.batch,
+        **{
+            op: {
+                **summary(load.times[op]),
+                "slowest_at_s": [(round(t * 1000, 1), round(at, 1)) for t, at in load.slowest[op]],
+            }
+            for op in ("send", "keyed_send", "claim", "outcome")
+        },
         "errors": sum(load.errors.values()),
         "deadlocks": load.deadlocks,
         "error_kinds": dict(load.errors),

@@ -18,16 +18,23 @@ fails is logged with its error and reported, and the next one still runs.
 - ``default``: the rows of the DEFAULT partitions (days that had no partition when they
   were written): those past their age are deleted in batches of ``retention_batch`` (a
   job with its events), the others moved in batches into their day's partition, made for
-  the purpose and attached once the day's rows are in, so that DEFAULT stays empty (every
-  attach scans it);
+  the purpose and attached once the day's rows are in, so that DEFAULT stays empty (an
+  attach scans it under ACCESS EXCLUSIVE, unless a validated constraint proves it holds
+  none of the day: see :data:`SCAN_AT_ONCE_BYTES`);
 - ``results``, ``rate_limits``, ``workers``, ``abort``: the ``prune_expired(conn, schema,
   *, limit) -> int`` of those modules (:data:`RECLAIMERS`), in batches.
 
-Every DDL statement runs alone in its transaction under :data:`LOCK_TIMEOUT`, up to
-:data:`DDL_TRIES` times with a random pause; a statement that never gets its lock is
-left to the next run and its step reports ``skipped``. Maintenance thus never holds one
-lock while it waits for another, never makes the hot path wait more than the lock
-timeout, and gives up long before PostgreSQL's deadlock detection would pick a victim.
+Every DDL statement runs alone in its transaction, committed without waiting for its WAL
+flush (its locks go at once), up to :data:`DDL_TRIES` times with a random pause; a
+statement that never gets its lock is left to the next run and its step reports
+``skipped``. Before each try, ``pg_locks`` tells who holds a lock that conflicts with the
+statement's on the relations it touches: a holder that may keep it long (a long reader
+of history, a session idle in its transaction, autovacuum) makes the try give up without
+queueing at all, since a waiting ACCESS EXCLUSIVE request makes every later send, claim or
+outcome on that relation queue behind it; brief holders (the hot path's own statements)
+are waited for under :data:`LOCK_TIMEOUT`. Maintenance thus never holds one lock while it
+waits for another, never queues behind a long holder, and gives up long before
+PostgreSQL's deadlock detection would pick a victim.
 
 Workers run :func:`prune` on the maintenance schedule (see :mod:`.periodic`): once per
 ``retention_interval`` across all processes. ``dramatiq-pg-broker prune [--dry-run]`` runs
@@ -44,7 +51,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import psycopg
 from dramatiq.errors import BrokerConnectionError
@@ -105,12 +113,48 @@ PARENTS = {
     "job_events": "created_at",
 }
 
-#: How long a DDL statement of maintenance (attach, detach, drop) waits for its lock. The
-#: hot path queues behind a waiting ACCESS EXCLUSIVE request, so this bounds what a send,
-#: claim or outcome can wait for maintenance; it is also far below deadlock_timeout (1 s),
-#: so in a lock cycle with the hot path maintenance gives up before PostgreSQL would pick
-#: a victim.
+#: How long a DDL statement of maintenance (attach, detach, drop) waits for its lock once
+#: only brief holders hold it (see :data:`BRIEF_HOLDER_MS`). The hot path queues behind a
+#: waiting ACCESS EXCLUSIVE request, so this bounds what a send, claim or outcome can wait
+#: for maintenance; it is also far below deadlock_timeout (1 s), so in a lock cycle with
+#: the hot path maintenance gives up before PostgreSQL would pick a victim.
 LOCK_TIMEOUT = "50ms"
+
+#: A session holding a lock a maintenance statement needs counts as brief (the statement
+#: queues behind it, under :data:`LOCK_TIMEOUT`) while it runs a statement in a transaction
+#: begun less than this many milliseconds ago; any other holder makes the try give up
+#: without queueing (see the ``lock_holders`` statement).
+BRIEF_HOLDER_MS = 50
+
+#: The lock modes maintenance statements take, with the modes that conflict with each
+#: (PostgreSQL's table of conflicting table-level locks).
+ACCESS_EXCLUSIVE = "ACCESS EXCLUSIVE"
+SHARE_UPDATE_EXCLUSIVE = "SHARE UPDATE EXCLUSIVE"
+CONFLICTS = {
+    ACCESS_EXCLUSIVE: (
+        "AccessShareLock",
+        "RowShareLock",
+        "RowExclusiveLock",
+        "ShareUpdateExclusiveLock",
+        "ShareLock",
+        "ShareRowExclusiveLock",
+        "ExclusiveLock",
+        "AccessExclusiveLock",
+    ),
+    SHARE_UPDATE_EXCLUSIVE: (
+        "ShareUpdateExclusiveLock",
+        "ShareLock",
+        "ShareRowExclusiveLock",
+        "ExclusiveLock",
+        "AccessExclusiveLock",
+    ),
+}
+
+#: An attach scans the parent's DEFAULT partition under ACCESS EXCLUSIVE (every send that
+#: reads history through the parent waits meanwhile) unless a validated CHECK constraint
+#: proves it holds none of the new day. Up to this size (dead rows count: the scan reads
+#: them until vacuum) the scan is brief and done; above it, the constraint comes first.
+SCAN_AT_ONCE_BYTES = 8 * 1024 * 1024
 
 #: A day of a DEFAULT partition with at most this many rows moves into its partition in
 #: the attach's own transaction (readers never lose sight of a row); a bigger day moves in
@@ -118,9 +162,9 @@ LOCK_TIMEOUT = "50ms"
 MOVE_AT_ONCE_ROWS = 10_000
 
 #: Days from this many after today are attached after a validated CHECK constraint on the
-#: DEFAULT partition (when it holds rows) proves it holds none of them: the attach then
-#: skips scanning it. Not for today and tomorrow, whose rows may arrive meanwhile (the
-#: constraint would refuse them).
+#: DEFAULT partition (when it is bigger than :data:`SCAN_AT_ONCE_BYTES`) proves it holds
+#: none of them: the attach then skips scanning it. Not for today and tomorrow, whose rows
+#: may arrive meanwhile (the constraint would refuse them).
 EXCLUDE_FROM_DAYS_AHEAD = 2
 
 #: Tries of one DDL statement, a random pause of :data:`RETRY_PAUSE` seconds between two;
@@ -131,6 +175,34 @@ RETRY_PAUSE = (0.05, 0.25)
 
 class LockBusy(Exception):
     """A maintenance statement did not get its lock in :data:`DDL_TRIES` tries."""
+
+
+class LockHeld(Exception):
+    """A session that may hold it long holds a lock a maintenance statement needs: the try
+    gives up without queueing."""
+
+
+#: A relation a maintenance statement locks, and the mode it takes.
+Lock = tuple[str, str]
+
+
+def _attach_locks(parent: str, day: dt.date) -> tuple[Lock, ...]:
+    """What ``ATTACH PARTITION`` of ``parent``'s ``day`` locks."""
+    return (
+        (parent, SHARE_UPDATE_EXCLUSIVE),
+        (f"{parent}_default", ACCESS_EXCLUSIVE),
+        (_partition_name(parent, day), ACCESS_EXCLUSIVE),
+    )
+
+
+def _detach_locks(parent: str, partition: str) -> tuple[Lock, ...]:
+    """What ``DETACH PARTITION`` locks: the parent, the partition and the parent's DEFAULT
+    partition (whose implicit bound widens)."""
+    return (
+        (parent, ACCESS_EXCLUSIVE),
+        (f"{parent}_default", ACCESS_EXCLUSIVE),
+        (partition, ACCESS_EXCLUSIVE),
+    )
 
 
 @dataclasses.dataclass
@@ -314,21 +386,100 @@ class _Run:
             if self.rest:
                 self.pause((time.monotonic() - batch_started) * DUTY_CYCLE_REST)
 
-    def ddl(self, statement, params: dict | None = None):
-        """Run one maintenance statement alone in its transaction under
-        :data:`LOCK_TIMEOUT`, up to :data:`DDL_TRIES` times; returns its first column (or
-        None). Raises :class:`LockBusy` when the lock was never granted."""
+    def ddl(self, statement, params: dict | None = None, *, locks: Sequence[Lock] = ()):
+        """Run one maintenance statement alone in its transaction (see :meth:`locked`);
+        returns its first column (or None). ``locks`` names what it locks.
+
+        Raises:
+          LockBusy: its locks were not granted in :data:`DDL_TRIES` tries.
+        """
+
+        def run(conn: psycopg.Connection):
+            cur = conn.execute(statement, params)
+            row = cur.fetchone() if cur.description else None
+            return row[0] if row else None
+
+        return self.locked(locks, run)
+
+    def locked(self, locks: Sequence[Lock], work: Callable[[psycopg.Connection], Any]) -> Any:
+        """Run ``work`` in a transaction of its own that takes ``locks`` (relation, mode),
+        up to :data:`DDL_TRIES` times with a random pause in between. Each try first asks
+        ``pg_locks`` who holds them (:meth:`check_holders`, called again by ``work`` before
+        a later statement): a holder that may keep them long ends the try at once, without
+        queueing; else the statements wait for brief holders under :data:`LOCK_TIMEOUT`.
+        The transaction commits without waiting for its WAL flush (its locks go at once;
+        a crash can only undo a partition change the next run makes again).
+
+        Raises:
+          LockBusy: not granted in :data:`DDL_TRIES` tries.
+        """
         for attempt in range(DDL_TRIES):
             try:
-                with self.pool.connection() as conn, conn.transaction():
-                    conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-                    cur = conn.execute(statement, params)
-                    row = cur.fetchone() if cur.description else None
-                    return row[0] if row else None
-            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                with self.pool.connection() as conn:
+                    started = time.monotonic()
+                    with conn.transaction():
+                        conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+                        conn.execute("SET LOCAL synchronous_commit = off")
+                        self.check_holders(conn, locks)
+                        result = work(conn)
+                    logger.debug(
+                        "Maintenance transaction on %s: %.0f ms.",
+                        ", ".join(r for r, _ in locks) or "new tables",
+                        (time.monotonic() - started) * 1000,
+                    )
+                    return result
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected, LockHeld):
                 if attempt + 1 < DDL_TRIES:
                     self.pause(random.uniform(*RETRY_PAUSE))
         raise LockBusy
+
+    def check_holders(self, conn: psycopg.Connection, locks: Sequence[Lock]) -> None:
+        """Raise :class:`LockHeld` when a session that may keep it long holds (or waits
+        for) a lock conflicting with one of ``locks``."""
+        if not locks:
+            return
+        pairs = [(relation, held) for relation, mode in locks for held in CONFLICTS[mode]]
+        conn.execute(self.queries["clear_activity_snapshot"])
+        holder = conn.execute(
+            self.queries["lock_holders"],
+            {
+                "schema": self.schema,
+                "relations": [r for r, _ in pairs],
+                "modes": [m for _, m in pairs],
+                "brief_ms": BRIEF_HOLDER_MS,
+            },
+        ).fetchone()
+        if holder is not None:
+            relation, mode, granted, pid, state, kind, seconds = holder
+            logger.debug(
+                "%s %s %s by pid %s (%s, %s, transaction of %s s): not queueing behind it.",
+                relation,
+                mode,
+                "held" if granted else "waited for",
+                pid,
+                kind,
+                state,
+                seconds,
+            )
+            raise LockHeld(relation)
+
+    def free(self, locks: Sequence[Lock]) -> bool:
+        """Whether ``locks`` could be had now without waiting for a long holder (nothing
+        is locked)."""
+        with self.pool.connection() as conn:
+            try:
+                self.check_holders(conn, locks)
+            except LockHeld:
+                return False
+        return True
+
+    def scan_is_brief(self, partition: str) -> bool:
+        """Whether an attach may scan ``partition`` (a DEFAULT one) under its lock."""
+        with self.pool.connection() as conn:
+            (size,) = conn.execute(
+                self.queries["relation_size"], {"schema": self.schema, "partition": partition}
+            ).fetchone()
+        return (size or 0) <= SCAN_AT_ONCE_BYTES
 
     def ages(self) -> dict[str, dt.timedelta]:
         return self.policy.ages()
@@ -377,40 +528,72 @@ class _Run:
         with self.pool.connection() as conn:
             attached = {r[0] for r in conn.execute(self.queries["history_partition_names"])}
         first = _day_of(self.clock)
+        days = [first + dt.timedelta(days=offset) for offset in range(self.partitions_ahead + 1)]
         busy, held = [], []
-        for offset in range(self.partitions_ahead + 1):
-            day = first + dt.timedelta(days=offset)
-            for parent in PARENTS:
-                if _partition_name(parent, day) in attached:
-                    continue
-                outcome = self.attach(parent, day)
+        for parent in PARENTS:
+            self.sweep_exclusions(parent)
+            missing = [d for d in days if _partition_name(parent, d) not in attached]
+            for day, outcome in self.attach_days(parent, missing).items():
                 if outcome == "busy":
                     busy.append(_partition_name(parent, day))
                 elif outcome == "held":
                     held.append(_partition_name(parent, day))
                 elif outcome == "attached":
                     self.report.created += 1
-        detail = f"{self.report.created} partition(s) attached, through {day:%Y-%m-%d}"
+        detail = f"{self.report.created} partition(s) attached, through {days[-1]:%Y-%m-%d}"
         if held:
             detail += f"; {len(held)} day(s) have rows in DEFAULT (the default step moves them)"
         if busy:
             self.report.complete = False
             return StepResult(
                 "skipped",
-                f"{detail}; lock not granted in {DDL_TRIES} tries: {', '.join(busy)}",
+                f"{detail}; lock not granted in {DDL_TRIES} tries: {', '.join(sorted(busy))}",
             )
         return StepResult("ok", detail)
 
-    def attach(self, parent: str, day: dt.date) -> str:
-        """Prepare and attach one day of ``parent``: ``attached``, ``exists``, ``busy``
-        (lock not granted) or ``held`` (the DEFAULT partition holds rows of the day)."""
-        params = {"parent": parent, "day": day}
+    def attach_days(self, parent: str, days: list[dt.date]) -> dict[dt.date, str]:
+        """Prepare and attach ``days`` of ``parent``; for each: ``attached``, ``exists``,
+        ``busy`` (lock not granted) or ``held`` (the DEFAULT partition holds rows of the
+        day). While the DEFAULT partition is too big to scan under the attach's lock, the
+        days from :data:`EXCLUDE_FROM_DAYS_AHEAD` on are attached after one constraint
+        proves it holds none of them (:meth:`exclude_from_default`)."""
+        outcomes: dict[dt.date, str] = {}
+        ready = []
+        for day in days:
+            try:
+                self.ddl(self.queries["prepare_partition"], {"parent": parent, "day": day})
+                ready.append(day)
+            except LockBusy:
+                outcomes[day] = "busy"
+        default = f"{parent}_default"
+        ahead = [
+            d for d in ready if d >= _day_of(self.clock) + dt.timedelta(EXCLUDE_FROM_DAYS_AHEAD)
+        ]
         exclusion = None
+        if ahead and not self.scan_is_brief(default):
+            try:
+                exclusion = self.exclude_from_default(parent, ahead[0], ahead[-1])
+            except (LockBusy, psycopg.errors.CheckViolation) as e:
+                # Not proved: attaching would scan the DEFAULT partition under its lock.
+                state = "busy" if isinstance(e, LockBusy) else "held"
+                outcomes.update(dict.fromkeys(ahead, state))
+                ready = [d for d in ready if d not in ahead]
         try:
-            self.ddl(self.queries["prepare_partition"], params)
-            if day >= _day_of(self.clock) + dt.timedelta(days=EXCLUDE_FROM_DAYS_AHEAD):
-                exclusion = self.exclude_from_default(parent, day)
-            return "attached" if self.ddl(self.queries["attach_partition"], params) else "exists"
+            for day in ready:
+                outcomes[day] = self.attach(parent, day)
+        finally:
+            if exclusion is not None:
+                self.drop_exclusion(exclusion)
+        return outcomes
+
+    def attach(self, parent: str, day: dt.date) -> str:
+        """Attach one prepared day of ``parent``: ``attached``, ``exists``, ``busy`` (lock
+        not granted) or ``held`` (the DEFAULT partition holds rows of the day)."""
+        params = {"parent": parent, "day": day}
+        try:
+            done = self.ddl(
+                self.queries["attach_partition"], params, locks=_attach_locks(parent, day)
+            )
         except LockBusy:
             logger.info(
                 "Partition %s: its lock was not granted; the next run attaches it.",
@@ -419,36 +602,77 @@ class _Run:
             return "busy"
         except psycopg.errors.CheckViolation:
             return "held"
-        finally:
-            if exclusion is not None:
-                try:
-                    self.ddl(_named(self.queries["drop_exclusion"], **exclusion))
-                except LockBusy:
-                    # Harmless meanwhile (it holds for days ahead only); the next attach
-                    # of this parent drops it.
-                    logger.info("Constraint %s stays until the next run.", exclusion)
+        return "attached" if done else "exists"
 
-    def exclude_from_default(self, parent: str, day: dt.date) -> dict | None:
-        """When ``parent``'s DEFAULT partition holds rows, prove it holds none of ``day``
-        with a validated CHECK constraint (the scan runs under SHARE UPDATE EXCLUSIVE), so
-        that the attach that follows skips scanning it under ACCESS EXCLUSIVE. Returns the
-        names to drop it by, or None when the partition is empty (nothing to scan)."""
+    def exclude_from_default(
+        self, parent: str, first: dt.date, last: dt.date | None = None
+    ) -> dict[str, str]:
+        """Prove with a validated CHECK constraint that ``parent``'s DEFAULT partition holds
+        no row of the days ``first`` to ``last`` (default: ``first`` alone), so that their
+        attaches skip scanning it under ACCESS EXCLUSIVE. Adding it NOT VALID is instant;
+        its scan (VALIDATE) runs under SHARE UPDATE EXCLUSIVE, which sends, claims and
+        outcomes never wait for. Returns the names to drop it by (:meth:`drop_exclusion`).
+
+        Raises:
+          LockBusy: a lock was not granted.
+          psycopg.errors.CheckViolation: the partition holds rows of those days.
+        Either way the constraint is dropped again (if that lock is not granted either, it
+        stays until the next run's :meth:`sweep_exclusions`).
+        """
+        last = first if last is None else last
         default = f"{parent}_default"
-        with self.pool.connection() as conn:
-            (has_rows,) = conn.execute(_for(self.queries["default_has_rows"], default)).fetchone()
-        if not has_rows:
-            return None
-        names = {"partition": default, "constraint": f"{default}_not_{day:%Y%m%d}"}
-        lo = dt.datetime.combine(day, dt.time(), dt.timezone.utc)
+        suffix = f"{first:%Y%m%d}" + ("" if last == first else f"_{last:%Y%m%d}")
+        names = {"partition": default, "constraint": f"{default}_not_{suffix}"}
+        lo = dt.datetime.combine(first, dt.time(), dt.timezone.utc)
+        hi = dt.datetime.combine(last + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
         bounds = {
             "column": sql.Identifier(PARENTS[parent]),
             "lo": sql.Literal(lo),
-            "hi": sql.Literal(lo + dt.timedelta(days=1)),
+            "hi": sql.Literal(hi),
         }
-        self.ddl(_named(self.queries["drop_exclusion"], **names))
-        self.ddl(sql.SQL(self.queries["exclude_day"]).format(**bounds, **_identifiers(names)))
-        self.ddl(_named(self.queries["validate_exclusion"], **names))
+        drop = _named(self.queries["drop_exclusion"], **names)
+        add = sql.SQL(self.queries["exclude_day"]).format(**bounds, **_identifiers(names))
+
+        def replace(conn: psycopg.Connection) -> None:
+            conn.execute(drop)
+            conn.execute(add)
+
+        self.locked(((default, ACCESS_EXCLUSIVE),), replace)
+        try:
+            self.ddl(
+                _named(self.queries["validate_exclusion"], **names),
+                locks=((default, SHARE_UPDATE_EXCLUSIVE),),
+            )
+        except BaseException:
+            self.drop_exclusion(names)
+            raise
         return names
+
+    def drop_exclusion(self, names: dict[str, str]) -> bool:
+        """Drop a constraint of :meth:`exclude_from_default`; False when its lock was not
+        granted (it stays until the next run's :meth:`sweep_exclusions`)."""
+        try:
+            self.ddl(
+                _named(self.queries["drop_exclusion"], **names),
+                locks=((names["partition"], ACCESS_EXCLUSIVE),),
+            )
+        except LockBusy:
+            logger.info("Constraint %s stays until the next run.", names["constraint"])
+            return False
+        return True
+
+    def sweep_exclusions(self, parent: str) -> None:
+        """Drop the constraints an earlier run left on ``parent``'s DEFAULT partition (it
+        stopped, or their lock was not granted, between adding one and dropping it): left
+        there, one would refuse rows of its days once they are today's."""
+        default = f"{parent}_default"
+        with self.pool.connection() as conn:
+            left = conn.execute(
+                self.queries["exclusion_constraints"],
+                {"schema": self.schema, "partition": default},
+            ).fetchall()
+        for (constraint,) in left:
+            self.drop_exclusion({"partition": default, "constraint": constraint})
 
     # -- drop ------------------------------------------------------------------------------
 
@@ -465,25 +689,28 @@ class _Run:
             if cutoff is None:
                 continue
             with self.pool.connection() as conn:
-                expired = conn.execute(
-                    self.queries["expired_partitions"],
-                    {"schema": self.schema, "parent": parent, "cutoff": cutoff},
-                ).fetchall()
+                expired = [
+                    (*row, True)
+                    for row in conn.execute(
+                        self.queries["expired_partitions"],
+                        {"schema": self.schema, "parent": parent, "cutoff": cutoff},
+                    )
+                ]
             # Tables of expired days that are not attached (detached by a run that could
             # not drop them, or prepared and never attached): their rows are expired too.
             expired += [
-                (name, 0, -1)
+                (name, 0, -1, False)
                 for p, day, name in pending
                 if p == parent
                 and dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.timezone.utc)
                 <= cutoff
             ]
-            for partition, size, estimate in expired:
+            for partition, size, estimate, attached in expired:
                 if self.out_of_time():
                     self.report.complete = False
                     return StepResult("skipped", "out of time: the next run goes on")
                 try:
-                    rows = self.drop_one(parent, partition, size, estimate)
+                    rows = self.drop_one(parent, partition, size, estimate, attached)
                 except LockBusy:
                     logger.info(
                         "Partition %s is in use; the next retention run drops it.", partition
@@ -509,7 +736,9 @@ class _Run:
             )
         return StepResult("skipped" if self.dry_run else "ok", detail)
 
-    def drop_one(self, parent: str, partition: str, size: int, estimate: float) -> int:
+    def drop_one(
+        self, parent: str, partition: str, size: int, estimate: float, attached: bool
+    ) -> int:
         with self.pool.connection() as conn:
             if size <= EXACT_COUNT_MAX_BYTES or estimate < 0:
                 rows = conn.execute(_for(self.queries["count_partition"], partition)).fetchone()[0]
@@ -529,8 +758,15 @@ class _Run:
                     with self.pool.connection() as conn:
                         if conn.execute(statement, params).rowcount < self.batch:
                             break
-        self.ddl(self.queries["detach_partition"], {"partition": partition})
-        self.ddl(_for(self.queries["drop_table"], partition))
+        if attached:
+            self.ddl(
+                self.queries["detach_partition"],
+                {"partition": partition},
+                locks=_detach_locks(parent, partition),
+            )
+        self.ddl(
+            _for(self.queries["drop_table"], partition), locks=((partition, ACCESS_EXCLUSIVE),)
+        )
         return rows
 
     # -- default ---------------------------------------------------------------------------
@@ -654,7 +890,8 @@ class _Run:
     def move_day(self, parent: str, day: dt.date, move: str, default: str) -> bool:
         """Move one day's rows out of ``default`` into the day's partition and attach it.
         False when a lock was not granted (the rows are then where readers see them: in
-        DEFAULT)."""
+        DEFAULT, unless a constraint that could not be dropped keeps them out of it until
+        the next run)."""
         target = _partition_name(parent, day)
         statement = _named(move, partition=default, target=target)
         params = {"day": day, "limit": self.batch}
@@ -669,38 +906,81 @@ class _Run:
                 ),
                 {"day": day, "cap": MOVE_AT_ONCE_ROWS + 1},
             ).fetchone()
-        if rows > MOVE_AT_ONCE_ROWS:
-            # A big day moves in batches, out of sight of readers of the parent until it is
-            # attached: first make sure the attach's lock can be had at all (a long reader
-            # holds it for as long as it reads).
-            try:
-                self.ddl(_for(self.queries["lock_default"], default))
-            except LockBusy:
-                return False
+        if rows <= MOVE_AT_ONCE_ROWS and self.scan_is_brief(default):
+            # A small day next to a DEFAULT partition quick to scan moves in the attach's
+            # own transaction: readers see its rows in DEFAULT or in their day, never
+            # nowhere. A row arriving in between fails the attach (check_violation): try
+            # again.
+            for _ in range(DDL_TRIES):
+                try:
+                    self.attach_moving(parent, day, statement, params, default)
+                    return True
+                except psycopg.errors.CheckViolation:
+                    continue
+                except LockBusy:
+                    break
+            self.move_back(target, default)
+            return False
+        # A big day, or a DEFAULT partition too big to scan under the attach's lock: the
+        # rows move in batches, out of sight of readers of the parent until the attach,
+        # which a constraint proving DEFAULT holds none of the day spares the scan. First
+        # make sure no long holder holds what the attach needs (a long reader holds it
+        # for as long as it reads).
+        if not self.free(_attach_locks(parent, day)):
+            return False
 
-            def move_batch(conn: psycopg.Connection) -> int:
-                moved = conn.execute(statement, params).rowcount
-                self.report.moved[default] = self.report.moved.get(default, 0) + moved
-                return moved
+        def move_batch(conn: psycopg.Connection) -> int:
+            moved = conn.execute(statement, params).rowcount
+            self.report.moved[default] = self.report.moved.get(default, 0) + moved
+            return moved
 
-            # A day once started is finished whatever the budget (moving it back would
-            # start it over at every run); a worker's shutdown leaves it to the next run,
-            # which picks the day's table up with the rest of the day.
-            if not self.in_batches(move_batch, budget=False):
-                return True
-        # A small day (or what arrived after the last batch) moves in the attach's own
-        # transaction: readers see its rows in DEFAULT or in their day, never nowhere. A
-        # row arriving in between fails the attach (check_violation): try again.
+        # A day once started is finished whatever the budget (moving it back would start it
+        # over at every run); a worker's shutdown leaves it to the next run, which picks
+        # the day's table up with the rest of the day.
+        if not self.in_batches(move_batch, budget=False):
+            return True
+        return self.attach_moved(parent, day, default, lambda: self.in_batches(move_batch))
+
+    def attach_moved(
+        self, parent: str, day: dt.date, default: str, move_rest: Callable[[], object]
+    ) -> bool:
+        """Attach a day whose rows were moved out of ``default`` in batches, after a
+        validated constraint proves ``default`` holds none of the day (rows that arrived
+        after the last batch are moved by ``move_rest`` first). False when a lock was not
+        granted: the rows go back to DEFAULT (or stay in the day's table, out of sight,
+        while the constraint could not be dropped)."""
+        target = _partition_name(parent, day)
+        names = None
         for _ in range(DDL_TRIES):
             try:
-                self.attach_moving(parent, day, statement, params, default)
-                return True
+                names = self.exclude_from_default(parent, day)
+                break
             except psycopg.errors.CheckViolation:
-                continue
+                move_rest()
             except LockBusy:
                 break
-        self.move_back(target, default)
-        return False
+        attached = False
+        if names is not None:
+            try:
+                self.ddl(
+                    self.queries["attach_partition"],
+                    {"parent": parent, "day": day},
+                    locks=_attach_locks(parent, day),
+                )
+                attached = True
+            except LockBusy:
+                pass
+            if not self.drop_exclusion(names) and not attached:
+                logger.info(
+                    "%s stays out of sight until the next run attaches it: constraint %s"
+                    " could not be dropped.",
+                    target,
+                    names["constraint"],
+                )
+                return False
+        if not attached:
+            self.move_back(target, default)
+        return attached
 
     def move_back(self, target: str, default: str) -> None:
         """Rows of a day that could not be attached go back to DEFAULT, where readers see
@@ -718,18 +998,18 @@ class _Run:
             logger.info("Moved %d row(s) of %s back to %s: not attached.", moved, target, default)
 
     def attach_moving(self, parent, day, statement, params, default) -> None:
-        for attempt in range(DDL_TRIES):
-            try:
-                with self.pool.connection() as conn, conn.transaction():
-                    conn.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
-                    moved = conn.execute(statement, {**params, "limit": 2**31 - 1}).rowcount
-                    conn.execute(self.queries["attach_partition"], {"parent": parent, "day": day})
-                self.report.moved[default] = self.report.moved.get(default, 0) + moved
-                return
-            except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
-                if attempt + 1 < DDL_TRIES:
-                    self.pause(random.uniform(*RETRY_PAUSE))
-        raise LockBusy
+        """Move a day's rows out of ``default`` and attach the day, in one transaction."""
+        locks = _attach_locks(parent, day)
+
+        def move_and_attach(conn: psycopg.Connection) -> int:
+            moved = conn.execute(statement, {**params, "limit": 2**31 - 1}).rowcount
+            # A long reader may have come while the rows moved.
+            self.check_holders(conn, locks)
+            conn.execute(self.queries["attach_partition"], {"parent": parent, "day": day})
+            return moved
+
+        moved = self.locked(locks, move_and_attach)
+        self.report.moved[default] = self.report.moved.get(default, 0) + moved
 
     # -- reclaimers ------------------------------------------------------------------------
 

@@ -236,10 +236,51 @@ SELECT count(*) FROM (
     LIMIT %(cap)s
 ) AS r
 
--- lock_default --
--- Whether the DEFAULT partition's lock (the attach at the end of a day's moves needs it)
--- can be had now: taken and released at once, under the short lock_timeout.
-LOCK TABLE {schema}.{{partition}} IN ACCESS EXCLUSIVE MODE
+-- lock_holders --
+-- Whoever might keep a maintenance statement waiting for long: a session holding (or
+-- waiting for) a lock that conflicts with one the statement is about to take, on the
+-- relations it names, that is idle in its transaction, in a transaction begun
+-- %(brief_ms)s ms ago or more, not a client (autovacuum), or a prepared transaction (no
+-- session). A session seen idle has just ended the transaction that held the lock (the
+-- two views are read a moment apart): not a holder.
+-- %(relations)s and %(modes)s pair each relation with one lock mode that conflicts with
+-- what the statement needs (one pair per conflicting mode). Any row: the statement is not
+-- run (it would queue behind that holder, and every send, claim or outcome needing the
+-- relation would queue behind it); none: only brief statements hold the relation, and
+-- the statement queues behind them under the short lock_timeout.
+SELECT w.relation, l.mode, l.granted, l.pid, a.state, a.backend_type,
+       round(extract(epoch FROM clock_timestamp() - a.xact_start)::numeric, 3)
+FROM unnest(%(relations)s::text[], %(modes)s::text[]) AS w(relation, mode)
+JOIN pg_locks AS l
+  ON l.locktype = 'relation'
+ AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+ AND l.relation = to_regclass(format('%%I.%%I', %(schema)s::text, w.relation))
+ AND l.mode = w.mode
+LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.pid IS DISTINCT FROM pg_backend_pid()
+  AND a.state IS DISTINCT FROM 'idle'
+  AND (NOT l.granted OR a.pid IS NULL OR a.state IS DISTINCT FROM 'active'
+       OR a.backend_type IS DISTINCT FROM 'client backend'
+       OR a.xact_start < clock_timestamp() - %(brief_ms)s * interval '1 millisecond')
+LIMIT 1
+
+-- clear_activity_snapshot --
+-- pg_stat_activity is read once per transaction and kept: read it afresh (a transaction
+-- of maintenance may ask lock_holders twice).
+SELECT pg_stat_clear_snapshot()
+
+-- relation_size --
+-- The bytes of one partition: what an attach that has to scan it reads (dead rows
+-- included, until vacuum).
+SELECT pg_relation_size(to_regclass(format('%%I.%%I', %(schema)s::text, %(partition)s::text)))
+
+-- exclusion_constraints --
+-- The constraints maintenance left on a DEFAULT partition (a run that stopped between
+-- adding one and dropping it): each says the partition holds no row of some days.
+SELECT c.conname
+FROM pg_constraint AS c
+WHERE c.conrelid = to_regclass(format('%%I.%%I', %(schema)s::text, %(partition)s::text))
+  AND c.contype = 'c' AND c.conname LIKE %(partition)s::text || '\_not\_%%'
 
 -- move_back --
 -- Up to %(limit)s rows of a day's table that could not be attached back into the DEFAULT
@@ -251,15 +292,10 @@ WITH moved AS (
 )
 INSERT INTO {schema}.{{partition}} SELECT * FROM moved
 
--- default_has_rows --
--- Whether a DEFAULT partition holds any row (an attach then scans it, unless a validated
--- constraint proves it holds none of the new day).
-SELECT EXISTS (SELECT 1 FROM {schema}.{{partition}})
-
 -- exclude_day --
--- A constraint on a DEFAULT partition saying it holds no row of a day ahead (NOT VALID:
--- instant, ACCESS EXCLUSIVE on that partition for a moment). {{lo}} and {{hi}} are the
--- day's bounds, as literals (DDL takes no parameters).
+-- A constraint on a DEFAULT partition saying it holds no row of the days from {{lo}} to
+-- {{hi}} (NOT VALID: instant, ACCESS EXCLUSIVE on that partition for a moment). {{lo}} and
+-- {{hi}} are the bounds, as literals (DDL takes no parameters).
 ALTER TABLE {schema}.{{partition}}
     ADD CONSTRAINT {{constraint}} CHECK ({{column}} < {{lo}} OR {{column}} >= {{hi}}) NOT VALID
 
@@ -268,5 +304,6 @@ ALTER TABLE {schema}.{{partition}}
 ALTER TABLE {schema}.{{partition}} VALIDATE CONSTRAINT {{constraint}}
 
 -- drop_exclusion --
--- Once the day is attached (or not), the constraint goes.
+-- Once the days are attached (or not), the constraint goes (ACCESS EXCLUSIVE on the
+-- partition for a moment).
 ALTER TABLE {schema}.{{partition}} DROP CONSTRAINT IF EXISTS {{constraint}}

@@ -462,3 +462,154 @@ def test_outcomes_racing_the_creation_of_many_days_never_deadlock(store):
         assert not report.failed, report.steps
         assert report.created >= 7 * 4 - 4, report.steps["create"]
     assert slowest[0] < HOT_PATH_BOUND, f"an outcome waited {slowest[0]:.2f}s"
+
+
+class LockWaits:
+    """Every lock request on a relation of the database seen waiting (not granted) while
+    it runs: polled from pg_locks every millisecond on a connection of its own."""
+
+    def __init__(self, pg_url: str) -> None:
+        self.pg_url = pg_url
+        self.seen: list[tuple] = []
+        self.polls = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.poll)
+
+    def poll(self) -> None:
+        with psycopg.connect(self.pg_url, autocommit=True) as conn:
+            while not self.stop.is_set():
+                self.seen += conn.execute(
+                    "SELECT l.relation::regclass::text, l.mode, a.query"
+                    " FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid"
+                    " WHERE NOT l.granted AND l.locktype = 'relation'"
+                    " AND l.database = (SELECT oid FROM pg_database"
+                    "                   WHERE datname = current_database())"
+                ).fetchall()
+                self.polls += 1
+                time.sleep(0.001)
+
+    def __enter__(self) -> LockWaits:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def test_maintenance_never_queues_a_lock_request_behind_a_long_reader(store, pg_url, monkeypatch):
+    """Before each DDL statement maintenance asks pg_locks who holds the locks it needs: a
+    reader of history in a long transaction holds them, so each try gives up without
+    queueing (a waiting ACCESS EXCLUSIVE request would make every later send reading
+    history queue behind it). While the reader reads, no lock request of maintenance is
+    ever seen waiting; the attaches, the drop and the move of history are left to the
+    next run and named; the events' go ahead. The DEFAULT partitions are taken as too big
+    to scan, so the constraint that spares the scan is made too, and none is left."""
+    from dramatiq_pg_broker import retention
+
+    monkeypatch.setattr(retention, "SCAN_AT_ONCE_BYTES", 0)
+    now = server_now(store)
+    with store.pool.connection() as conn:
+        create_partitions(conn, store.schema, now - dt.timedelta(days=10), 0)
+    finish(store, now - dt.timedelta(days=10))  # a day to drop
+    moved = [finish(store, now - dt.timedelta(days=3)) for _ in range(3)]  # in DEFAULT
+    remove_partitions(store, [now + dt.timedelta(days=d) for d in (3, 4, 5)])
+
+    with psycopg.connect(pg_url) as reader:
+        reader.execute(f"SELECT count(*) FROM {store.schema}.jobs_history")
+        with LockWaits(pg_url) as waits:
+            report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+        reader.rollback()
+
+    assert waits.polls > 10, "the sampler did not run"
+    assert not waits.seen, f"lock requests waited: {waits.seen[:5]}"
+    assert not report.failed and not report.complete, report.steps
+    for step in ("create", "drop", "default"):
+        assert report.steps[step].state == "skipped", report.steps[step]
+    assert f"jobs_history_succeeded_{day(now + dt.timedelta(days=3))}" in (
+        report.steps["create"].detail
+    )
+    assert f"jobs_history_succeeded_{day(now - dt.timedelta(days=10))}" in (
+        report.steps["drop"].detail
+    )
+    assert f"jobs_history_succeeded_{day(now - dt.timedelta(days=3))}" in (
+        report.steps["default"].detail
+    )
+    # The events' DEFAULT partition was not read: its day moved and was attached.
+    assert report.moved == {"job_events_default": 3}, report.moved
+    assert sql_one(
+        store,
+        "SELECT count(*) FROM {s}.jobs_history_succeeded_default WHERE id = ANY(%s)",
+        (moved,),
+    ) == (3,)
+
+    after = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert not after.failed and after.complete, after.steps
+    assert after.moved == {"jobs_history_succeeded_default": 3}, after.moved
+    assert f"jobs_history_succeeded_{day(now - dt.timedelta(days=10))}" in after.dropped
+    assert sql_one(
+        store,
+        "SELECT count(*) FROM pg_constraint WHERE conname LIKE '%%default_not_%%'"
+        " AND connamespace = %s::regnamespace",
+        (store.schema,),
+    ) == (0,)
+
+
+def test_a_session_idle_in_its_transaction_is_not_waited_for_but_a_brief_statement_is(
+    store, pg_url
+):
+    """A session idle in a transaction that touched the events' DEFAULT partition may hold
+    its lock for as long as its client likes: the attach that needs it gives up at once,
+    without queueing. Once that session ends, the attach queues behind nothing and runs."""
+    now = server_now(store)
+    ahead = now + dt.timedelta(days=4)
+    remove_partitions(store, [ahead])
+    with psycopg.connect(pg_url) as idle:
+        idle.execute(f"SELECT count(*) FROM {store.schema}.job_events_default")
+        with LockWaits(pg_url) as waits:
+            report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+        idle.rollback()
+    assert not waits.seen, f"lock requests waited: {waits.seen[:5]}"
+    assert report.steps["create"].state == "skipped", report.steps["create"]
+    assert f"job_events_{day(ahead)}" in report.steps["create"].detail
+    assert f"jobs_history_succeeded_{day(ahead)}" not in report.steps["create"].detail
+
+    after = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert after.steps["create"].state == "ok", after.steps["create"]
+    assert sql_one(
+        store,
+        "SELECT count(*) FROM {s}.history_partitions WHERE partition = %s",
+        (f"job_events_{day(ahead)}",),
+    ) == (1,)
+
+
+def test_a_constraint_left_on_a_default_partition_is_dropped_by_the_next_run(store):
+    """A run that stopped between adding a constraint excluding days from a DEFAULT
+    partition and dropping it left it there: once those days are today's, it would refuse
+    their rows (were their partition missing). The next run's create step drops it."""
+    from dramatiq_pg_broker import retention
+
+    now = server_now(store)
+    run = retention._Run(
+        store.pool,
+        store.schema,
+        RetentionPolicy(),
+        batch=100,
+        dry_run=False,
+        budget_seconds=None,
+        stop=None,
+        rest=False,
+        partitions_ahead=7,
+    )
+    run.clock = now
+    first, last = (now + dt.timedelta(days=20)).date(), (now + dt.timedelta(days=22)).date()
+    names = run.exclude_from_default("jobs_history_failed", first, last)
+    assert names["constraint"] == f"jobs_history_failed_default_not_{first:%Y%m%d}_{last:%Y%m%d}"
+    constraints = (
+        "SELECT count(*) FROM pg_constraint WHERE conname LIKE '%%default_not_%%'"
+        " AND connamespace = %s::regnamespace"
+    )
+    assert sql_one(store, constraints, (store.schema,)) == (1,)
+    report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert report.steps["create"].state == "ok", report.steps["create"]
+    assert sql_one(store, constraints, (store.schema,)) == (0,)

@@ -413,9 +413,9 @@ def test_events_go_by_day_past_the_longest_age(store):
 
 
 def test_a_partition_in_use_is_left_to_the_next_run(store, pg_url):
-    """Detaching waits at most LOCK_TIMEOUT (a few tries) for its parent's lock, so a long
-    reader of history delays the drop instead of queueing every outcome behind it: the
-    step reports the partition skipped."""
+    """Detaching never queues behind a long reader of its parent (maintenance sees it in
+    pg_locks and gives the try up), so the reader delays the drop instead of queueing
+    every outcome behind it: the step reports the partition skipped."""
     import psycopg
 
     from dramatiq_pg_broker.retention import create_partitions

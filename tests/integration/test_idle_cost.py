@@ -70,8 +70,10 @@ def test_idle_worker_issues_at_most_one_statement_per_queue_per_poll_interval(
     assert short > 0, "the idle worker should have polled at least once"
     intervals = (long_seconds - short_seconds) / POLL_INTERVAL
     # One claim per queue per poll interval (the reaper sends nothing: no lease exists);
-    # one more pass for the rounding of the two runs' lengths.
-    bound = len(QUEUES) * (intervals + 1) + 1
+    # each run's count of passes rounds its length either way, so the difference may hold
+    # up to two passes more than the difference of lengths says (seen on a loaded machine
+    # running the suite in parallel: 36 statements against a bound of 35 with one).
+    bound = len(QUEUES) * (intervals + 2) + 1
     extra = long - short
     assert extra >= len(QUEUES) * (intervals - 2), (
         f"{extra} statements in {intervals:.1f} more poll intervals: the worker did not poll"

@@ -17,6 +17,10 @@ WAL, two ways:
 
 The extension is created when the benchmark's role may (a superuser) and dropped at the
 end if the benchmark created it; without it the totals are still reported, with the reason.
+A server busy with other work may recycle a phase's WAL segments before they are read back
+(a checkpoint removes them): from a phase's start until its records are read, a temporary
+physical replication slot (``pg_create_physical_replication_slot(..., temporary => true)``,
+gone with its session, which the meter closes once the records are read) keeps them.
 
 CPU, two ways, from the server's processes (``psutil``: the server must run on this machine):
 
@@ -33,6 +37,7 @@ CPU, two ways, from the server's processes (``psutil``: the server must run on t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import threading
@@ -53,6 +58,7 @@ RESCAN_S = 0.25
 TITLE_RE = re.compile(r"^postgres: (?:\S+: )?\S+ (\S+) ")
 #: Records without a relation (commits, among others) are grouped under this name.
 NO_RELATION = "(no relation: commits and the like)"
+_slots = itertools.count(1)
 
 
 def prepare(url: str) -> tuple[str | None, bool]:
@@ -226,6 +232,15 @@ class Phase:
     by_relation: dict[str, int] = field(default_factory=dict)
     by_record: dict[str, int] = field(default_factory=dict)
     inspect_error: str | None = None
+    #: The session whose temporary slot keeps the phase's WAL until it is read back.
+    hold: psycopg.Connection | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Let the server recycle the phase's WAL (close the slot's session)."""
+        if self.hold is not None:
+            with contextlib.suppress(psycopg.Error):
+                self.hold.close()
+            self.hold = None
 
 
 class Meter:
@@ -245,6 +260,15 @@ class Meter:
             self.cpu_error = str(e)
         # Opened before the LSN is read, so that its own start is outside the phase.
         self.conn = psycopg.connect(self.url, autocommit=True)
+        try:
+            # Keeps the WAL from here on until the phase's records are read (see the
+            # module docstring); it writes no WAL itself.
+            self.conn.execute(
+                "SELECT pg_create_physical_replication_slot(%s, true, true)",
+                (f"bench_wal_{os.getpid()}_{next(_slots)}",),
+            )
+        except psycopg.Error:
+            pass  # no replication privilege: the WAL is read back if still there
         if self.cpu is not None:
             self.sampler = _BackendSampler(self.cpu)
             self.cpu_before = self.cpu.total()
@@ -270,9 +294,8 @@ class Meter:
         raw = self.conn.execute(
             "SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)::bigint", (lsn_after, self.lsn_before)
         ).fetchone()[0]
-        self.conn.close()
         return Phase(self.lsn_before, lsn_after, int(raw), seconds, cpu_s, db_cpu_s,
-                     self.cpu_error)  # fmt: skip
+                     self.cpu_error, hold=self.conn)  # fmt: skip
 
 
 # -- reading the WAL back -----------------------------------------------------------------
@@ -339,7 +362,15 @@ def inspect(url: str, phase: Phase) -> None:
     """Read the phase's WAL back (``pg_walinspect``) and fill in this database's records,
     by relation and by record type (see the module docstring); on failure, say why in
     ``phase.inspect_error``. Call it before the relations change their files (a
-    ``TRUNCATE``), since relation files are named by their current relfilenode."""
+    ``TRUNCATE``), since relation files are named by their current relfilenode. The
+    phase's WAL is released afterwards."""
+    try:
+        _inspect(url, phase)
+    finally:
+        phase.release()
+
+
+def _inspect(url: str, phase: Phase) -> None:
     if phase.raw_bytes > MAX_INSPECT_BYTES:
         phase.inspect_error = (
             f"not read back: {phase.raw_bytes / 2**20:.0f} MiB of WAL in the phase, more than "
@@ -409,6 +440,12 @@ def figures(count: int, send: Phase, drain: Phase) -> dict:
             wal_send_b=send.ours_bytes / count,
             wal_drain_b=drain.ours_bytes / count,
             wal_fpi_b=((send.fpi_bytes or 0) + (drain.fpi_bytes or 0)) / count,
+            # Full-page images depend on when the last checkpoint was: apart, the rest
+            # compares across rounds and runs.
+            wal_nofpi_b=(
+                send.ours_bytes + drain.ours_bytes - (send.fpi_bytes or 0) - (drain.fpi_bytes or 0)
+            )
+            / count,  # fmt: skip
             wal_records=((send.records or 0) + (drain.records or 0)) / count,
         )
         for prefix, a, b in (

@@ -165,7 +165,7 @@ RETURNING j.id
 LIFE_DONE = "DELETE FROM {schema}.{table} WHERE id = ANY(%s)"
 
 
-def life(url: str, schema: str, count: int) -> dict:
+def life(url: str, schema: str, count: int, *, inspect: bool = True) -> dict:
     """The floor of a job's whole life, measured as the broker's is (:mod:`.cost`): WAL
     bytes and server CPU per job of ``count`` jobs.
 
@@ -174,8 +174,9 @@ def life(url: str, schema: str, count: int) -> dict:
     a primary key and a claim index (the send phase), then drains them 8 at a time, each
     batch an autocommit ``UPDATE`` to running (``FOR UPDATE SKIP LOCKED`` in claim order)
     and an autocommit ``DELETE`` of the 8 rows (the drain phase). Statements are prepared,
-    as the broker's are. Returns the figures of :func:`.cost.figures`, and under ``notes``
-    why a figure is missing, if one is."""
+    as the broker's are. ``inspect``: read the WAL back (``pg_walinspect`` is there).
+    Returns the figures of :func:`.cost.figures`, and under ``notes`` why a figure is
+    missing, if one is."""
     import dramatiq
 
     from . import cost
@@ -189,6 +190,7 @@ def life(url: str, schema: str, count: int) -> dict:
         setup.execute(_q("DROP TABLE IF EXISTS {schema}.{table}", schema, LIFE_TABLE))
         setup.execute(_q(LIFE_TABLE_DDL, schema, LIFE_TABLE))
         setup.execute(_q(LIFE_INDEX_DDL, schema, LIFE_TABLE))
+    phases: list[cost.Phase] = []
     try:
         with psycopg.connect(url, autocommit=True) as conn:
             send = _q(LIFE_SEND, schema, LIFE_TABLE).as_string(conn)
@@ -197,7 +199,9 @@ def life(url: str, schema: str, count: int) -> dict:
             meter = cost.Meter(url).start()
             for job_id, message in messages:
                 conn.execute(send, (job_id, QUEUE, message), prepare=True)
-            sent = meter.stop()
+            phases.append(sent := meter.stop())
+            if inspect:
+                cost.inspect(url, sent)
             meter = cost.Meter(url).start()
             drained = 0
             while True:
@@ -206,14 +210,16 @@ def life(url: str, schema: str, count: int) -> dict:
                     break
                 conn.execute(done, (ids,), prepare=True)
                 drained += len(ids)
-            finished = meter.stop()
+            phases.append(finished := meter.stop())
         if drained != count:
             from .harness import BenchError
 
             raise BenchError(f"the floor drained {drained} of {count} jobs")
-        cost.inspect(url, sent)
-        cost.inspect(url, finished)
+        if inspect:
+            cost.inspect(url, finished)
     finally:
+        for phase in phases:
+            phase.release()
         with psycopg.connect(url, autocommit=True) as setup:
             setup.execute(_q("DROP TABLE IF EXISTS {schema}.{table}", schema, LIFE_TABLE))
     return {**cost.figures(count, sent, finished), "notes": cost.notes(sent, finished)}

@@ -112,6 +112,8 @@ class Harness:
         self.server = server
         self.log_dir = out_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        #: Whether this server's WAL can be read back (``pg_walinspect``, :mod:`.cost`).
+        self.walinspect = True
 
     # -- environment ---------------------------------------------------------------------
 
@@ -390,18 +392,23 @@ class Harness:
         from . import cost
 
         self.flush(variant)
+        phases: list[cost.Phase] = []
         try:
             meter = cost.Meter(self.url).start()
             self.client(variant, "send", timeout=count / 50 + 60, count=count)
-            sent = meter.stop()
+            phases.append(sent := meter.stop())
+            if self.walinspect:
+                cost.inspect(self.url, sent)
             meter = cost.Meter(self.url).start()
             with self.worker(variant, "life", expect=count) as (proc, state):
                 self.wait_ready(proc, state)
                 self.wait_file(proc, os.path.join(state, "drain.json"), timeout=count / 50 + 60)
-                drained = meter.stop()
-            cost.inspect(self.url, sent)
-            cost.inspect(self.url, drained)
+                phases.append(drained := meter.stop())
+            if self.walinspect:
+                cost.inspect(self.url, drained)
         finally:
+            for phase in phases:
+                phase.release()
             self.flush(variant)
         return {**cost.figures(count, sent, drained), "notes": cost.notes(sent, drained)}
 
@@ -409,7 +416,7 @@ class Harness:
         """The floor of a job's whole life on this server (:func:`.floor.life`)."""
         from . import floor
 
-        return floor.life(self.url, self.schema, count)
+        return floor.life(self.url, self.schema, count, inspect=self.walinspect)
 
     def memory(self, variant: Variant, delayed: int, settle: float) -> dict:
         """Worker RSS after ``settle`` seconds: idle, then with ``delayed`` delayed messages."""

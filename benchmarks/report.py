@@ -108,6 +108,7 @@ ROWS = (
     ("WAL per job, whole life", "life", "wal_b", "B", False),
     ("WAL per job, send", "life", "wal_send_b", "B", False),
     ("WAL per job, drain", "life", "wal_drain_b", "B", False),
+    ("WAL per job, without full-page images", "life", "wal_nofpi_b", "B", False),
     ("WAL per job, raw LSN delta", "life", "wal_raw_b", "B", False),
     ("server CPU per job, this database", "life", "cpu_db_us", "µs", False),
     ("server CPU per job, all processes", "life", "cpu_us", "µs", False),
@@ -299,6 +300,8 @@ def _rows(data: dict) -> list[list[str]]:
 RATIOS = (
     ("WAL per job, this database's records: broker / floor", "life", "postgres", "floor",
      "wal_b"),
+    ("WAL per job, without full-page images: broker / floor", "life", "postgres", "floor",
+     "wal_nofpi_b"),
     ("WAL per job, raw LSN delta: broker / floor", "life", "postgres", "floor", "wal_raw_b"),
     ("server CPU per job, this database's backends: broker / floor", "life", "postgres",
      "floor", "cpu_db_us"),
@@ -325,6 +328,7 @@ REF_FIGURES = (
     ("WAL per job, whole life", "life", "wal_b", "B", False),
     ("WAL per job, send", "life", "wal_send_b", "B", False),
     ("WAL per job, drain", "life", "wal_drain_b", "B", False),
+    ("WAL per job, without full-page images", "life", "wal_nofpi_b", "B", False),
     ("WAL per job, raw LSN delta", "life", "wal_raw_b", "B", False),
     ("server CPU per job, this database", "life", "cpu_db_us", "µs", False),
     ("server CPU per job, all processes", "life", "cpu_us", "µs", False),
@@ -411,15 +415,39 @@ def _against_lines(data: dict) -> list[str]:
     return lines
 
 
-def _life_table(data: dict, server: str, prefix: str) -> tuple[list[str], list[list[str]]]:
+def _table_group(key: str) -> str:
+    """A relation's row of the by-table breakdown: ``jobs heap``, ``jobs indexes``..."""
+    name, _, kind = key.partition(" ")
+    return f"{name} indexes" if kind.startswith("index ") else key
+
+
+def _life_table(
+    data: dict, server: str, prefix: str, *, by_table: bool = False
+) -> tuple[list[str], list[list[str]]]:
     """Bytes of WAL per job by relation (``rel:``) or record type (``rec:``): medians of
-    the rounds, one column per broker variant and the floor."""
+    the rounds, one column per broker variant and the floor. ``by_table``: a table's
+    indexes summed in one row (round by round, then the median)."""
     per = data.get("results", {}).get("life", {})
     names = [n for n in LIFE_NAMES if f"{n}@{server}" in per]
-    if not names:
-        return [], []
-    figs = {n: per[f"{n}@{server}"] for n in names}
-    keys = {k for f in figs.values() for k in f if k.startswith(prefix)}
+    figs: dict[str, dict[str, dict]] = {}
+    for n in names:
+        figs[n] = {}
+        groups: dict[str, dict[int, float]] = {}
+        members: dict[str, set] = {}
+        for key, fig in per[f"{n}@{server}"].items():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix) :]
+            group = _table_group(name) if by_table else name
+            members.setdefault(group, set()).add(name)
+            for r, v in _by_round(fig).items():
+                groups.setdefault(group, {})[r] = groups.get(group, {}).get(r, 0.0) + v
+        for group, values in groups.items():
+            label = group
+            if by_table and group.endswith(" indexes"):
+                label = f"{group} ({len(members[group])})"
+            figs[n][label] = {"median": statistics.median(values.values())}
+    keys = {k for f in figs.values() for k in f}
     if not keys:
         return [], []
 
@@ -432,18 +460,19 @@ def _life_table(data: dict, server: str, prefix: str) -> tuple[list[str], list[l
     # The largest in any column, shown the broker's largest first, then the floor's own.
     ordered = sorted(keys, key=lambda k: max(size(n, k) for n in names), reverse=True)
     shown = sorted(ordered[:LIFE_TOP], key=lambda k: [size(n, k) for n in names], reverse=True)
-    rows = [[k[len(prefix) :], *[cell(n, k) for n in names]] for k in shown]
+    rows = [[k, *[cell(n, k) for n in names]] for k in shown]
     rest = ordered[LIFE_TOP:]
     if rest:
         rows.append([f"other ({len(rest)})",
                      *[f"{sum(size(n, k) for k in rest):,.0f}" for n in names]])  # fmt: skip
-    total = [f"{_med(figs[n], 'wal_b') or 0:,.0f}" for n in names]
-    rows.append(["total, this database's records", *total])
+    wholes = {n: per[f"{n}@{server}"] for n in names}
+    rows.append(["total, this database's records",
+                 *[f"{_med(wholes[n], 'wal_b') or 0:,.0f}" for n in names]])  # fmt: skip
     if prefix == "rec:":
         rows.append(["of which full-page images",
-                     *[f"{_med(figs[n], 'wal_fpi_b') or 0:,.0f}" for n in names]])  # fmt: skip
-    head = ["relation" if prefix == "rel:" else "record type", *[_label(n) for n in names]]
-    return head, rows
+                     *[f"{_med(wholes[n], 'wal_fpi_b') or 0:,.0f}" for n in names]])  # fmt: skip
+    what = "table" if by_table else "relation" if prefix == "rel:" else "record type"
+    return [what, *[_label(n) for n in names]], rows
 
 
 def _life_notes(data: dict) -> list[str]:
@@ -451,8 +480,9 @@ def _life_notes(data: dict) -> list[str]:
     for server, info in data.get("servers", {}).items():
         reason = info.get("walinspect")
         if reason and reason != "available":
-            lines.append(f"{server}: no WAL breakdown by relation: {reason}; the raw LSN "
-                         "delta counts every session of the server")  # fmt: skip
+            lines.append(f"{server}: no WAL breakdown by relation: {reason}. The raw LSN "
+                         "delta stands alone: exact on a server of the benchmark's own (the "
+                         "embedded one), every session's work on a shared one")  # fmt: skip
     for key, notes in data.get("notes", {}).get("life", {}).items():
         for note in notes:
             lines.append(f"{key}: {note}")
@@ -470,10 +500,14 @@ LIFE_TEXT = (
 
 
 def _life_sections(data: dict, md: bool) -> list[str]:
+    """The breakdowns: by table and by record type; in Markdown also every relation."""
     out = []
+    parts = [("rel:", True, "by table"), ("rec:", False, "by record type")]
+    if md:
+        parts.insert(1, ("rel:", False, "by relation"))
     for server in servers(data):
-        for prefix, what in (("rel:", "by relation"), ("rec:", "by record type")):
-            head, rows = _life_table(data, server, prefix)
+        for prefix, by_table, what in parts:
+            head, rows = _life_table(data, server, prefix, by_table=by_table)
             if rows:
                 title = f"WAL bytes per job {what} [{server}]"
                 out += [f"### {title}", ""] if md else [f"{title}:"]

@@ -73,7 +73,7 @@ QUICK = {
     "drain": 5_000,
     "latency": 100,
     "latency_gap": 0.01,
-    "life": 2_000,
+    "life": 1_000,
     "backlog_finished": 100_000,
     "backlog_queued": 20_000,
     "delayed": 20_000,
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if "life" in args.workloads:
             reason, created = cost.prepare(url)
             walinspect[server] = created
+            harnesses[server].walinspect = reason is None
             servers[server]["walinspect"] = reason or "available"
             if reason:
                 print(f"  no WAL breakdown by relation on {server}: {reason}")

@@ -14,6 +14,11 @@ afresh at the start and dropped at the end, and for the idle-cost workload a dat
 its own (``dramatiq_bench_idle``), dropped after. Redis (127.0.0.1:6379) and RabbitMQ
 (127.0.0.1:5672) take part when they answer; their benchmark queues are deleted before and
 after every step.
+
+``--against REF`` builds an earlier release of this broker (:mod:`.release`) and runs it as
+one more broker, in turns with this checkout, on a schema of its own (``bench_ref``).
+The ``life`` workload creates the ``pg_walinspect`` extension where it may, and drops it
+at the end if it did (:mod:`.cost`).
 """
 
 from __future__ import annotations

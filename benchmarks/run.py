@@ -389,11 +389,14 @@ def main(argv: list[str] | None = None) -> int:
                              args.brokers)  # fmt: skip
     finally:
         for server, h in harnesses.items():
-            pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
-            pgdata.drop_schema(h.url, SCHEMA)
-            if against:
-                pgdata.drop_schema(h.url, REF_SCHEMA)
-            cost.cleanup(h.url, walinspect.get(server, False))
+            try:
+                pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
+                pgdata.drop_schema(h.url, SCHEMA)
+                if against:
+                    pgdata.drop_schema(h.url, REF_SCHEMA)
+                cost.cleanup(h.url, walinspect.get(server, False))
+            except Exception as e:  # the results are worth more: say so, write them
+                print(f"Cleaning up {server} failed (its bench schemas may be left): {e}")
 
     command = "python -m benchmarks.run" + (
         " " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))

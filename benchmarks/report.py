@@ -422,7 +422,7 @@ def _table_group(key: str) -> str:
 
 
 def _life_table(
-    data: dict, server: str, prefix: str, *, by_table: bool = False
+    data: dict, server: str, prefix: str, *, by_table: bool = False, top: int = LIFE_TOP
 ) -> tuple[list[str], list[list[str]]]:
     """Bytes of WAL per job by relation (``rel:``) or record type (``rec:``): medians of
     the rounds, one column per broker variant and the floor. ``by_table``: a table's
@@ -433,20 +433,15 @@ def _life_table(
     for n in names:
         figs[n] = {}
         groups: dict[str, dict[int, float]] = {}
-        members: dict[str, set] = {}
         for key, fig in per[f"{n}@{server}"].items():
             if not key.startswith(prefix):
                 continue
             name = key[len(prefix) :]
             group = _table_group(name) if by_table else name
-            members.setdefault(group, set()).add(name)
             for r, v in _by_round(fig).items():
                 groups.setdefault(group, {})[r] = groups.get(group, {}).get(r, 0.0) + v
         for group, values in groups.items():
-            label = group
-            if by_table and group.endswith(" indexes"):
-                label = f"{group} ({len(members[group])})"
-            figs[n][label] = {"median": statistics.median(values.values())}
+            figs[n][group] = {"median": statistics.median(values.values())}
     keys = {k for f in figs.values() for k in f}
     if not keys:
         return [], []
@@ -459,9 +454,9 @@ def _life_table(
 
     # The largest in any column, shown the broker's largest first, then the floor's own.
     ordered = sorted(keys, key=lambda k: max(size(n, k) for n in names), reverse=True)
-    shown = sorted(ordered[:LIFE_TOP], key=lambda k: [size(n, k) for n in names], reverse=True)
+    shown = sorted(ordered[:top], key=lambda k: [size(n, k) for n in names], reverse=True)
     rows = [[k, *[cell(n, k) for n in names]] for k in shown]
-    rest = ordered[LIFE_TOP:]
+    rest = ordered[top:]
     if rest:
         rows.append([f"other ({len(rest)})",
                      *[f"{sum(size(n, k) for k in rest):,.0f}" for n in names]])  # fmt: skip
@@ -502,12 +497,12 @@ LIFE_TEXT = (
 def _life_sections(data: dict, md: bool) -> list[str]:
     """The breakdowns: by table and by record type; in Markdown also every relation."""
     out = []
-    parts = [("rel:", True, "by table"), ("rec:", False, "by record type")]
+    parts = [("rel:", True, "by table", LIFE_TOP), ("rec:", False, "by record type", LIFE_TOP)]
     if md:
-        parts.insert(1, ("rel:", False, "by relation"))
+        parts.insert(1, ("rel:", False, "by relation", 1000))
     for server in servers(data):
-        for prefix, by_table, what in parts:
-            head, rows = _life_table(data, server, prefix, by_table=by_table)
+        for prefix, by_table, what, top in parts:
+            head, rows = _life_table(data, server, prefix, by_table=by_table, top=top)
             if rows:
                 title = f"WAL bytes per job {what} [{server}]"
                 out += [f"### {title}", ""] if md else [f"{title}:"]

@@ -260,6 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    # The release first: a failed build leaves nothing behind on the servers.
+    against = None
+    if args.against:
+        try:
+            ref = release.build(args.against, log=lambda text: print(text, flush=True))
+        except BenchError as e:
+            print(e)
+            return 1
+        VARIANTS[release.NAME] = ref.variant(REF_SCHEMA)
+        for workload in release.WORKLOADS:
+            APPLIES[workload] = (*APPLIES[workload], release.NAME)
+        if release.NAME not in args.brokers:
+            at = args.brokers.index("postgres") + 1 if "postgres" in args.brokers else 0
+            args.brokers.insert(at, release.NAME)
+        against = {
+            "ref": args.against,
+            "commit": ref.commit,
+            "version": ref.version,
+            "not_run": [w for w in args.workloads if w not in release.WORKLOADS],
+        }
+        print(f"Against {args.against}: release {ref.version} ({ref.commit[:12]}), "
+              f"{ref.python}")  # fmt: skip
+
     harnesses: dict[str, Harness] = {}
     servers: dict[str, dict] = {}
     skipped: dict[str, str] = {}
@@ -287,28 +310,6 @@ def main(argv: list[str] | None = None) -> int:
         print("No PostgreSQL server answered.")
         return 1
     first = next(iter(harnesses.values()))
-
-    against = None
-    if args.against:
-        try:
-            ref = release.build(args.against, log=lambda text: print(text, flush=True))
-        except BenchError as e:
-            print(e)
-            return 1
-        VARIANTS[release.NAME] = ref.variant(REF_SCHEMA)
-        for workload in release.WORKLOADS:
-            APPLIES[workload] = (*APPLIES[workload], release.NAME)
-        if release.NAME not in args.brokers:
-            at = args.brokers.index("postgres") + 1 if "postgres" in args.brokers else 0
-            args.brokers.insert(at, release.NAME)
-        against = {
-            "ref": args.against,
-            "commit": ref.commit,
-            "version": ref.version,
-            "not_run": [w for w in args.workloads if w not in release.WORKLOADS],
-        }
-        print(f"Against {args.against}: release {ref.version} ({ref.commit[:12]}), "
-              f"{ref.python}")  # fmt: skip
 
     available = {}
     for name in args.brokers:
@@ -346,9 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                           if isinstance(v, float) and ":" not in k)  # fmt: skip
         print(f"  {workload:9} {name:24} {shown}  ({time.monotonic() - t0:.0f}s)", flush=True)
 
-    for h in harnesses.values():
-        pgdata.reset_schema(h.url, SCHEMA)
     try:
+        for h in harnesses.values():
+            pgdata.reset_schema(h.url, SCHEMA)
         if against:
             for server, h in harnesses.items():
                 try:

@@ -80,7 +80,8 @@ dist: $(STAMP)
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
 
-## Side-by-side benchmarks against Dramatiq's Redis and RabbitMQ brokers.
+## Side-by-side benchmarks against Dramatiq's Redis and RabbitMQ brokers and PostgreSQL's
+## own floor; BENCH_ARGS="--quick", or "--against 994d6c9" to compare an earlier release.
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(BENCH_ARGS)
 

@@ -14,6 +14,9 @@ A script with no framework does the work a durable broker cannot avoid for one m
 The latency is from just before the send (the time written in the row, as the broker's
 ``stamp`` actor gets it) to the waiting thread receiving the row: the same span the
 broker's latency workload measures, send() to the actor's start.
+
+:func:`life` is the floor of a job's whole life at the server (the ``life`` workload): WAL
+bytes and server CPU per job of a send, a claim and an outcome with no framework.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ TABLE = "floor_jobs"
 CHANNEL = "dramatiq_bench_floor"
 
 
-def _q(text: str, schema: str) -> sql.Composed:
-    return sql.SQL(text).format(schema=sql.Identifier(schema), table=sql.Identifier(TABLE))
+def _q(text: str, schema: str, table: str = TABLE) -> sql.Composed:
+    return sql.SQL(text).format(schema=sql.Identifier(schema), table=sql.Identifier(table))
 
 
 CLAIM = """
@@ -125,6 +128,104 @@ def latency(url: str, schema: str, count: int, gap: float, timeout: float = 60.0
                 os.unlink(name)
         os.rmdir(state)
     return {"p50_ms": percentile(samples, 50) * 1000, "p99_ms": percentile(samples, 99) * 1000}
+
+
+# -- a job's whole life, at the floor -------------------------------------------------------
+
+LIFE_TABLE = "floor_life"
+#: The floor's drain claims and deletes this many rows a statement.
+LIFE_BATCH = 8
+
+# The least a durable queue keeps of a job: its id (the primary key), its queue, a state,
+# the claim order's columns and the message's bytes; and the claim index, which lists the
+# queued rows only, so that a claimed row leaves it.
+LIFE_TABLE_DDL = """
+CREATE TABLE {schema}.{table} (
+    id uuid PRIMARY KEY,
+    queue_name text NOT NULL,
+    status text NOT NULL DEFAULT 'queued',
+    priority integer NOT NULL DEFAULT 0,
+    available_at timestamptz NOT NULL DEFAULT now(),
+    message bytea NOT NULL
+)
+"""
+LIFE_INDEX_DDL = """
+CREATE INDEX floor_life_claim_idx ON {schema}.{table} (queue_name, priority, available_at, id)
+WHERE status = 'queued'
+"""
+LIFE_SEND = "INSERT INTO {schema}.{table} (id, queue_name, message) VALUES (%s, %s, %s)"
+LIFE_CLAIM = """
+UPDATE {schema}.{table} AS j SET status = 'running'
+WHERE j.id IN (
+    SELECT id FROM {schema}.{table}
+    WHERE queue_name = %s AND status = 'queued' AND available_at <= now()
+    ORDER BY priority, available_at, id
+    LIMIT %s
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING j.id
+"""
+LIFE_DONE = "DELETE FROM {schema}.{table} WHERE id = ANY(%s)"
+
+
+def life(url: str, schema: str, count: int, *, inspect: bool = True) -> dict:
+    """The floor of a job's whole life, measured as the broker's is (:mod:`.cost`): WAL
+    bytes and server CPU per job of ``count`` jobs.
+
+    No framework: one connection sends each job with one autocommit ``INSERT`` of the
+    message's bytes (Dramatiq's encoding of the ``noop`` actor's message) into a table with
+    a primary key and a claim index (the send phase), then drains them 8 at a time, each
+    batch an autocommit ``UPDATE`` to running (``FOR UPDATE SKIP LOCKED`` in claim order)
+    and an autocommit ``DELETE`` of the 8 rows (the drain phase). Statements are prepared,
+    as the broker's are. ``inspect``: read the WAL back (``pg_walinspect`` is there).
+    Returns the figures of :func:`.cost.figures`, and under ``notes`` why a figure is
+    missing, if one is."""
+    import dramatiq
+
+    from . import cost
+
+    messages = [
+        (str(uuid.uuid4()), dramatiq.Message(queue_name=QUEUE, actor_name="noop", args=(i,),
+                                             kwargs={}, options={}).encode())
+        for i in range(count)
+    ]  # fmt: skip
+    with psycopg.connect(url, autocommit=True) as setup:
+        setup.execute(_q("DROP TABLE IF EXISTS {schema}.{table}", schema, LIFE_TABLE))
+        setup.execute(_q(LIFE_TABLE_DDL, schema, LIFE_TABLE))
+        setup.execute(_q(LIFE_INDEX_DDL, schema, LIFE_TABLE))
+    phases: list[cost.Phase] = []
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            send = _q(LIFE_SEND, schema, LIFE_TABLE).as_string(conn)
+            claim = _q(LIFE_CLAIM, schema, LIFE_TABLE).as_string(conn)
+            done = _q(LIFE_DONE, schema, LIFE_TABLE).as_string(conn)
+            meter = cost.Meter(url).start()
+            for job_id, message in messages:
+                conn.execute(send, (job_id, QUEUE, message), prepare=True)
+            phases.append(sent := meter.stop())
+            if inspect:
+                cost.inspect(url, sent)
+            meter = cost.Meter(url).start()
+            drained = 0
+            while True:
+                ids = [row[0] for row in conn.execute(claim, (QUEUE, LIFE_BATCH), prepare=True)]
+                if not ids:
+                    break
+                conn.execute(done, (ids,), prepare=True)
+                drained += len(ids)
+            phases.append(finished := meter.stop())
+        if drained != count:
+            from .harness import BenchError
+
+            raise BenchError(f"the floor drained {drained} of {count} jobs")
+        if inspect:
+            cost.inspect(url, finished)
+    finally:
+        for phase in phases:
+            phase.release()
+        with psycopg.connect(url, autocommit=True) as setup:
+            setup.execute(_q("DROP TABLE IF EXISTS {schema}.{table}", schema, LIFE_TABLE))
+    return {**cost.figures(count, sent, finished), "notes": cost.notes(sent, finished)}
 
 
 def _err(proc: subprocess.Popen) -> str:

@@ -40,12 +40,20 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Variant:
-    """A broker configuration taking part in the run."""
+    """A broker configuration taking part in the run.
+
+    ``python``, ``code`` and ``schema`` are set for an earlier release of this broker
+    (``--against``, :mod:`.release`): its processes run that release's interpreter, in a
+    folder that holds only this checkout's ``benchmarks`` package (so that the release's
+    own ``dramatiq_pg_broker`` is the one imported), on a schema migrated by that release."""
 
     name: str
     label: str
     kind: str  # postgres | redis | rabbitmq
     env: dict[str, str] = field(default_factory=dict)
+    python: str | None = None
+    code: str | None = None
+    schema: str | None = None
 
     @property
     def events(self) -> bool:
@@ -104,6 +112,8 @@ class Harness:
         self.server = server
         self.log_dir = out_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        #: Whether this server's WAL can be read back (``pg_walinspect``, :mod:`.cost`).
+        self.walinspect = True
 
     # -- environment ---------------------------------------------------------------------
 
@@ -115,8 +125,11 @@ class Harness:
         env.update(
             BENCH_BROKER=variant.kind,
             DRAMATIQ_PG_URL=url or self.url,
-            DRAMATIQ_PG_SCHEMA=schema or self.schema,
-            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+            DRAMATIQ_PG_SCHEMA=schema or variant.schema or self.schema,
+            # An earlier release's processes see its code folder alone: an inherited
+            # PYTHONPATH may name this checkout, whose package would win.
+            PYTHONPATH=variant.code
+            or os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         )
         env.update(extra)
         return env
@@ -130,7 +143,7 @@ class Harness:
     def flush(self, variant: Variant, schema: str | None = None) -> None:
         """Empty the broker's benchmark queue (and delay queue) completely."""
         if variant.kind == "postgres":
-            pgdata.empty(self.url, schema or self.schema)
+            pgdata.empty(self.url, schema or variant.schema or self.schema)
         elif variant.kind == "redis":
             import redis
 
@@ -156,14 +169,15 @@ class Harness:
         self, variant: Variant, step: str, timeout: float, state: str | None = None, **options
     ) -> dict:
         """Run one ``benchmarks.client`` step in its own process; returns its JSON."""
-        args = [sys.executable, "-m", "benchmarks.client", step]
+        args = [variant.python or sys.executable, "-m", "benchmarks.client", step]
         for key, value in options.items():
             args += [f"--{key}", str(value)]
         env = self.env(variant, **({"BENCH_STATE_DIR": state} if state else {}))
         try:
             done = subprocess.run(
-                args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-            )
+                args, cwd=variant.code or ROOT, env=env, capture_output=True, text=True,
+                timeout=timeout,
+            )  # fmt: skip
         except subprocess.TimeoutExpired as e:
             raise BenchError(f"client step {step} timed out after {timeout:.0f}s") from e
         if done.returncode != 0:
@@ -199,12 +213,12 @@ class Harness:
         env.update(extra_env or {})
         log_path = self.log_path(variant, tag)
         args = [
-            sys.executable, "-m", "dramatiq", "benchmarks.actors",
+            variant.python or sys.executable, "-m", "dramatiq", "benchmarks.actors",
             "--processes", str(processes), "--threads", str(threads),
         ]  # fmt: skip
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                args, cwd=variant.code or ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
         try:
@@ -313,7 +327,8 @@ class Harness:
     def fill(self, variant: Variant, count: int, *, delay_s: float = -1.0) -> None:
         """Put ``count`` messages on the queue (delayed by ``delay_s`` when positive)."""
         if variant.kind == "postgres":
-            pgdata.load(self.url, self.schema, count, delay_s=delay_s, events=variant.events)
+            pgdata.load(self.url, variant.schema or self.schema, count, delay_s=delay_s,
+                        events=variant.events)  # fmt: skip
         elif delay_s > 0:
             self.client(variant, "delayed", timeout=count / 100 + 60, count=count)
         else:
@@ -366,6 +381,42 @@ class Harness:
             self.flush(variant)
         samples.sort()
         return {"p50_ms": percentile(samples, 50) * 1000, "p99_ms": percentile(samples, 99) * 1000}
+
+    def life(self, variant: Variant, count: int) -> dict:
+        """A job's whole life, at the server (this broker only, :mod:`.cost`): WAL bytes
+        and server CPU per job of ``count`` jobs sent one at a time from one thread
+        (``actor.send()`` in a client process, no worker running: the send phase), then
+        drained by one worker process x 8 threads (from before its start to the last
+        outcome written: the drain phase). The WAL is read back before the tables are
+        emptied (emptying them renames their files)."""
+        from . import cost
+
+        self.flush(variant)
+        phases: list[cost.Phase] = []
+        try:
+            meter = cost.Meter(self.url).start()
+            self.client(variant, "send", timeout=count / 50 + 60, count=count)
+            phases.append(sent := meter.stop())
+            if self.walinspect:
+                cost.inspect(self.url, sent)
+            meter = cost.Meter(self.url).start()
+            with self.worker(variant, "life", expect=count) as (proc, state):
+                self.wait_ready(proc, state)
+                self.wait_file(proc, os.path.join(state, "drain.json"), timeout=count / 50 + 60)
+                phases.append(drained := meter.stop())
+            if self.walinspect:
+                cost.inspect(self.url, drained)
+        finally:
+            for phase in phases:
+                phase.release()
+            self.flush(variant)
+        return {**cost.figures(count, sent, drained), "notes": cost.notes(sent, drained)}
+
+    def life_floor(self, count: int) -> dict:
+        """The floor of a job's whole life on this server (:func:`.floor.life`)."""
+        from . import floor
+
+        return floor.life(self.url, self.schema, count, inspect=self.walinspect)
 
     def memory(self, variant: Variant, delayed: int, settle: float) -> dict:
         """Worker RSS after ``settle`` seconds: idle, then with ``delayed`` delayed messages."""

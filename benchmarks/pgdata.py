@@ -38,19 +38,30 @@ def _q(text: str, schema: str) -> sql.Composed:
     return sql.SQL(text).format(schema=sql.Identifier(schema))
 
 
+#: The tables that hold jobs and their events (those an earlier release lacks are skipped).
+JOB_TABLES = ("job_events", "jobs", "jobs_history", "job_keys")
+
+
+def existing_tables(conn: psycopg.Connection, schema: str, names=JOB_TABLES) -> list[str]:
+    """Those of ``names`` that exist in ``schema`` (an earlier release's schema, measured
+    with ``--against``, has fewer tables)."""
+    return [
+        name
+        for name in names
+        if conn.execute("SELECT to_regclass(%s)", (f"{schema}.{name}",)).fetchone()[0]
+    ]
+
+
 def empty(url: str, schema: str) -> None:
     """Remove every job and event (the empty-table state)."""
     with psycopg.connect(url, autocommit=True) as conn:
         # No ANALYZE here: statistics saying "empty" would make every session that starts
         # now plan the job_events foreign-key check (cached for the session) as a
         # sequential scan of jobs, which a real, long-lived table never sees.
-        conn.execute(
-            _q(
-                "TRUNCATE {schema}.job_events, {schema}.jobs, {schema}.jobs_history, "
-                "{schema}.job_keys CASCADE",
-                schema,
-            )
+        tables = sql.SQL(", ").join(
+            sql.Identifier(schema, name) for name in existing_tables(conn, schema)
         )
+        conn.execute(sql.SQL("TRUNCATE {} CASCADE").format(tables))
 
 
 # Finished jobs live in history (migration 0012), unfinished ones in jobs: {table}.
@@ -130,9 +141,8 @@ def load(
         return time.perf_counter() - started
     with psycopg.connect(url, autocommit=True) as conn:
         # What autovacuum would do soon after such a load: statistics and visibility map.
-        conn.execute(_q("VACUUM ANALYZE {schema}.jobs", schema))
-        conn.execute(_q("VACUUM ANALYZE {schema}.jobs_history", schema))
-        conn.execute(_q("VACUUM ANALYZE {schema}.job_events", schema))
+        for name in existing_tables(conn, schema, ("jobs", "jobs_history", "job_events")):
+            conn.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, name)))
     return time.perf_counter() - started
 
 

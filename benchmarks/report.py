@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 # (target id, description, numerator, denominator, comparison, bound)
@@ -54,7 +55,9 @@ TARGETS = (
 #: Which figure of the same server is PostgreSQL's own floor of a workload (the "vs floor"
 #: column): the latency floor script, a one-thread autocommit INSERT, a COPY of the same
 #: bytes into a logged table.
-FLOOR_OF = {"latency": "floor", "enqueue": "raw-insert-autocommit", "bulk": "raw-copy"}
+FLOOR_OF = {
+    "latency": "floor", "enqueue": "raw-insert-autocommit", "bulk": "raw-copy", "life": "floor",
+}  # fmt: skip
 
 #: No collapse: a step of the scaling workload may fall at most this far below the best
 #: drain measured with fewer processes.
@@ -68,6 +71,7 @@ LABELS = {
     "postgres": "postgres (this broker)",
     "postgres-noevents": "postgres, events off",
     "postgres-nondurable": "postgres, durable=False",
+    "postgres-ref": "postgres, earlier release (--against)",
     "redis": "redis (dramatiq)",
     "rabbitmq": "rabbitmq (dramatiq)",
 }
@@ -75,7 +79,7 @@ SERVER_LABELS = {"embedded": "embedded server", "tcp": "standalone server (TCP)"
 #: Figures that depend on the PostgreSQL server set-up (the rest are Redis and RabbitMQ).
 PG_NAMES = (
     "floor", "raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents",
-    "postgres-nondurable",
+    "postgres-nondurable", "postgres-ref",
 )  # fmt: skip
 
 
@@ -101,6 +105,13 @@ ROWS = (
     ("drain", "drain", "rate", "msg/s", True),
     ("latency p50", "latency", "p50_ms", "ms", False),
     ("latency p99", "latency", "p99_ms", "ms", False),
+    ("WAL per job, whole life", "life", "wal_b", "B", False),
+    ("WAL per job, send", "life", "wal_send_b", "B", False),
+    ("WAL per job, drain", "life", "wal_drain_b", "B", False),
+    ("WAL per job, without full-page images", "life", "wal_nofpi_b", "B", False),
+    ("WAL per job, raw LSN delta", "life", "wal_raw_b", "B", False),
+    ("server CPU per job, this database", "life", "cpu_db_us", "µs", False),
+    ("server CPU per job, all processes", "life", "cpu_us", "µs", False),
     ("backlog drain", "backlog", "rate", "msg/s", True),
     ("drain, finished backlog", "retention", "baseline_rate", "msg/s", True),
     ("drain, retention deleting it", "retention", "rate", "msg/s", True),
@@ -282,6 +293,223 @@ def _rows(data: dict) -> list[list[str]]:
     return rows
 
 
+# -- ratios within the run, a job's whole life, the earlier release ------------------------
+
+# (what, workload, numerator, denominator, metric): this broker against a reference
+# measured in the same rounds, each round's ratio and their median.
+RATIOS = (
+    ("WAL per job, this database's records: broker / floor", "life", "postgres", "floor",
+     "wal_b"),
+    ("WAL per job, without full-page images: broker / floor", "life", "postgres", "floor",
+     "wal_nofpi_b"),
+    ("WAL per job, raw LSN delta: broker / floor", "life", "postgres", "floor", "wal_raw_b"),
+    ("server CPU per job, this database's backends: broker / floor", "life", "postgres",
+     "floor", "cpu_db_us"),
+    ("server CPU per job, all server processes: broker / floor", "life", "postgres", "floor",
+     "cpu_us"),
+    ("latency p50: broker / floor", "latency", "postgres", "floor", "p50_ms"),
+    ("latency p99: broker / floor", "latency", "postgres", "floor", "p99_ms"),
+    ("one-thread sends / raw autocommit INSERT", "enqueue", "postgres", "raw-insert-autocommit",
+     "rate"),
+    ("bulk enqueue / raw COPY", "bulk", "postgres", "raw-copy", "rate"),
+    ("drain / RabbitMQ", "drain", "postgres", "rabbitmq", "rate"),
+)  # fmt: skip
+# (figure, workload, metric, unit, higher is better): this checkout against the release of
+# --against, measured in turns in the same rounds.
+REF_FIGURES = (
+    ("one-thread sends", "enqueue", "rate", "msg/s", True),
+    ("sends from 8 threads", "enqueue8", "rate", "msg/s", True),
+    ("bulk enqueue", "bulk", "rate", "msg/s", True),
+    ("drain", "drain", "rate", "msg/s", True),
+    ("latency p50", "latency", "p50_ms", "ms", False),
+    ("latency p99", "latency", "p99_ms", "ms", False),
+    ("worker RSS, idle", "memory", "idle_mb", "MiB", False),
+    ("worker RSS, delayed msgs", "memory", "delayed_mb", "MiB", False),
+    ("WAL per job, whole life", "life", "wal_b", "B", False),
+    ("WAL per job, send", "life", "wal_send_b", "B", False),
+    ("WAL per job, drain", "life", "wal_drain_b", "B", False),
+    ("WAL per job, without full-page images", "life", "wal_nofpi_b", "B", False),
+    ("WAL per job, raw LSN delta", "life", "wal_raw_b", "B", False),
+    ("server CPU per job, this database", "life", "cpu_db_us", "µs", False),
+    ("server CPU per job, all processes", "life", "cpu_us", "µs", False),
+)
+#: The broker variants shown in the breakdown of a job's life, and its floor last.
+LIFE_NAMES = ("postgres", "postgres-noevents", "postgres-ref", "floor")
+#: Rows of a breakdown before the rest is summed up as "other".
+LIFE_TOP = 14
+
+RATIO_HEADER = ["ratio", "server", "per round", "median of the rounds' ratios",
+                "ratio of the medians"]  # fmt: skip
+REF_HEADER = ["figure", "server", "this checkout", "release", "this checkout / release, per "
+              "round", "median of the rounds' ratios"]  # fmt: skip
+
+
+def _by_round(fig: dict) -> dict[int, float]:
+    rounds = fig.get("rounds") or list(range(1, len(fig["samples"]) + 1))
+    return dict(zip(rounds, fig["samples"]))
+
+
+def _per_round(data: dict, workload: str, a: str, b: str, metric: str, server: str) -> list:
+    """The ratio ``a / b`` of each round in which both were measured."""
+    fa, fb = _fig(data, workload, a, metric, server), _fig(data, workload, b, metric, server)
+    if not fa or not fb:
+        return []
+    ra, rb = _by_round(fa), _by_round(fb)
+    return [ra[r] / rb[r] for r in sorted(set(ra) & set(rb)) if rb[r]]
+
+
+def _ratio_rows(data: dict) -> list[list[str]]:
+    rows = []
+    for server in servers(data):
+        for what, workload, a, b, metric in RATIOS:
+            per = _per_round(data, workload, a, b, metric, server)
+            if not per:
+                continue
+            fa = _fig(data, workload, a, metric, server)
+            fb = _fig(data, workload, b, metric, server)
+            of_medians = f"{fa['median'] / fb['median']:.2f}×" if fb["median"] else ""
+            rows.append([what, server, ", ".join(f"{r:.2f}" for r in per),
+                         f"{statistics.median(per):.2f}×", of_medians])  # fmt: skip
+    return rows
+
+
+def _ref_rows(data: dict) -> list[list[str]]:
+    rows = []
+    for server in servers(data):
+        for what, workload, metric, unit, higher in REF_FIGURES:
+            per = _per_round(data, workload, "postgres", "postgres-ref", metric, server)
+            if not per:
+                continue
+            better = "higher" if higher else "lower"
+            rows.append([f"{what} ({better} is better)", server,
+                         _cell(_fig(data, workload, "postgres", metric, server), unit),
+                         _cell(_fig(data, workload, "postgres-ref", metric, server), unit),
+                         ", ".join(f"{r:.2f}" for r in per),
+                         f"{statistics.median(per):.2f}×"])  # fmt: skip
+    return rows
+
+
+def _against_lines(data: dict) -> list[str]:
+    against = data.get("against")
+    if not against:
+        return []
+    lines = [
+        f"against {against['ref']}: release {against['version']} (commit "
+        f"{against['commit'][:12]}), built into its own virtualenv and run with this "
+        "checkout's harness, in turns with this checkout in every round"
+    ]
+    if against.get("not_run"):
+        lines.append(
+            "not run against the release: "
+            + ", ".join(against["not_run"])
+            + " (they load or read this checkout's schema or settings)"
+        )
+    failed = [
+        f"{workload} [{key.partition('@')[2]}]: {err[:160]}"
+        for workload, per in data.get("errors", {}).items()
+        for key, err in per.items()
+        if key.startswith("postgres-ref@")
+    ]
+    if failed:
+        lines.append("could not run against the release: " + "; ".join(failed))
+    return lines
+
+
+def _table_group(key: str) -> str:
+    """A relation's row of the by-table breakdown: ``jobs heap``, ``jobs indexes``..."""
+    name, _, kind = key.partition(" ")
+    return f"{name} indexes" if kind.startswith("index ") else key
+
+
+def _life_table(
+    data: dict, server: str, prefix: str, *, by_table: bool = False, top: int = LIFE_TOP
+) -> tuple[list[str], list[list[str]]]:
+    """Bytes of WAL per job by relation (``rel:``) or record type (``rec:``): medians of
+    the rounds, one column per broker variant and the floor. ``by_table``: a table's
+    indexes summed in one row (round by round, then the median)."""
+    per = data.get("results", {}).get("life", {})
+    names = [n for n in LIFE_NAMES if f"{n}@{server}" in per]
+    figs: dict[str, dict[str, dict]] = {}
+    for n in names:
+        figs[n] = {}
+        groups: dict[str, dict[int, float]] = {}
+        for key, fig in per[f"{n}@{server}"].items():
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix) :]
+            group = _table_group(name) if by_table else name
+            for r, v in _by_round(fig).items():
+                groups.setdefault(group, {})[r] = groups.get(group, {}).get(r, 0.0) + v
+        for group, values in groups.items():
+            figs[n][group] = {"median": statistics.median(values.values())}
+    keys = {k for f in figs.values() for k in f}
+    if not keys:
+        return [], []
+
+    def size(name: str, key: str) -> float:
+        return figs[name].get(key, {}).get("median", 0.0)
+
+    def cell(name: str, key: str) -> str:
+        return f"{size(name, key):,.0f}" if key in figs[name] else ""
+
+    # The largest in any column, shown the broker's largest first, then the floor's own.
+    ordered = sorted(keys, key=lambda k: max(size(n, k) for n in names), reverse=True)
+    shown = sorted(ordered[:top], key=lambda k: [size(n, k) for n in names], reverse=True)
+    rows = [[k, *[cell(n, k) for n in names]] for k in shown]
+    rest = ordered[top:]
+    if rest:
+        rows.append([f"other ({len(rest)})",
+                     *[f"{sum(size(n, k) for k in rest):,.0f}" for n in names]])  # fmt: skip
+    wholes = {n: per[f"{n}@{server}"] for n in names}
+    rows.append(["total, this database's records",
+                 *[f"{_med(wholes[n], 'wal_b') or 0:,.0f}" for n in names]])  # fmt: skip
+    if prefix == "rec:":
+        rows.append(["of which full-page images",
+                     *[f"{_med(wholes[n], 'wal_fpi_b') or 0:,.0f}" for n in names]])  # fmt: skip
+    what = "table" if by_table else "relation" if prefix == "rel:" else "record type"
+    return [what, *[_label(n) for n in names]], rows
+
+
+def _life_notes(data: dict) -> list[str]:
+    lines = []
+    for server, info in data.get("servers", {}).items():
+        reason = info.get("walinspect")
+        if reason and reason != "available":
+            lines.append(f"{server}: no WAL breakdown by relation: {reason}. The raw LSN "
+                         "delta stands alone: exact on a server of the benchmark's own (the "
+                         "embedded one), every session's work on a shared one")  # fmt: skip
+    for key, notes in data.get("notes", {}).get("life", {}).items():
+        for note in notes:
+            lines.append(f"{key}: {note}")
+    return lines
+
+
+LIFE_TEXT = (
+    "A job's whole life (`life`): sent with actor.send() from one thread, then drained by one "
+    "worker; the floor is one autocommit INSERT per job into a table with a primary key and "
+    "a claim index, then an UPDATE to running and a DELETE 8 rows at a time. Bytes per job: "
+    "this database's WAL records (pg_walinspect; commits of its transactions included), "
+    "medians of the rounds. On a shared server the raw LSN delta and the CPU of all server "
+    "processes count other sessions' work too; this database's records and backends do not."
+)
+
+
+def _life_sections(data: dict, md: bool) -> list[str]:
+    """The breakdowns: by table and by record type; in Markdown also every relation."""
+    out = []
+    parts = [("rel:", True, "by table", LIFE_TOP), ("rec:", False, "by record type", LIFE_TOP)]
+    if md:
+        parts.insert(1, ("rel:", False, "by relation", 1000))
+    for server in servers(data):
+        for prefix, by_table, what, top in parts:
+            head, rows = _life_table(data, server, prefix, by_table=by_table, top=top)
+            if rows:
+                title = f"WAL bytes per job {what} [{server}]"
+                out += [f"### {title}", ""] if md else [f"{title}:"]
+                out += [_md_table(head, rows) if md else _table(head, rows), ""]
+    return out
+
+
 def header(data: dict) -> list[str]:
     where = servers(data)
     per = " / ".join(where)
@@ -418,8 +646,18 @@ def _server_lines(data: dict) -> list[str]:
 
 def terminal(data: dict) -> str:
     parts = [*_server_lines(data), ""]
+    parts += _against_lines(data)
     if _rows(data):
         parts += [_table(header(data), _rows(data)), "", *_extra_lines(data)]
+    life = _life_sections(data, md=False)
+    if life:
+        parts += ["", LIFE_TEXT, "", *life, *_life_notes(data)]
+    if _ratio_rows(data):
+        parts += ["", "Ratios within this run (each round's, and their median):",
+                  _table(RATIO_HEADER, _ratio_rows(data))]  # fmt: skip
+    if _ref_rows(data):
+        parts += ["", "This checkout against the earlier release (--against):",
+                  _table(REF_HEADER, _ref_rows(data))]  # fmt: skip
     if _group_rows(data):
         parts += ["", "Scaling (drain by N worker processes):", _table(GROUP_HEADER,
                   _group_rows(data))]  # fmt: skip
@@ -457,6 +695,12 @@ def markdown(data: dict) -> str:
         f"threads, directly and through PgBouncer (pool size {cfg.get('pool_size')}); idle: "
         f"a worker with {cfg.get('idle_queues')} queues left idle {cfg.get('idle_seconds')} s"
         + (
+            f"; life: {cfg['life']:,} jobs sent from one thread, then drained by one worker, "
+            "WAL bytes and server CPU per job against the floor"
+            if "life" in cfg
+            else ""
+        )
+        + (
             f"; retention: the drain with {cfg['retention_finished']:,} finished jobs past "
             "their retention age in the table, without and then with retention deleting them; "
             f"churn: {cfg['churn_seconds']:,} s of {cfg['churn_rate']:,} jobs/s with retention "
@@ -466,9 +710,19 @@ def markdown(data: dict) -> str:
         ),
         "",
     ]
+    lines[-1:-1] = [f"- {line}" for line in _against_lines(data)]
     if _rows(data):
         lines += [_md_table(header(data), _rows(data)), ""]
         lines += [*[f"- {line}" for line in _extra_lines(data)], ""]
+    life = _life_sections(data, md=True)
+    if life:
+        lines += ["## A job's whole life", "", LIFE_TEXT, "", *life]
+        lines += [*[f"- {line}" for line in _life_notes(data)], ""]
+    if _ratio_rows(data):
+        lines += ["## Ratios within this run", "", _md_table(RATIO_HEADER, _ratio_rows(data)), ""]
+    if _ref_rows(data):
+        lines += [f"## Against {data['against']['ref']} (release {data['against']['version']})",
+                  "", _md_table(REF_HEADER, _ref_rows(data)), ""]  # fmt: skip
     if _group_rows(data):
         lines += ["## Scaling", "", _md_table(GROUP_HEADER, _group_rows(data)), ""]
     if _pool_rows(data):

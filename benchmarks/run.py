@@ -14,6 +14,11 @@ afresh at the start and dropped at the end, and for the idle-cost workload a dat
 its own (``dramatiq_bench_idle``), dropped after. Redis (127.0.0.1:6379) and RabbitMQ
 (127.0.0.1:5672) take part when they answer; their benchmark queues are deleted before and
 after every step.
+
+``--against REF`` builds an earlier release of this broker (:mod:`.release`) and runs it as
+one more broker, in turns with this checkout, on a schema of its own (``bench_ref``).
+The ``life`` workload creates the ``pg_walinspect`` extension where it may, and drops it
+at the end if it did (:mod:`.cost`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from pathlib import Path
 
 from dramatiq_pg_broker.config import mask_url
 
-from . import pgdata, report, retention
+from . import cost, pgdata, release, report, retention
 from .harness import VARIANTS, BenchError, Harness, group_drain, idle_cost, reachable
 
 WORKLOADS = (
-    "enqueue", "enqueue8", "bulk", "drain", "latency", "backlog", "memory", "retention", "churn",
-    "scaling", "pgbouncer", "idle",
+    "enqueue", "enqueue8", "bulk", "drain", "latency", "life", "backlog", "memory", "retention",
+    "churn", "scaling", "pgbouncer", "idle",
 )  # fmt: skip
 SERVERS = ("embedded", "tcp")
 DEFAULT_TCP_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -50,6 +55,7 @@ FULL = {
     "drain": 20_000,
     "latency": 300,
     "latency_gap": 0.01,
+    "life": 10_000,
     "backlog_finished": 1_000_000,
     "backlog_queued": 100_000,
     "delayed": 100_000,
@@ -72,6 +78,7 @@ QUICK = {
     "drain": 5_000,
     "latency": 100,
     "latency_gap": 0.01,
+    "life": 1_000,
     "backlog_finished": 100_000,
     "backlog_queued": 20_000,
     "delayed": 20_000,
@@ -92,6 +99,7 @@ APPLIES = {
     "enqueue": ("postgres", "postgres-noevents", "postgres-nondurable", "redis", "rabbitmq"),
     "drain": ("postgres", "postgres-noevents", "redis", "rabbitmq"),
     "latency": ("postgres", "postgres-noevents", "postgres-nondurable", "redis", "rabbitmq"),
+    "life": ("postgres", "postgres-noevents"),
     "backlog": ("postgres",),
     "memory": ("postgres", "redis", "rabbitmq"),
     "enqueue8": ("postgres", "redis", "rabbitmq"),
@@ -111,6 +119,8 @@ SERVER_SETTINGS = (
 SCHEMA = "bench"
 IDLE_DATABASE = "dramatiq_bench_idle"
 BACKLOG_SCHEMA = "bench_backlog"
+#: The schema of the release named by ``--against``, migrated by that release.
+REF_SCHEMA = "bench_ref"
 HERE = Path(__file__).resolve().parent
 
 
@@ -159,6 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="queued jobs of the backlog workload (default 100,000); equal to the drain's "
         "count, the backlog drain differs from the plain drain by the history alone",
     )
+    p.add_argument(
+        "--against",
+        metavar="REF",
+        help="also run an earlier release (a git tag, branch or commit, e.g. 994d6c9 for "
+        "0.1.0), built once into its own virtualenv under benchmarks/results/releases/, on "
+        f"the workloads {', '.join(release.WORKLOADS)}, in turns with this checkout",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results", help="output folder")
     p.add_argument(
         "--results-md",
@@ -202,18 +219,24 @@ def pg_key(name: str, server: str) -> str:
     return f"{name}@{server}"
 
 
-def summarize(samples: list[dict]) -> dict:
-    """Median, min and max of every metric over the repetitions."""
-    keys = samples[0].keys() if samples else ()
+def summarize(samples: list[dict], rounds: list[int] | None = None) -> dict:
+    """Median, min and max of every metric over the repetitions (a metric missing from
+    some repetitions, such as a relation of the WAL breakdown, over those that have it),
+    with its samples and the round each was measured in (for ratios within a round)."""
+    keys = list(dict.fromkeys(key for s in samples for key in s))
+    rounds = rounds or list(range(1, len(samples) + 1))
     out = {}
     for key in keys:
-        values = [s[key] for s in samples if isinstance(s.get(key), (int, float))]
+        kept = [(r, s[key]) for r, s in zip(rounds, samples)
+                if isinstance(s.get(key), (int, float))]  # fmt: skip
+        values = [v for _, v in kept]
         if values:
             out[key] = {
                 "median": statistics.median(values),
                 "min": min(values),
                 "max": max(values),
                 "samples": values,
+                "rounds": [r for r, _ in kept],
             }
     return out
 
@@ -237,9 +260,33 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    # The release first: a failed build leaves nothing behind on the servers.
+    against = None
+    if args.against:
+        try:
+            ref = release.build(args.against, log=lambda text: print(text, flush=True))
+        except BenchError as e:
+            print(e)
+            return 1
+        VARIANTS[release.NAME] = ref.variant(REF_SCHEMA)
+        for workload in release.WORKLOADS:
+            APPLIES[workload] = (*APPLIES[workload], release.NAME)
+        if release.NAME not in args.brokers:
+            at = args.brokers.index("postgres") + 1 if "postgres" in args.brokers else 0
+            args.brokers.insert(at, release.NAME)
+        against = {
+            "ref": args.against,
+            "commit": ref.commit,
+            "version": ref.version,
+            "not_run": [w for w in args.workloads if w not in release.WORKLOADS],
+        }
+        print(f"Against {args.against}: release {ref.version} ({ref.commit[:12]}), "
+              f"{ref.python}")  # fmt: skip
+
     harnesses: dict[str, Harness] = {}
     servers: dict[str, dict] = {}
     skipped: dict[str, str] = {}
+    walinspect: dict[str, bool] = {}  # server -> whether the run created the extension
     for server in args.servers:
         try:
             url = server_url(server)
@@ -252,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         servers[server] = {"url": mask_url(url), "settings": settings}
         print(f"PostgreSQL {server}: {mask_url(url)}, " + ", ".join(
             f"{k}={v}" for k, v in settings.items()))  # fmt: skip
+        if "life" in args.workloads:
+            reason, created = cost.prepare(url)
+            walinspect[server] = created
+            harnesses[server].walinspect = reason is None
+            servers[server]["walinspect"] = reason or "available"
+            if reason:
+                print(f"  no WAL breakdown by relation on {server}: {reason}")
     if not harnesses:
         print("No PostgreSQL server answered.")
         return 1
@@ -268,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
 
     samples: dict[str, dict[str, list[dict]]] = {w: {} for w in WORKLOADS}
     errors: dict[str, dict[str, str]] = {w: {} for w in WORKLOADS}
+    # The round of each sample (a failed measurement leaves a gap), for per-round ratios.
+    rounds: dict[str, dict[str, list[int]]] = {w: {} for w in WORKLOADS}
+    notes: dict[str, dict[str, list[str]]] = {w: {} for w in WORKLOADS}
+    current_round = [0]
 
     def measure(workload: str, name: str, fn) -> None:
         t0 = time.monotonic()
@@ -279,13 +337,26 @@ def main(argv: list[str] | None = None) -> int:
             if args.verbose:
                 traceback.print_exc()
             return
+        for note in result.pop("notes", None) or ():
+            if note not in notes[workload].setdefault(name, []):
+                notes[workload][name].append(note)
         samples[workload].setdefault(name, []).append(result)
-        shown = ", ".join(f"{k}={v:,.2f}" for k, v in result.items() if isinstance(v, float))
+        rounds[workload].setdefault(name, []).append(current_round[0])
+        # The WAL breakdown (rel:..., rec:...) goes to the report, not to this line.
+        shown = ", ".join(f"{k}={v:,.2f}" for k, v in result.items()
+                          if isinstance(v, float) and ":" not in k)  # fmt: skip
         print(f"  {workload:9} {name:24} {shown}  ({time.monotonic() - t0:.0f}s)", flush=True)
 
-    for h in harnesses.values():
-        pgdata.reset_schema(h.url, SCHEMA)
     try:
+        for h in harnesses.values():
+            pgdata.reset_schema(h.url, SCHEMA)
+        if against:
+            for server, h in harnesses.items():
+                try:
+                    ref.migrate(h.url, REF_SCHEMA)
+                except BenchError as e:
+                    skipped[f"{release.NAME}@{server}"] = str(e)
+                    print(f"{VARIANTS[release.NAME].label} on {server}: {e}")
         if "backlog" in args.workloads and "postgres" in args.brokers:
             for server, h in harnesses.items():
                 print(
@@ -300,10 +371,16 @@ def main(argv: list[str] | None = None) -> int:
 
         for rep in range(cfg["repeat"]):
             print(f"Round {rep + 1} of {cfg['repeat']}", flush=True)
+            current_round[0] = rep + 1
             # Brokers and servers take turns; the order rotates every round.
             order = [n for n in args.brokers if available[n]]
             shift = rep % len(order) if order else 0
             order = order[shift:] + order[:shift]
+            if against and "postgres" in order and release.NAME in order:
+                # This checkout and the release alternate: this checkout first in odd rounds.
+                i, j = order.index("postgres"), order.index(release.NAME)
+                if (i < j) != (rep % 2 == 0):
+                    order[i], order[j] = order[j], order[i]
             server_order = list(harnesses)
             if rep % 2:
                 server_order.reverse()
@@ -312,9 +389,15 @@ def main(argv: list[str] | None = None) -> int:
                 run_workload(workload, names, server_order, harnesses, first, cfg, measure,
                              args.brokers)  # fmt: skip
     finally:
-        for h in harnesses.values():
-            pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
-            pgdata.drop_schema(h.url, SCHEMA)
+        for server, h in harnesses.items():
+            try:
+                pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
+                pgdata.drop_schema(h.url, SCHEMA)
+                if against:
+                    pgdata.drop_schema(h.url, REF_SCHEMA)
+                cost.cleanup(h.url, walinspect.get(server, False))
+            except Exception as e:  # the results are worth more: say so, write them
+                print(f"Cleaning up {server} failed (its bench schemas may be left): {e}")
 
     command = "python -m benchmarks.run" + (
         " " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
@@ -336,8 +419,12 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "errors": {w: e for w, e in errors.items() if e},
         "results": {
-            w: {n: summarize(s) for n, s in per.items()} for w, per in samples.items() if per
+            w: {n: summarize(s, rounds[w][n]) for n, s in per.items()}
+            for w, per in samples.items()
+            if per
         },
+        "notes": {w: per for w, per in notes.items() if per},
+        "against": against,
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     data["targets"] = report.targets(data)
@@ -404,6 +491,14 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
     elif workload == "drain":
         for n in names:
             each(n, lambda h, v=VARIANTS[n]: h.drain(v, cfg["drain"]))
+    elif workload == "life":
+        if "postgres" in brokers:
+            # The framework-free floor of a job's life (benchmarks/floor.py), on each server.
+            for server in server_order:
+                measure("life", pg_key("floor", server),
+                        lambda h=harnesses[server]: h.life_floor(cfg["life"]))  # fmt: skip
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: h.life(v, cfg["life"]))
     elif workload == "latency":
         if "postgres" in brokers:
             # PostgreSQL's own floor (benchmarks/floor.py), beside the broker on each server.

@@ -130,15 +130,7 @@ class PostgresEventBackend(BackendTable, EventBackend):
                 "PostgresEventBackend is the event backend of dramatiq-abort, which is not "
                 "installed: pip install 'dramatiq-pg-broker[abort]'"
             )
-        self._open_table(
-            broker=broker,
-            url=url,
-            schema=schema,
-            pool=pool,
-            listen=listen,
-            prune_batch=prune_batch,
-            prune_interval=prune_interval,
-        )
+        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
 
     def notify(self, events: Iterable[Event], ttl: int) -> None:
         """Signal ``events``: each can be taken once, by :meth:`poll` or :meth:`wait_many`,

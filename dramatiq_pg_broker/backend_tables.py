@@ -42,7 +42,6 @@ class BackendTable:
 
     def _open_table(
         self,
-        *,
         broker: Any,
         url: str | None,
         schema: str | None,
@@ -50,6 +49,7 @@ class BackendTable:
         listen: bool | None,
         prune_batch: int,
         prune_interval: float,
+        /,
     ) -> None:
         self.pool, self.settings = backend_connections(
             url=url, schema=schema, pool=pool, broker=broker, listen=listen

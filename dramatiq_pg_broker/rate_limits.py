@@ -89,15 +89,7 @@ class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
         prune_batch: int = DEFAULT_PRUNE_BATCH,
         prune_interval: float = DEFAULT_PRUNE_INTERVAL,
     ) -> None:
-        self._open_table(
-            broker=broker,
-            url=url,
-            schema=schema,
-            pool=pool,
-            listen=listen,
-            prune_batch=prune_batch,
-            prune_interval=prune_interval,
-        )
+        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple]:
         with self.pool.connection() as conn:

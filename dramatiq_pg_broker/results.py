@@ -116,15 +116,7 @@ class PostgresBackend(BackendTable, ResultBackend):
             encoder=encoder,
             use_namespace_prefix_keys=use_namespace_prefix_keys,
         )
-        self._open_table(
-            broker=broker,
-            url=url,
-            schema=schema,
-            pool=pool,
-            listen=listen,
-            prune_batch=prune_batch,
-            prune_interval=prune_interval,
-        )
+        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
 
     # -- reading ---------------------------------------------------------------------------
 

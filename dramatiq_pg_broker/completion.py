@@ -154,16 +154,22 @@ def _django_level(wrapper: Any) -> _Level:
     return _Level(transaction.atomic(using=alias), began, raw, guard=guard)
 
 
+def _psycopg_level(conn: psycopg.Connection | psycopg.AsyncConnection) -> _Level:
+    """The block's level on a psycopg connection, sync or asyncio: its transaction (or a
+    savepoint in the one already open)."""
+    if conn.closed:
+        raise TransactionError("complete_in() was given a closed connection")
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        raise TransactionError(
+            "complete_in() was given a connection whose transaction failed: roll it back"
+        )
+    return _Level(conn.transaction(), status == TransactionStatus.IDLE, lambda: conn)
+
+
 def _sync_level(obj: Any) -> _Level:
     if isinstance(obj, psycopg.Connection):
-        if obj.closed:
-            raise TransactionError("complete_in() was given a closed connection")
-        status = obj.info.transaction_status
-        if status == TransactionStatus.INERROR:
-            raise TransactionError(
-                "complete_in() was given a connection whose transaction failed: roll it back"
-            )
-        return _Level(obj.transaction(), status == TransactionStatus.IDLE, lambda: obj)
+        return _psycopg_level(obj)
     wrapper = _django_wrapper(obj)
     if wrapper is not None:
         return _django_level(wrapper)
@@ -185,14 +191,7 @@ def _sync_level(obj: Any) -> _Level:
 
 def _async_level(obj: Any) -> _Level:
     if isinstance(obj, psycopg.AsyncConnection):
-        if obj.closed:
-            raise TransactionError("complete_in() was given a closed connection")
-        status = obj.info.transaction_status
-        if status == TransactionStatus.INERROR:
-            raise TransactionError(
-                "complete_in() was given a connection whose transaction failed: roll it back"
-            )
-        return _Level(obj.transaction(), status == TransactionStatus.IDLE, lambda: obj)
+        return _psycopg_level(obj)
     if isinstance(obj, psycopg.Connection) or _is_sqlalchemy_sync(obj) or _django_wrapper(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is a synchronous connection: enter the block with "

@@ -1042,18 +1042,12 @@ class JobStore:
     ) -> Claim:
         """:meth:`claim`, and when it claims nothing, when the queue's earliest waiting job
         becomes runnable, in the same statement (an idle poll is one round trip)."""
-        rows = self._fetch(
-            "claim_jobs",
-            {
-                "queue_name": queue_name,
-                "limit": limit,
-                "owner": owner,
-                "lease_ms": _ms(lease_seconds),
-                "now": now,
-            },
-            conn,
-        )
-        return _claim_of(rows)
+        return _claim_of(self._claim_rows(queue_name, limit, owner, lease_seconds, now, conn))
+
+    def _claim_rows(self, queue_name, limit, owner, lease_seconds, now, conn) -> list[tuple]:
+        """The plain claim statement, limited or not: its rows."""
+        params = {"queue_name": queue_name, "limit": limit, "owner": owner, "now": now}
+        return self._fetch("claim_jobs", {**params, "lease_ms": _ms(lease_seconds)}, conn)
 
     def claim_limited(
         self,
@@ -1086,17 +1080,7 @@ class JobStore:
                 limit = min(limit, room)
             if limit <= 0:
                 return Claim([], queue_limit=max_running, at_limit=True)
-            rows = self._fetch(
-                "claim_jobs",
-                {
-                    "queue_name": queue_name,
-                    "limit": limit,
-                    "owner": owner,
-                    "lease_ms": _ms(lease_seconds),
-                    "now": now,
-                },
-                c,
-            )
+            rows = self._claim_rows(queue_name, limit, owner, lease_seconds, now, c)
         claim = _claim_of(rows)
         return dataclasses.replace(claim, queue_limit=max_running)
 

@@ -27,6 +27,10 @@ included). ``--no-maintenance`` runs the same load without maintenance: the cont
 ``--log`` prints maintenance's log on stderr (each try given up, with the lock's holder;
 each maintenance transaction's duration); ``--batch`` sets the rows a maintenance
 transaction moves or deletes.
+``--warmup`` seconds of the same load run first, without maintenance or the long reader:
+a process's first statements pay for its connections and their catalog caches, which
+belongs to no maintenance step; their figures are reported apart (``warmup``), their
+errors counted with the rest.
 Results are one run on whatever else the machine is doing: compare against the control
 of the same moment.
 """
@@ -172,10 +176,20 @@ class Load:
         #: op -> (seconds it took, seconds after the load started when it ended)
         self.slowest: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
         self.started = time.monotonic()
+        #: op -> summary of the warm-up's timings, set by :meth:`measure_from_now`
+        self.warmup: dict[str, dict] = {}
         self.errors: collections.Counter = collections.Counter()
         self.deadlocks = 0
         self.lock = threading.Lock()
         self.stop = threading.Event()
+
+    def measure_from_now(self) -> None:
+        """End the warm-up: its timings are kept apart and the measured load starts."""
+        with self.lock:
+            self.warmup = {op: summary(times) for op, times in self.times.items()}
+            self.times = collections.defaultdict(list)
+            self.slowest = collections.defaultdict(list)
+            self.started = time.monotonic()
 
     def timed(self, op: str, fn):
         started = time.monotonic()
@@ -301,6 +315,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--default-rows", type=int, default=500_000)
     parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--warmup", type=float, default=5, help="seconds of load before measuring")
     parser.add_argument("--no-maintenance", action="store_true", help="the control run")
     parser.add_argument(
         "--batch", type=int, default=1000, help="rows a maintenance transaction moves or deletes"
@@ -330,16 +345,21 @@ def main(argv=None) -> int:
     steps: collections.Counter = collections.Counter()
     runs: list[dict] = []
     threads = [threading.Thread(target=load.worker, args=(n,)) for n in range(args.threads)]
-    threads.append(threading.Thread(target=long_reader, args=(args.url, args.schema, stop)))
+    for t in threads:
+        t.start()
+    stop.wait(args.warmup)
+    load.measure_from_now()
+    others = [threading.Thread(target=long_reader, args=(args.url, args.schema, stop))]
     if not args.no_maintenance:
-        threads.append(
+        others.append(
             threading.Thread(
                 target=maintenance,
                 args=(load, args.url, args.schema, now, stop, steps, runs, args.batch),
             )
         )
-    for t in threads:
+    for t in others:
         t.start()
+    threads += others
     logging.getLogger(__name__).info("load started")
     stop.wait(args.seconds)
     stop.set()
@@ -349,6 +369,7 @@ def main(argv=None) -> int:
     load.close()
     result = {
         "seconds": args.seconds,
+        "warmup": {"seconds": args.warmup, **load.warmup},
         "threads": args.threads,
         "default_rows": args.default_rows,
         "maintenance": not args.no_maintenance,

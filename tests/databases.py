@@ -1,0 +1,167 @@
+"""A database of its own for each test module, copied from one migrated once per process.
+
+Migrating a schema takes most of a second of the server's time even on a quiet machine
+(0012's daily history partitions, with their indexes, are most of it), and more than two
+seconds while the suite runs in parallel. Each pytest process (each pytest-xdist worker,
+or the one process of a serial run) therefore migrates a *template* database once, and
+each test module gets a copy of it (``CREATE DATABASE ... TEMPLATE``: the template's files
+copied block by block, a tenth of a second). The copy is the migrated database itself, byte
+for byte: the same schema name inside, so the functions whose ``search_path`` the
+migrations fixed still find their tables.
+
+After the module its copy takes no new connection and the open ones are ended, at once;
+the ``DROP DATABASE`` itself, which waits for a checkpoint of the whole server (seconds
+when the server is busy), runs in a thread of its own while the next module goes on, and
+the process's last drops are waited for before it ends.
+
+A module's database keeps it apart from the others as its own schema did, and more: its
+notifications (``LISTEN``/``NOTIFY`` are per database), its advisory locks (keyed by
+database too) and its connections (a module's leftovers are ended with it). The schema
+name is the process's, one per worker, so two modules running at once never share one.
+
+A role that may not create databases (``CREATEDB``) gets what the suite did before: each
+module migrates a schema of its own in the configured database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import urllib.parse
+import uuid
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from .helpers import new_schema_name
+
+
+def database_url(url: str, dbname: str) -> str:
+    """``url`` (a URL or a key=value connection string) naming database ``dbname``."""
+    if "://" not in url:
+        return make_conninfo(url, dbname=dbname)
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + urllib.parse.quote(dbname)))
+
+
+@dataclasses.dataclass
+class Template:
+    """A database migrated once, for :meth:`copy` to copy for each module."""
+
+    server_url: str
+    name: str
+    #: The broker's schema in it (and in every copy).
+    schema: str
+    _counter: itertools.count = dataclasses.field(default_factory=itertools.count)
+    _dropper: Dropper | None = None
+
+    @classmethod
+    def create(cls, server_url: str) -> Template | None:
+        """Create and migrate a template database on the server of ``server_url``; None
+        when its role may not create databases."""
+        from dramatiq_pg_broker.migrate import migrate
+
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            base = conn.info.dbname
+            name = f"{base[:40]}_tpl_{uuid.uuid4().hex[:8]}"
+            try:
+                conn.execute(
+                    sql.SQL("CREATE DATABASE {} {}").format(sql.Identifier(name), _like(conn, base))
+                )
+            except psycopg.errors.InsufficientPrivilege:
+                return None
+        template = cls(server_url, name, new_schema_name())
+        try:
+            migrate(database_url(server_url, name), template.schema)
+        except BaseException:
+            template.drop()
+            raise
+        return template
+
+    def copy(self) -> str:
+        """A new database copied from the template (see :meth:`drop_copy`); its URL."""
+        name = f"{self.name}_{next(self._counter)}"
+        with psycopg.connect(self.server_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                    sql.Identifier(name), sql.Identifier(self.name)
+                )
+            )
+        return database_url(self.server_url, name)
+
+    def drop_copy(self, url: str) -> None:
+        """End every connection to the copy at ``url`` and refuse new ones, now; drop it
+        in the background."""
+        name = conninfo_to_dict(url)["dbname"]
+        with psycopg.connect(self.server_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(sql.Identifier(name))
+            )
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                (name,),
+            )
+        if self._dropper is None:
+            self._dropper = Dropper(self.server_url)
+        self._dropper.put(name)
+
+    def drop(self) -> None:
+        """Drop the template, once every copy is dropped."""
+        if self._dropper is not None:
+            self._dropper.close()
+        _drop(self.server_url, self.name)
+
+
+class Dropper:
+    """A thread that drops the databases it is given, one after another."""
+
+    def __init__(self, server_url: str) -> None:
+        self.server_url = server_url
+        self.names: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="drop-databases", daemon=True)
+        self.thread.start()
+
+    def put(self, name: str) -> None:
+        self.names.put(name)
+
+    def close(self) -> None:
+        """Wait for the drops asked for; raise the first that failed."""
+        self.names.put(None)
+        self.thread.join()
+        if self.errors:
+            raise self.errors[0]
+
+    def _run(self) -> None:
+        while (name := self.names.get()) is not None:
+            try:
+                _drop(self.server_url, name)
+            except Exception as e:  # told by close(), at the end of the run
+                self.errors.append(e)
+
+
+def _like(conn: psycopg.Connection, base: str) -> sql.Composable:
+    """The clause giving a new database the encoding and collation of ``base`` (what the
+    tests ran in before): template1's when they are the same (as ``createdb`` does), else
+    template0 told them."""
+    query = (
+        "SELECT pg_encoding_to_char(encoding), datcollate, datctype FROM pg_database "
+        "WHERE datname = %s"
+    )
+    ours = conn.execute(query, (base,)).fetchone()
+    if ours == conn.execute(query, ("template1",)).fetchone():
+        return sql.SQL("TEMPLATE template1")
+    encoding, collate, ctype = ours
+    return sql.SQL("TEMPLATE template0 ENCODING {} LC_COLLATE {} LC_CTYPE {}").format(
+        sql.Literal(encoding), sql.Literal(collate), sql.Literal(ctype)
+    )
+
+
+def _drop(server_url: str, name: str) -> None:
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )

@@ -25,7 +25,7 @@ module migrates a schema of its own in the configured database.
 
 from __future__ import annotations
 
-import dataclasses
+import datetime as dt
 import itertools
 import queue
 import threading
@@ -47,44 +47,52 @@ def database_url(url: str, dbname: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(path="/" + urllib.parse.quote(dbname)))
 
 
-@dataclasses.dataclass
 class Template:
     """A database migrated once, for :meth:`copy` to copy for each module."""
 
-    server_url: str
-    name: str
-    #: The broker's schema in it (and in every copy).
-    schema: str
-    _counter: itertools.count = dataclasses.field(default_factory=itertools.count)
-    _dropper: Dropper | None = None
+    def __init__(self, server_url: str) -> None:
+        self.server_url = server_url
+        #: The broker's schema in the template, and in every copy.
+        self.schema = new_schema_name()
+        self.name = ""
+        #: The server's date when the template was migrated: 0012 made its history
+        #: partitions from that day on, so a run that passes midnight migrates another.
+        self.day: dt.date | None = None
+        self._counter = itertools.count()
+        self._dropper: Dropper | None = None
 
     @classmethod
     def create(cls, server_url: str) -> Template | None:
         """Create and migrate a template database on the server of ``server_url``; None
         when its role may not create databases."""
-        from dramatiq_pg_broker.migrate import migrate
-
+        template = cls(server_url)
         with psycopg.connect(server_url, autocommit=True) as conn:
-            base = conn.info.dbname
-            name = f"{base[:40]}_tpl_{uuid.uuid4().hex[:8]}"
             try:
-                conn.execute(
-                    sql.SQL("CREATE DATABASE {} {}").format(sql.Identifier(name), _like(conn, base))
-                )
+                template._make(conn)
             except psycopg.errors.InsufficientPrivilege:
                 return None
-        template = cls(server_url, name, new_schema_name())
-        try:
-            migrate(database_url(server_url, name), template.schema)
-        except BaseException:
-            template.drop()
-            raise
         return template
+
+    def _make(self, conn: psycopg.Connection) -> None:
+        from dramatiq_pg_broker.migrate import migrate
+
+        name = f"{conn.info.dbname[:40]}_tpl_{uuid.uuid4().hex[:8]}"
+        conn.execute(sql.SQL("CREATE DATABASE {} {}").format(sql.Identifier(name), _like(conn)))
+        try:
+            migrate(database_url(self.server_url, name), self.schema)
+        except BaseException:
+            _drop(self.server_url, name)
+            raise
+        self.name = name
+        self.day = conn.execute("SELECT current_date").fetchone()[0]
 
     def copy(self) -> str:
         """A new database copied from the template (see :meth:`drop_copy`); its URL."""
-        name = f"{self.name}_{next(self._counter)}"
         with psycopg.connect(self.server_url, autocommit=True) as conn:
+            if conn.execute("SELECT current_date").fetchone()[0] != self.day:
+                self._drop_later(self.name)
+                self._make(conn)
+            name = f"{self.name}_{next(self._counter)}"
             conn.execute(
                 sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
                     sql.Identifier(name), sql.Identifier(self.name)
@@ -104,6 +112,9 @@ class Template:
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
                 (name,),
             )
+        self._drop_later(name)
+
+    def _drop_later(self, name: str) -> None:
         if self._dropper is None:
             self._dropper = Dropper(self.server_url)
         self._dropper.put(name)
@@ -143,15 +154,15 @@ class Dropper:
                 self.errors.append(e)
 
 
-def _like(conn: psycopg.Connection, base: str) -> sql.Composable:
-    """The clause giving a new database the encoding and collation of ``base`` (what the
-    tests ran in before): template1's when they are the same (as ``createdb`` does), else
-    template0 told them."""
+def _like(conn: psycopg.Connection) -> sql.Composable:
+    """The clause giving a new database the encoding and collation of ``conn``'s (the
+    configured one, where the tests ran before): template1's when they are the same (as
+    ``createdb`` does), else template0 told them."""
     query = (
         "SELECT pg_encoding_to_char(encoding), datcollate, datctype FROM pg_database "
         "WHERE datname = %s"
     )
-    ours = conn.execute(query, (base,)).fetchone()
+    ours = conn.execute(query, (conn.info.dbname,)).fetchone()
     if ours == conn.execute(query, ("template1",)).fetchone():
         return sql.SQL("TEMPLATE template1")
     encoding, collate, ctype = ours

@@ -15,8 +15,9 @@ the functions whose ``search_path`` the migrations fixed still find their tables
 
 After the module its copy takes no new connection and the open ones are ended, at once;
 the ``DROP DATABASE`` itself, which waits for a checkpoint of the whole server (seconds
-when the server is busy), runs in a thread of its own while the next module goes on, and
-the process's last drops are waited for before it ends.
+when the server is busy), runs in a thread of its own while the next module goes on. The
+process waits for its last drops before it ends (the last copy and the template at once:
+drops running together share a checkpoint).
 
 A module's database keeps it apart from the others as its own schema did, and more: its
 notifications (``LISTEN``/``NOTIFY`` are per database), its advisory locks (keyed by
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
-import queue
 import threading
 import urllib.parse
 import uuid
@@ -124,38 +124,39 @@ class Template:
         self._dropper.put(name)
 
     def drop(self) -> None:
-        """Drop the template, once every copy is dropped."""
-        if self._dropper is not None:
-            self._dropper.close()
-        _drop(self.server_url, self.name)
+        """Drop the template, and wait for every copy's drop."""
+        self._drop_later(self.name)
+        self._dropper.close()
 
 
 class Dropper:
-    """A thread that drops the databases it is given, one after another."""
+    """Drops databases in threads of their own: the checkpoint each ``DROP DATABASE``
+    waits for is shared by the drops running at once (the end of a run drops its last copy
+    and the template together)."""
 
     def __init__(self, server_url: str) -> None:
         self.server_url = server_url
-        self.names: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, name="drop-databases", daemon=True)
-        self.thread.start()
 
     def put(self, name: str) -> None:
-        self.names.put(name)
+        self.threads = [thread for thread in self.threads if thread.is_alive()]
+        thread = threading.Thread(target=self._drop, args=(name,), name=f"drop {name}")
+        thread.start()
+        self.threads.append(thread)
 
     def close(self) -> None:
         """Wait for the drops asked for; raise the first that failed."""
-        self.names.put(None)
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
         if self.errors:
             raise self.errors[0]
 
-    def _run(self) -> None:
-        while (name := self.names.get()) is not None:
-            try:
-                _drop(self.server_url, name)
-            except Exception as e:  # told by close(), at the end of the run
-                self.errors.append(e)
+    def _drop(self, name: str) -> None:
+        try:
+            _drop(self.server_url, name)
+        except Exception as e:  # told by close(), at the end of the run
+            self.errors.append(e)
 
 
 def _like(conn: psycopg.Connection) -> sql.Composable:

@@ -1,6 +1,8 @@
-"""Shared fixtures: a real PostgreSQL, and a fresh migrated schema per test module.
+"""Shared fixtures: a real PostgreSQL, and a freshly migrated database per test module.
 
-The server is ``DRAMATIQ_PG_TEST_URL`` when set, else the embedded one (pgserver).
+The server is ``DRAMATIQ_PG_TEST_URL`` when set, else the embedded one (pgserver). Each test
+module gets a database of its own, a copy of one this process migrated once (see
+:mod:`.databases`).
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 
 @pytest.fixture(scope="session")
-def pg_url() -> str:
+def server_url() -> str:
+    """The configured PostgreSQL: ``DRAMATIQ_PG_TEST_URL``, else the embedded one. Tests
+    use their module's database (``pg_url``) on it."""
     url = os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL")
     if url:
         return url
@@ -121,9 +125,39 @@ def pg_url() -> str:
     return embedded_url()
 
 
+@pytest.fixture(scope="session")
+def template(server_url):
+    """This process's template database, migrated once; None when the role may not create
+    databases."""
+    from .databases import Template
+
+    template = Template.create(server_url)
+    yield template
+    if template is not None:
+        template.drop()
+
+
 @pytest.fixture(scope="module")
-def schema(pg_url):
-    """A schema migrated to the latest version, dropped after the module."""
+def pg_url(server_url, template) -> str:
+    """The URL of the module's own database, a copy of the migrated template (dropped
+    after the module); the configured database itself when the role may not create
+    databases."""
+    if template is None:
+        yield server_url
+        return
+    url = template.copy()
+    yield url
+    template.drop_copy(url)
+
+
+@pytest.fixture(scope="module")
+def schema(pg_url, template):
+    """The broker's schema in the module's database, migrated to the latest version.
+    Without a template, a schema of the module's own, migrated here and dropped after the
+    module."""
+    if template is not None:
+        yield template.schema
+        return
     from dramatiq_pg_broker.migrate import migrate
 
     name = new_schema_name()

@@ -286,7 +286,7 @@ def test_throughput_finds_the_window_in_a_long_history(pg_url, empty_schema):
     engine = create_engine(pg_url, Settings(url=pg_url, schema=empty_schema))
     insert = sql.SQL(
         "INSERT INTO {schema}.job_events (job_id, type, attempt, created_at) "
-        "SELECT %(job)s, %(type)s, 1, now() - %(ago)s * interval '1 minute' "
+        "SELECT %(job)s, %(type)s, 1, %(at)s - %(ago)s * interval '1 minute' "
         "FROM generate_series(1, %(n)s)"
     ).format(schema=sql.Identifier(empty_schema))
     with psycopg.connect(pg_url, autocommit=True) as conn:
@@ -296,15 +296,18 @@ def test_throughput_finds_the_window_in_a_long_history(pg_url, empty_schema):
                 "VALUES (gen_random_uuid(), 'q', 'a', '{{}}', 'queued', now()) RETURNING id"
             ).format(sql.Identifier(empty_schema))
         ).fetchone()[0]
+        # One clock for the events and the reads, so a minute boundary passing during the
+        # test moves no event out of its window.
+        at = conn.execute("SELECT now()").fetchone()[0]
         # Oldest first, as events are written: ids grow with time.
         for ago, kind, n in ((150, "succeeded", 300), (90, "failed", 20), (30, "succeeded", 7)):
-            conn.execute(insert, {"job": job, "type": kind, "ago": ago, "n": n})
-        conn.execute(insert, {"job": job, "type": "retry_scheduled", "ago": 0, "n": 2})
+            conn.execute(insert, {"job": job, "type": kind, "ago": ago, "n": n, "at": at})
+        conn.execute(insert, {"job": job, "type": "retry_scheduled", "ago": 0, "n": 2, "at": at})
     monitor = Monitor(engine, empty_schema)
     try:
 
         def totals(minutes):
-            buckets = monitor.throughput(minutes=minutes)["buckets"]
+            buckets = monitor.throughput(minutes=minutes, now=at)["buckets"]
             return tuple(sum(b[k] for b in buckets) for k in ("succeeded", "failed", "retried"))
 
         assert totals(60) == (7, 0, 2)

@@ -28,8 +28,21 @@ def _fill(conn, schema: str, finished: int, events: int = 2) -> None:
     """``finished`` finished jobs over the last 20 days (succeeded, failed, cancelled, in
     the proportions 90/8/2), each with its created and final events (and a claimed one
     between with ``events=3``), and a few unfinished jobs, written as the release before
-    0012 wrote them."""
+    0012 wrote them. The indexes that back no constraint are built after the rows are in,
+    with their own definitions, as a bulk load would: a million rows are written in a
+    fraction of the time, and the migration meets the same indexes."""
     q = sql.Identifier(schema)
+    indexes = conn.execute(
+        """
+        SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid)
+        FROM pg_index AS i
+        WHERE i.indrelid IN (%(jobs)s::regclass, %(events)s::regclass)
+          AND NOT EXISTS (SELECT FROM pg_constraint AS c WHERE c.conindid = i.indexrelid)
+        """,
+        {"jobs": f'"{schema}".jobs', "events": f'"{schema}".job_events'},
+    ).fetchall()
+    for name, _ in indexes:
+        conn.execute(f"DROP INDEX {name}")
     conn.execute(
         sql.SQL(
             """
@@ -92,6 +105,8 @@ def _fill(conn, schema: str, finished: int, events: int = 2) -> None:
             "SELECT id, 'created', 0 FROM {q}.jobs WHERE status IN ('queued', 'running')"
         ).format(q=q)
     )
+    for _, definition in indexes:
+        conn.execute(definition)
 
 
 def _snapshot(conn, schema: str, table: str):

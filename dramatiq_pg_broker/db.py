@@ -343,7 +343,7 @@ class ReconnectingPool(ConnectionPool):
         # A new connection whose opening began before a refusal, or one given back that
         # was taken before it: replaced, not kept (no statement needed, so the normal case
         # costs no round trip).
-        if self.opened_before_refusal(conn):
+        if not self._closed and self.opened_before_refusal(conn):
             self._close_connection(conn)
             self.run_task(AddConnection(self))
             return

@@ -252,8 +252,12 @@ def connection_kwargs(settings: Settings) -> dict:
 def in_hot_standby(conn: psycopg.Connection) -> bool:
     """Whether the server of ``conn`` is a hot standby (in recovery), as the server last
     reported it (PostgreSQL 14 and later report ``in_hot_standby`` at the start and on each
-    change, a promotion included): no round trip. False when it is not reported."""
-    return conn.pgconn.parameter_status(b"in_hot_standby") == b"on"
+    change, a promotion included): no round trip. False when it is not reported, or the
+    connection is closed."""
+    try:
+        return conn.pgconn.parameter_status(b"in_hot_standby") == b"on"
+    except psycopg.Error:
+        return False
 
 
 #: SQLSTATEs that mean the session is gone: the server shut down, crashed or is starting.

@@ -137,6 +137,9 @@ def test_during_an_outage_a_hot_standbys_answer_ends_nothing(pg_url, schema, tol
     try:
         with pool.connection() as c:
             assert not db.in_hot_standby(c), "the test server reports itself a standby"
+        closed = psycopg.connect(pg_url)
+        closed.close()
+        assert not db.in_hot_standby(closed)
         with pytest.raises(dramatiq.errors.ConnectionClosed):
             with pool.connection() as c:
                 refuse_a_write(c)

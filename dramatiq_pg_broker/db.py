@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import re
 import threading
 import time
@@ -17,6 +18,7 @@ from dramatiq.errors import ConnectionClosed, ConnectionFailed
 from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
+from psycopg_pool.pool import AddConnection
 
 from . import forks, outage
 from .config import Settings
@@ -247,6 +249,17 @@ def connection_kwargs(settings: Settings) -> dict:
     return kwargs
 
 
+def in_hot_standby(conn: psycopg.Connection) -> bool:
+    """Whether the server of ``conn`` is a hot standby (in recovery), as the server last
+    reported it (PostgreSQL 14 and later report ``in_hot_standby`` at the start and on each
+    change, a promotion included): no round trip. False when it is not reported, or the
+    connection is closed."""
+    try:
+        return conn.pgconn.parameter_status(b"in_hot_standby") == b"on"
+    except psycopg.Error:
+        return False
+
+
 #: SQLSTATEs that mean the session is gone: the server shut down, crashed or is starting.
 _SESSION_LOST = {"57P01", "57P02", "57P03"}
 
@@ -282,18 +295,63 @@ POOL_NAME_PREFIX = "dramatiq-pg-broker-"
 class ReconnectingPool(ConnectionPool):
     """A psycopg ConnectionPool whose reconnection attempts are at most
     :data:`RECONNECT_CAP_SECONDS` apart, and whose failed attempts count towards the
-    process's outage (:mod:`.outage`) instead of each logging a warning of its own."""
+    process's outage (:mod:`.outage`) instead of each logging a warning of its own.
+
+    When one of its connections meets a server that refuses to write (:meth:`refused`),
+    every connection whose opening began before that moment is replaced before it is
+    handed out again: the idle ones at once, the ones in use or still being opened when
+    they come to the pool. They were all led to where the name pointed then (a standby,
+    say), and would each refuse in turn after the name moved.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         outage.quiet_pool_logs(POOL_NAME_PREFIX)
+        #: Monotonic time of the last refusal to write met by a connection of the pool.
+        self.refused_at = -math.inf
         super().__init__(*args, **kwargs)
 
     def _connect(self, timeout: float | None = None) -> psycopg.Connection:
+        began = time.monotonic()
         try:
-            return super()._connect(timeout)
+            conn = super()._connect(timeout)
         except psycopg.Error as e:
             outage.tracker.connect_failed(e)
             raise
+        conn._dpb_opening_began = began
+        return conn
+
+    def opened_before_refusal(self, conn: psycopg.Connection) -> bool:
+        """Whether the opening of ``conn`` began before the pool's last refusal to write."""
+        return getattr(conn, "_dpb_opening_began", math.inf) <= self.refused_at
+
+    def refused(self, conn: psycopg.Connection) -> bool:
+        """``conn``, one of the pool's, met a server that refuses to write: close it, and
+        replace every connection opened before now (see the class docstring).
+
+        Returns whether ``conn`` itself was opened before an earlier refusal: its refusal
+        then tells nothing new (that refusal was told), even if the database answered in
+        between on the connections that replaced it.
+        """
+        echo = self.opened_before_refusal(conn)
+        self.refused_at = time.monotonic()
+        conn.close()
+        with self._lock:
+            idle = list(self._pool)
+            self._pool.clear()
+        for stale in idle:
+            self._close_connection(stale)
+            self.run_task(AddConnection(self))
+        return echo
+
+    def _add_to_pool(self, conn: psycopg.Connection) -> None:
+        # A new connection whose opening began before a refusal, or one given back that
+        # was taken before it: replaced, not kept (no statement needed, so the normal case
+        # costs no round trip).
+        if not self._closed and self.opened_before_refusal(conn):
+            self._close_connection(conn)
+            self.run_task(AddConnection(self))
+            return
+        super()._add_to_pool(conn)
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         if attempt is None:
@@ -453,23 +511,33 @@ class ProcessPool:
                 with pool.connection() as conn:
                     try:
                         yield conn
-                    except psycopg.errors.ReadOnlySqlTransaction:
+                    except psycopg.errors.ReadOnlySqlTransaction as e:
                         # A server that refuses to write (a standby reached through a
                         # virtual IP or DNS name that a failover has not moved yet): every
                         # connection of the pool may be there. Replace them all; new ones
                         # go where the name points now.
+                        if isinstance(pool, ReconnectingPool):
+                            if pool.refused(conn):
+                                # Opened before an earlier refusal, which was told: the
+                                # same failover, not a new outage.
+                                raise ConnectionClosed(e) from e
+                            raise
                         conn.close()
                         drain = getattr(pool, "drain", None)  # psycopg_pool 3.3
                         if drain is not None:
                             drain()
                         raise
+                    # During an outage, a standby that answered a read ends nothing: the
+                    # broker cannot write there (no statement asked: the server says it).
+                    standby = outage.tracker.troubled and in_hot_standby(conn)
         except (ConnectionClosed, ConnectionFailed):
             # A server that dropped one connection (restart, failover, terminated backends)
             # has usually dropped every idle one too, and the pool would hand them out one
             # by one, each failing a caller's bounded retry. Check them all now instead.
             self._discard_broken(pool)
             raise
-        outage.tracker.answered()
+        if not standby:
+            outage.tracker.answered()
 
     def _handshake(self, pool: ConnectionPool, wait_for_migration: bool) -> None:
         from .errors import MigrationsPending

@@ -23,7 +23,11 @@ What counts as an outage:
   :data:`GRACE_SECONDS` without a statement succeeding in between: one terminated backend,
   which the next connection replaces, is no outage;
 - the first statement the database answers ends it. Its length is counted from the first
-  sign of it.
+  sign of it. A pooled connection's answer from a hot standby ends none (the broker
+  cannot write there; the pool tells, see :func:`.db.in_hot_standby`);
+- a refusal to write on a pooled connection opened before an earlier refusal (one that
+  was in use, or being opened, when the pool replaced its connections) is the same
+  failover, not a new outage: it is not counted again.
 
 All three lines are warnings, so that a log filtered at WARNING tells the whole story.
 The state belongs to the process: a forked child starts with none of its parent's.
@@ -141,6 +145,12 @@ class Outage:
     def unreachable(self) -> bool:
         """Whether an outage was announced and has not ended."""
         return self._announced and self._pid == forks.pid()
+
+    @property
+    def troubled(self) -> bool:
+        """Whether trouble was seen that no answer has ended yet (announced or not). A
+        plain read, cheap enough for every statement."""
+        return self._since is not None
 
     def connect_failed(self, error: BaseException) -> None:
         """A connection attempt failed, or the server refused to write. A refusal for want

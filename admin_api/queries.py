@@ -334,17 +334,19 @@ class JobQueries:
 
         How it stays fast at millions of rows:
 
-        - a page is a walk of an index in ``(created_at, id)`` order: ``jobs_created_at_idx``,
-          or, under a queue or actor filter, ``jobs_queue_created_idx`` /
-          ``jobs_actor_created_idx``, and their counterparts in each partition of
-          ``jobs_history`` (the view ``all_jobs`` merges both in order; a status filter
-          leaves out the table that cannot hold it);
+        - a page is a walk of an index in ``(created_at, id)`` order in each partition of
+          ``jobs_history``: ``jobs_history_created_at_idx``, or, under a queue or actor
+          filter, ``jobs_history_queue_created_idx`` / ``jobs_history_actor_created_idx``;
+          the unfinished jobs (the ``jobs`` table, the backlog, which indexes only what the
+          workers need: migration 0017) are sorted into the same order, a top-N sort of the
+          rows the filters leave; the view ``all_jobs`` merges both in order, and a status
+          filter leaves out the table that cannot hold it;
         - deep pages are keyset (``cursor``): a position, not a number of rows to skip;
         - the count stops at :data:`COUNT_CAP` rows (``count_exact`` is then false);
         - the actor filter (a case-insensitive substring) is first resolved to the actor
-          names that match, read from ``jobs_actor_created_idx`` one distinct name at a time
-          (a few index probes per actor); each name then walks its own index range and the
-          pages are merged.
+          names that match, read one distinct name at a time (a few index probes per actor
+          in history, a pass over the backlog); each name then walks its own index range and
+          the pages are merged.
 
         Raises:
           TooManyActors: the actor filter matches more than :data:`MAX_ACTOR_MATCHES` names.
@@ -409,7 +411,7 @@ class JobQueries:
     @staticmethod
     def _scan_for_actors(conn, conditions, order, names, wanted: int):
         """The first ``wanted`` jobs of a filter matching several actor names, read from
-        one walk of the list's order (``jobs_created_at_idx`` and its counterparts) and
+        one walk of the list's order (``jobs_history_created_at_idx`` in each partition) and
         kept when their actor is one of ``names``; None when :data:`ACTOR_SCAN_ROWS` rows
         were read without finding as many (the names are rare: each then walks its own
         index range, see :meth:`_walk_branches`).
@@ -567,16 +569,22 @@ class JobQueries:
         """The distinct actor names containing ``fragment`` (case-insensitive), and whether
         they are every actor name of the table.
 
-        A loose index scan of ``jobs_actor_created_idx``: each step of the recursive query
-        jumps to the next distinct name, so it costs one index probe per actor, not one row
-        per job.
+        A loose index scan of ``jobs_history_actor_created_idx`` in each partition of
+        history: each step of the recursive query jumps to the next distinct name, so it
+        costs one index probe per actor, not one row per job; and the distinct names of the
+        unfinished jobs (the backlog, which has no index by actor since migration 0017), in
+        one pass over them.
 
         Raises:
           TooManyActors: more than :data:`MAX_ACTOR_MATCHES` names match.
         """
-        first = sa.select(jobs.c.actor_name.label("name")).order_by(jobs.c.actor_name).limit(1)
+        first = (
+            sa.select(jobs_history.c.actor_name.label("name"))
+            .order_by(jobs_history.c.actor_name)
+            .limit(1)
+        )
         actors = first.cte("actors", recursive=True)
-        later = jobs.alias("later")
+        later = jobs_history.alias("later")
         following = (
             sa.select(later.c.actor_name)
             .where(later.c.actor_name > actors.c.name)
@@ -585,8 +593,11 @@ class JobQueries:
             .scalar_subquery()
         )
         actors = actors.union_all(sa.select(following).where(actors.c.name.is_not(None)))
-        names = list(
-            conn.execute(sa.select(actors.c.name).where(actors.c.name.is_not(None))).scalars()
+        finished = sa.select(actors.c.name).where(actors.c.name.is_not(None))
+        # The unfinished jobs have no index by actor (migration 0017): one pass over them.
+        unfinished = sa.select(jobs_table.c.actor_name).distinct()
+        names = sorted(
+            set(conn.execute(finished).scalars()) | set(conn.execute(unfinished).scalars())
         )
         needle = fragment.casefold()
         matching = [name for name in names if needle in name.casefold()]
@@ -788,8 +799,8 @@ class JobQueries:
         )
         retries = sa.select(sa.func.count()).select_from(jobs).where(queued, jobs.c.attempts > 0)
         # MATERIALIZED keeps the planner on the queued-rows index: left alone, it may walk
-        # jobs_created_at_idx from the oldest row hoping to meet a queued one soon, and read
-        # every finished row on the way.
+        # an index in created_at order from the oldest row hoping to meet a queued one soon
+        # (before migration 0017 the jobs table had one, jobs_created_at_idx).
         waiting = (
             sa.select(jobs.c.id, jobs.c.queue_name, jobs.c.actor_name, jobs.c.created_at)
             .where(queued)

@@ -231,6 +231,7 @@ class Phase:
     records: int | None = None
     by_relation: dict[str, int] = field(default_factory=dict)
     by_record: dict[str, int] = field(default_factory=dict)
+    by_relation_nofpi: dict[str, int] = field(default_factory=dict)
     inspect_error: str | None = None
     #: The session whose temporary slot keeps the phase's WAL until it is read back.
     hold: psycopg.Connection | None = field(default=None, repr=False)
@@ -395,6 +396,7 @@ def _inspect(url: str, phase: Phase) -> None:
                 _INSPECT, {"start": phase.start_lsn, "end": phase.end_lsn, "db": db}
             ).fetchall()
             by_relation: dict[str, int] = {}
+            by_relation_nofpi: dict[str, int] = {}
             by_record: dict[str, int] = {}
             total = fpi = records = 0
             names: dict[tuple[int, int], str] = {}
@@ -416,11 +418,13 @@ def _inspect(url: str, phase: Phase) -> None:
                         names[key] = f"{found[0]} {found[1]}" if found else "(a dropped relation)"
                     name = names[key]
                 by_relation[name] = by_relation.get(name, 0) + size
+                by_relation_nofpi[name] = by_relation_nofpi.get(name, 0) + size - image
     except Exception as e:
         phase.inspect_error = f"{type(e).__name__}: {_first_line(e)}"
         return
     phase.ours_bytes, phase.fpi_bytes, phase.records = total, fpi, records
     phase.by_relation, phase.by_record = by_relation, by_record
+    phase.by_relation_nofpi = by_relation_nofpi
 
 
 def figures(count: int, send: Phase, drain: Phase) -> dict:
@@ -451,6 +455,9 @@ def figures(count: int, send: Phase, drain: Phase) -> dict:
         for prefix, a, b in (
             ("rel:", send.by_relation, drain.by_relation),
             ("rec:", send.by_record, drain.by_record),
+            # By relation without full-page images: compares across runs on a server
+            # whose checkpoints come at any moment (other sessions' WAL).
+            ("relnofpi:", send.by_relation_nofpi, drain.by_relation_nofpi),
         ):
             for name in sorted(set(a) | set(b)):
                 out[prefix + name] = (a.get(name, 0) + b.get(name, 0)) / count

@@ -110,8 +110,9 @@ class NewJob:
 
     Build it with :func:`dramatiq_pg_broker.messages.job_from_message`, which validates
     and encodes. ``message_bytes`` is what workers decode; ``message`` is the jsonb view
-    for display (or, with ``message_view_from_bytes``, the server parses the bytes into
-    it). A job with only ``message`` is an older row's form, still readable.
+    for display when it differs from the bytes (with ``message_view_from_bytes`` none is
+    stored: the view ``all_jobs`` parses the bytes on read). A job with only ``message``
+    is an older row's form, still readable.
     """
 
     id: str
@@ -196,7 +197,7 @@ PAUSE_PAYLOAD = "pause"
 #: arrays of ``insert_jobs`` and the columns of the staging table (a unit test holds the
 #: statements to this list). :func:`send_values` gives the values; the binary COPY of
 #: :meth:`JobStore._copy_new` writes the stored row the server computes from them
-#: (``available_at`` from ``delay_ms``, the jsonb view from ``view_from_bytes``).
+#: (``available_at`` from ``delay_ms``; no jsonb view when ``view_from_bytes``).
 SEND_FIELDS: tuple[tuple[str, str], ...] = (
     ("id", "text"),
     ("queue_name", "text"),
@@ -890,10 +891,9 @@ class JobStore:
                 if job.message is not None:
                     view = b"\x01" + json.dumps(job.message).encode()
                     view = _LENGTH.pack(len(view)) + view
-                elif job.message_view_from_bytes and data is not None:
-                    # The bytes are JSON that jsonb holds as it is (see messages.encode).
-                    view = _LENGTH.pack(len(data) + 1) + b"\x01" + data
                 else:
+                    # None, or the bytes are JSON that jsonb holds as it is (see
+                    # messages.encode): all_jobs parses them on read (migration 0018).
                     view = _NULL_FIELD
                 created = _TIMESTAMP.pack(8, now_us + position)
                 job_rows.append(

@@ -74,9 +74,10 @@ FOR UPDATE OF j
 -- execution even in a generic plan. Without a timestamp every partition is probed. A key
 -- is registered in job_keys, which holds it for its job's whole life: the job is inserted
 -- only if the key was new (keyed sends only; a real unique index, so no race with a move
--- to history can let a second job in). message_bytes is what workers decode; the jsonb view is for display only: either
--- given (a display-safe copy) or parsed here from the bytes when the sender knows jsonb
--- holds them as they are (%(view_from_bytes)s), so the message crosses the wire once.
+-- to history can let a second job in). message_bytes is what workers decode; the jsonb view is for display only: it is
+-- given when it differs from the bytes (a display-safe copy) and left null when jsonb
+-- holds the bytes as they are (%(view_from_bytes)s): the view all_jobs parses them on read
+-- (migration 0018), so the message crosses the wire and lands in the row once.
 -- A send that is not %(durable)s commits without waiting for its WAL flush: set_config(...,
 -- true) is local to this statement's own transaction (the pool's connections autocommit;
 -- a caller's transaction always passes durable). A server crash can then lose the sends
@@ -94,8 +95,7 @@ WITH new_key AS (
     )
     SELECT
         %(id)s, %(queue_name)s, %(actor_name)s,
-        coalesce(%(message)s::jsonb, CASE WHEN %(view_from_bytes)s
-            THEN convert_from(%(message_bytes)s::bytea, 'UTF8')::jsonb END),
+        CASE WHEN %(view_from_bytes)s THEN NULL ELSE %(message)s::jsonb END,
         %(message_bytes)s, %(priority)s,
         coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         %(max_attempts)s, %(idempotency_key)s, %(idempotency_scope)s,
@@ -170,8 +170,7 @@ WITH moved AS (
         locked_by = NULL,
         locked_until = NULL,
         queue_name = %(queue_name)s,
-        message = coalesce(%(message)s::jsonb, CASE WHEN %(view_from_bytes)s
-            THEN convert_from(%(message_bytes)s::bytea, 'UTF8')::jsonb END),
+        message = CASE WHEN %(view_from_bytes)s THEN NULL ELSE %(message)s::jsonb END,
         message_bytes = %(message_bytes)s,
         priority = %(priority)s,
         available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
@@ -227,9 +226,7 @@ WITH given AS (
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
     )
     SELECT id, queue_name, actor_name,
-           coalesce(message, CASE WHEN view_from_bytes
-               THEN convert_from(message_bytes, 'UTF8')::jsonb END),
-           message_bytes, priority,
+           CASE WHEN view_from_bytes THEN NULL ELSE message END, message_bytes, priority,
            coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
@@ -264,7 +261,7 @@ SELECT coalesce(%(now)s::timestamptz, now())
 -- copy_jobs --
 -- A bulk enqueue with no conflict to resolve, straight into the jobs table (binary COPY, in
 -- this column order). The rows arrive with available_at and created_at computed from
--- bulk_now, as insert_jobs computes them, and the jsonb view as the encoder's JSON text
+-- bulk_now, as insert_jobs computes them, and the jsonb view when the sender gave one
 -- (the binary form of jsonb is a version byte and the text; the server parses it). COPY
 -- has no ON CONFLICT: an existing id or idempotency key aborts it with a unique violation,
 -- and the caller, which ran it in a savepoint, takes the staged path instead.
@@ -357,9 +354,7 @@ WITH new_keys AS (
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
     )
     SELECT id::uuid, queue_name, actor_name,
-           coalesce(message, CASE WHEN view_from_bytes
-               THEN convert_from(message_bytes, 'UTF8')::jsonb END),
-           message_bytes, priority,
+           CASE WHEN view_from_bytes THEN NULL ELSE message END, message_bytes, priority,
            coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',

@@ -66,9 +66,12 @@ def test_the_admin_indexes_exist(pg_url, schema):
     finally:
         engine.dispose()
     indexes = dict(rows)
-    assert "(created_at, id)" in indexes["jobs_created_at_idx"]
     # History (0012): the list's order and filters, per partition, and the dead letters
     # are their own partitions (no partial index over finished rows in the jobs table).
+    # The hot jobs table indexes what the workers need, not the list's orders (0017).
+    for name in ("jobs_created_at_idx", "jobs_queue_created_idx", "jobs_actor_created_idx"):
+        assert name not in indexes
+    assert "(actor_name, created_at, id)" in indexes["jobs_history_actor_created_idx"]
     assert "(created_at, id)" in indexes["jobs_history_created_at_idx"]
     assert "(queue_name, created_at, id)" in indexes["jobs_history_queue_created_idx"]
     assert "jobs_dead_idx" not in indexes

@@ -55,10 +55,13 @@ def declare(broker, queue="periodic", **schedule):
 
 
 def tick_jobs(broker) -> list[dict]:
+    """The unfinished jobs of the schedule, with the message as readers see it (all_jobs
+    parses the stored bytes, migration 0018)."""
     with broker.pool.connection() as conn:
         cur = conn.execute(
             f"SELECT id, idempotency_key, message -> 'options' -> 'periodic' AS periodic "
-            f"FROM {broker.settings.schema}.jobs WHERE actor_name = 'tick' ORDER BY 2"
+            f"FROM {broker.settings.schema}.all_jobs "
+            "WHERE actor_name = 'tick' AND status IN ('queued', 'running') ORDER BY 2"
         )
         return [dict(zip([d.name for d in cur.description], r)) for r in cur.fetchall()]
 

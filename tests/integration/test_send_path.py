@@ -116,6 +116,58 @@ def test_a_value_the_encoder_cannot_encode_is_a_clear_error_at_send(broker, queu
     assert count_rows(broker, conn, queue) == 0
 
 
+def test_the_message_is_stored_once_and_shown_the_same(broker, queue, conn):
+    """A message jsonb holds as it is keeps no jsonb copy in the row (migration 0018): the
+    view all_jobs parses the bytes, unfinished and finished, and shows what the copy did.
+    A display-safe copy is still stored and shown; bytes that are not JSON show nothing,
+    and a row with only its jsonb copy (an earlier release's) shows its copy."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def task(*args, **kwargs):
+        pass
+
+    schema = broker.settings.schema
+    plain = task.send(1, "two", {"three": [3.5, None]}, flag=True)
+    safe = task.send(float("nan"), "a\u0000b")
+    # One small batch (one statement) and one large enough for the direct COPY.
+    batches = [
+        broker.enqueue_many([task.message(n) for n in range(2)]),
+        broker.enqueue_many([task.message(n) for n in range(broker.store.BULK_COPY_MIN)]),
+    ]
+    plain_ones = [plain, batches[0][0], batches[1][0], batches[1][-1]]
+
+    def stored(table, message_id):
+        return conn.execute(
+            f'SELECT message FROM "{schema}".{table} WHERE id = %s', (message_id,)
+        ).fetchone()[0]
+
+    def shown(message_id):
+        return broker.store.get(message_id)["message"]
+
+    for message in plain_ones:
+        assert stored("jobs", message.message_id) is None, "the parsed bytes are stored again"
+        assert shown(message.message_id) == json.loads(message.encode())
+    assert stored("jobs", safe.message_id)["args"] == ["NaN", "a\ufffdb"]
+    assert shown(safe.message_id)["args"] == ["NaN", "a\ufffdb"]
+
+    broker.start_worker()
+    broker.join(queue, timeout=20_000)
+    for message in plain_ones:
+        assert stored("jobs_history", message.message_id) is None
+        assert shown(message.message_id) == json.loads(message.encode())
+    assert shown(safe.message_id)["args"] == ["NaN", "a\ufffdb"]
+    conn.execute(
+        f'UPDATE "{schema}".jobs_history SET message_bytes = %s WHERE id = %s',
+        (b"\x80\x04opaque", plain.message_id),
+    )
+    assert shown(plain.message_id) is None
+    conn.execute(
+        f'UPDATE "{schema}".jobs_history SET message = %s, message_bytes = NULL WHERE id = %s',
+        (json.dumps({"args": [7]}), plain.message_id),
+    )
+    assert shown(plain.message_id) == {"args": [7]}
+
+
 # -- enqueueing an existing id -------------------------------------------------------------
 
 

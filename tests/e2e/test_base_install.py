@@ -160,7 +160,7 @@ def test_base_install_migrates_sends_and_runs_a_worker(base_venv, pg_url, empty_
     code = CHECK_IMPORTS % (ADMIN_ONLY + FRAMEWORKS, ADMIN_ONLY + FRAMEWORKS)
     checked = json.loads(run(base_venv, "python", "-c", code, cwd=tmp_path, env=env).stdout)
     assert "dramatiq_pg_broker.broker" in checked["modules"]
-    assert "dramatiq_pg_broker.async_sending" in checked["modules"]
+    assert "dramatiq_pg_broker.sending.async_sending" in checked["modules"]
     assert checked["installed"] == dict.fromkeys(ADMIN_ONLY + FRAMEWORKS, False), checked
     assert checked["loaded"] == [], checked
     # What runs is the installed wheel, not this checkout.

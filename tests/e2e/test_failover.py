@@ -39,8 +39,9 @@ import psycopg
 import pytest
 from dramatiq.results import Results
 
-from dramatiq_pg_broker import PostgresBroker, outage
-from dramatiq_pg_broker.listener import listener_for
+from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.db import outage
+from dramatiq_pg_broker.db.listener import listener_for
 from dramatiq_pg_broker.migrate import discover, migrate
 
 from .failover_actors import create_runs_table, declare

@@ -11,7 +11,7 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker, Schedule, periodic
 from dramatiq_pg_broker.errors import ConfigurationError
-from dramatiq_pg_broker.periodic import (
+from dramatiq_pg_broker.history.periodic import (
     INTERVAL_ORIGIN,
     RETENTION_SCHEDULE,
     Scheduler,

@@ -35,16 +35,16 @@ from typing import TYPE_CHECKING
 
 from dramatiq.errors import BrokerConnectionError
 
-from .backoff import backoff_table
+from ..backoff import backoff_table
+from ..jobs.store import ReapResult
+from ..service import Service
 from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY
-from .jobs import ReapResult
 from .retries import end_reaped_job
-from .service import Service
 
 if TYPE_CHECKING:
-    from .broker import PostgresBroker
+    from ..broker import PostgresBroker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.leases")
 
 #: How many poll intervals an idle claim's lease report stays usable (see the module
 #: docstring): an idle consumer sends one every poll interval.

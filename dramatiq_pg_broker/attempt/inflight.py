@@ -55,15 +55,15 @@ from typing import TYPE_CHECKING, Any
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware.threading import raise_thread_exception
 
-from . import forks
-from .errors import JobAborted
-from .jobs import Attempt
-from .sending import GroupCommit
+from .. import forks
+from ..errors import JobAborted
+from ..jobs.store import Attempt
+from ..sending.sender import GroupCommit
 
 if TYPE_CHECKING:
-    from .broker import PostgresBroker
+    from ..broker import PostgresBroker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.inflight")
 
 #: Longest pause between two tries of a write the database refused on a connection error,
 #: so that work resumes within about this long of the server's return.

@@ -39,8 +39,8 @@ import psycopg
 from psycopg.copy import LibpqWriter
 from psycopg.types.json import Jsonb
 
-from .db import ProcessPool, Queries
-from .errors import (
+from ..db.core import ProcessPool, Queries
+from ..errors import (
     AmbiguousJobId,
     DuplicateJobId,
     InvalidJobId,
@@ -48,7 +48,7 @@ from .errors import (
     JobAlreadyFinished,
     JobNotFound,
 )
-from .history_probe import HistoryProbe
+from ..history.probe import HistoryProbe
 
 
 class Attempt(NamedTuple):

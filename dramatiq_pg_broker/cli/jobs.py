@@ -21,10 +21,10 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .config import Settings
-from .db import ProcessPool, Queries
-from .errors import AmbiguousJobId, PgBrokerError
-from .jobs import JobStore
+from ..config import Settings
+from ..db.core import ProcessPool, Queries
+from ..errors import AmbiguousJobId, PgBrokerError
+from ..jobs.store import JobStore
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 #: How every command that takes a job id describes it.
@@ -148,7 +148,7 @@ class Context:
     """What every command needs: settings, a pool, the job store and the named reads."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from .cli import settings_from
+        from .main import settings_from
 
         self.settings: Settings = settings_from(args)
         self.pool = ProcessPool(self.settings)
@@ -413,7 +413,7 @@ def run_stats(ctx: Context, args) -> int:
 
 @command
 def run_prune(ctx: Context, args) -> int:
-    from .retention import RetentionPolicy, prune
+    from ..history.retention import RetentionPolicy, prune
 
     policy = RetentionPolicy.from_settings(ctx.settings)
     report = prune(
@@ -469,7 +469,7 @@ def run_prune(ctx: Context, args) -> int:
 
 @command
 def run_schedules(ctx: Context, args) -> int:
-    from .periodic import list_schedules
+    from ..history.periodic import list_schedules
 
     with ctx.pool.connection() as conn:
         rows = list_schedules(conn, ctx.settings.schema)

@@ -49,15 +49,15 @@ import dramatiq
 from dramatiq.broker import Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError
 
-from .db import connect, translate_errors
+from ..control.limits import LIMIT_PAYLOAD
+from ..db.core import connect, translate_errors
+from ..jobs.store import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
 from .inflight import RETRY_CAP_SECONDS, Slots
-from .jobs import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
-from .limits import LIMIT_PAYLOAD
 
 if TYPE_CHECKING:
-    from .broker import PostgresBroker
+    from ..broker import PostgresBroker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.consumer")
 
 #: How often a consumer whose last claim found work reads its notifications.
 BUSY_DRAIN_INTERVAL = 0.1

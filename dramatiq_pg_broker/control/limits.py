@@ -48,17 +48,17 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from dramatiq.middleware import Middleware
 
-from . import forks
-from .db import Queries
-from .errors import InvalidQueueLimit, QueueNotDeclared
-from .jobs import channel_name, clean_text
+from .. import forks
+from ..db.core import Queries
+from ..errors import InvalidQueueLimit, QueueNotDeclared
+from ..jobs.store import channel_name, clean_text
 from .queues import check_name
 from .queues import get as get_queue
 
 if TYPE_CHECKING:
-    from .broker import PostgresBroker
+    from ..broker import PostgresBroker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.limits")
 
 #: The payload on a queue's channel that announces a change of its limit.
 LIMIT_PAYLOAD = "limit"

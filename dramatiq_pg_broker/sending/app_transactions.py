@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from .errors import TransactionError
+from ..errors import TransactionError
 
 #: The connection events listened to, and the method of :class:`JoinedTransaction` each calls.
 _EVENTS = {

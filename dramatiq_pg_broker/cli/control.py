@@ -15,9 +15,10 @@ import argparse
 import datetime as dt
 import sys
 
-from . import limits as queue_limits
-from . import queues as queue_control
-from .cli_jobs import (
+from ..control import limits as queue_limits
+from ..control import queues as queue_control
+from ..control.workers import list_actors, list_workers
+from .jobs import (
     Context,
     _json_flag,
     command,
@@ -27,7 +28,6 @@ from .cli_jobs import (
     table,
     to_json,
 )
-from .workers import list_actors, list_workers
 
 
 @command

@@ -46,9 +46,9 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 
-from . import forks
+from .. import forks
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.outage")
 
 #: Seconds between two reminders while the database stays unreachable.
 REMINDER_SECONDS = 60.0

@@ -45,13 +45,13 @@ import dramatiq
 import psycopg
 from psycopg.rows import tuple_row
 
+from ..errors import TransactionError
 from .app_connections import LoopConnection
 from .app_transactions import JoinedTransaction
-from .errors import TransactionError
-from .sending import IDENTITY_SQL, Batch
+from .sender import IDENTITY_SQL, Batch
 
 if TYPE_CHECKING:
-    from .sending import Sender
+    from .sender import Sender
 
 T = TypeVar("T")
 

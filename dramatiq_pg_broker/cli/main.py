@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import psycopg
 
-from . import __version__
-from .config import Settings
-from .errors import ConfigurationError, PgBrokerError
+from ..config import Settings
+from ..errors import ConfigurationError, PgBrokerError
+from ..version import __version__
 
 #: The modules the ``admin`` extra installs; without them the account commands say how to
 #: get them instead of failing with an import error.
@@ -75,14 +75,14 @@ def django_project(cwd: str | None = None) -> str | None:
 
 
 def database_url(args: argparse.Namespace) -> str:
-    from .db import resolve_url
+    from ..db.core import resolve_url
 
     return resolve_url(settings_from(args))
 
 
 def _schema_state(args: argparse.Namespace):
     """This code, and what the database says about its schema (see :mod:`.handshake`)."""
-    from .handshake import read_state, this_code
+    from ..db.handshake import read_state, this_code
 
     settings = settings_from(args)
     with psycopg.connect(database_url(args), autocommit=True) as conn:
@@ -91,7 +91,7 @@ def _schema_state(args: argparse.Namespace):
 
 def _verdict(code, state) -> str:
     """One line on whether this code may use the schema."""
-    from .handshake import newer_message, too_old_message
+    from ..db.handshake import newer_message, too_old_message
 
     if not state.admits(code):
         return f"this code may not use the schema: {too_old_message(state, code)}"
@@ -115,7 +115,7 @@ def _kind(migration) -> str:
 
 def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     def run_migrate(args: argparse.Namespace) -> int:
-        from .migrate import migrate
+        from ..db.migrate import migrate
 
         if args.check:
             return check_migrations(args)
@@ -139,9 +139,9 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     def check_migrations(args: argparse.Namespace) -> int:
         """``migrate --check``: 0 when nothing is pending, 1 (listing them) when migrations
         are; an edited migration or code the schema no longer admits is an error (2)."""
-        from .errors import CodeTooOld, MigrationChecksumError
-        from .handshake import too_old_message
-        from .migrate import discover, live_work, status
+        from ..db.handshake import too_old_message
+        from ..db.migrate import discover, live_work, status
+        from ..errors import CodeTooOld, MigrationChecksumError
 
         settings = settings_from(args)
         states = status(database_url(args), settings.schema)
@@ -175,7 +175,7 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         return 0
 
     def run_status(args: argparse.Namespace) -> int:
-        from .migrate import status
+        from ..db.migrate import status
 
         settings = settings_from(args)
         states = status(database_url(args), settings.schema)
@@ -230,7 +230,7 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
 def _print_partitions(args: argparse.Namespace, settings: Settings) -> None:
     """``status``: how many days ahead history's partitions exist, and the rows of the
     DEFAULT partitions (which maintenance keeps empty); nothing before migration 0013."""
-    from .retention import partition_status
+    from ..history.retention import partition_status
 
     try:
         with psycopg.connect(database_url(args), autocommit=True) as conn:
@@ -252,7 +252,7 @@ def _print_partitions(args: argparse.Namespace, settings: Settings) -> None:
 
 def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
     def run_embedded(args: argparse.Namespace) -> int:
-        from . import embedded
+        from ..db import embedded
 
         if args.action == "url":
             print(embedded.embedded_url())
@@ -314,8 +314,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_control import add_control_commands
-    from .cli_jobs import add_operator_commands
+    from .control import add_control_commands
+    from .jobs import add_operator_commands
 
     parser = OneLineErrorParser(
         prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."

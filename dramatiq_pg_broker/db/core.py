@@ -18,12 +18,16 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
-from . import forks, outage
-from .config import Settings
-from .errors import ConfigurationError, SchemaMissing
-from .history_probe import CLOCK_SLACK_MS
+from .. import forks
+from ..config import Settings
+from ..errors import ConfigurationError, SchemaMissing
+from ..history.probe import CLOCK_SLACK_MS
+from . import outage
 
-logger = logging.getLogger(__name__)
+#: The package whose ``sql/`` folder holds the statements (the admin API names its own).
+PACKAGE = "dramatiq_pg_broker"
+
+logger = logging.getLogger("dramatiq_pg_broker.db")
 
 #: The longest wait between two reconnection tries of the pool.
 RECONNECT_CAP_SECONDS = 0.5
@@ -54,7 +58,7 @@ def _blocks(filename: str, package: str) -> dict[str, str]:
 
 
 @functools.cache
-def load_fragments(filename: str = "queries.sql", package: str = __package__) -> dict[str, str]:
+def load_fragments(filename: str = "queries.sql", package: str = PACKAGE) -> dict[str, str]:
     """The blocks of a file that its statements use as macros (see :func:`expand_macros`):
     ``{name: text}``, as written. They are no statements: :func:`load_queries` leaves them
     out."""
@@ -64,7 +68,7 @@ def load_fragments(filename: str = "queries.sql", package: str = __package__) ->
 
 
 @functools.cache
-def load_queries(filename: str = "queries.sql", package: str = __package__) -> dict[str, str]:
+def load_queries(filename: str = "queries.sql", package: str = PACKAGE) -> dict[str, str]:
     """Parse a file of named statements into ``{name: text}``, macros expanded.
 
     A block starts with a line ``-- name --``; the comment lines right after it describe
@@ -194,7 +198,7 @@ class Queries:
     """
 
     def __init__(
-        self, schema: str, filename: str = "queries.sql", *, package: str = __package__
+        self, schema: str, filename: str = "queries.sql", *, package: str = PACKAGE
     ) -> None:
         self.schema = schema
         schema_id = sql.Identifier(schema)
@@ -472,7 +476,7 @@ class ProcessPool:
         outage.tracker.answered()
 
     def _handshake(self, pool: ConnectionPool, wait_for_migration: bool) -> None:
-        from .errors import MigrationsPending
+        from ..errors import MigrationsPending
         from .handshake import check, running_migration
 
         schema = self.settings.schema
@@ -491,7 +495,7 @@ class ProcessPool:
     def _wait_for_migration(self, pool: ConnectionPool) -> None:
         """Wait for the running migration, then pass the handshake; at most
         :attr:`migration_wait` seconds."""
-        from .errors import MigrationsPending
+        from ..errors import MigrationsPending
         from .handshake import check, running_migration, wait_for_migration_lock, waited_message
 
         schema = self.settings.schema
@@ -540,7 +544,7 @@ class ProcessPool:
 
     def _recheck(self, conn: psycopg.Connection, pool: ConnectionPool) -> None:
         """The handshake once more, after a wait; a refusal says that it waited."""
-        from .errors import MigrationsPending
+        from ..errors import MigrationsPending
         from .handshake import check, running_migration, waited_message
 
         schema = self.settings.schema

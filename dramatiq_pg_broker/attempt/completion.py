@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .app_connections import AppConnection, LoopConnection
-from .async_sending import identity as async_identity
-from .async_sending import in_thread, resolve_async_connection
-from .errors import LostOwnership, TransactionError
-from .sending import identity, resolve_connection
+from ..errors import LostOwnership, TransactionError
+from ..sending.app_connections import AppConnection, LoopConnection
+from ..sending.async_sending import identity as async_identity
+from ..sending.async_sending import in_thread, resolve_async_connection
+from ..sending.sender import identity, resolve_connection
 
 if TYPE_CHECKING:
     from .current import CurrentJob

@@ -32,8 +32,8 @@ from dramatiq.actor import Actor
 from dramatiq.middleware import AgeLimit, Middleware, SkipMessage
 from dramatiq.results import Results
 
+from ..errors import MessageSkipped
 from .consumer import PgMessageProxy
-from .errors import MessageSkipped
 
 #: The ``reason`` of a skip by each kind of skipper.
 ABORT = "abort"

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from .db import Queries, Reclaimer, backend_connections
-from .listener import channel_for
+from ..db.core import Queries, Reclaimer, backend_connections
+from ..db.listener import channel_for
 
 
 @functools.cache

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from dramatiq.errors import BrokerConnectionError
 
+from ..jobs.store import Attempt
+from ..service import Service
 from .inflight import RETRY_CAP_SECONDS
-from .jobs import Attempt
-from .service import Service
 
 if TYPE_CHECKING:
-    from .broker import PostgresBroker
+    from ..broker import PostgresBroker
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.outcomes")
 
 #: The most outcomes one statement writes.
 MAX_BATCH = 1000

@@ -49,18 +49,19 @@ from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware, MiddlewareError
 from psycopg_pool import PoolTimeout
 
-from . import forks, messages
+from .. import forks
+from ..errors import InvalidMessage, TransactionError
+from ..jobs.store import EnqueueResult, NewJob, clean_text
+from . import messages
 from .app_connections import AppConnection
 from .app_transactions import JoinedTransaction
-from .errors import InvalidMessage, TransactionError
-from .jobs import EnqueueResult, NewJob, clean_text
 
 if TYPE_CHECKING:
+    from ..attempt.consumer import PgMessageProxy
+    from ..broker import PostgresBroker
     from .async_sending import AsyncBlock
-    from .broker import PostgresBroker
-    from .consumer import PgMessageProxy
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.sending")
 
 T = TypeVar("T")
 

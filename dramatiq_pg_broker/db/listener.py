@@ -28,11 +28,12 @@ from typing import TypeVar
 import psycopg
 from dramatiq.errors import ConnectionClosed
 
-from . import forks, outage
-from .db import RECONNECT_CAP_SECONDS, connect, translate_errors
-from .service import Service
+from .. import forks
+from ..service import Service
+from . import outage
+from .core import RECONNECT_CAP_SECONDS, connect, translate_errors
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("dramatiq_pg_broker.listener")
 
 T = TypeVar("T")
 

@@ -164,10 +164,13 @@ class PostgresBroker(dramatiq.Broker):
             if store is not None
             else JobStore(self.pool, settings.schema, events=settings.events)
         )
-        self.leases = LeaseKeeper(self)
-        self.outcomes = OutcomeWriter(self)
         #: Every attempt this process holds: the one owner of their states.
-        self.ledger = Ledger(self)
+        self.ledger = Ledger(self.store, settings)
+        self.leases = LeaseKeeper(
+            self, self.store, settings, self.ledger, self.schema_gate, self.presence
+        )
+        self.outcomes = OutcomeWriter(self.store, self.ledger)
+        self.ledger.connect(leases=self.leases, outcomes=self.outcomes)
         #: The send path: every enqueue goes through it.
         self.sender = Sender(self, functools.partial(running_attempt, self.ledger))
         for schedule in schedules or ():

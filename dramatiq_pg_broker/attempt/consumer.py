@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import dramatiq
 from dramatiq.broker import Consumer, MessageProxy
@@ -54,10 +54,23 @@ from ..db.core import connect, translate_errors
 from ..jobs.store import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
 from .inflight import RETRY_CAP_SECONDS, Slots
 
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
-
 logger = logging.getLogger("dramatiq_pg_broker.consumer")
+
+
+class ConsumerParts(Protocol):
+    """What a consumer uses of the broker that makes it (the composition root builds
+    these parts; the consumer reads them, never the broker's other state)."""
+
+    store: Any  # the job store (claims, lease reports)
+    settings: Any  # the broker's Settings
+    ledger: Any  # the in-flight ledger (:class:`~.inflight.Ledger`)
+    schema_gate: Any  # the schema handshake's gate: ``is_open``, ``wait(timeout)``
+    queue_limits: Any  # :class:`~dramatiq_pg_broker.control.limits.QueueLimits`
+    leases: Any  # the lease keeper: ``leases_report(sent, seconds_left)``
+    pool: Any  # the process pool: its ``url``
+
+    def decode_message(self, data: Any, data_bytes: bytes | None) -> dramatiq.Message: ...
+
 
 #: How often a consumer whose last claim found work reads its notifications.
 BUSY_DRAIN_INTERVAL = 0.1
@@ -176,7 +189,7 @@ class ClaimWindow:
 class PostgresConsumer(Consumer):
     """Consumes one queue for one Dramatiq consumer thread. See the module docstring."""
 
-    def __init__(self, broker: PostgresBroker, queue_name: str, prefetch: int, timeout: int):
+    def __init__(self, broker: ConsumerParts, queue_name: str, prefetch: int, timeout: int):
         self.broker = broker
         self.store = broker.store
         self.settings = broker.settings

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import dramatiq
 from dramatiq.middleware import Middleware, SkipMessage
@@ -54,9 +54,18 @@ from .consumer import PgMessageProxy, describe_exception
 from .inflight import State
 
 if TYPE_CHECKING:
-    from ..broker import PostgresBroker
     from .completion import CompletionBlock
     from .inflight import Ledger
+
+
+class CurrentParts(Protocol):
+    """What the current job and its middleware use of the broker."""
+
+    actors: dict[str, Any]
+    ledger: Ledger
+    settings: Any  # the broker's Settings
+    store: Any  # the job store
+
 
 #: A context variable, not a thread-local: async actors run on Dramatiq's event loop thread,
 #: and the coroutine inherits the worker thread's context (as Dramatiq's CurrentMessage does).
@@ -68,7 +77,7 @@ _current: contextvars.ContextVar[CurrentJob | None] = contextvars.ContextVar(
 class CurrentJob:
     """The job row behind the message an actor is running."""
 
-    def __init__(self, broker: PostgresBroker, message: PgMessageProxy) -> None:
+    def __init__(self, broker: CurrentParts, message: PgMessageProxy) -> None:
         self.broker = broker
         self.message = message
 

@@ -50,18 +50,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware.threading import raise_thread_exception
 
 from .. import forks
+from ..config import Settings
 from ..errors import JobAborted
-from ..jobs.store import Attempt
+from ..jobs.store import Attempt, JobStore
 from ..sending.sender import GroupCommit
-
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
 
 logger = logging.getLogger("dramatiq_pg_broker.inflight")
 
@@ -220,17 +218,36 @@ class _Entry:
         self.renew_before = True
 
 
+class LeaseTimer(Protocol):
+    """What the ledger needs of the lease keeper (:class:`~.leases.LeaseKeeper`)."""
+
+    def start(self) -> None: ...
+
+    def starts_pending(self) -> None: ...
+
+
+class OutcomeSink(Protocol):
+    """What the ledger needs of the outcome writer (:class:`~.outcomes.OutcomeWriter`)."""
+
+    def submit(self, kind: str, attempt: Attempt, error: Any) -> None: ...
+
+
 class Ledger:
     """The attempts of one process. See the module docstring.
 
     Parameters:
-      broker(PostgresBroker): whose job store, settings and outcome writer it uses.
+      store(JobStore): where starts are written.
+      settings(Settings): the broker's settings.
+
+    The lease keeper and the outcome writer it hands work to are given with
+    :meth:`connect` (both are built with the ledger).
     """
 
-    def __init__(self, broker: PostgresBroker) -> None:
-        self.broker = broker
-        self.store = broker.store
-        self.settings = broker.settings
+    def __init__(self, store: JobStore, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+        self.leases: LeaseTimer | None = None
+        self.outcomes: OutcomeSink | None = None
         self._lock = threading.RLock()
         #: Signalled when a heartbeat statement is done with its attempts.
         self._heartbeat_done = threading.Condition(self._lock)
@@ -247,6 +264,20 @@ class Ledger:
         self._process = forks.PerProcess(self._enter_process, value=None)
 
     # -- bookkeeping ---------------------------------------------------------------------
+
+    def connect(self, *, leases: LeaseTimer, outcomes: OutcomeSink) -> None:
+        """Hand the ledger the lease keeper and the outcome writer (each holds the ledger
+        too, so they are given once all three are built)."""
+        self.leases = leases
+        self.outcomes = outcomes
+
+    def _leases(self) -> LeaseTimer:
+        assert self.leases is not None, "Ledger.connect() was not called"
+        return self.leases
+
+    def _outcomes(self) -> OutcomeSink:
+        assert self.outcomes is not None, "Ledger.connect() was not called"
+        return self.outcomes
 
     def _enter_process(self) -> None:
         """A forked child holds none of its parent's attempts."""
@@ -340,7 +371,7 @@ class Ledger:
         self._check_fork()
         if leased_until is None:
             leased_until = time.monotonic() + self.settings.lease_seconds
-        self.broker.leases.start()
+        self._leases().start()
         with self._lock:
             previous = self._entries.get(attempt.id)
             if previous is not None:
@@ -418,7 +449,7 @@ class Ledger:
             else:
                 deferred = False
         if deferred:
-            self.broker.leases.starts_pending()
+            self._leases().starts_pending()
             return True
         delay = 0.05
         while True:
@@ -579,7 +610,7 @@ class Ledger:
             # back to its queue now.
             self._write_retry(entry, retry)
         else:
-            self.broker.outcomes.submit(kind, attempt, error)
+            self._outcomes().submit(kind, attempt, error)
         return True
 
     @staticmethod
@@ -634,7 +665,7 @@ class Ledger:
         with the lock held."""
         if not entry.start_recorded:
             self._orphans.append(entry.attempt)
-            self.broker.leases.starts_pending()
+            self._leases().starts_pending()
 
     def reschedule(self, attempt: Attempt, write: Callable[[], bool]) -> bool:
         """started -> rescheduling: the attempt's retry (``write``, its guarded statement)
@@ -852,7 +883,7 @@ class Ledger:
             if thread is not None:
                 # Under the lock that left() takes: the thread is still in the actor.
                 raise_thread_exception(thread, JobAborted)
-        self.broker.outcomes.submit("abort", attempt, None)
+        self._outcomes().submit("abort", attempt, None)
         logger.warning(
             "Aborted job %s attempt %d at an operator's request (%s).",
             attempt.id,

@@ -31,18 +31,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
+from dramatiq import Broker
 from dramatiq.errors import BrokerConnectionError
 
 from ..backoff import backoff_table
-from ..jobs.store import ReapResult
+from ..config import Settings
+from ..control.workers import Presence
+from ..db.handshake import SchemaGate
+from ..jobs.store import JobStore, ReapResult
 from ..service import Service
-from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY
+from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY, Ledger
 from .retries import end_reaped_job
-
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
 
 logger = logging.getLogger("dramatiq_pg_broker.leases")
 
@@ -56,11 +56,23 @@ class LeaseKeeper(Service):
 
     thread_name = "dramatiq-pg-leases"
 
-    def __init__(self, broker: PostgresBroker) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        store: JobStore,
+        settings: Settings,
+        ledger: Ledger,
+        schema_gate: SchemaGate,
+        presence: Presence | None = None,
+    ) -> None:
         super().__init__()
+        #: The Dramatiq broker whose middleware hears of reaped jobs that failed.
         self.broker = broker
-        self.store = broker.store
-        self.settings = broker.settings
+        self.store = store
+        self.settings = settings
+        self.ledger = ledger
+        self.schema_gate = schema_gate
+        self.presence = presence
         #: Set to wake the thread early: a start was deferred, or the keeper stops.
         self._wake = threading.Event()
         #: Whether the thread knows of deferred starts (it sets a timer for them).
@@ -133,7 +145,7 @@ class LeaseKeeper(Service):
                     # Unreachable: try again soon, so that leases are renewed within a
                     # moment of the server's return.
                     next_heartbeat = now + min(heartbeat, RETRY_CAP_SECONDS)
-            if now >= next_reap and self.broker.schema_gate.is_open:
+            if now >= next_reap and self.schema_gate.is_open:
                 # (A worker whose schema handshake has not passed reaps nothing: see
                 # handshake.SchemaGate. Renewals and starts concern claims it made after.)
                 self.guarded(self.reap)
@@ -165,14 +177,14 @@ class LeaseKeeper(Service):
     def heartbeat(self) -> None:
         """One beat: renew the leases, then refresh this process's registry row."""
         self.renew()
-        presence = getattr(self.broker, "presence", None)
+        presence = self.presence
         if presence is not None:
             presence.refresh()
 
     def renew(self) -> set[str]:
         """Renew every attempt the ledger holds; the ledger lets go of those no longer
         owned, and stops those an operator asked to abort."""
-        ledger = self.broker.ledger
+        ledger = self.ledger
         with ledger.renewing() as attempts:
             if not attempts:
                 return set()
@@ -185,7 +197,7 @@ class LeaseKeeper(Service):
 
     def record_starts(self) -> None:
         """Write the starts the ledger deferred; remember when the next one is due."""
-        self._next_start_due = self.broker.ledger.record_starts()
+        self._next_start_due = self.ledger.record_starts()
 
     def reap(self) -> ReapResult | None:
         """Give back running jobs whose lease expired (any worker's); run Dramatiq's

@@ -15,16 +15,13 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dramatiq.errors import BrokerConnectionError
 
-from ..jobs.store import Attempt
+from ..jobs.store import Attempt, JobStore
 from ..service import Service
-from .inflight import RETRY_CAP_SECONDS
-
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
+from .inflight import RETRY_CAP_SECONDS, Ledger
 
 logger = logging.getLogger("dramatiq_pg_broker.outcomes")
 
@@ -43,10 +40,10 @@ class OutcomeWriter(Service):
 
     thread_name = "dramatiq-pg-outcomes"
 
-    def __init__(self, broker: PostgresBroker, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, store: JobStore, ledger: Ledger, max_batch: int = MAX_BATCH) -> None:
         super().__init__()
-        self.broker = broker
-        self.store = broker.store
+        self.store = store
+        self.ledger = ledger
         self.max_batch = max_batch
         self._queue: queue.Queue[Outcome | None] = queue.Queue(MAX_QUEUED)
 
@@ -81,7 +78,7 @@ class OutcomeWriter(Service):
             except Exception:  # pragma: no cover - _write handles its own errors
                 logger.exception("The outcome writer failed on %d outcome(s).", len(outcomes))
                 for _, attempt, _ in outcomes:
-                    self.broker.ledger.unwritable(attempt)
+                    self.ledger.unwritable(attempt)
             finally:
                 for _ in batch:
                     self._queue.task_done()
@@ -91,7 +88,7 @@ class OutcomeWriter(Service):
         failed = [(attempt, error) for kind, attempt, error in batch if kind == "fail"]
         aborted = [(attempt, None) for kind, attempt, _ in batch if kind == "abort"]
         skipped = [(attempt, skip) for kind, attempt, skip in batch if kind == "skip"]
-        ledger = self.broker.ledger
+        ledger = self.ledger
         # Each statement is retried on its own: one that committed is never sent again (a
         # second run would find its rows no longer running and report them as lost).
         for items, status, write in (

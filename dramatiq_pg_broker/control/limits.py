@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from dramatiq.middleware import Middleware
@@ -55,10 +55,16 @@ from ..jobs.store import channel_name, clean_text
 from .queues import check_name
 from .queues import get as get_queue
 
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
-
 logger = logging.getLogger("dramatiq_pg_broker.limits")
+
+
+class LimitParts(Protocol):
+    """What the queue limits use of the broker that installs them."""
+
+    ledger: Any  # the in-flight ledger: which queues' jobs this process runs
+    settings: Any  # the broker's Settings
+    store: Any  # the job store
+
 
 #: The payload on a queue's channel that announces a change of its limit.
 LIMIT_PAYLOAD = "limit"
@@ -208,7 +214,7 @@ class QueueLimits(Middleware):
       broker(PostgresBroker): whose store, settings and in-flight ledger it reads.
     """
 
-    def __init__(self, broker: PostgresBroker) -> None:
+    def __init__(self, broker: LimitParts) -> None:
         self.broker = broker
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}

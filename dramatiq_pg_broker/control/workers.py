@@ -30,7 +30,7 @@ import logging
 import socket
 import threading
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from dramatiq.errors import BrokerConnectionError
@@ -42,10 +42,18 @@ from ..db.core import Queries
 from .limits import apply_declared
 from .queues import declare as declare_queues
 
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
-
 logger = logging.getLogger("dramatiq_pg_broker.workers")
+
+
+class PresenceParts(Protocol):
+    """What the worker registry uses of the broker it is installed on."""
+
+    actors: dict[str, Any]
+    ledger: Any  # the in-flight ledger: what this process runs
+    pool: Any  # the process pool
+    queues: dict[str, None]
+    schema_gate: Any  # the schema handshake's gate
+    settings: Any  # the broker's Settings
 
 
 @functools.cache
@@ -117,7 +125,7 @@ class Presence(Middleware):
     """
 
     def __init__(self) -> None:
-        self.broker: PostgresBroker | None = None
+        self.broker: PresenceParts | None = None
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._id: str | None = None

@@ -53,7 +53,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import psycopg
 from dramatiq.errors import BrokerConnectionError
@@ -64,10 +64,14 @@ from ..errors import CodeTooOld, MigrationsPending
 from .core import Queries
 from .migrate import Migration, discover, lock_key, migrations_dir
 
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
-
 logger = logging.getLogger("dramatiq_pg_broker.handshake")
+
+
+class PooledBroker(Protocol):
+    """The broker as the schema gate sees it: its pool."""
+
+    pool: Any  # :class:`~dramatiq_pg_broker.db.core.ProcessPool`
+
 
 #: Seconds between two checks of a worker waiting for a migration.
 WAIT_SECONDS = 5.0
@@ -364,7 +368,7 @@ class SchemaGate(Middleware):
         """Wait up to ``timeout`` seconds for the gate to open; whether it is open."""
         return self._open.wait(timeout)
 
-    def before_worker_boot(self, broker: PostgresBroker, worker) -> None:
+    def before_worker_boot(self, broker: PooledBroker, worker) -> None:
         self._open.clear()
         self._stop.clear()
         with self._lock:
@@ -381,10 +385,10 @@ class SchemaGate(Middleware):
         if fatal:
             raise SystemExit(EXIT_CODE_TOO_OLD)
 
-    def before_worker_shutdown(self, broker: PostgresBroker, worker) -> None:
+    def before_worker_shutdown(self, broker: PooledBroker, worker) -> None:
         self._stop.set()
 
-    def _watch(self, broker: PostgresBroker) -> None:
+    def _watch(self, broker: PooledBroker) -> None:
         try:
             passed = self._wait(broker)
         except CodeTooOld as e:
@@ -401,7 +405,7 @@ class SchemaGate(Middleware):
         if passed:
             self._open.set()
 
-    def _wait(self, broker: PostgresBroker) -> bool:
+    def _wait(self, broker: PooledBroker) -> bool:
         """Check until the schema fits (True) or the worker stops (False)."""
         said: str | None = None
         while True:

@@ -39,7 +39,7 @@ import logging
 import threading
 import zoneinfo
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import dramatiq
 from apscheduler.executors.pool import ThreadPoolExecutor
@@ -53,10 +53,22 @@ from ..db.core import Queries
 from ..errors import ConfigurationError
 from .retention import RetentionPolicy, prune
 
-if TYPE_CHECKING:
-    from ..broker import PostgresBroker
-
 logger = logging.getLogger("dramatiq_pg_broker.periodic")
+
+
+class ScheduleParts(Protocol):
+    """What the scheduler uses of the broker it runs the schedules of."""
+
+    actors: dict[str, Any]
+    pool: Any  # the process pool
+    schedules: list[Schedule]
+    schema_gate: Any  # the schema handshake's gate
+    settings: Any  # the broker's Settings
+
+    def get_actor(self, actor_name: str) -> Any: ...
+
+    def enqueue(self, message: dramatiq.Message, *, delay: int | None = None) -> Any: ...
+
 
 UTC = dt.timezone.utc
 
@@ -260,7 +272,7 @@ class Scheduler:
       broker(PostgresBroker): the broker whose schedules and settings it runs.
     """
 
-    def __init__(self, broker: PostgresBroker) -> None:
+    def __init__(self, broker: ScheduleParts) -> None:
         self.broker = broker
         self.settings = broker.settings
         self.queries = Queries(broker.settings.schema, "periodic.sql")

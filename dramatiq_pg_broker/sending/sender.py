@@ -41,7 +41,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
 
 import dramatiq
 import psycopg
@@ -57,11 +57,26 @@ from .app_connections import AppConnection
 from .app_transactions import JoinedTransaction
 
 if TYPE_CHECKING:
-    from ..attempt.consumer import PgMessageProxy
-    from ..broker import PostgresBroker
     from .async_sending import AsyncBlock
 
 logger = logging.getLogger("dramatiq_pg_broker.sending")
+
+
+class SenderParts(Protocol):
+    """What the send path uses of the broker whose sends it writes."""
+
+    actors: dict[str, Any]
+    middleware: list[Any]
+    logger: logging.Logger
+    ledger: Any  # the in-flight ledger: a retry reschedules the running attempt
+    pool: Any  # the process pool
+    settings: Any  # the broker's Settings
+    store: Any  # the job store
+
+    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
+
+    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
+
 
 T = TypeVar("T")
 
@@ -399,12 +414,22 @@ class TransactionBlock:
 # -- the sender ------------------------------------------------------------------------------
 
 
+class RunningMessage(Protocol):
+    """A message a worker runs, as its consumer hands it to Dramatiq
+    (:class:`~dramatiq_pg_broker.attempt.consumer.PgMessageProxy`)."""
+
+    attempt: Any  # the claimed attempt (:class:`~dramatiq_pg_broker.jobs.Attempt`)
+    backoff_ms: int | None
+    queue_name: str
+    options: dict[str, Any]
+
+
 class RunningAttempt(NamedTuple):
     """An attempt the current thread's actor runs and has not settled (see
     :func:`.current.running_attempt`)."""
 
     #: The message Dramatiq's worker handed to the actor.
-    message: PgMessageProxy
+    message: RunningMessage
     #: What its actor raised, as ``last_error`` keeps it; None if it did not raise.
     error: str | None
 
@@ -421,7 +446,7 @@ class Sender:
 
     def __init__(
         self,
-        broker: PostgresBroker,
+        broker: SenderParts,
         running: Callable[[dramatiq.Message], RunningAttempt | None],
     ) -> None:
         self.broker = broker
@@ -565,7 +590,7 @@ class Sender:
 
     def reschedule(
         self,
-        proxy: PgMessageProxy,
+        proxy: RunningMessage,
         delay_ms: int,
         error: str | None,
         *,
@@ -579,7 +604,7 @@ class Sender:
         running.
 
         Parameters:
-          proxy(PgMessageProxy): the running message.
+          proxy(RunningMessage): the running message.
           delay_ms(int): milliseconds until the job may run again.
           error(str): the attempt's error, kept in ``last_error``.
           message(Message): the message to store instead of the row's.

@@ -51,7 +51,7 @@ from dramatiq.errors import BrokerConnectionError
 
 from ..control.limits import LIMIT_PAYLOAD
 from ..db.core import connect, translate_errors
-from ..jobs.store import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
+from ..jobs.rows import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob, clean_text
 from .inflight import RETRY_CAP_SECONDS, Slots
 
 logger = logging.getLogger("dramatiq_pg_broker.consumer")

@@ -58,7 +58,8 @@ from dramatiq.middleware.threading import raise_thread_exception
 from .. import forks
 from ..config import Settings
 from ..errors import JobAborted
-from ..jobs.store import Attempt, JobStore
+from ..jobs.rows import Attempt
+from ..jobs.store import JobStore
 from ..sending.sender import GroupCommit
 
 logger = logging.getLogger("dramatiq_pg_broker.inflight")

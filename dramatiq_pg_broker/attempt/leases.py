@@ -39,7 +39,8 @@ from ..backoff import backoff_table
 from ..config import Settings
 from ..control.workers import Presence
 from ..db.handshake import SchemaGate
-from ..jobs.store import JobStore, ReapResult
+from ..jobs.rows import ReapResult
+from ..jobs.store import JobStore
 from ..service import Service
 from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY, Ledger
 from .retries import end_reaped_job

@@ -19,7 +19,8 @@ from typing import Any
 
 from dramatiq.errors import BrokerConnectionError
 
-from ..jobs.store import Attempt, JobStore
+from ..jobs.rows import Attempt
+from ..jobs.store import JobStore
 from ..service import Service
 from .inflight import RETRY_CAP_SECONDS, Ledger
 

@@ -45,7 +45,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 from ..backoff import backoff_ms
 from ..config import Settings
 from ..errors import JobAborted, JobInterrupted
-from ..jobs.store import ReapedJob
+from ..jobs.rows import ReapedJob
 from ..sending.messages import default_max_retries, max_retries_of
 from .consumer import PgMessageProxy
 

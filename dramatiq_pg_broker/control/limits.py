@@ -51,7 +51,7 @@ from dramatiq.middleware import Middleware
 from .. import forks
 from ..db.core import Queries
 from ..errors import InvalidQueueLimit, QueueNotDeclared
-from ..jobs.store import channel_name, clean_text
+from ..jobs.rows import channel_name, clean_text
 from .queues import check_name
 from .queues import get as get_queue
 

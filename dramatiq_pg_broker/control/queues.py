@@ -29,7 +29,7 @@ import psycopg
 
 from ..db.core import Queries
 from ..errors import InvalidQueueName, QueueNotDeclared
-from ..jobs.store import PAUSE_PAYLOAD, channel_name, clean_text
+from ..jobs.rows import PAUSE_PAYLOAD, channel_name, clean_text
 
 #: Dramatiq's own rule for queue names.
 QUEUE_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")

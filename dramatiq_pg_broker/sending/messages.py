@@ -29,7 +29,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 
 from ..config import Settings
 from ..errors import InvalidMessage
-from ..jobs.store import NewJob
+from ..jobs.rows import NewJob
 
 #: The range of ``priority`` (a PostgreSQL integer).
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1

@@ -51,7 +51,7 @@ from psycopg_pool import PoolTimeout
 
 from .. import forks
 from ..errors import InvalidMessage, TransactionError
-from ..jobs.store import EnqueueResult, NewJob, clean_text
+from ..jobs.rows import EnqueueResult, NewJob, clean_text
 from . import messages
 from .app_connections import AppConnection
 from .app_transactions import JoinedTransaction

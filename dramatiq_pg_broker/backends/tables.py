@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from ..db.core import Queries, Reclaimer, backend_connections
+from ..db.core import Reclaimer, backend_connections
 from ..db.listener import channel_for
+from ..db.queries import Queries
 
 
 @functools.cache

@@ -22,7 +22,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..config import Settings
-from ..db.core import ProcessPool, Queries
+from ..db.core import ProcessPool
+from ..db.queries import Queries
 from ..errors import AmbiguousJobId, PgBrokerError
 from ..jobs.store import JobStore
 

@@ -49,7 +49,7 @@ import psycopg
 from dramatiq.middleware import Middleware
 
 from .. import forks
-from ..db.core import Queries
+from ..db.queries import Queries
 from ..errors import InvalidQueueLimit, QueueNotDeclared
 from ..jobs.rows import channel_name, clean_text
 from .queues import check_name

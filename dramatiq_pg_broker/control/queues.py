@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from ..db.core import Queries
+from ..db.queries import Queries
 from ..errors import InvalidQueueName, QueueNotDeclared
 from ..jobs.rows import PAUSE_PAYLOAD, channel_name, clean_text
 

@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from psycopg.types.json import Jsonb
 
 from .. import forks
-from ..db.core import Queries
+from ..db.queries import Queries
 from .limits import apply_declared
 from .queues import declare as declare_queues
 

@@ -61,8 +61,8 @@ from dramatiq.middleware import Middleware
 
 from .. import forks
 from ..errors import CodeTooOld, MigrationsPending
-from .core import Queries
 from .migrate import Migration, discover, lock_key, migrations_dir
+from .queries import Queries
 
 logger = logging.getLogger("dramatiq_pg_broker.handshake")
 

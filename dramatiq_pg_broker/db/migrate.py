@@ -342,7 +342,7 @@ def live_work(
     has it; nothing when it does not exist (a fresh database).
     """
     from ..version import __version__
-    from .core import Queries
+    from .queries import Queries
 
     queries = Queries(schema, "migrate.sql")
     if not _exists(conn, schema, "jobs"):

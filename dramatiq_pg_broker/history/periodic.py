@@ -49,7 +49,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware
 
-from ..db.core import Queries
+from ..db.queries import Queries
 from ..errors import ConfigurationError
 from .retention import RetentionPolicy, prune
 

@@ -36,11 +36,13 @@ import time
 import psycopg
 from psycopg import sql
 
+# Clocks of sender and server may differ by this much (milliseconds); defined with the
+# statements that share it.
+from ..db.queries import CLOCK_SLACK_MS
+
 #: The terminal statuses: one partition of history per status and day.
 STATUSES = ("succeeded", "failed", "cancelled")
 
-#: Clocks of sender and server may differ by this much (milliseconds).
-CLOCK_SLACK_MS = 3_600_000
 
 #: A day whose partitions were missing is looked up again after this long (seconds).
 RECHECK_MISSING = 60.0

@@ -10,7 +10,8 @@ from typing import Any
 
 import psycopg
 
-from ..db.core import ProcessPool, Queries
+from ..db.core import ProcessPool
+from ..db.queries import Queries
 from ..errors import InvalidTransition
 from ..history.probe import HistoryProbe
 from .rows import Attempt, channel_name

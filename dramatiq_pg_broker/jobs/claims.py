@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from ..db.core import Queries
+from ..db.queries import Queries
 from .base import StoreBase
 from .rows import (
     LEASE_EXPIRED,

@@ -41,7 +41,8 @@ from .errors import PgBrokerError
 from .history.periodic import Periodic, Schedule
 from .jobs.store import JobStore
 from .sending import messages
-from .sending.sender import Batch, Sender, TransactionBlock
+from .sending.blocks import Batch
+from .sending.sender import Sender, TransactionBlock
 
 logger = logging.getLogger(__name__)
 

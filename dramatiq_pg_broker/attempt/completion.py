@@ -52,7 +52,7 @@ from ..errors import LostOwnership, TransactionError
 from ..sending.app_connections import AppConnection, LoopConnection
 from ..sending.async_sending import identity as async_identity
 from ..sending.async_sending import in_thread, resolve_async_connection
-from ..sending.sender import identity, resolve_connection
+from ..sending.blocks import identity, resolve_connection
 
 if TYPE_CHECKING:
     from .current import CurrentJob

@@ -50,8 +50,8 @@ from dramatiq.middleware import Middleware, SkipMessage
 
 from ..errors import JobAborted
 from ..sending.sender import RunningAttempt
-from .consumer import PgMessageProxy, describe_exception
-from .inflight import State
+from .claiming import PgMessageProxy, describe_exception
+from .states import State
 
 if TYPE_CHECKING:
     from .completion import CompletionBlock

@@ -42,8 +42,9 @@ from ..db.handshake import SchemaGate
 from ..jobs.rows import ReapResult
 from ..jobs.store import JobStore
 from ..service import Service
-from .inflight import RETRY_CAP_SECONDS, START_RECORD_DELAY, Ledger
+from .inflight import Ledger
 from .retries import end_reaped_job
+from .states import RETRY_CAP_SECONDS, START_RECORD_DELAY
 
 logger = logging.getLogger("dramatiq_pg_broker.leases")
 

@@ -22,7 +22,8 @@ from dramatiq.errors import BrokerConnectionError
 from ..jobs.rows import Attempt
 from ..jobs.store import JobStore
 from ..service import Service
-from .inflight import RETRY_CAP_SECONDS, Ledger
+from .inflight import Ledger
+from .states import RETRY_CAP_SECONDS
 
 logger = logging.getLogger("dramatiq_pg_broker.outcomes")
 

@@ -47,7 +47,7 @@ from ..config import Settings
 from ..errors import JobAborted, JobInterrupted
 from ..jobs.rows import ReapedJob
 from ..sending.messages import default_max_retries, max_retries_of
-from .consumer import PgMessageProxy
+from .claiming import PgMessageProxy
 
 __all__ = ["Retries", "backoff_ms", "end_reaped_job"]
 

@@ -33,7 +33,7 @@ from dramatiq.middleware import AgeLimit, Middleware, SkipMessage
 from dramatiq.results import Results
 
 from ..errors import MessageSkipped
-from .consumer import PgMessageProxy
+from .claiming import PgMessageProxy
 
 #: The ``reason`` of a skip by each kind of skipper.
 ABORT = "abort"

@@ -48,7 +48,7 @@ from psycopg.rows import tuple_row
 from ..errors import TransactionError
 from .app_connections import LoopConnection
 from .app_transactions import JoinedTransaction
-from .sender import IDENTITY_SQL, Batch
+from .blocks import IDENTITY_SQL, Batch
 
 if TYPE_CHECKING:
     from .sender import Sender

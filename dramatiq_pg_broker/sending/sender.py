@@ -32,32 +32,37 @@ attempt this thread runs?) is handed to the :class:`Sender` by the broker.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import dataclasses
 import logging
 import sys
-import threading
-import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import dramatiq
 import psycopg
-from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware, MiddlewareError
-from psycopg_pool import PoolTimeout
 
 from .. import forks
 from ..errors import InvalidMessage, TransactionError
 from ..jobs.rows import EnqueueResult, NewJob, clean_text
 from . import messages
-from .app_connections import AppConnection
 from .app_transactions import JoinedTransaction
+from .blocks import (
+    Batch,
+    LazyJobs,
+    SendContext,
+    Transaction,
+    identity,
+    resolve_connection,
+)
+from .group_commit import (
+    GroupCommit,
+    retrying,
+)
 
 if TYPE_CHECKING:
     from .async_sending import AsyncBlock
+
 
 logger = logging.getLogger("dramatiq_pg_broker.sending")
 
@@ -76,309 +81,6 @@ class SenderParts(Protocol):
     def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
-
-
-T = TypeVar("T")
-
-
-# -- group commit ---------------------------------------------------------------------------
-
-
-class GroupCommit:
-    """Callers hand in one item each; whoever finds no write in progress writes everything
-    waiting as one statement, so concurrent callers share a round trip (and a commit).
-
-    Parameters:
-      write(callable): ``write(items)`` writes a list of items in one statement and
-        returns what :meth:`submit` gives each caller (a mapping keyed by ``id(item)``, a
-        set of ids ...). Whatever it raises is raised to every caller of that write.
-    """
-
-    def __init__(self, write: Callable[[list[Any]], Any]) -> None:
-        self._write = write
-        self._cond = threading.Condition()
-        self._open: dict[str, Any] = {"items": [], "done": False}
-        self._busy = False
-
-    def submit(self, item: Any) -> Any:
-        """Have ``item`` written: at once when no write is in progress (a write of one),
-        else with every item that arrives until the write in progress ends. Returns what
-        the write of its group returned."""
-        with self._cond:
-            batch = self._open
-            batch["items"].append(item)
-            while not batch["done"]:
-                if not self._busy:
-                    self._busy = True
-                    self._open = {"items": [], "done": False}
-                    break
-                self._cond.wait()
-            else:
-                return self._result(batch)
-        try:
-            batch["result"] = self._write(batch["items"])
-        except BaseException as e:
-            batch["error"] = e
-        with self._cond:
-            batch["done"] = True
-            self._busy = False
-            self._cond.notify_all()
-        return self._result(batch)
-
-    @property
-    def waiting(self) -> int:
-        """How many items wait for the write in progress to end."""
-        with self._cond:
-            return len(self._open["items"])
-
-    @staticmethod
-    def _result(batch: dict[str, Any]) -> Any:
-        if "error" in batch:
-            raise batch["error"]
-        return batch["result"]
-
-
-# -- retries after a connection error -----------------------------------------------------
-
-
-def retrying(write: Callable[[bool], T], retries: int) -> T:
-    """``write(first)``, tried again up to ``retries`` times while it fails on a
-    connection error, 0.05 s after the first failure and four times longer after each
-    next one.
-
-    ``first`` is False for every try after the first, whose commit may have happened
-    though its reply was lost: a send then takes a row with its own id for its own
-    (returned as it is) instead of for a second send of that id. A pool timeout is not
-    tried again: the pool already spent its whole timeout trying to get a connection, and
-    asking again would only multiply that wait.
-
-    Raises:
-      dramatiq.errors.ConnectionError: the last try's.
-    """
-    delay = 0.05
-    for attempt in range(retries + 1):
-        try:
-            return write(attempt == 0)
-        except BrokerConnectionError as e:
-            if attempt >= retries or isinstance(e.__cause__, PoolTimeout):
-                raise
-            # Told once per outage by the process (outage.py), not at every try.
-            logger.debug("Enqueue failed on a connection error; retrying in %.2fs.", delay)
-            time.sleep(delay)
-            delay *= 4
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-# -- blocks: batch() and transaction() ------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Batch:
-    """The sends collected by a ``broker.batch()`` block, written together at its end."""
-
-    jobs: list[NewJob] = dataclasses.field(default_factory=list)
-    messages: list[dramatiq.Message] = dataclasses.field(default_factory=list)
-    delays: list[int | None] = dataclasses.field(default_factory=list)
-
-    def add(self, job: NewJob, message: dramatiq.Message, delay: int | None = None) -> None:
-        self.jobs.append(job)
-        self.messages.append(message)
-        self.delays.append(delay)
-
-    def __len__(self) -> int:
-        return len(self.jobs)
-
-
-class LazyJobs(Sequence[NewJob]):
-    """The jobs of ``broker.enqueue_many()``, each checked and encoded on first access, in
-    order, and kept.
-
-    The store's COPY path reads them one chunk ahead of what the server is inserting, so
-    this process encodes while the server writes; a retry after a lost connection reads
-    the kept ones again.
-    """
-
-    def __init__(self, count: int, build: Callable[[int], NewJob]) -> None:
-        self._count = count
-        self._build = build
-        self._built: list[NewJob] = []
-
-    def __len__(self) -> int:
-        return self._count
-
-    @overload
-    def __getitem__(self, index: int) -> NewJob: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[NewJob]: ...
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._count))]
-        if index < 0:
-            index += self._count
-        if not 0 <= index < self._count:
-            raise IndexError(index)
-        built = self._built
-        while len(built) <= index:
-            built.append(self._build(len(built)))
-        return built[index]
-
-    def __iter__(self) -> Iterator[NewJob]:
-        if len(self._built) == self._count:
-            return iter(self._built)
-        return (self[index] for index in range(self._count))
-
-
-@dataclasses.dataclass
-class Transaction:
-    """A transaction block: sends write on ``conn``, the application's connection (a
-    ``broker.transaction(conn)`` block, or one a :attr:`Sender.resolver` found)."""
-
-    conn: psycopg.Connection
-    #: Entered around each write on ``conn``: a framework's bookkeeping (Django marks its
-    #: ``atomic()`` block for rollback when a write fails). None: nothing.
-    guard: Callable[[], ContextManager[Any]] | None = None
-    #: Called before each write: raises if the transaction the block joined has ended (a
-    #: SQLAlchemy Session or Connection committed inside the block). None: nothing.
-    check: Callable[[], None] | None = None
-    #: ``conn`` as the job store writes on it.
-    view: AppConnection = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        self.view = AppConnection(self.conn)
-
-    def writing(self) -> ContextManager[Any]:
-        if self.check is not None:
-            self.check()
-        return self.guard() if self.guard is not None else contextlib.nullcontext()
-
-
-class SendContext:
-    """The stack of ``transaction()`` and ``batch()`` blocks of the current thread or task,
-    for one broker."""
-
-    def __init__(self) -> None:
-        self._stack: contextvars.ContextVar[tuple[Transaction | Batch, ...]] = (
-            contextvars.ContextVar(f"dramatiq_pg_broker_sends_{id(self)}", default=())
-        )
-
-    def top(self) -> Transaction | Batch | None:
-        stack = self._stack.get()
-        return stack[-1] if stack else None
-
-    def transaction_below(self, block: Batch) -> Transaction | None:
-        """The innermost transaction block around ``block``, if any."""
-        stack = self._stack.get()
-        index = next(i for i in range(len(stack) - 1, -1, -1) if stack[i] is block)
-        for entry in reversed(stack[:index]):
-            if isinstance(entry, Transaction):
-                return entry
-        return None
-
-    def push(self, entry: Transaction | Batch) -> contextvars.Token:
-        """Enter a block; :meth:`pop` with the token leaves it (in the same context)."""
-        return self._stack.set((*self._stack.get(), entry))
-
-    def pop(self, token: contextvars.Token) -> None:
-        self._stack.reset(token)
-
-    @contextlib.contextmanager
-    def pushed(self, entry: Transaction | Batch) -> Iterator[None]:
-        token = self.push(entry)
-        try:
-            yield
-        finally:
-            self.pop(token)
-
-
-def _sqlalchemy_connection(obj: Any):
-    """The SQLAlchemy ``Connection`` behind a Session or Connection, or None if ``obj`` is
-    neither (or SQLAlchemy is not installed)."""
-    # Never imported here (the broker does not depend on SQLAlchemy): a Session or
-    # Connection can only exist if the application imported SQLAlchemy already.
-    orm = sys.modules.get("sqlalchemy.orm")
-    engine = sys.modules.get("sqlalchemy.engine")
-    if orm is not None and isinstance(obj, orm.Session):
-        # Begins the session's transaction if none is open; the application commits it.
-        return obj.connection()
-    if engine is not None and isinstance(obj, engine.Connection):
-        if not obj.in_transaction():
-            # A statement written under SQLAlchemy's feet would open a transaction that
-            # SQLAlchemy does not know about, and its commit() would not commit it.
-            obj.begin()
-        return obj
-    return None
-
-
-def _is_sqlalchemy_async(obj: Any) -> bool:
-    """Whether ``obj`` is a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``."""
-    module = sys.modules.get("sqlalchemy.ext.asyncio")
-    return module is not None and isinstance(obj, (module.AsyncSession, module.AsyncConnection))
-
-
-def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
-    """The psycopg connection to write on, and the SQLAlchemy ``Connection`` whose
-    transaction the block joins (None for a psycopg connection given directly: the block
-    opens its own transaction on it).
-
-    Raises:
-      TransactionError: ``obj`` is not a synchronous psycopg 3 connection, nor a SQLAlchemy
-        2 Session or Connection on the ``postgresql+psycopg`` driver.
-    """
-    if isinstance(obj, psycopg.Connection):
-        if obj.closed:
-            raise TransactionError("broker.transaction() was given a closed connection")
-        return obj, None
-    if isinstance(obj, psycopg.AsyncConnection) or _is_sqlalchemy_async(obj):
-        raise TransactionError(
-            f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
-            "`async with broker.transaction(conn)`, not `with`"
-        )
-    sa_conn = _sqlalchemy_connection(obj)
-    if sa_conn is None:
-        raise TransactionError(
-            f"broker.transaction() takes a psycopg 3 Connection or a SQLAlchemy 2 Session or "
-            f"Connection on the postgresql+psycopg driver, not {type(obj).__module__}."
-            f"{type(obj).__qualname__}"
-        )
-    dialect = sa_conn.dialect
-    if dialect.name != "postgresql" or dialect.driver != "psycopg":
-        raise TransactionError(
-            f"broker.transaction() needs SQLAlchemy's postgresql+psycopg driver (psycopg 3); "
-            f"this connection uses {dialect.name}+{dialect.driver}"
-        )
-    driver = sa_conn.connection.driver_connection
-    if not isinstance(driver, psycopg.Connection):
-        raise TransactionError(
-            "broker.transaction() needs a synchronous SQLAlchemy Session or Connection "
-            "(create_engine, not create_async_engine)"
-        )
-    if driver.autocommit:
-        raise TransactionError(
-            "this SQLAlchemy connection uses the AUTOCOMMIT isolation level: it has no "
-            "transaction for the jobs to join"
-        )
-    return driver, sa_conn
-
-
-#: What each connection reached, checked once per connection: (database, server start).
-_identities: weakref.WeakKeyDictionary[psycopg.Connection, tuple] = weakref.WeakKeyDictionary()
-
-# A database is named by its name and by when its server started (two servers never share
-# a start time to the microsecond); a port or host name would differ between a TCP and a
-# Unix-socket connection to the same server.
-IDENTITY_SQL = "SELECT current_database(), pg_postmaster_start_time()"
-
-
-def identity(conn: psycopg.Connection | AppConnection) -> tuple:
-    """Which database on which server ``conn`` is connected to (cached per connection)."""
-    key = conn.raw if isinstance(conn, AppConnection) else conn
-    known = _identities.get(key)
-    if known is None:
-        known = tuple(conn.execute(IDENTITY_SQL).fetchone())
-        _identities[key] = known
-    return known
 
 
 class TransactionBlock:

@@ -16,10 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
-from .urls import (
-    check_url,
-    mask_url,
-)
+from .urls import check_url, mask_url
 
 #: The environment variable prefix.
 ENV_PREFIX = "DRAMATIQ_PG_"

@@ -48,13 +48,7 @@ from dramatiq.errors import BrokerConnectionError
 from ..control.limits import LIMIT_PAYLOAD
 from ..db.core import connect, translate_errors
 from ..jobs.rows import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob
-from .claiming import (
-    ClaimWindow,
-    PgMessageProxy,
-    describe_error,
-    describe_exception,
-    new_owner_id,
-)
+from .claiming import ClaimWindow, PgMessageProxy, describe_error, describe_exception, new_owner_id
 from .states import RETRY_CAP_SECONDS
 
 logger = logging.getLogger("dramatiq_pg_broker.consumer")

@@ -192,6 +192,10 @@ class JobContext(Middleware):
     reaches no other middleware's ``before_process_message``.
     """
 
+    #: Its documented path: a skip it raises names it so in the job's events, as before
+    #: the module moved into attempt/.
+    __module__ = "dramatiq_pg_broker.current"
+
     @property
     def actor_options(self) -> set[str]:
         return {"heartbeat", "interrupt_on_abort"}

@@ -57,20 +57,9 @@ from ..config import Settings
 from ..jobs.rows import Attempt
 from ..jobs.store import JobStore
 from ..sending.group_commit import GroupCommit
-from .completions import (
-    CompletionBook,
-)
-from .heartbeat import (
-    HeartbeatBook,
-)
-from .states import (
-    Completion,
-    LeaseTimer,
-    OutcomeSink,
-    Slots,
-    State,
-    _Entry,
-)
+from .inflight_completions import CompletionBook
+from .inflight_heartbeat import HeartbeatBook
+from .states import Completion, LeaseTimer, OutcomeSink, Slots, State, _Entry
 
 logger = logging.getLogger("dramatiq_pg_broker.inflight")
 

@@ -48,10 +48,7 @@ from dramatiq.middleware import Middleware
 from ..db.queries import Queries
 from ..errors import ConfigurationError
 from .retention import RetentionPolicy, prune
-from .schedules import (
-    UTC,
-    Schedule,
-)
+from .schedules import UTC, Schedule
 
 logger = logging.getLogger("dramatiq_pg_broker.periodic")
 

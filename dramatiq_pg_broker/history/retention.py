@@ -59,16 +59,8 @@ from ..config import Settings
 from ..db.core import ProcessPool
 from ..db.queries import Queries
 from ..errors import SchemaMissing
-from .ddl import (
-    FINISHED,
-    PARENTS,
-    StepResult,
-    _for,
-    _partition_name,
-)
-from .partitions import (
-    PartitionSteps,
-)
+from .ddl import FINISHED, PARENTS, StepResult, _for, _partition_name
+from .partitions import PartitionSteps
 
 logger = logging.getLogger("dramatiq_pg_broker.retention")
 

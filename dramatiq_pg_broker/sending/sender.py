@@ -47,18 +47,8 @@ from ..errors import InvalidMessage, TransactionError
 from ..jobs.rows import EnqueueResult, NewJob, clean_text
 from . import messages
 from .app_transactions import JoinedTransaction
-from .blocks import (
-    Batch,
-    LazyJobs,
-    SendContext,
-    Transaction,
-    identity,
-    resolve_connection,
-)
-from .group_commit import (
-    GroupCommit,
-    retrying,
-)
+from .blocks import Batch, LazyJobs, SendContext, Transaction, identity, resolve_connection
+from .group_commit import GroupCommit, retrying
 
 if TYPE_CHECKING:
     from .async_sending import AsyncBlock

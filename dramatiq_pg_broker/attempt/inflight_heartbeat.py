@@ -12,11 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dramatiq.errors import BrokerConnectionError
 
 from ..jobs.rows import Attempt
-from .states import (
-    RETRY_CAP_SECONDS,
-    START_RECORD_DELAY,
-    State,
-)
+from .states import RETRY_CAP_SECONDS, START_RECORD_DELAY, State
 
 logger = logging.getLogger("dramatiq_pg_broker.inflight")
 

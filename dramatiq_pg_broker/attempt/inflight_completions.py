@@ -9,11 +9,7 @@ from dramatiq.middleware.threading import raise_thread_exception
 
 from ..errors import JobAborted
 from ..jobs.rows import Attempt
-from .states import (
-    HEARTBEAT_WAIT_SECONDS,
-    Completion,
-    State,
-)
+from .states import HEARTBEAT_WAIT_SECONDS, Completion, State
 
 logger = logging.getLogger("dramatiq_pg_broker.inflight")
 

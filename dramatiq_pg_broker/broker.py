@@ -264,7 +264,7 @@ class PostgresBroker(dramatiq.Broker):
           InvalidMessage: message ``i`` is refused (the error names ``i``).
           JobAlreadyFinished: message ``i``'s id is a job that already finished.
         """
-        return self.sender.send_all(messages, delay)
+        return self.sender.enqueue_many(messages, delay)
 
     def batch(self) -> contextlib.AbstractContextManager[Batch]:
         """Collect every send of this thread in the block, and write them together at its

@@ -208,6 +208,9 @@ class PostgresConsumer(Consumer):
         logger.debug("Queue %r cannot reach the database: %s", self.queue_name, error)
         # Notifications sent while the connection was down are lost: claim once it is back.
         self._notified = True
+        self._close_listener()
+
+    def _close_listener(self) -> None:
         if self._listen_conn is not None:
             try:
                 self._listen_conn.close()
@@ -543,12 +546,7 @@ class PostgresConsumer(Consumer):
                 len(buffered),
             )
         finally:
-            if self._listen_conn is not None:
-                try:
-                    self._listen_conn.close()
-                except Exception:  # pragma: no cover - closing a broken connection
-                    pass
-                self._listen_conn = None
+            self._close_listener()
 
 
 def _quote_ident(name: str) -> str:

@@ -43,15 +43,8 @@ class Outcomes(StoreBase):
         self, attempts: Sequence[Attempt], errors: Sequence[str | None], *, conn=None, now=None
     ) -> set[str]:
         """running -> failed (dead letter), keeping each attempt's error."""
-        if not attempts:
-            return set()
-        pairs = sorted(zip(attempts, errors), key=lambda pair: pair[0].id)
-        params = {
-            **self._attempt_params([attempt for attempt, _ in pairs]),
-            "errors": [clean_text(error) for _, error in pairs],
-            "now": now,
-        }
-        return {str(r[0]) for r in self._fetch("fail_jobs", params, conn)}
+        errors = [clean_text(error) for error in errors]
+        return self._each_with("fail_jobs", attempts, "errors", errors, conn, now)
 
     def reschedule(
         self,
@@ -124,12 +117,20 @@ class Outcomes(StoreBase):
         failing it (a ``cancelled`` event each, whose data is the attempt's skip:
         ``reason``, ``skipped_by``, ``message``). Returns the ids changed: an attempt
         missing is no longer the caller's."""
+        skips = [Jsonb(skip) for skip in skips]
+        return self._each_with("cancel_skipped", attempts, "skips", skips, conn, now)
+
+    def _each_with(
+        self, name: str, attempts: Sequence[Attempt], key: str, values: list, conn, now
+    ) -> set[str]:
+        """Statement ``name`` over attempts that each carry a value (parameter ``key``),
+        in id order like every ownership guard; the ids it changed."""
         if not attempts:
             return set()
-        pairs = sorted(zip(attempts, skips), key=lambda pair: pair[0].id)
+        pairs = sorted(zip(attempts, values), key=lambda pair: pair[0].id)
         params = {
             **self._attempt_params([attempt for attempt, _ in pairs]),
-            "skips": [Jsonb(skip) for _, skip in pairs],
+            key: [value for _, value in pairs],
             "now": now,
         }
-        return {str(r[0]) for r in self._fetch("cancel_skipped", params, conn)}
+        return {str(r[0]) for r in self._fetch(name, params, conn)}

@@ -342,7 +342,7 @@ class Sender:
 
     # -- many messages -------------------------------------------------------------------
 
-    def send_all(
+    def enqueue_many(
         self, messages: Iterable[dramatiq.Message], delay: int | None = None
     ) -> list[dramatiq.Message]:
         """:meth:`PostgresBroker.enqueue_many <dramatiq_pg_broker.PostgresBroker.enqueue_many>`."""

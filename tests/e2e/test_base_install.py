@@ -58,7 +58,7 @@ import importlib, json, pkgutil, sys
 import dramatiq_pg_broker
 # The integrations (dramatiq_pg_broker.contrib.<framework>) import their framework.
 names = [m.name for m in pkgutil.walk_packages(dramatiq_pg_broker.__path__, "dramatiq_pg_broker.")
-         if m.name not in ("dramatiq_pg_broker.__main__",)
+         if not m.name.endswith(".__main__")
          and not m.name.startswith("dramatiq_pg_broker.contrib.")]
 for name in names:
     importlib.import_module(name)

@@ -22,9 +22,9 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
+from dramatiq_pg_broker.control.queues import QueueState as QueueStateRecord
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 from dramatiq_pg_broker.events import STATUSES
-from dramatiq_pg_broker.queues import QueueState as QueueStateRecord
 
 from . import accounts
 from .queries import JOB_COLUMNS, LIST_COLUMNS, PREVIEW_CHARS

@@ -1,4 +1,4 @@
-"""The admin API's side of the schema handshake (:mod:`dramatiq_pg_broker.handshake`).
+"""The admin API's side of the schema handshake (:mod:`dramatiq_pg_broker.db.handshake`).
 
 No request reaches the database before this process has passed the handshake: the first
 request that needs the database runs it (one round trip, once per process; creating the

@@ -54,6 +54,7 @@ from psycopg import sql
 from dramatiq_pg_broker import retention
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.history import ddl
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
 from dramatiq_pg_broker.migrate import migrate
 from dramatiq_pg_broker.retention import RetentionPolicy, prune
@@ -146,12 +147,12 @@ def attach_past_day(pool: ProcessPool, schema: str, day: dt.date) -> None:
         rest=False,
         partitions_ahead=0,
     )
-    for parent in retention.PARENTS:
-        name = retention._partition_name(parent, day)
+    for parent in ddl.PARENTS:
+        name = ddl._partition_name(parent, day)
         for _ in range(10):
             try:
                 run.ddl(run.queries["prepare_partition"], {"parent": parent, "day": day})
-            except retention.LockBusy:
+            except ddl.LockBusy:
                 continue
             with pool.connection() as conn:
                 attached = conn.execute(

@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     url = args.url
     if not url:
-        from dramatiq_pg_broker.embedded import embedded_url
+        from dramatiq_pg_broker.db.embedded import embedded_url
 
         url = embedded_url()
     if not args.reuse:

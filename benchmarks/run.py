@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def server_url(server: str) -> str:
     """The URL of a server set-up (see the module docstring)."""
     if server == "embedded":
-        from dramatiq_pg_broker.embedded import embedded_url
+        from dramatiq_pg_broker.db.embedded import embedded_url
 
         return embedded_url()
     return os.environ.get("BENCH_TCP_URL") or os.environ.get("DRAMATIQ_PG_URL") or DEFAULT_TCP_URL

@@ -121,8 +121,8 @@ def schedule_line(url: str, schema: str) -> str:
     import psycopg
     from psycopg import sql
 
-    from dramatiq_pg_broker.cli_jobs import relative
-    from dramatiq_pg_broker.periodic import list_schedules
+    from dramatiq_pg_broker.cli.jobs import relative
+    from dramatiq_pg_broker.history.periodic import list_schedules
 
     with psycopg.connect(url, autocommit=True) as conn:
         rows = [r for r in list_schedules(conn, schema) if r["name"] == "demo.tick"]

@@ -1,9 +1,9 @@
 """dramatiq-pg-broker: a PostgreSQL broker for Dramatiq."""
 
-from .async_sending import send_async, send_with_options_async
+from .attempt.current import CurrentJob, current_job
+from .attempt.retries import Retries
 from .broker import JobFailed, PostgresBroker
 from .config import Settings
-from .current import CurrentJob, current_job
 from .errors import (
     AmbiguousJobId,
     CodeTooOld,
@@ -27,10 +27,11 @@ from .errors import (
     SchemaVersionError,
     TransactionError,
 )
-from .jobs import Attempt, JobStore
-from .periodic import Schedule, periodic
-from .retention import RetentionPolicy
-from .retries import Retries
+from .history.retention import RetentionPolicy
+from .jobs.store import Attempt, JobStore
+from .periodic import Schedule, periodic  # the module path stays (an alias of history.periodic)
+from .sending.async_sending import send_async, send_with_options_async
+from .version import __version__  # noqa: F401
 
 __all__ = [
     "AmbiguousJobId",
@@ -68,7 +69,3 @@ __all__ = [
     "send_async",
     "send_with_options_async",
 ]
-
-#: The package version, in one place: setup.cfg reads it (``attr:``), and so do the admin
-#: API's OpenAPI document and ``dramatiq-pg-broker --version``.
-__version__ = "0.2.0.dev0"

@@ -25,23 +25,24 @@ from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool
 
-from . import messages
+from .attempt.consumer import PostgresConsumer
+from .attempt.current import AbortGuard, JobContext, running_attempt
+from .attempt.inflight import Ledger
+from .attempt.leases import LeaseKeeper
+from .attempt.outcomes import OutcomeWriter
+from .attempt.retries import Retries
+from .attempt.skips import SkipRecorder
 from .config import Settings
-from .consumer import PostgresConsumer
-from .current import AbortGuard, JobContext, running_attempt
-from .db import ProcessPool
+from .control.limits import QueueLimits
+from .control.workers import Presence
+from .db.core import ProcessPool
+from .db.handshake import SchemaGate
 from .errors import PgBrokerError
-from .handshake import SchemaGate
-from .inflight import Ledger
-from .jobs import JobStore
-from .leases import LeaseKeeper
-from .limits import QueueLimits
-from .outcomes import OutcomeWriter
-from .periodic import Periodic, Schedule
-from .retries import Retries
-from .sending import Batch, Sender, TransactionBlock
-from .skips import SkipRecorder
-from .workers import Presence
+from .history.periodic import Periodic, Schedule
+from .jobs.store import JobStore
+from .sending import messages
+from .sending.blocks import Batch
+from .sending.sender import Sender, TransactionBlock
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +165,13 @@ class PostgresBroker(dramatiq.Broker):
             if store is not None
             else JobStore(self.pool, settings.schema, events=settings.events)
         )
-        self.leases = LeaseKeeper(self)
-        self.outcomes = OutcomeWriter(self)
         #: Every attempt this process holds: the one owner of their states.
-        self.ledger = Ledger(self)
+        self.ledger = Ledger(self.store, settings)
+        self.leases = LeaseKeeper(
+            self, self.store, settings, self.ledger, self.schema_gate, self.presence
+        )
+        self.outcomes = OutcomeWriter(self.store, self.ledger)
+        self.ledger.connect(leases=self.leases, outcomes=self.outcomes)
         #: The send path: every enqueue goes through it.
         self.sender = Sender(self, functools.partial(running_attempt, self.ledger))
         for schedule in schedules or ():
@@ -179,7 +183,7 @@ class PostgresBroker(dramatiq.Broker):
         Raises:
           ConfigurationError: another schedule has the same name.
         """
-        from .periodic import add_schedule
+        from .history.periodic import add_schedule
 
         add_schedule(self, schedule)
 
@@ -260,7 +264,7 @@ class PostgresBroker(dramatiq.Broker):
           InvalidMessage: message ``i`` is refused (the error names ``i``).
           JobAlreadyFinished: message ``i``'s id is a job that already finished.
         """
-        return self.sender.send_all(messages, delay)
+        return self.sender.enqueue_many(messages, delay)
 
     def batch(self) -> contextlib.AbstractContextManager[Batch]:
         """Collect every send of this thread in the block, and write them together at its
@@ -328,7 +332,7 @@ class PostgresBroker(dramatiq.Broker):
           TransactionError: no ``async with broker.transaction()`` block is open.
           JobAlreadyFinished: a message's id is a job that already finished.
         """
-        from .async_sending import innermost, write_pending
+        from .sending.async_sending import innermost, write_pending
 
         return await write_pending(self.sender, innermost(self.sender))
 
@@ -346,7 +350,7 @@ class PostgresBroker(dramatiq.Broker):
         Raises:
           As :meth:`enqueue`.
         """
-        from .async_sending import enqueue_async
+        from .sending.async_sending import enqueue_async
 
         return await enqueue_async(self.sender, message, delay)
 

@@ -22,7 +22,7 @@ def pytest_report_header(config) -> list[str]:
 
         url = os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL")
         return [f"database: {mask_url(url)} (DRAMATIQ_PG_TEST_URL)"]
-    from dramatiq_pg_broker.embedded import data_dir
+    from dramatiq_pg_broker.db.embedded import data_dir
 
     return [
         f"database: the embedded PostgreSQL in {data_dir()} (started on first use; it keeps "
@@ -34,13 +34,13 @@ def pytest_configure(config) -> None:
     """With parallel workers (pytest-xdist's ``-n``) and no database URL, start the embedded
     PostgreSQL here, in the controller, before any worker starts: the workers then find it
     running instead of all starting it at once (the start itself also holds a file lock;
-    see :func:`dramatiq_pg_broker.embedded.embedded_url`). A failure to start it is left for
+    see :func:`dramatiq_pg_broker.db.embedded.embedded_url`). A failure to start it is left for
     the tests that need a database to report, as in a serial run."""
     if hasattr(config, "workerinput") or getattr(config.option, "dist", "no") == "no":
         return
     if os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL"):
         return
-    from dramatiq_pg_broker.embedded import embedded_url
+    from dramatiq_pg_broker.db.embedded import embedded_url
     from dramatiq_pg_broker.errors import ConfigurationError
 
     try:
@@ -120,7 +120,7 @@ def server_url() -> str:
     url = os.environ.get("DRAMATIQ_PG_TEST_URL") or os.environ.get("DRAMATIQ_PG_URL")
     if url:
         return url
-    from dramatiq_pg_broker.embedded import embedded_url
+    from dramatiq_pg_broker.db.embedded import embedded_url
 
     return embedded_url()
 

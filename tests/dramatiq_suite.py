@@ -20,7 +20,7 @@ read its ``queues`` dict of Python queues, expect ``join()`` to re-raise the act
 exception (this broker's ``join(fail_fast=True)`` raises ``JobFailed``), or expect one
 worker thread to take messages strictly in priority order (a real consumer prefetches).
 One fails by design: a message a middleware skipped without failing it holds
-``MessageSkipped`` in a results backend, not None (see :mod:`dramatiq_pg_broker.skips`).
+``MessageSkipped`` in a results backend, not None (see :mod:`dramatiq_pg_broker.attempt.skips`).
 Not part of ``make test``: it needs Dramatiq's source tree, and its test dependencies
 (``pylibmc``, ``redis``, ``pika`` are imported by its conftest; stand-ins are provided when
 they are missing, since no test run here uses them).

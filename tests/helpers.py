@@ -37,7 +37,7 @@ def migrate_ahead(url: str, schema: str, directory: Path, kind: str) -> str:
     (``compatible``, ``breaking``) that this code does not ship, written into
     ``directory``/migrations: a later release's schema, as this code sees it. Returns the
     added migration's name."""
-    from dramatiq_pg_broker import handshake
+    from dramatiq_pg_broker.db import handshake
     from dramatiq_pg_broker.migrate import migrate, migrations_dir
 
     folder = directory / "migrations"

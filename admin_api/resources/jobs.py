@@ -10,6 +10,7 @@ import falcon
 from pydantic import Field
 
 from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.control.workers import actor_declaration
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
 from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import JobStore
@@ -21,7 +22,6 @@ from dramatiq_pg_broker.messages import (
     idempotency_scope,
     job_from_message,
 )
-from dramatiq_pg_broker.workers import actor_declaration
 
 from .. import conditional
 from ..accounts import AccountStore, User

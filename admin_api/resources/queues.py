@@ -1,7 +1,7 @@
 """``POST /api/queues/{name}/pause`` and ``POST /api/queues/{name}/resume``: an operator
 stops every worker claiming a queue's jobs, and lets them again (see
-:mod:`dramatiq_pg_broker.queues`). ``PUT /api/queues/{name}/limit``: at most N of its
-jobs run at a time across every worker, or no limit (see :mod:`dramatiq_pg_broker.limits`).
+:mod:`dramatiq_pg_broker.control.queues`). ``PUT /api/queues/{name}/limit``: at most N of its
+jobs run at a time across every worker, or no limit (see :mod:`dramatiq_pg_broker.control.limits`).
 The queue list with its pause state and limit is ``GET /api/queues`` (:mod:`.dashboard`)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import falcon
 from pydantic import Field
 
-from dramatiq_pg_broker import limits as queue_limits
 from dramatiq_pg_broker import queues as queue_control
+from dramatiq_pg_broker.control import limits as queue_limits
 from dramatiq_pg_broker.jobs import JobStore
 
 from ..auth import OPERATORS

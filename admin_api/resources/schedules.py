@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dramatiq_pg_broker.periodic import list_schedules
+from dramatiq_pg_broker.history.periodic import list_schedules
 
 from ..auth import OBSERVERS
 from .workers import RegistryList

@@ -1,13 +1,13 @@
 """``GET /api/workers`` (the live worker processes) and ``GET /api/actors`` (the actors
 workers declared, which the API creates jobs for), from the worker registry
-(:mod:`dramatiq_pg_broker.workers`)."""
+(:mod:`dramatiq_pg_broker.control.workers`)."""
 
 from __future__ import annotations
 
 import falcon
 
+from dramatiq_pg_broker.control.workers import list_actors, list_workers
 from dramatiq_pg_broker.jobs import JobStore
-from dramatiq_pg_broker.workers import list_actors, list_workers
 
 from ..auth import OBSERVERS, READERS
 from ..validation import read_query

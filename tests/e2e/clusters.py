@@ -33,7 +33,7 @@ def server_binaries(*tools: str) -> Path | None:
     every one of ``tools``; None if there is none."""
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
     try:
-        from dramatiq_pg_broker.embedded import import_pgserver
+        from dramatiq_pg_broker.db.embedded import import_pgserver
 
         import_pgserver()  # with its lock file where the embedded server keeps it
         # pgserver names the folder of the binaries it ships only in this module of its own.

@@ -14,9 +14,8 @@ import time
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware
 
-from dramatiq_pg_broker import outage
-from dramatiq_pg_broker.db import ProcessPool
-from dramatiq_pg_broker.listener import channel_for, listener_for
+from dramatiq_pg_broker.db import ProcessPool, outage
+from dramatiq_pg_broker.db.listener import channel_for, listener_for
 from tests.e2e.worker_app import broker
 
 outage.REMINDER_SECONDS = float(os.environ.get("OUTAGE_TEST_REMINDER_SECONDS", "60"))

@@ -39,8 +39,9 @@ import psycopg
 import pytest
 from dramatiq.results import Results
 
-from dramatiq_pg_broker import PostgresBroker, outage
-from dramatiq_pg_broker.listener import listener_for
+from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.db import outage
+from dramatiq_pg_broker.db.listener import listener_for
 from dramatiq_pg_broker.migrate import discover, migrate
 
 from .failover_actors import create_runs_table, declare
@@ -349,8 +350,9 @@ def test_a_pool_led_to_the_standby_by_a_name_not_yet_moved_follows_it_to_the_pri
     rows = _query(primary.url, f"SELECT id::text, status FROM {SCHEMA}.all_jobs")
     assert rows == [(sent.message_id, "succeeded")], rows
     records = [r for r in caplog.records if r.name.startswith(("dramatiq", "psycopg"))]
-    told = [r.getMessage() for r in records if r.name == "dramatiq_pg_broker.outage"]
-    others = [f"{r.name}: {r.getMessage()}" for r in records if r.name != outage.__name__]
+    logger = "dramatiq_pg_broker.outage"  # the outage module's logger, by its name
+    told = [r.getMessage() for r in records if r.name == logger]
+    others = [f"{r.name}: {r.getMessage()}" for r in records if r.name != logger]
     assert len(told) == 2, told
     # With the standby's refusal (of a write, or of a LISTEN) as the error.
     assert told[0].startswith(OUTAGE_STARTS), told

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
-from dramatiq_pg_broker.queues import declare as declare_queues
+from dramatiq_pg_broker.control.queues import declare as declare_queues
 from tests.integration.admin_support import AdminEnv
 
 from .browser import Stack

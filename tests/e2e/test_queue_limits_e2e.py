@@ -17,7 +17,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
-from dramatiq_pg_broker import limits as queue_limits
+from dramatiq_pg_broker.control import limits as queue_limits
 
 from .queue_limits_actors import JOB_SECONDS, LIMITED, UNLIMITED, declare
 from .workers import wait_for

@@ -4,7 +4,7 @@ admits stops with one line; gunicorn boots against a schema behind its code and 
 it is migrated.
 
 A schema newer than this code is made with a migrations folder holding one more, breaking,
-migration (the seam named in :mod:`dramatiq_pg_broker.handshake`): this release then plays
+migration (the seam named in :mod:`dramatiq_pg_broker.db.handshake`): this release then plays
 the part of an earlier release that can check, with no change to its code.
 """
 

@@ -29,7 +29,7 @@ FAST_SETTINGS = {
 
 
 #: The beginnings of the three lines a process logs about a database outage
-#: (:mod:`dramatiq_pg_broker.outage`).
+#: (:mod:`dramatiq_pg_broker.db.outage`).
 OUTAGE_STARTS = "The database is unreachable"
 OUTAGE_GOES_ON = "The database is still unreachable"
 OUTAGE_ENDS = "The database is reachable again"

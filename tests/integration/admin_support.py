@@ -109,7 +109,7 @@ class AdminEnv:
 
     def declare(self, actors: dict[str, str] | None = None, queues: Any = ()) -> None:
         """Declare actors (name: queue) and queues as a booting worker does."""
-        from dramatiq_pg_broker.queues import declare
+        from dramatiq_pg_broker.control.queues import declare
 
         actors = actors or {}
         with self.pool.connection() as conn:

@@ -119,7 +119,7 @@ class Harness:
 def declared_queue(store: JobStore, name: str | None = None) -> str:
     """A queue declared as a worker of it declares it (a new name unless ``name`` is given);
     returns its name."""
-    from dramatiq_pg_broker import queues
+    from dramatiq_pg_broker.control import queues
 
     name = name or f"dq_{uuid.uuid4().hex[:8]}"
     with store.pool.connection() as conn:

@@ -7,7 +7,7 @@ import datetime as dt
 import dramatiq
 
 from dramatiq_pg_broker import PostgresBroker, periodic
-from dramatiq_pg_broker.periodic import Scheduler
+from dramatiq_pg_broker.history.periodic import Scheduler
 
 
 def test_schedules_are_listed_read_only(env, pg_url, schema):

@@ -15,8 +15,8 @@ from dramatiq.results import ResultFailure, ResultMissing, Results
 from dramatiq.results.backends import StubBackend
 
 from dramatiq_pg_broker import Attempt, current_job
+from dramatiq_pg_broker.attempt.states import State
 from dramatiq_pg_broker.db import CappedAttempt, translate_errors
-from dramatiq_pg_broker.inflight import State
 from dramatiq_pg_broker.jobs import NewJob
 
 from ..helpers import wait_for

@@ -65,7 +65,8 @@ def test_a_consumer_that_cannot_open_its_listen_connection_polls_quietly(h, monk
     import psycopg
     from dramatiq.errors import ConnectionClosed
 
-    from dramatiq_pg_broker import consumer, outage
+    from dramatiq_pg_broker.attempt import consumer
+    from dramatiq_pg_broker.db import outage
 
     monkeypatch.setattr(outage, "tracker", outage.Outage())
     refusals = []

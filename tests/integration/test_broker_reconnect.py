@@ -168,7 +168,7 @@ def test_a_server_out_of_connection_slots_is_saturation_not_an_outage(
     from psycopg import sql
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-    from dramatiq_pg_broker import outage
+    from dramatiq_pg_broker.db import outage
 
     role = f"pgb_full_{uuid.uuid4().hex[:8]}"
     conn.execute(sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 0").format(sql.Identifier(role)))
@@ -204,7 +204,7 @@ def test_a_waiter_whose_listen_connection_finds_no_slot_polls(pg_url, conn, monk
     from psycopg import sql
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-    from dramatiq_pg_broker import listener, outage
+    from dramatiq_pg_broker.db import listener, outage
 
     role = f"pgb_full_{uuid.uuid4().hex[:8]}"
     conn.execute(sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 0").format(sql.Identifier(role)))

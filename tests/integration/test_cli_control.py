@@ -9,7 +9,7 @@ import uuid
 
 from psycopg import sql
 
-from dramatiq_pg_broker.cli_jobs import printable
+from dramatiq_pg_broker.cli.jobs import printable
 from dramatiq_pg_broker.jobs import JobStore, NewJob
 
 from .harness import declared_queue

@@ -156,7 +156,7 @@ def test_retrying_every_failed_job_goes_in_bounded_committed_batches(store, monk
 
 
 def test_retry_all_failed_streams_its_batches(store, run, monkeypatch):
-    from dramatiq_pg_broker import cli_jobs
+    from dramatiq_pg_broker.cli import jobs as cli_jobs
 
     monkeypatch.setattr(cli_jobs, "RETRY_BATCH", 2)
     jobs = [failed_job(store, q) for q in ("mail", "mail", "reports", "mail", "reports")]
@@ -226,7 +226,7 @@ def test_schedules_lists_what_workers_registered(pg_url, schema, run):
     import dramatiq
 
     from dramatiq_pg_broker import PostgresBroker, periodic
-    from dramatiq_pg_broker.periodic import Scheduler
+    from dramatiq_pg_broker.history.periodic import Scheduler
 
     broker = PostgresBroker(url=pg_url, schema=schema, retention=False)
 

@@ -12,8 +12,8 @@ import dramatiq
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import history_probe
 from dramatiq_pg_broker.errors import JobAlreadyFinished
+from dramatiq_pg_broker.history import probe as history_probe
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.retention import create_partitions
 

@@ -152,9 +152,9 @@ def test_rows_in_default_partitions_move_into_their_days(store, monkeypatch, at_
     DEFAULT partitions into their day's partition, made for them (a small day in the
     attach's own transaction, a big one in batches first); rows past their age are
     deleted; nothing is lost; a keyed send still finds its key's job."""
-    from dramatiq_pg_broker import retention
+    from dramatiq_pg_broker.history import partitions
 
-    monkeypatch.setattr(retention, "MOVE_AT_ONCE_ROWS", at_once)
+    monkeypatch.setattr(partitions, "MOVE_AT_ONCE_ROWS", at_once)
     now = server_now(store)
     kept_day, old_day = now - dt.timedelta(days=3), now - dt.timedelta(days=9)
     kept = [finish(store, kept_day + dt.timedelta(minutes=i)) for i in range(25)]
@@ -208,9 +208,9 @@ def test_rows_of_default_stay_in_sight_when_their_day_cannot_be_attached(
     """A long reader of history holds the DEFAULT partition the attach needs: the day's
     rows stay in DEFAULT, where readers see them (not moved out of sight for as long as
     the reader reads), and the step says skipped; the next run moves them."""
-    from dramatiq_pg_broker import retention
+    from dramatiq_pg_broker.history import partitions
 
-    monkeypatch.setattr(retention, "MOVE_AT_ONCE_ROWS", at_once)
+    monkeypatch.setattr(partitions, "MOVE_AT_ONCE_ROWS", at_once)
     now = server_now(store)
     jobs = [finish(store, now - dt.timedelta(days=3)) for _ in range(12)]
     visible = "SELECT count(*) FROM {s}.jobs_history WHERE id = ANY(%s::uuid[])"
@@ -359,6 +359,7 @@ def test_a_day_ahead_attaches_without_scanning_a_default_partition_that_holds_ro
     SHARE UPDATE EXCLUSIVE): PostgreSQL then skips scanning it under the attach's ACCESS
     EXCLUSIVE lock. The constraint goes afterwards."""
     from dramatiq_pg_broker import retention
+    from dramatiq_pg_broker.history import ddl
 
     now = server_now(store)
     with store.pool.connection() as conn:
@@ -406,7 +407,7 @@ def test_a_day_ahead_attaches_without_scanning_a_default_partition_that_holds_ro
         "default partition" in n and "implied by existing constraints" in n for n in notices
     ), notices
     assert not any(n.startswith("verifying table") for n in notices), notices
-    run.ddl(retention._named(run.queries["drop_exclusion"], **names))
+    run.ddl(ddl._named(run.queries["drop_exclusion"], **names))
 
     # The create step does the same for its days ahead, and leaves no constraint behind.
     remove_partitions(store, [now + dt.timedelta(days=d) for d in (4, 5)])
@@ -505,9 +506,9 @@ def test_maintenance_never_queues_a_lock_request_behind_a_long_reader(store, pg_
     ever seen waiting; the attaches, the drop and the move of history are left to the
     next run and named; the events' go ahead. The DEFAULT partitions are taken as too big
     to scan, so the constraint that spares the scan is made too, and none is left."""
-    from dramatiq_pg_broker import retention
+    from dramatiq_pg_broker.history import partitions
 
-    monkeypatch.setattr(retention, "SCAN_AT_ONCE_BYTES", 0)
+    monkeypatch.setattr(partitions, "SCAN_AT_ONCE_BYTES", 0)
     now = server_now(store)
     with store.pool.connection() as conn:
         create_partitions(conn, store.schema, now - dt.timedelta(days=10), 0)

@@ -11,12 +11,8 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker, Schedule, periodic
 from dramatiq_pg_broker.errors import ConfigurationError
-from dramatiq_pg_broker.periodic import (
-    INTERVAL_ORIGIN,
-    RETENTION_SCHEDULE,
-    Scheduler,
-    list_schedules,
-)
+from dramatiq_pg_broker.history.periodic import RETENTION_SCHEDULE, Scheduler, list_schedules
+from dramatiq_pg_broker.history.schedules import INTERVAL_ORIGIN
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2030, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -16,7 +16,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
-from dramatiq_pg_broker import limits as queue_limits
+from dramatiq_pg_broker.control import limits as queue_limits
 from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
 

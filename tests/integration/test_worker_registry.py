@@ -13,7 +13,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import __version__, current_job
-from dramatiq_pg_broker.workers import actor_queue, list_actors, list_workers
+from dramatiq_pg_broker.control.workers import actor_queue, list_actors, list_workers
 
 from ..helpers import wait_for
 

@@ -128,7 +128,7 @@ def test_every_form_of_a_send_lists_the_send_fields_in_one_order():
 def test_the_clock_slack_of_the_statements_is_the_code_s():
     """The send statements' history probe and the probe's partitions (history_probe.py)
     allow the same difference of clocks: {clock_slack_ms} is filled in from the constant."""
-    from dramatiq_pg_broker.history_probe import CLOCK_SLACK_MS
+    from dramatiq_pg_broker.history.probe import CLOCK_SLACK_MS
 
     queries = load_queries()
     users = [name for name, text in queries.items() if "sent_at_ms" in text]

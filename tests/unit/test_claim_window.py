@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dramatiq_pg_broker.consumer import ClaimWindow
-from dramatiq_pg_broker.inflight import Slots
+from dramatiq_pg_broker.attempt.claiming import ClaimWindow
+from dramatiq_pg_broker.attempt.states import Slots
 
 
 def test_the_claim_window_grows_only_while_the_workers_run_dry_during_claims():

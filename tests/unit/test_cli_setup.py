@@ -17,7 +17,7 @@ def no_url(monkeypatch, tmp_path):
 
 
 def _never_start_the_embedded_server(monkeypatch):
-    import dramatiq_pg_broker.embedded as embedded
+    import dramatiq_pg_broker.db.embedded as embedded
 
     def explode():
         raise AssertionError("the embedded server must not start in a Django project")
@@ -48,7 +48,7 @@ def test_a_manage_py_in_the_working_directory_is_a_django_project(no_url, monkey
 def test_outside_django_without_pgserver_the_cli_names_url_and_the_variable(
     no_url, monkeypatch, capsys
 ):
-    import dramatiq_pg_broker.embedded as embedded
+    import dramatiq_pg_broker.db.embedded as embedded
 
     def missing():
         raise ImportError("pgserver is not installed")

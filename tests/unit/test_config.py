@@ -90,7 +90,7 @@ def test_every_libpq_form_is_masked(url):
 
 
 def test_a_configured_url_never_starts_the_embedded_server(monkeypatch):
-    import dramatiq_pg_broker.embedded as embedded
+    import dramatiq_pg_broker.db.embedded as embedded
 
     def explode():
         raise AssertionError("the embedded server must not start when a URL is set")

@@ -8,7 +8,8 @@ import pytest
 from dramatiq.errors import ConnectionClosed
 from psycopg_pool import PoolTimeout
 
-from dramatiq_pg_broker import db, outage
+from dramatiq_pg_broker import db
+from dramatiq_pg_broker.db import outage
 
 
 class Recorder(outage.Outage):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from dramatiq_pg_broker import embedded
+from dramatiq_pg_broker.db import embedded
 
 
 def _venv(monkeypatch, prefix):

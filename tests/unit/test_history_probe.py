@@ -1,4 +1,4 @@
-"""Which days of history a send probes by name (see dramatiq_pg_broker.history_probe)."""
+"""Which days of history a send probes by name (see dramatiq_pg_broker.history.probe)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from dramatiq_pg_broker.history_probe import HistoryProbe
+from dramatiq_pg_broker.history.probe import HistoryProbe
 
 
 def ms(text: str) -> int:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dramatiq_pg_broker.inflight import State
+from dramatiq_pg_broker.attempt.states import State
 
 from ..helpers import wait_for
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import dramatiq_pg_broker
+from dramatiq_pg_broker.db.handshake import AppliedMigration, Code, SchemaState, this_code, verify
 from dramatiq_pg_broker.errors import CodeTooOld, MigrationError, MigrationsPending, SchemaMissing
-from dramatiq_pg_broker.handshake import AppliedMigration, Code, SchemaState, this_code, verify
 from dramatiq_pg_broker.migrate import (
     BREAKING,
     COMPATIBLE,

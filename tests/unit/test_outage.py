@@ -11,8 +11,8 @@ import psycopg
 import pytest
 from dramatiq.errors import ConnectionClosed
 
-from dramatiq_pg_broker import outage
-from dramatiq_pg_broker.outage import Outage, QuietPoolLogs, describe, duration
+from dramatiq_pg_broker.db import outage
+from dramatiq_pg_broker.db.outage import Outage, QuietPoolLogs, describe, duration
 
 REFUSED = psycopg.OperationalError(
     'connection failed: connection to server at "10.0.0.1", port 5432 failed: Connection '

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from dramatiq_pg_broker import Settings
+from dramatiq_pg_broker.control.limits import HUNGER_SECONDS, QueueLimits
 from dramatiq_pg_broker.errors import ConfigurationError
-from dramatiq_pg_broker.limits import HUNGER_SECONDS, QueueLimits
 
 
 def test_queue_limits_are_read_from_keywords_and_the_environment():

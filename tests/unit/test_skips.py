@@ -8,7 +8,7 @@ from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AgeLimit, Middleware, SkipMessage
 
-from dramatiq_pg_broker.skips import describe_skip
+from dramatiq_pg_broker.attempt.skips import describe_skip
 
 
 def refuse(text: str) -> None:

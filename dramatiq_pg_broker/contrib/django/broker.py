@@ -76,6 +76,6 @@ class PostgresBroker(base.PostgresBroker):
             self.sender.resolver = AtomicBlocks(database, check)
 
     def _check_reaches_broker(self, block) -> None:
-        from ...sending import identity
+        from ...sending.blocks import identity
 
         self.sender.check_database(identity(block.view))

@@ -17,7 +17,7 @@ from dramatiq.errors import BrokerConnectionError
 from psycopg.conninfo import make_conninfo
 
 from ...errors import SchemaMissing
-from ...sending import Transaction
+from ...sending.blocks import Transaction
 
 #: Keys of a database's ``OPTIONS`` that Django (or psycopg's Python API) reads itself: they
 #: are not libpq parameters, so the broker's connection string leaves them out.

@@ -20,7 +20,7 @@ def run_cli(arguments: Sequence[str]) -> None:
     from django.core.management.base import CommandError
 
     from ....broker import PostgresBroker
-    from ....cli import main
+    from ....cli.main import main
 
     broker = dramatiq.broker.global_broker
     if not isinstance(broker, PostgresBroker):

@@ -1,0 +1,1 @@
+"""Dramatiq backends on PostgreSQL: results, rate limits, dramatiq-abort's events."""

@@ -1,0 +1,88 @@
+"""What the three Dramatiq backends on PostgreSQL share: the results backend, the
+rate-limiter backend and dramatiq-abort's event backend each keep expiring rows in a table
+of the broker's schema.
+
+Each takes its connections from a broker or a pool of its own (:func:`~.db.backend_connections`),
+reads its statements from its own SQL file, wakes its waiters on its own notification
+channel and deletes its expired rows as it writes (:class:`~.db.Reclaimer`). A backend
+names those four things as class attributes and calls :meth:`BackendTable._open_table`
+from its constructor; :meth:`~BackendTable.prune` and :meth:`~BackendTable.close` are then
+the same for all three.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from ..db.core import Reclaimer, backend_connections
+from ..db.listener import channel_for
+from ..db.queries import Queries
+
+
+@functools.cache
+def statements_for(schema: str, sql_file: str) -> Queries:
+    """The named statements of ``sql_file`` for ``schema``, loaded once per process."""
+    return Queries(schema, sql_file)
+
+
+class BackendTable:
+    """A backend whose rows live, and expire, in one table of the broker's schema."""
+
+    #: The SQL file of the backend's statements (in ``dramatiq_pg_broker/sql``).
+    sql_file: ClassVar[str]
+    #: The name of the statement that deletes expired rows (takes ``limit``).
+    prune_statement: ClassVar[str]
+    #: The notification channel's suffix (see :func:`~.listener.channel_for`).
+    channel_name: ClassVar[str]
+    #: What the rows are, for the reclaimer's log line ("results", "rate-limiter keys").
+    rows_name: ClassVar[str]
+
+    def _open_table(
+        self,
+        broker: Any,
+        url: str | None,
+        schema: str | None,
+        pool: ConnectionPool | None,
+        listen: bool | None,
+        prune_batch: int,
+        prune_interval: float,
+        /,
+    ) -> None:
+        self.pool, self.settings = backend_connections(
+            url=url, schema=schema, pool=pool, broker=broker, listen=listen
+        )
+        #: A pool this backend made (closed by :meth:`close`); a broker's is the broker's.
+        self._owns_pool = broker is None
+        self.schema = self.settings.schema
+        self.statements = statements_for(self.schema, self.sql_file)
+        self.channel = channel_for(self.schema, self.channel_name)
+        #: Deletes expired rows as this backend writes (see :class:`~.db.Reclaimer`).
+        self.reclaimer = Reclaimer(
+            lambda limit: self.prune(limit=limit),
+            batch=prune_batch,
+            interval=prune_interval,
+            what=self.rows_name,
+        )
+
+    @classmethod
+    def prune_expired_rows(cls, conn: psycopg.Connection, schema: str, limit: int) -> int:
+        """Delete at most ``limit`` expired rows of ``schema``'s table on ``conn``, oldest
+        expiry first, through the expiry index; returns how many. Safe to run from several
+        processes at once."""
+        statement = statements_for(schema, cls.sql_file)[cls.prune_statement]
+        return conn.execute(statement, {"limit": int(limit)}).rowcount
+
+    def prune(self, *, limit: int | None = None) -> int:
+        """Delete at most ``limit`` (default ``prune_batch``) expired rows now; returns how
+        many."""
+        with self.pool.connection() as conn:
+            return self.prune_expired_rows(conn, self.schema, limit or self.reclaimer.batch)
+
+    def close(self) -> None:
+        """Close this backend's own pool (a broker's pool is left to the broker)."""
+        if self._owns_pool:
+            self.pool.close()

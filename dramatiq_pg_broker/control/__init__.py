@@ -1,0 +1,1 @@
+"""Operator control: queue pauses and concurrency limits, the worker registry."""

@@ -1,0 +1,167 @@
+"""Queue control: the queues workers declared, and pausing and resuming them.
+
+A queue becomes known when a worker that consumes it boots (:func:`declare`); its row in
+``<schema>.queues`` then stays, so its state outlives every worker. :func:`pause` sets the
+row's flag and records who did it and when; from its commit on, the claim statement of
+every worker on every host returns nothing for that queue (it reads the flag by primary
+key in the same statement, so there is no cache to go stale). Sends are still accepted:
+the jobs wait. The queue's consumers are told at once (a NOTIFY) and give back, uncharged,
+the messages they claimed and had not started; jobs already running finish. :func:`resume`
+clears the flag, records who and when, and wakes the consumers, which claim at once.
+
+Workers of the previous release (0.1.0) do not read the flag: during a rolling upgrade they
+still claim a paused queue's jobs.
+
+The CLI (``dramatiq-pg-broker queues list|pause|resume``), the admin API
+(``POST /api/queues/{name}/pause|resume``) and the dashboard call these functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import psycopg
+
+from ..db.queries import Queries
+from ..errors import InvalidQueueName, QueueNotDeclared
+from ..jobs.rows import PAUSE_PAYLOAD, channel_name, clean_text
+
+#: Dramatiq's own rule for queue names.
+QUEUE_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
+
+#: The longest queue name accepted.
+MAX_QUEUE_NAME = 255
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueState:
+    """A known queue and whether it is paused, with the latest pause and resume."""
+
+    queue_name: str
+    paused: bool
+    paused_at: dt.datetime | None
+    paused_by: str | None
+    resumed_at: dt.datetime | None
+    resumed_by: str | None
+    declared_at: dt.datetime
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@functools.cache
+def _queries(schema: str) -> Queries:
+    return Queries(schema, "queues.sql")
+
+
+def check_name(name: str) -> str:
+    """A queue name as Dramatiq allows it.
+
+    Raises:
+      InvalidQueueName: the name cannot be a queue's (wrong characters, or too long).
+    """
+    if not isinstance(name, str) or len(name) > MAX_QUEUE_NAME or not QUEUE_NAME_RE.match(name):
+        shown = name if len(str(name)) <= 60 else str(name)[:60] + "..."
+        raise InvalidQueueName(
+            f"{shown!r} is not a queue name: a letter or '_', then letters, digits, '.', "
+            f"'_' or '-', at most {MAX_QUEUE_NAME} characters"
+        )
+    return name
+
+
+def declare(conn: psycopg.Connection, schema: str, names: Iterable[str]) -> None:
+    """Make queues known (a worker does it at boot); a known queue keeps its state."""
+    names = sorted(set(names))
+    if names:
+        conn.execute(_queries(schema)["declare_queues"], {"names": names})
+
+
+def get(conn: psycopg.Connection, schema: str, name: str) -> QueueState | None:
+    """One known queue, or None."""
+    cur = conn.execute(_queries(schema)["get_queue"], {"name": name})
+    row = cur.fetchone()
+    return None if row is None else QueueState(*row)
+
+
+def states(conn: psycopg.Connection, schema: str) -> list[QueueState]:
+    """Every known queue's state, by name."""
+    return [QueueState(*row) for row in conn.execute(_queries(schema)["queue_states"])]
+
+
+def list_queues(conn: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
+    """Every known queue with its state and its waiting, delayed and running jobs."""
+    cur = conn.execute(_queries(schema)["list_queues"])
+    names = [d.name for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def pause(
+    conn: psycopg.Connection, schema: str, name: str, *, by: str, force: bool = False
+) -> QueueState:
+    """Pause a queue: no worker claims its jobs from the commit on, and its consumers give
+    back what they prefetched. Pausing a paused queue changes nothing (the first pause's
+    author and time are kept).
+
+    Parameters:
+      conn(psycopg.Connection): where to run it (in its own transaction, or a savepoint
+        of the caller's).
+      schema(str): the broker's schema.
+      name(str): the queue.
+      by(str): who pauses it, as recorded.
+      force(bool): pause a queue no worker declared yet (it becomes known, paused).
+
+    Returns:
+      QueueState: the queue after the change.
+
+    Raises:
+      QueueNotDeclared: no worker declared the queue (and ``force`` is False).
+      InvalidQueueName: the name cannot be a queue's.
+    """
+    check_name(name)
+    queries = _queries(schema)
+    params = {"name": name, "by": clean_text(by) or "unknown"}
+    with conn.transaction():
+        changed = conn.execute(queries["pause_queue"], params).fetchone()
+        if changed is None and force:
+            changed = conn.execute(queries["pause_new_queue"], params).fetchone()
+        state = get(conn, schema, name)
+        if state is None:
+            raise QueueNotDeclared(
+                f"no worker has declared queue {name!r}: check the name, or pause it ahead "
+                "of its workers with --force"
+            )
+        if changed is not None:
+            conn.execute(
+                queries["wake_queue"],
+                {"channel": channel_name(schema, name), "payload": PAUSE_PAYLOAD},
+            )
+    return state
+
+
+def resume(conn: psycopg.Connection, schema: str, name: str, *, by: str) -> QueueState:
+    """Resume a paused queue and wake its consumers on every host. Resuming a queue that
+    is not paused changes nothing.
+
+    Raises:
+      QueueNotDeclared: the queue is not known.
+      InvalidQueueName: the name cannot be a queue's.
+    """
+    check_name(name)
+    queries = _queries(schema)
+    with conn.transaction():
+        changed = conn.execute(
+            queries["resume_queue"], {"name": name, "by": clean_text(by) or "unknown"}
+        ).fetchone()
+        state = get(conn, schema, name)
+        if state is None:
+            raise QueueNotDeclared(f"no worker has declared queue {name!r}: check the name")
+        if changed is not None:
+            conn.execute(
+                queries["wake_queue"], {"channel": channel_name(schema, name), "payload": ""}
+            )
+    return state

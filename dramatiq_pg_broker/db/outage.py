@@ -1,0 +1,331 @@
+"""The process's one account of a database outage, for the people reading its log.
+
+Every connection holder of a process (its connection pools, the consumers' LISTEN
+connections, the results and rate-limiter listener) reports here what it sees: a
+connection that could not be made, a connection lost, a statement the database answered.
+From that, the process logs at WARNING, whatever number of pools and threads it runs:
+
+- one line when the database becomes unreachable, with the error;
+- one reminder every :data:`REMINDER_SECONDS` while it stays so, with the latest error;
+- one line when the database answers again, saying how long it was gone;
+
+and nothing per reconnection attempt: the holders log their retries at DEBUG only, and
+psycopg_pool's warning per failed attempt of this package's pools is lowered to DEBUG
+too (:class:`QuietPoolLogs`).
+
+What counts as an outage:
+
+- a connection attempt that fails, or a server that refuses to write (a standby, or a
+  primary made read-only), starts it at once: a worker starting while the database is
+  down says so within its first attempt;
+- a connection lost on its way (a server shutting down, a terminated backend, a pooler
+  that lost its server) starts it only if lost connections go on for
+  :data:`GRACE_SECONDS` without a statement succeeding in between: one terminated backend,
+  which the next connection replaces, is no outage;
+- the first statement the database answers ends it. Its length is counted from the first
+  sign of it. A pooled connection's answer from a hot standby ends none (the broker
+  cannot write there; the pool tells, see :func:`.db.in_hot_standby`);
+- a refusal to write on a pooled connection opened before an earlier refusal (one that
+  was in use, or being opened, when the pool replaced its connections) is the same
+  failover, not a new outage: it is not counted again.
+
+All three lines are warnings, so that a log filtered at WARNING tells the whole story.
+The state belongs to the process: a forked child starts with none of its parent's.
+
+A server that refuses a connection for want of connection slots (``too many clients``,
+SQLSTATE 53300, or a pooler out of client connections) is not down: it is saturated, and
+the connections already open keep working. Such refusals start no outage and end none;
+they are counted, and told in one warning per :data:`SATURATION_NOTICE_SECONDS` with
+their number (:meth:`Outage.connect_failed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import psycopg
+
+from .. import forks
+
+logger = logging.getLogger("dramatiq_pg_broker.outage")
+
+#: Seconds between two reminders while the database stays unreachable.
+REMINDER_SECONDS = 60.0
+
+#: How long connections must keep being lost, with no statement succeeding, before that
+#: counts as an outage (a failed connection attempt counts at once).
+GRACE_SECONDS = 1.0
+
+
+#: Seconds between two warnings about connections refused for want of slots.
+SATURATION_NOTICE_SECONDS = 60.0
+
+#: The SQLSTATE of a connection refused for want of slots (``too_many_connections``).
+TOO_MANY_CONNECTIONS = "53300"
+#: What the server (or PgBouncer) says when it refuses a connection for want of slots; a
+#: refused connection attempt carries no SQLSTATE in libpq, only this text.
+_SATURATION_RE = re.compile(
+    r"too many clients|too many connections|remaining connection slots are reserved"
+    r"|no more connections allowed",
+    re.IGNORECASE,
+)
+
+
+def is_saturation(error: BaseException) -> bool:
+    """Whether ``error`` (or the driver error behind it) is a connection refused because
+    the server, or a pooler in front of it, has no free connection slot."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        cause = pending.pop()
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if getattr(cause, "sqlstate", None) == TOO_MANY_CONNECTIONS:
+            return True
+        if isinstance(cause, psycopg.Error) and _SATURATION_RE.search(str(cause)):
+            return True
+        # Dramatiq's connection errors hold the driver's error as their argument, and
+        # this package raises them from it.
+        pending.extend(e for e in (cause.__cause__, *cause.args) if isinstance(e, BaseException))
+    return False
+
+
+def describe(error: BaseException) -> str:
+    """The driver's error behind ``error`` (a Dramatiq connection error keeps it as its
+    cause), on one line: libpq's messages span several."""
+    cause = error
+    while not isinstance(cause, psycopg.Error) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if not isinstance(cause, psycopg.Error):
+        cause = error
+    text = " ".join(part.strip() for part in str(cause).splitlines() if part.strip())
+    return text or type(cause).__name__
+
+
+def duration(seconds: float) -> str:
+    """``4.2s``, ``3m05s``, ``2h01m``: an outage's length as a person reads it."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class Outage:
+    """Whether this process's database is unreachable, and the log lines that say so. See
+    the module docstring; one instance per process (:data:`tracker`).
+
+    Parameters:
+      clock(callable): monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pid = forks.pid()
+        #: Monotonic time of the first sign of trouble; None while all is well.
+        self._since: float | None = None
+        #: Whether the outage was announced (and its end must be).
+        self._announced = False
+        self._last_notice = 0.0
+        #: Connections refused for want of slots since the last saturation warning.
+        self._refused = 0
+        #: Monotonic time of the last saturation warning; None before the first.
+        self._saturation_notice: float | None = None
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether an outage was announced and has not ended."""
+        return self._announced and self._pid == forks.pid()
+
+    @property
+    def troubled(self) -> bool:
+        """Whether trouble was seen that no answer has ended yet (announced or not). A
+        plain read, cheap enough for every statement."""
+        return self._since is not None
+
+    def connect_failed(self, error: BaseException) -> None:
+        """A connection attempt failed, or the server refused to write. A refusal for want
+        of connection slots is saturation, not an outage (see :meth:`saturated`)."""
+        if is_saturation(error):
+            self.saturated(error)
+            return
+        self._failed(error, at_once=True)
+
+    def saturated(self, error: BaseException) -> None:
+        """The server refused a connection for want of slots: counted, and told at most once
+        per :data:`SATURATION_NOTICE_SECONDS`, with the number refused since the last
+        warning. The outage state is left as it is."""
+        now = self._clock()
+        with self._lock:
+            self._check_fork()
+            self._refused += 1
+            last = self._saturation_notice
+            if last is not None and now - last < SATURATION_NOTICE_SECONDS:
+                return
+            refused, self._refused = self._refused, 0
+            self._saturation_notice = now
+        if last is None:
+            logger.warning(
+                "The database refused a connection: it has no free connection slot (%s). "
+                "It is saturated, not down: this process goes on with the connections it "
+                "has and retries quietly (a line every %s while refusals go on). Raise the "
+                "server's max_connections, or lower the processes' pool_max_size, or put "
+                "PgBouncer in front.",
+                describe(error),
+                duration(SATURATION_NOTICE_SECONDS),
+            )
+        else:
+            logger.warning(
+                "The database refused %d more connection(s) for want of connection slots "
+                "in the last %s: %s",
+                refused,
+                duration(now - last),
+                describe(error),
+            )
+
+    def connection_lost(self, error: BaseException) -> None:
+        """An established connection broke."""
+        self._failed(error, at_once=False)
+
+    def answered(self) -> None:
+        """The database answered a statement. Cheap while all is well (the claim path
+        calls it for every statement)."""
+        if self._since is None:
+            return
+        with self._lock:
+            self._check_fork()
+            since, announced = self._since, self._announced
+            self._since, self._announced = None, False
+        if since is not None and announced:
+            logger.warning(
+                "The database is reachable again; it was unreachable for %s.",
+                duration(self._clock() - since),
+            )
+
+    def _failed(self, error: BaseException, *, at_once: bool) -> None:
+        now = self._clock()
+        with self._lock:
+            self._check_fork()
+            if self._since is None:
+                self._since = now
+            since = self._since
+            if not self._announced:
+                if not at_once and now - since < GRACE_SECONDS:
+                    return
+                self._announced = True
+                self._last_notice = now
+                reminder = False
+            elif now - self._last_notice >= REMINDER_SECONDS:
+                self._last_notice = now
+                reminder = True
+            else:
+                return
+        if reminder:
+            logger.warning(
+                "The database is still unreachable, for %s now: %s",
+                duration(now - since),
+                describe(error),
+            )
+        else:
+            logger.warning(
+                "The database is unreachable (retrying quietly: a reminder every %s while "
+                "it lasts, a line when it is back): %s",
+                duration(REMINDER_SECONDS),
+                describe(error),
+            )
+
+    def _check_fork(self) -> None:
+        """Called with the lock held: a forked child forgets its parent's outage."""
+        if self._pid != forks.pid():
+            self._pid = forks.pid()
+            self._since = None
+            self._announced = False
+            self._refused = 0
+            self._saturation_notice = None
+
+
+#: The process's outage state.
+tracker = Outage()
+
+
+# -- psycopg_pool's own log lines --------------------------------------------------------
+
+#: psycopg_pool's warnings that repeat for every failed attempt or broken connection.
+POOL_NOISE = frozenset(
+    {
+        "error connecting in %r: %s",
+        "reconnection attempt in pool %r failed after %s sec",
+        "discarding broken connection: %s",
+        "discarding closed connection: %s",
+    }
+)
+
+_quiet = threading.local()
+
+
+@contextlib.contextmanager
+def quiet_pool() -> Iterator[None]:
+    """Within the block, this thread's psycopg_pool warnings in :data:`POOL_NOISE` are
+    lowered to DEBUG (the pool calls made for this package's pools)."""
+    depth = getattr(_quiet, "depth", 0)
+    _quiet.depth = depth + 1
+    try:
+        yield
+    finally:
+        _quiet.depth = depth
+
+
+class QuietPoolLogs(logging.Filter):
+    """Lowers psycopg_pool's per-attempt warnings about this package's pools to DEBUG
+    (dropped unless the ``psycopg.pool`` logger shows DEBUG): the process's outage lines
+    tell the story once. A pool's own thread names start with its name; other calls are
+    marked by :func:`quiet_pool`. Other pools of the application are left alone.
+
+    Parameters:
+      prefix(str): the names of this package's pools start with it.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or record.msg not in POOL_NOISE:
+            return True
+        if not self._ours(record):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+    def _ours(self, record: logging.LogRecord) -> bool:
+        if getattr(_quiet, "depth", 0):
+            return True
+        if threading.current_thread().name.startswith(self.prefix):
+            return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        return bool(args) and isinstance(args[0], str) and args[0].startswith(self.prefix)
+
+
+_filter_lock = threading.Lock()
+
+
+def quiet_pool_logs(prefix: str) -> None:
+    """Install :class:`QuietPoolLogs` for pools named ``prefix...`` on psycopg_pool's
+    logger (once)."""
+    pool_logger = logging.getLogger("psycopg.pool")
+    with _filter_lock:
+        if not any(
+            isinstance(f, QuietPoolLogs) and f.prefix == prefix for f in pool_logger.filters
+        ):
+            pool_logger.addFilter(QuietPoolLogs(prefix))

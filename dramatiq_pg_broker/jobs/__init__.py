@@ -1,0 +1,22 @@
+"""The job store: one method per transition of a job row, split by role."""
+
+from .store import (
+    LEASE_EXPIRED,
+    MIN_ID_PREFIX,
+    PAUSE_PAYLOAD,
+    SEND_FIELDS,
+    Attempt,
+    Claim,
+    ClaimedJob,
+    EnqueueResult,
+    JobStore,
+    NewJob,
+    QueueCounts,
+    ReapResult,
+    Renewal,
+    abort_payload,
+    channel_name,
+    id_prefix_range,
+    queue_counts_of,
+    send_values,
+)

@@ -1,0 +1,134 @@
+"""The operator's transitions: retry failed jobs, cancel, abort."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import DuplicateJobId
+from .base import StoreBase
+from .rows import abort_payload, clean_text
+
+
+class OperatorTransitions(StoreBase):
+    """The operator's transitions (a part of :class:`~.store.JobStore`)."""
+
+    def retry_failed(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+        """failed -> queued by an operator; attempts start again from zero.
+
+        Raises:
+          JobNotFound: no job has this id.
+          InvalidTransition: the job is not failed.
+          DuplicateJobId: the job's id has a second row (see :meth:`retry_all_failed`).
+        """
+        rows = self._retry_failed({"ids": [job_id], "limit": 1, "by": by, "now": now}, conn)
+        if not rows:
+            self._raise_for(job_id, "failed", "retried", conn)
+        if rows[0][3]:
+            raise DuplicateJobId(job_id)
+        return self.get(job_id, conn=conn)
+
+    def retry_all_failed(
+        self,
+        *,
+        queue_name: str | None = None,
+        by: str | None = None,
+        batch: int = 1000,
+        now: dt.datetime | None = None,
+        skipped: list[str] | None = None,
+    ) -> Iterator[list[str]]:
+        """failed -> queued by an operator for every job (of ``queue_name`` when given) that
+        failed before the call, oldest failure first, in batches of at most ``batch``: each
+        batch is one statement (the transition :meth:`retry_failed` runs) and its own
+        commit, so neither memory nor a transaction grows with the number of failed jobs.
+        A job that fails again while the batches run is not retried a second time.
+
+        A failed job whose id has another row (queued or running in jobs, or a second row
+        in history, which earlier releases could leave when a message was sent again while
+        its job finished) is skipped: moving it back would give the id two rows in jobs.
+        Its id is appended to ``skipped`` when a list is given (the operator's to sort
+        out, see :class:`~dramatiq_pg_broker.errors.DuplicateJobId`).
+
+        Yields:
+          list[str]: the ids each batch retried, once it is committed.
+        """
+        failed_before = now if now is not None else self.server_now()
+        after: tuple[Any, Any] = (None, None)
+        reported: set[str] = set()
+        while True:
+            params = {
+                "queue_name": queue_name,
+                "failed_before": failed_before,
+                "after_finished_at": after[0],
+                "after_id": after[1],
+                "limit": batch,
+                "by": by,
+                "now": now,
+            }
+            rows = self._retry_failed(params, None)
+            if not rows:
+                return
+            after = max((r[2], r[0]) for r in rows)
+            for row in rows:
+                # An id twice in history is met once per row: reported once.
+                if row[3] and skipped is not None and str(row[0]) not in reported:
+                    reported.add(str(row[0]))
+                    skipped.append(str(row[0]))
+            yield [str(r[0]) for r in rows if not r[3]]
+
+    def _retry_failed(self, params: dict[str, Any], conn) -> list[tuple]:
+        """The ``retry_failed`` statement, then the wake-up of the queues it made runnable."""
+        for name in ("ids", "queue_name", "failed_before", "after_finished_at", "after_id"):
+            params.setdefault(name, None)
+        rows = self._fetch("retry_failed", params, conn)
+        self._notify({r[1] for r in rows if not r[3]}, conn)
+        return rows
+
+    def cancel(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+        """queued -> cancelled by an operator.
+
+        Raises:
+          JobNotFound: no job has this id.
+          InvalidTransition: the job is not queued.
+        """
+        if not self._fetch("cancel_job", {"id": job_id, "by": by, "now": now}, conn):
+            self._raise_for(job_id, "queued", "cancelled", conn)
+        return self.get(job_id, conn=conn)
+
+    def abort(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+        """An operator aborts a job.
+
+        - queued (delayed included) -> cancelled at once, with an ``aborted`` event;
+        - running: the attempt is marked (``abort_requested_at``, ``abort_requested_by``;
+          a second request keeps the first one's) with an ``abort_requested`` event, and the
+          worker holding it is told (a NOTIFY on the job's queue, delivered at commit; its
+          lease heartbeat tells it too when no NOTIFY can reach it). The worker interrupts
+          the actor and ends the job ``cancelled`` with an ``aborted`` event (see
+          :meth:`abort_attempts`); the job is never retried nor run again. A worker that
+          died with it lets the reaper cancel it once its lease expires.
+
+        Parameters:
+          job_id(str): the job (the Dramatiq message id).
+          by(str): who asks, as the events and the row record it (default ``unknown``).
+
+        Returns:
+          dict: the job as :meth:`get` returns it, right after the request (``cancelled``,
+          or still ``running`` with the request recorded).
+
+        Raises:
+          JobNotFound: no job has this id.
+          InvalidTransition: the job has finished (succeeded, failed or cancelled).
+        """
+        by = clean_text(by) or "unknown"
+        with self.pool.use(conn) as c, c.transaction():
+            rows = self._fetch("abort_job", {"id": job_id, "by": by, "now": now}, c)
+            if not rows:
+                self._raise_for(job_id, "queued or running", "aborted", c)
+            _, status, queue_name = rows[0]
+            if status == "running":
+                c.execute(
+                    self.queries["notify_abort"],
+                    {"channel": self.channel(queue_name), "payload": abort_payload(job_id)},
+                )
+            return self.get(job_id, conn=c)

@@ -1,0 +1,197 @@
+"""The package's rooms and who may import whom (docs/internals/layout.md draws them).
+
+Every import counts: at module level, inside a function, and under ``if TYPE_CHECKING:``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dramatiq_pg_broker
+
+PACKAGE = Path(dramatiq_pg_broker.__file__).parent
+NAME = "dramatiq_pg_broker"
+
+#: The rooms, lowest first: a room imports only the rooms before it (and itself).
+ROOMS = ("base", "db", "history", "jobs", "control", "sending", "attempt", "backends", "cli")
+
+#: The modules at the top of the package that are the base room: imported by every room,
+#: importing no room.
+BASE = {"errors", "events", "backoff", "forks", "service", "version", "config", "urls"}
+
+#: The composition root and the package's entry points: they may import any room.
+ROOT = {"__init__", "__main__", "broker", "contrib"}
+
+#: Documented module paths of moved modules: each is the moved module under its old name.
+ALIASES = {
+    "abort": "backends.abort",
+    "current": "attempt.current",
+    "embedded": "db.embedded",
+    "handshake": "db.handshake",
+    "messages": "sending.messages",
+    "migrate": "db.migrate",
+    "periodic": "history.periodic",
+    "queues": "control.queues",
+    "rate_limits": "backends.rate_limits",
+    "results": "backends.results",
+    "retention": "history.retention",
+    "retries": "attempt.retries",
+    "workers": "control.workers",
+}
+
+#: The most modules one import circle may hold.
+MAX_CIRCLE = 3
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        modules[".".join(parts)] = (path, is_package)
+    return modules
+
+
+def _resolve(name: str, modules) -> str | None:
+    """The package's module that ``import name`` loads last: ``name`` itself, or the
+    module that holds the attribute ``name`` names."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the package's modules it imports}``, every kind of import counted."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here[: len(here) - (node.level - 1)]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                # ``from a import b``: the module a.b if there is one, else a.
+                targets = [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] != NAME:
+                    continue
+                resolved = _resolve(target, modules)
+                if resolved and resolved != name:
+                    graph[name].add(resolved)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` (Tarjan's, without recursion)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                found.append(sorted(component))
+    return found
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")[1:]
+    if not parts:
+        return "root"
+    first = parts[0]
+    if first in ROOT or first in ALIASES:
+        return "root"
+    if first in BASE:
+        return "base"
+    assert first in ROOMS, f"{module}: in no room (add it to a room in tests/unit/test_layout.py)"
+    return first
+
+
+def test_the_largest_import_circle_is_small():
+    largest = max(circles(import_graph()), key=len)
+    assert len(largest) <= MAX_CIRCLE, largest
+
+
+def test_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert sorted(circles(graph), key=len)[-1] == ["a", "b", "c"]
+    assert max(len(c) for c in circles({"a": {"b"}, "b": set()})) == 1
+
+
+def test_every_import_is_counted():
+    graph = import_graph()
+    # Function-local (a lazy import) and TYPE_CHECKING imports are edges too.
+    assert f"{NAME}.sending.async_sending" in graph[f"{NAME}.sending.sender"]
+    assert f"{NAME}.attempt.completion" in graph[f"{NAME}.attempt.current"]
+    assert f"{NAME}.db.handshake" in graph[f"{NAME}.db.core"]
+
+
+def test_a_room_imports_only_the_rooms_below_it():
+    wrong = []
+    for module, imported in import_graph().items():
+        here = room_of(module)
+        if here == "root":
+            continue
+        for target in imported:
+            there = room_of(target)
+            if there == "root":
+                wrong.append((module, target))
+            elif there != here and ROOMS.index(there) > ROOMS.index(here):
+                wrong.append((module, target))
+    assert wrong == []
+
+
+def test_every_module_is_in_a_room():
+    for module in import_graph():
+        room_of(module)
+
+
+def test_an_old_module_path_is_the_moved_module():
+    import importlib
+
+    for old, new in ALIASES.items():
+        moved = importlib.import_module(f"{NAME}.{new}")
+        assert importlib.import_module(f"{NAME}.{old}") is moved, old
+        source = (PACKAGE / f"{old}.py").read_text("utf-8")
+        assert "sys.modules[__name__] = _module" in source, old

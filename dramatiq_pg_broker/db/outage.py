@@ -24,7 +24,7 @@ What counts as an outage:
   which the next connection replaces, is no outage;
 - the first statement the database answers ends it. Its length is counted from the first
   sign of it. A pooled connection's answer from a hot standby ends none (the broker
-  cannot write there; the pool tells, see :func:`.db.in_hot_standby`);
+  cannot write there; the pool tells, see :func:`.core.in_hot_standby`);
 - a refusal to write on a pooled connection opened before an earlier refusal (one that
   was in use, or being opened, when the pool replaced its connections) is the same
   failover, not a new outage: it is not counted again.

@@ -14,9 +14,9 @@ import dramatiq
 import psycopg
 import pytest
 
-from dramatiq_pg_broker import db, outage
 from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
+from dramatiq_pg_broker.db import ProcessPool, outage
+from dramatiq_pg_broker.db import core as db
 
 from ..helpers import wait_for
 
@@ -30,8 +30,8 @@ OUTAGE_ENDS = "The database is reachable again"
 def told(monkeypatch, caplog):
     """The outage lines the process logs during the test (a tracker of the test's own)."""
     monkeypatch.setattr(outage, "tracker", outage.Outage())
-    caplog.set_level(logging.WARNING, logger=outage.__name__)
-    return lambda: [r.getMessage() for r in caplog.records if r.name == outage.__name__]
+    caplog.set_level(logging.WARNING, logger=outage.logger.name)
+    return lambda: [r.getMessage() for r in caplog.records if r.name == outage.logger.name]
 
 
 def open_pool(pg_url: str, schema: str, size: int, **kwargs) -> ProcessPool:

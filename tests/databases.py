@@ -13,15 +13,17 @@ migration and its drop (most of it copying the system catalogs every database ha
 The copy is the migrated database itself, byte for byte: the same schema name inside, so
 the functions whose ``search_path`` the migrations fixed still find their tables.
 
-After the module its copy takes no new connection and the open ones are ended, at once;
-the ``DROP DATABASE`` itself, which waits for a checkpoint of the whole server (seconds
-when the server is busy), runs in a thread of its own while the next module goes on. The
-process waits for its last drops before it ends (the last copy and the template at once:
-drops running together share a checkpoint).
+A module's copy stays until its process ends, as a module's schema stayed in the shared
+database until its drop: a broker a test left open may still hold a connection to it, or
+reconnect, and a database that refused it (dropped, or closed to new connections) would
+be an outage told in the process-wide outage log, which a later module's test reads.
+The process drops its copies and the template at its end, together, in threads of their
+own: each ``DROP DATABASE`` waits for a checkpoint of the whole server (seconds when the
+server is busy), and drops running at once share it.
 
 A module's database keeps it apart from the others as its own schema did, and more: its
 notifications (``LISTEN``/``NOTIFY`` are per database), its advisory locks (keyed by
-database too) and its connections (a module's leftovers are ended with it). The schema
+database too) and its connections. The schema
 name is the process's, one per worker, so two modules running at once never share one.
 
 A role that may not create databases (``CREATEDB``) gets what the suite did before: each
@@ -63,6 +65,8 @@ class Template:
         #: partitions from that day on, so a run that passes midnight migrates another.
         self.day: dt.date | None = None
         self._counter = itertools.count()
+        #: The copies made, dropped with the template.
+        self._copies: list[str] = []
         self._dropper: Dropper | None = None
 
     @classmethod
@@ -105,18 +109,8 @@ class Template:
         return database_url(self.server_url, name)
 
     def drop_copy(self, url: str) -> None:
-        """End every connection to the copy at ``url`` and refuse new ones, now; drop it
-        in the background."""
-        name = conninfo_to_dict(url)["dbname"]
-        with psycopg.connect(self.server_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(sql.Identifier(name))
-            )
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                (name,),
-            )
-        self._drop_later(name)
+        """Drop the copy at ``url`` when the process ends (see the module's docstring)."""
+        self._copies.append(conninfo_to_dict(url)["dbname"])
 
     def _drop_later(self, name: str) -> None:
         if self._dropper is None:
@@ -124,8 +118,10 @@ class Template:
         self._dropper.put(name)
 
     def drop(self) -> None:
-        """Drop the template, and wait for every copy's drop."""
-        self._drop_later(self.name)
+        """Drop the copies and the template, together, and wait for the drops."""
+        for name in [*self._copies, self.name]:
+            self._drop_later(name)
+        self._copies.clear()
         self._dropper.close()
 
 

@@ -71,11 +71,14 @@ def broker(pg_url, schema):
     broker.close()
 
 
-def set_limit(broker: PostgresBroker, limit: int | None) -> float:
-    """Set the limited queue's limit as an operator does; returns when it was committed."""
+def set_limit(broker: PostgresBroker, limit: int | None) -> tuple[float, float]:
+    """Set the limited queue's limit as an operator does; returns when it was asked (the
+    end of the previous limit's span: a sample taken after may already see the new one)
+    and when it was committed."""
+    asked = time.monotonic()
     with broker.pool.connection() as conn:
         queue_limits.set_limit(conn, broker.settings.schema, LIMITED, limit, by="e2e", force=True)
-    return time.monotonic()
+    return asked, time.monotonic()
 
 
 def drain(broker: PostgresBroker, actor, n: int, timeout: float) -> float:
@@ -122,20 +125,20 @@ def test_a_limit_holds_across_two_worker_processes_and_changes_within_a_second(
         rate = (left - broker.store.count_unfinished(LIMITED)) / window
 
         # Raised to 5 mid-drain.
-        raised = set_limit(broker, 5)
+        raise_asked, raised = set_limit(broker, 5)
         time.sleep(2.0)  # the limit's span: the samples are read afterwards
-        lowered = set_limit(broker, 1)
+        lower_asked, lowered = set_limit(broker, 1)
         time.sleep(2.0)  # the same
-        cleared = set_limit(broker, None)
+        clear_asked, _ = set_limit(broker, None)
         wait_for(lambda: broker.store.count_unfinished(LIMITED) == 0, 60, "the limited drain")
         end = time.monotonic()
     finally:
         sampler.stop()
 
-    at_3 = sampler.limited_max(start, raised)
+    at_3 = sampler.limited_max(start, raise_asked)
     at_5_first_second = sampler.limited_max(raised, raised + 1.0)
-    at_5 = sampler.limited_max(raised + 1.0, lowered)
-    at_1 = sampler.limited_max(lowered + 1.0, cleared)
+    at_5 = sampler.limited_max(raised + 1.0, lower_asked)
+    at_1 = sampler.limited_max(lowered + 1.0, clear_asked)
     print(
         f"\nqueue limits e2e: 2 processes x {THREADS} threads, {JOB_SECONDS}s jobs; "
         f"limited queue at 3: {rate:.1f} jobs/s (ideal {3 / JOB_SECONDS:.0f}); sampled max "
@@ -146,16 +149,16 @@ def test_a_limit_holds_across_two_worker_processes_and_changes_within_a_second(
         f"{len(sampler.samples)} samples over {end - start:.1f}s"
     )
     assert at_3 == 3, f"at limit 3 the sampled running jobs peaked at {at_3}: " + (
-        sampler.describe(start, raised)
+        sampler.describe(start, raise_asked)
     )
     assert at_5_first_second == 5, (
         f"within 1 s of the raise to 5 the running jobs peaked at {at_5_first_second}: "
         + sampler.describe(raised, raised + 1.0)
     )
-    assert at_5 == 5, sampler.describe(raised, lowered)
+    assert at_5 == 5, sampler.describe(raised, lower_asked)
     assert at_1 == 1, (
         f"from 1 s after the limit fell to 1, the running jobs peaked at {at_1}: "
-        + sampler.describe(lowered, cleared)
+        + sampler.describe(lowered, clear_asked)
     )
     # The limited queue ran at its limit: a third of the ideal at least, on a busy machine.
     assert rate >= 3 / JOB_SECONDS / 3, f"{rate:.1f} jobs/s at limit 3"

@@ -22,20 +22,13 @@ from typing import Any
 
 import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
-from psycopg_pool import ConnectionPool
 
 from ..db.listener import listener_for, payload_for
-from .tables import BackendTable
+from .tables import DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_INTERVAL, BackendTable  # noqa: F401
 
 #: The bounds of a stored value (PostgreSQL's bigint).
 MIN_VALUE = -(2**63)
 MAX_VALUE = 2**63 - 1
-
-#: The most expired keys one reclaiming pass deletes.
-DEFAULT_PRUNE_BATCH = 1000
-
-#: Seconds between two opportunistic reclaiming passes of one backend.
-DEFAULT_PRUNE_INTERVAL = 5.0
 
 
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
@@ -77,19 +70,6 @@ class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
     prune_statement = "prune_rate_limits"
     channel_name = "rate_limits"
     rows_name = "rate-limiter keys"
-
-    def __init__(
-        self,
-        *,
-        broker: Any = None,
-        url: str | None = None,
-        schema: str | None = None,
-        pool: ConnectionPool | None = None,
-        listen: bool | None = None,
-        prune_batch: int = DEFAULT_PRUNE_BATCH,
-        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
-    ) -> None:
-        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple]:
         with self.pool.connection() as conn:

@@ -5,9 +5,9 @@ of the broker's schema.
 Each takes its connections from a broker or a pool of its own (:func:`~.db.backend_connections`),
 reads its statements from its own SQL file, wakes its waiters on its own notification
 channel and deletes its expired rows as it writes (:class:`~.db.Reclaimer`). A backend
-names those four things as class attributes and calls :meth:`BackendTable._open_table`
-from its constructor; :meth:`~BackendTable.prune` and :meth:`~BackendTable.close` are then
-the same for all three.
+names those four things as class attributes; the constructor's connection and reclaiming
+parameters, :meth:`~BackendTable.prune` and :meth:`~BackendTable.close` are then the same
+for all three.
 """
 
 from __future__ import annotations
@@ -21,6 +21,13 @@ from psycopg_pool import ConnectionPool
 from ..db.core import Reclaimer, backend_connections
 from ..db.listener import channel_for
 from ..db.queries import Queries
+
+#: The most expired rows one reclaiming pass deletes.
+DEFAULT_PRUNE_BATCH = 1000
+
+#: Seconds between two opportunistic reclaiming passes of one backend (a pass that found a
+#: full batch is followed by another at the next write).
+DEFAULT_PRUNE_INTERVAL = 5.0
 
 
 @functools.cache
@@ -41,16 +48,16 @@ class BackendTable:
     #: What the rows are, for the reclaimer's log line ("results", "rate-limiter keys").
     rows_name: ClassVar[str]
 
-    def _open_table(
+    def __init__(
         self,
-        broker: Any,
-        url: str | None,
-        schema: str | None,
-        pool: ConnectionPool | None,
-        listen: bool | None,
-        prune_batch: int,
-        prune_interval: float,
-        /,
+        *,
+        broker: Any = None,
+        url: str | None = None,
+        schema: str | None = None,
+        pool: ConnectionPool | None = None,
+        listen: bool | None = None,
+        prune_batch: int = DEFAULT_PRUNE_BATCH,
+        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
     ) -> None:
         self.pool, self.settings = backend_connections(
             url=url, schema=schema, pool=pool, broker=broker, listen=listen

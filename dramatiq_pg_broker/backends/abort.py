@@ -86,17 +86,12 @@ class PostgresEventBackend(BackendTable, EventBackend):
     created by ``dramatiq-pg-broker migrate``). See the module docstring.
 
     Parameters:
-      broker(PostgresBroker): use this broker's connection pool and schema.
-      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
-      schema(str): the schema of the table (default: the broker's, else
-        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
-      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
-        ``url``.
+      broker, url, schema, pool, prune_batch, prune_interval: where the table is and how
+        its expired rows are reclaimed, as for every backend of this package (see
+        :class:`~dramatiq_pg_broker.backends.tables.BackendTable`).
       listen(bool): wake ``wait_many`` with LISTEN/NOTIFY (default: the broker's or the
         ``DRAMATIQ_PG_LISTEN`` setting, True). False looks every ``poll_interval``; use it
         behind PgBouncer in transaction mode.
-      prune_batch(int): the most expired events one opportunistic reclaiming pass deletes.
-      prune_interval(float): seconds between two such passes in one process.
 
     Raises:
       ImportError: dramatiq-abort is not installed (the ``abort`` extra).

@@ -55,15 +55,10 @@ class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
     bound changes nothing and returns False; a key past its TTL counts as absent.
 
     Parameters:
-      broker(PostgresBroker): use this broker's connection pool and schema.
-      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
-      schema(str): the schema of the table (default: the broker's, else
-        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
-      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
-        ``url``.
+      broker, url, schema, pool, prune_batch, prune_interval: where the table is and how
+        its expired rows are reclaimed, as for every backend of this package (see
+        :class:`~dramatiq_pg_broker.backends.tables.BackendTable`).
       listen(bool): wake ``wait`` with LISTEN/NOTIFY (default True); False polls.
-      prune_batch(int): the most expired keys one opportunistic reclaiming pass deletes.
-      prune_interval(float): seconds between two such passes in one process.
     """
 
     sql_file = "rate_limits.sql"

@@ -69,19 +69,14 @@ class PostgresBackend(BackendTable, ResultBackend):
     ``dramatiq-pg-broker migrate``).
 
     Parameters:
-      broker(PostgresBroker): use this broker's connection pool and schema.
-      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
-      schema(str): the schema of the table (default: the broker's, else
-        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
-      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
-        ``url``.
+      broker, url, schema, pool, prune_batch, prune_interval: where the table is and how
+        its expired rows are reclaimed, as for every backend of this package (see
+        :class:`~dramatiq_pg_broker.backends.tables.BackendTable`).
       listen(bool): wake blocked readers with LISTEN/NOTIFY (default: the broker's or
         ``DRAMATIQ_PG_LISTEN`` setting, True). False polls as Dramatiq's base backend does;
         use it behind PgBouncer in transaction mode.
       namespace(str), encoder(Encoder), use_namespace_prefix_keys(bool): as for every
         Dramatiq result backend.
-      prune_batch(int): the most expired results one opportunistic reclaiming pass deletes.
-      prune_interval(float): seconds between two such passes in one process.
     """
 
     sql_file = "results.sql"

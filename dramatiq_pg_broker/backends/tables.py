@@ -37,7 +37,21 @@ def statements_for(schema: str, sql_file: str) -> Queries:
 
 
 class BackendTable:
-    """A backend whose rows live, and expire, in one table of the broker's schema."""
+    """A backend whose rows live, and expire, in one table of the broker's schema. Its
+    constructor's keyword parameters, the same for the three backends (each adds its own):
+
+    Parameters:
+      broker(PostgresBroker): use this broker's connection pool and schema.
+      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
+      schema(str): the schema of the table (default: the broker's, else
+        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
+      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
+        ``url``.
+      listen(bool): wake waiters with LISTEN/NOTIFY (default: the broker's or the
+        ``DRAMATIQ_PG_LISTEN`` setting, True); False polls.
+      prune_batch(int): the most expired rows one opportunistic reclaiming pass deletes.
+      prune_interval(float): seconds between two such passes in one process.
+    """
 
     #: The SQL file of the backend's statements (in ``dramatiq_pg_broker/sql``).
     sql_file: ClassVar[str]

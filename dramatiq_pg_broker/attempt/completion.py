@@ -167,6 +167,14 @@ def _psycopg_level(conn: psycopg.Connection | psycopg.AsyncConnection) -> _Level
     return _Level(conn.transaction(), status == TransactionStatus.IDLE, lambda: conn)
 
 
+def _sqlalchemy_level(obj: Any, raw: Callable[[], Any]) -> _Level:
+    """A SQLAlchemy session's or connection's level: a transaction of its own, or a nested
+    one (a savepoint) inside the transaction it is in."""
+    began = not obj.in_transaction()
+    tx = obj.begin() if began else obj.begin_nested()
+    return _Level(tx, began, raw, active=lambda: tx.is_active)
+
+
 def _sync_level(obj: Any) -> _Level:
     if isinstance(obj, psycopg.Connection):
         return _psycopg_level(obj)
@@ -184,9 +192,7 @@ def _sync_level(obj: Any) -> _Level:
             "Connection on the postgresql+psycopg driver, or a Django connection, not "
             f"{type(obj).__module__}.{type(obj).__qualname__}"
         )
-    began = not obj.in_transaction()
-    tx = obj.begin() if began else obj.begin_nested()
-    return _Level(tx, began, lambda: resolve_connection(obj)[0], active=lambda: tx.is_active)
+    return _sqlalchemy_level(obj, lambda: resolve_connection(obj)[0])
 
 
 def _async_level(obj: Any) -> _Level:
@@ -203,9 +209,7 @@ def _async_level(obj: Any) -> _Level:
             "AsyncSession or AsyncConnection on the postgresql+psycopg driver, not "
             f"{type(obj).__module__}.{type(obj).__qualname__}"
         )
-    began = not obj.in_transaction()
-    tx = obj.begin() if began else obj.begin_nested()
-    return _Level(tx, began, lambda: None, active=lambda: tx.is_active)
+    return _sqlalchemy_level(obj, lambda: None)
 
 
 class CompletionBlock:

@@ -48,7 +48,6 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 
 try:
     from dramatiq_abort import Event, EventBackend
@@ -67,15 +66,9 @@ except ImportError:  # the optional extra is missing: the module still imports, 
 
 
 from ..db.listener import listener_for, payload_for
-from .tables import BackendTable
+from .tables import DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_INTERVAL, BackendTable  # noqa: F401
 
 __all__ = ["PostgresEventBackend", "prune_expired"]
-
-#: The most expired events one reclaiming pass deletes.
-DEFAULT_PRUNE_BATCH = 1000
-
-#: Seconds between two opportunistic reclaiming passes of one backend.
-DEFAULT_PRUNE_INTERVAL = 5.0
 
 
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
@@ -93,17 +86,12 @@ class PostgresEventBackend(BackendTable, EventBackend):
     created by ``dramatiq-pg-broker migrate``). See the module docstring.
 
     Parameters:
-      broker(PostgresBroker): use this broker's connection pool and schema.
-      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
-      schema(str): the schema of the table (default: the broker's, else
-        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
-      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
-        ``url``.
+      broker, url, schema, pool, prune_batch, prune_interval: where the table is and how
+        its expired rows are reclaimed, as for every backend of this package (see
+        :class:`~dramatiq_pg_broker.backends.tables.BackendTable`).
       listen(bool): wake ``wait_many`` with LISTEN/NOTIFY (default: the broker's or the
         ``DRAMATIQ_PG_LISTEN`` setting, True). False looks every ``poll_interval``; use it
         behind PgBouncer in transaction mode.
-      prune_batch(int): the most expired events one opportunistic reclaiming pass deletes.
-      prune_interval(float): seconds between two such passes in one process.
 
     Raises:
       ImportError: dramatiq-abort is not installed (the ``abort`` extra).
@@ -114,23 +102,13 @@ class PostgresEventBackend(BackendTable, EventBackend):
     channel_name = "aborts"
     rows_name = "abort events"
 
-    def __init__(
-        self,
-        *,
-        broker: Any = None,
-        url: str | None = None,
-        schema: str | None = None,
-        pool: ConnectionPool | None = None,
-        listen: bool | None = None,
-        prune_batch: int = DEFAULT_PRUNE_BATCH,
-        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
-    ) -> None:
+    def __init__(self, **options: Any) -> None:
         if not INSTALLED:
             raise ImportError(
                 "PostgresEventBackend is the event backend of dramatiq-abort, which is not "
                 "installed: pip install 'dramatiq-pg-broker[abort]'"
             )
-        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
+        super().__init__(**options)
 
     def notify(self, events: Iterable[Event], ttl: int) -> None:
         """Signal ``events``: each can be taken once, by :meth:`poll` or :meth:`wait_many`,

@@ -22,20 +22,13 @@ from typing import Any
 
 import psycopg
 from dramatiq.rate_limits import RateLimiterBackend
-from psycopg_pool import ConnectionPool
 
 from ..db.listener import listener_for, payload_for
-from .tables import BackendTable
+from .tables import DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_INTERVAL, BackendTable  # noqa: F401
 
 #: The bounds of a stored value (PostgreSQL's bigint).
 MIN_VALUE = -(2**63)
 MAX_VALUE = 2**63 - 1
-
-#: The most expired keys one reclaiming pass deletes.
-DEFAULT_PRUNE_BATCH = 1000
-
-#: Seconds between two opportunistic reclaiming passes of one backend.
-DEFAULT_PRUNE_INTERVAL = 5.0
 
 
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
@@ -62,34 +55,16 @@ class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
     bound changes nothing and returns False; a key past its TTL counts as absent.
 
     Parameters:
-      broker(PostgresBroker): use this broker's connection pool and schema.
-      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
-      schema(str): the schema of the table (default: the broker's, else
-        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
-      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
-        ``url``.
+      broker, url, schema, pool, prune_batch, prune_interval: where the table is and how
+        its expired rows are reclaimed, as for every backend of this package (see
+        :class:`~dramatiq_pg_broker.backends.tables.BackendTable`).
       listen(bool): wake ``wait`` with LISTEN/NOTIFY (default True); False polls.
-      prune_batch(int): the most expired keys one opportunistic reclaiming pass deletes.
-      prune_interval(float): seconds between two such passes in one process.
     """
 
     sql_file = "rate_limits.sql"
     prune_statement = "prune_rate_limits"
     channel_name = "rate_limits"
     rows_name = "rate-limiter keys"
-
-    def __init__(
-        self,
-        *,
-        broker: Any = None,
-        url: str | None = None,
-        schema: str | None = None,
-        pool: ConnectionPool | None = None,
-        listen: bool | None = None,
-        prune_batch: int = DEFAULT_PRUNE_BATCH,
-        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
-    ) -> None:
-        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple]:
         with self.pool.connection() as conn:

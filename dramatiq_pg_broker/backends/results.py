@@ -24,19 +24,11 @@ from dramatiq.encoder import Encoder
 from dramatiq.results import ResultBackend, ResultMissing, ResultTimeout
 from dramatiq.results.backend import DEFAULT_TIMEOUT, Missing
 from dramatiq.results.result import wrap_exception, wrap_result
-from psycopg_pool import ConnectionPool
 
 from ..db.listener import listener_for, payload_for
-from .tables import BackendTable
+from .tables import DEFAULT_PRUNE_BATCH, DEFAULT_PRUNE_INTERVAL, BackendTable  # noqa: F401
 
 logger = logging.getLogger("dramatiq_pg_broker.results")
-
-#: The most expired results one reclaiming pass deletes.
-DEFAULT_PRUNE_BATCH = 1000
-
-#: Seconds between two opportunistic reclaiming passes of one backend (a pass that found a
-#: full batch is followed by another at the next store).
-DEFAULT_PRUNE_INTERVAL = 5.0
 
 
 def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -> int:
@@ -77,19 +69,14 @@ class PostgresBackend(BackendTable, ResultBackend):
     ``dramatiq-pg-broker migrate``).
 
     Parameters:
-      broker(PostgresBroker): use this broker's connection pool and schema.
-      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
-      schema(str): the schema of the table (default: the broker's, else
-        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
-      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
-        ``url``.
+      broker, url, schema, pool, prune_batch, prune_interval: where the table is and how
+        its expired rows are reclaimed, as for every backend of this package (see
+        :class:`~dramatiq_pg_broker.backends.tables.BackendTable`).
       listen(bool): wake blocked readers with LISTEN/NOTIFY (default: the broker's or
         ``DRAMATIQ_PG_LISTEN`` setting, True). False polls as Dramatiq's base backend does;
         use it behind PgBouncer in transaction mode.
       namespace(str), encoder(Encoder), use_namespace_prefix_keys(bool): as for every
         Dramatiq result backend.
-      prune_batch(int): the most expired results one opportunistic reclaiming pass deletes.
-      prune_interval(float): seconds between two such passes in one process.
     """
 
     sql_file = "results.sql"
@@ -100,23 +87,18 @@ class PostgresBackend(BackendTable, ResultBackend):
     def __init__(
         self,
         *,
-        broker: Any = None,
-        url: str | None = None,
-        schema: str | None = None,
-        pool: ConnectionPool | None = None,
-        listen: bool | None = None,
         namespace: str = "dramatiq-results",
         encoder: Encoder | None = None,
         use_namespace_prefix_keys: bool = False,
-        prune_batch: int = DEFAULT_PRUNE_BATCH,
-        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
+        **options: Any,
     ) -> None:
-        super().__init__(
+        ResultBackend.__init__(
+            self,
             namespace=namespace,
             encoder=encoder,
             use_namespace_prefix_keys=use_namespace_prefix_keys,
         )
-        self._open_table(broker, url, schema, pool, listen, prune_batch, prune_interval)
+        BackendTable.__init__(self, **options)
 
     # -- reading ---------------------------------------------------------------------------
 

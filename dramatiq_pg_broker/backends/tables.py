@@ -5,9 +5,9 @@ of the broker's schema.
 Each takes its connections from a broker or a pool of its own (:func:`~.db.backend_connections`),
 reads its statements from its own SQL file, wakes its waiters on its own notification
 channel and deletes its expired rows as it writes (:class:`~.db.Reclaimer`). A backend
-names those four things as class attributes and calls :meth:`BackendTable._open_table`
-from its constructor; :meth:`~BackendTable.prune` and :meth:`~BackendTable.close` are then
-the same for all three.
+names those four things as class attributes; the constructor's connection and reclaiming
+parameters, :meth:`~BackendTable.prune` and :meth:`~BackendTable.close` are then the same
+for all three.
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ from ..db.core import Reclaimer, backend_connections
 from ..db.listener import channel_for
 from ..db.queries import Queries
 
+#: The most expired rows one reclaiming pass deletes.
+DEFAULT_PRUNE_BATCH = 1000
+
+#: Seconds between two opportunistic reclaiming passes of one backend (a pass that found a
+#: full batch is followed by another at the next write).
+DEFAULT_PRUNE_INTERVAL = 5.0
+
 
 @functools.cache
 def statements_for(schema: str, sql_file: str) -> Queries:
@@ -30,7 +37,21 @@ def statements_for(schema: str, sql_file: str) -> Queries:
 
 
 class BackendTable:
-    """A backend whose rows live, and expire, in one table of the broker's schema."""
+    """A backend whose rows live, and expire, in one table of the broker's schema. Its
+    constructor's keyword parameters, the same for the three backends (each adds its own):
+
+    Parameters:
+      broker(PostgresBroker): use this broker's connection pool and schema.
+      url(str): otherwise, the database URL (default ``DRAMATIQ_PG_URL``).
+      schema(str): the schema of the table (default: the broker's, else
+        ``DRAMATIQ_PG_SCHEMA``, else ``dramatiq``).
+      pool(ConnectionPool): a ready psycopg pool of autocommit connections instead of
+        ``url``.
+      listen(bool): wake waiters with LISTEN/NOTIFY (default: the broker's or the
+        ``DRAMATIQ_PG_LISTEN`` setting, True); False polls.
+      prune_batch(int): the most expired rows one opportunistic reclaiming pass deletes.
+      prune_interval(float): seconds between two such passes in one process.
+    """
 
     #: The SQL file of the backend's statements (in ``dramatiq_pg_broker/sql``).
     sql_file: ClassVar[str]
@@ -41,16 +62,16 @@ class BackendTable:
     #: What the rows are, for the reclaimer's log line ("results", "rate-limiter keys").
     rows_name: ClassVar[str]
 
-    def _open_table(
+    def __init__(
         self,
-        broker: Any,
-        url: str | None,
-        schema: str | None,
-        pool: ConnectionPool | None,
-        listen: bool | None,
-        prune_batch: int,
-        prune_interval: float,
-        /,
+        *,
+        broker: Any = None,
+        url: str | None = None,
+        schema: str | None = None,
+        pool: ConnectionPool | None = None,
+        listen: bool | None = None,
+        prune_batch: int = DEFAULT_PRUNE_BATCH,
+        prune_interval: float = DEFAULT_PRUNE_INTERVAL,
     ) -> None:
         self.pool, self.settings = backend_connections(
             url=url, schema=schema, pool=pool, broker=broker, listen=listen

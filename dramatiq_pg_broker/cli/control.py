@@ -12,7 +12,6 @@ one line and exit 2.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 
 from ..control import limits as queue_limits
@@ -21,11 +20,12 @@ from ..control.workers import list_actors, list_workers
 from .jobs import (
     Context,
     _json_flag,
+    _plain_command,
     command,
     operator_name,
+    print_rows,
     printable,
     relative,
-    table,
     to_json,
 )
 
@@ -34,31 +34,22 @@ from .jobs import (
 def run_queues_list(ctx: Context, args) -> int:
     with ctx.pool.connection() as conn:
         rows = queue_control.list_queues(conn, ctx.settings.schema)
-    if args.json:
-        print(to_json(rows))
-        return 0
-    now = dt.datetime.now(dt.timezone.utc)
-    print(
-        table(
-            ["QUEUE", "STATE", "SINCE", "BY", "LIMIT", "QUEUED", "DELAYED", "RUNNING"],
-            (
-                [
-                    printable(r["queue_name"]),
-                    "paused" if r["paused"] else "active",
-                    relative(r["paused_at"] if r["paused"] else r["resumed_at"], now) or "-",
-                    printable(r["paused_by"] if r["paused"] else r["resumed_by"]) or "-",
-                    "-" if r["limit"] is None else r["limit"],
-                    r["queued"],
-                    r["delayed"],
-                    r["running"],
-                ]
-                for r in rows
-            ),
-        )
+    return print_rows(
+        args,
+        rows,
+        ["QUEUE", "STATE", "SINCE", "BY", "LIMIT", "QUEUED", "DELAYED", "RUNNING"],
+        lambda r, now: [
+            printable(r["queue_name"]),
+            "paused" if r["paused"] else "active",
+            relative(r["paused_at"] if r["paused"] else r["resumed_at"], now) or "-",
+            printable(r["paused_by"] if r["paused"] else r["resumed_by"]) or "-",
+            "-" if r["limit"] is None else r["limit"],
+            r["queued"],
+            r["delayed"],
+            r["running"],
+        ],
+        "(no queues: a worker declares its queues when it boots)",
     )
-    if not rows:
-        print("(no queues: a worker declares its queues when it boots)")
-    return 0
 
 
 def _print_state(state: queue_control.QueueState, args, verb: str, changed: bool) -> None:
@@ -130,57 +121,39 @@ def run_queues_limit(ctx: Context, args) -> int:
 def run_workers(ctx: Context, args) -> int:
     with ctx.pool.connection() as conn:
         rows = list_workers(conn, ctx.settings.schema)
-    if args.json:
-        print(to_json(rows))
-        return 0
-    now = dt.datetime.now(dt.timezone.utc)
-    print(
-        table(
-            ["HOST", "PID", "VERSION", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
-            (
-                [
-                    printable(r["host"]),
-                    r["pid"],
-                    printable(r["version"]) or "-",
-                    relative(r["started_at"], now),
-                    relative(r["heartbeat_at"], now),
-                    r["in_flight"],
-                    ", ".join(printable(q) for q in r["queues"]),
-                ]
-                for r in rows
-            ),
-        )
+    return print_rows(
+        args,
+        rows,
+        ["HOST", "PID", "VERSION", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
+        lambda r, now: [
+            printable(r["host"]),
+            r["pid"],
+            printable(r["version"]) or "-",
+            relative(r["started_at"], now),
+            relative(r["heartbeat_at"], now),
+            r["in_flight"],
+            ", ".join(printable(q) for q in r["queues"]),
+        ],
+        "(no live worker processes)",
     )
-    if not rows:
-        print("(no live worker processes)")
-    return 0
 
 
 @command
 def run_actors(ctx: Context, args) -> int:
     with ctx.pool.connection() as conn:
         rows = list_actors(conn, ctx.settings.schema)
-    if args.json:
-        print(to_json(rows))
-        return 0
-    now = dt.datetime.now(dt.timezone.utc)
-    print(
-        table(
-            ["ACTOR", "QUEUE", "LIVE WORKERS", "LAST DECLARED"],
-            (
-                [
-                    printable(r["actor_name"]),
-                    printable(r["queue_name"]),
-                    r["live_workers"],
-                    relative(r["seen_at"], now),
-                ]
-                for r in rows
-            ),
-        )
+    return print_rows(
+        args,
+        rows,
+        ["ACTOR", "QUEUE", "LIVE WORKERS", "LAST DECLARED"],
+        lambda r, now: [
+            printable(r["actor_name"]),
+            printable(r["queue_name"]),
+            r["live_workers"],
+            relative(r["seen_at"], now),
+        ],
+        "(no actors: a worker declares its actors when it boots)",
     )
-    if not rows:
-        print("(no actors: a worker declares its actors when it boots)")
-    return 0
 
 
 def _positive_int(text: str) -> int:
@@ -202,11 +175,12 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:
     queues_sub = queues.add_subparsers(
         dest="queues_command", metavar="{list,pause,resume,limit}", required=True
     )
-    listing = queues_sub.add_parser(
-        "list", help="known queues: paused or not, their limits, jobs waiting"
+    _plain_command(
+        queues_sub,
+        "list",
+        run_queues_list,
+        "known queues: paused or not, their limits, jobs waiting",
     )
-    _json_flag(listing)
-    listing.set_defaults(func=run_queues_list)
 
     pause = queues_sub.add_parser(
         "pause", help="stop every worker claiming a queue's jobs (sends are still accepted)"
@@ -238,10 +212,5 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(limit)
     limit.set_defaults(func=run_queues_limit)
 
-    workers = sub.add_parser("workers", help="the live worker processes")
-    _json_flag(workers)
-    workers.set_defaults(func=run_workers)
-
-    actors = sub.add_parser("actors", help="the actors workers declared, with their queues")
-    _json_flag(actors)
-    actors.set_defaults(func=run_actors)
+    _plain_command(sub, "workers", run_workers, "the live worker processes")
+    _plain_command(sub, "actors", run_actors, "the actors workers declared, with their queues")

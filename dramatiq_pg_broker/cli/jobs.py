@@ -18,7 +18,7 @@ import json
 import sys
 import unicodedata
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..config import Settings
@@ -198,6 +198,25 @@ def print_candidates(error: AmbiguousJobId) -> None:
         print("  ...", file=sys.stderr)
 
 
+def print_rows(
+    args,
+    rows: list[dict[str, Any]],
+    headers: Sequence[str],
+    cells: Callable[[dict[str, Any], dt.datetime], Sequence[Any]],
+    empty: str,
+) -> int:
+    """Print ``rows`` as JSON with ``--json``, else as a table of ``cells(row, now)`` (and
+    ``empty`` when there is no row); exit 0."""
+    if args.json:
+        print(to_json(rows))
+        return 0
+    now = dt.datetime.now(dt.timezone.utc)
+    print(table(headers, (cells(r, now) for r in rows)))
+    if not rows:
+        print(empty)
+    return 0
+
+
 def operator_name() -> str:
     try:
         return f"cli:{getpass.getuser()}"
@@ -214,31 +233,22 @@ def run_jobs_list(ctx: Context, args) -> int:
         "list_jobs",
         {"status": args.status, "queue": args.queue, "actor": args.actor, "limit": args.limit},
     )
-    if args.json:
-        print(to_json(rows))
-        return 0
-    now = dt.datetime.now(dt.timezone.utc)
-    print(
-        table(
-            ["ID", "QUEUE", "ACTOR", "STATUS", "ATTEMPTS", "CREATED", "UPDATED", "ERROR"],
-            (
-                [
-                    r["id"],
-                    r["queue_name"],
-                    r["actor_name"],
-                    r["status"],
-                    f"{r['attempts']}/{r['max_attempts']}",
-                    relative(r["created_at"], now),
-                    relative(r["updated_at"], now),
-                    one_line(r["last_error"], 40),
-                ]
-                for r in rows
-            ),
-        )
+    return print_rows(
+        args,
+        rows,
+        ["ID", "QUEUE", "ACTOR", "STATUS", "ATTEMPTS", "CREATED", "UPDATED", "ERROR"],
+        lambda r, now: [
+            r["id"],
+            r["queue_name"],
+            r["actor_name"],
+            r["status"],
+            f"{r['attempts']}/{r['max_attempts']}",
+            relative(r["created_at"], now),
+            relative(r["updated_at"], now),
+            one_line(r["last_error"], 40),
+        ],
+        "(no jobs)",
     )
-    if not rows:
-        print("(no jobs)")
-    return 0
 
 
 @command
@@ -474,42 +484,23 @@ def run_schedules(ctx: Context, args) -> int:
 
     with ctx.pool.connection() as conn:
         rows = list_schedules(conn, ctx.settings.schema)
-    if args.json:
-        print(to_json(rows))
-        return 0
-    now = dt.datetime.now(dt.timezone.utc)
-    print(
-        table(
-            [
-                "NAME",
-                "KIND",
-                "QUEUE",
-                "TRIGGER",
-                "TZ",
-                "MISSED",
-                "LAST TICK",
-                "NEXT RUN",
-                "LAST JOB",
-            ],
-            (
-                [
-                    r["name"],
-                    r["kind"],
-                    r["queue_name"] or "-",
-                    r["trigger"],
-                    r["timezone"],
-                    r["missed"] if r["kind"] == "actor" else "-",
-                    relative(r["last_tick"], now) or "never",
-                    relative(r["next_run"], now),
-                    r["last_job_status"] or "-",
-                ]
-                for r in rows
-            ),
-        )
+    return print_rows(
+        args,
+        rows,
+        ["NAME", "KIND", "QUEUE", "TRIGGER", "TZ", "MISSED", "LAST TICK", "NEXT RUN", "LAST JOB"],
+        lambda r, now: [
+            r["name"],
+            r["kind"],
+            r["queue_name"] or "-",
+            r["trigger"],
+            r["timezone"],
+            r["missed"] if r["kind"] == "actor" else "-",
+            relative(r["last_tick"], now) or "never",
+            relative(r["next_run"], now),
+            r["last_job_status"] or "-",
+        ],
+        "(no schedules: a worker registers them when it boots)",
     )
-    if not rows:
-        print("(no schedules: a worker registers them when it boots)")
-    return 0
 
 
 # -- registration -------------------------------------------------------------------------
@@ -517,6 +508,17 @@ def run_schedules(ctx: Context, args) -> int:
 
 def _json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def _plain_command(
+    sub: argparse._SubParsersAction, name: str, func, help: str, *, job_id: bool = False
+) -> None:
+    """Add a command whose only arguments are ``--json`` and, with ``job_id``, a job id."""
+    parser = sub.add_parser(name, help=help)
+    if job_id:
+        parser.add_argument("id", help=ID_HELP)
+    _json_flag(parser)
+    parser.set_defaults(func=func)
 
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
@@ -534,10 +536,7 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(listing)
     listing.set_defaults(func=run_jobs_list)
 
-    show = jobs_sub.add_parser("show", help="a job's row and its timeline")
-    show.add_argument("id", help=ID_HELP)
-    _json_flag(show)
-    show.set_defaults(func=run_jobs_show)
+    _plain_command(jobs_sub, "show", run_jobs_show, "a job's row and its timeline", job_id=True)
 
     retry = jobs_sub.add_parser("retry", help="put failed jobs back in their queue")
     which = retry.add_mutually_exclusive_group(required=True)
@@ -547,10 +546,7 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(retry)
     retry.set_defaults(func=run_jobs_retry)
 
-    cancel = jobs_sub.add_parser("cancel", help="cancel a queued job")
-    cancel.add_argument("id", help=ID_HELP)
-    _json_flag(cancel)
-    cancel.set_defaults(func=run_jobs_cancel)
+    _plain_command(jobs_sub, "cancel", run_jobs_cancel, "cancel a queued job", job_id=True)
 
     abort = jobs_sub.add_parser(
         "abort", help="cancel a waiting job, or stop a running one (it ends cancelled)"
@@ -566,9 +562,7 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(abort)
     abort.set_defaults(func=run_jobs_abort)
 
-    stats = sub.add_parser("stats", help="per queue: queued, running, delayed, failed")
-    _json_flag(stats)
-    stats.set_defaults(func=run_stats)
+    _plain_command(sub, "stats", run_stats, "per queue: queued, running, delayed, failed")
 
     prune = sub.add_parser(
         "prune",
@@ -579,6 +573,4 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(prune)
     prune.set_defaults(func=run_prune)
 
-    schedules = sub.add_parser("schedules", help="periodic schedules, last tick, next run")
-    _json_flag(schedules)
-    schedules.set_defaults(func=run_schedules)
+    _plain_command(sub, "schedules", run_schedules, "periodic schedules, last tick, next run")

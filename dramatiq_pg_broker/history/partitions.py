@@ -401,10 +401,8 @@ class PartitionSteps(LockedDDL):
         with self.pool.connection() as conn:
             if parent == "job_events":
                 days = conn.execute(self.queries["events_default_days"]).fetchall()
-                move = self.queries["move_events_default"]
             else:
                 days = conn.execute(_for(self.queries["history_default_days"], default)).fetchall()
-                move = self.queries["move_history_default"]
             pending = [
                 day for p, day, _ in conn.execute(self.queries["pending_partitions"]) if p == parent
             ]
@@ -427,19 +425,24 @@ class PartitionSteps(LockedDDL):
             ):
                 continue  # expired: deleted above, or dropped by the drop step
             target = _partition_name(parent, day)
-            if not self.move_day(parent, day, move, default):
+            if not self.move_day(parent, day, default):
                 busy.append(target)
             if self.out_of_time():
                 return False
         return True
 
-    def move_day(self, parent: str, day: dt.date, move: str, default: str) -> bool:
+    def move_day(self, parent: str, day: dt.date, default: str) -> bool:
         """Move one day's rows out of ``default`` into the day's partition and attach it.
         False when a lock was not granted (the rows are then where readers see them: in
         DEFAULT, unless a constraint that could not be dropped keeps them out of it until
         the next run)."""
         target = _partition_name(parent, day)
-        statement = _named(move, partition=default, target=target)
+        statement = _named(
+            self.queries["move_default_day"],
+            partition=default,
+            target=target,
+            column=PARENTS[parent],
+        )
         params = {"day": day, "limit": self.batch}
         try:
             self.ddl(self.queries["prepare_partition"], {"parent": parent, "day": day})

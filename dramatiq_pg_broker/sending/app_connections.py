@@ -85,14 +85,22 @@ class AppConnection:
             return
         # psycopg begins the application's transaction before the SAVEPOINT, as it would
         # before any first statement; the commit stays the application's.
-        self.execute(f"SAVEPOINT {SAVEPOINT}")
-        try:
+        with _savepoint(self):
             yield
-        except BaseException:
-            self.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            self.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-            raise
-        self.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+
+
+@contextlib.contextmanager
+def _savepoint(conn: AppConnection | LoopConnection) -> Iterator[None]:
+    """A savepoint on an application connection: released when the block ends, rolled back
+    to (then released) when it raises."""
+    conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    try:
+        yield
+    except BaseException:
+        conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+        conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        raise
+    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 class _Rows:
@@ -204,11 +212,5 @@ class LoopConnection:
                 raise
             self.run(tx.__aexit__(None, None, None))
             return
-        self.execute(f"SAVEPOINT {SAVEPOINT}")
-        try:
+        with _savepoint(self):
             yield
-        except BaseException:
-            self.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            self.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-            raise
-        self.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")

@@ -48,7 +48,7 @@ from psycopg.rows import tuple_row
 from ..errors import TransactionError
 from .app_connections import LoopConnection
 from .app_transactions import JoinedTransaction
-from .blocks import IDENTITY_SQL, Batch
+from .blocks import IDENTITY_SQL, Batch, check_psycopg_driver
 
 if TYPE_CHECKING:
     from .sender import Sender
@@ -146,12 +146,7 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, A
             f"SQLAlchemy 2 AsyncSession or AsyncConnection on the postgresql+psycopg "
             f"driver, not {type(obj).__module__}.{type(obj).__qualname__}"
         )
-    dialect = sa_conn.dialect
-    if dialect.name != "postgresql" or dialect.driver != "psycopg":
-        raise TransactionError(
-            f"broker.transaction() needs SQLAlchemy's postgresql+psycopg driver (psycopg 3); "
-            f"this connection uses {dialect.name}+{dialect.driver}"
-        )
+    check_psycopg_driver(sa_conn)
     driver = (await sa_conn.get_raw_connection()).driver_connection
     if not isinstance(driver, psycopg.AsyncConnection):  # pragma: no cover - psycopg only
         raise TransactionError("this SQLAlchemy connection has no psycopg AsyncConnection")

@@ -171,6 +171,16 @@ def _is_sqlalchemy_async(obj: Any) -> bool:
     return module is not None and isinstance(obj, (module.AsyncSession, module.AsyncConnection))
 
 
+def check_psycopg_driver(sa_conn: Any) -> None:
+    """Refuse a SQLAlchemy connection on any driver but postgresql+psycopg (psycopg 3)."""
+    dialect = sa_conn.dialect
+    if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        raise TransactionError(
+            f"broker.transaction() needs SQLAlchemy's postgresql+psycopg driver (psycopg 3); "
+            f"this connection uses {dialect.name}+{dialect.driver}"
+        )
+
+
 def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
     """The psycopg connection to write on, and the SQLAlchemy ``Connection`` whose
     transaction the block joins (None for a psycopg connection given directly: the block
@@ -196,12 +206,7 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
             f"Connection on the postgresql+psycopg driver, not {type(obj).__module__}."
             f"{type(obj).__qualname__}"
         )
-    dialect = sa_conn.dialect
-    if dialect.name != "postgresql" or dialect.driver != "psycopg":
-        raise TransactionError(
-            f"broker.transaction() needs SQLAlchemy's postgresql+psycopg driver (psycopg 3); "
-            f"this connection uses {dialect.name}+{dialect.driver}"
-        )
+    check_psycopg_driver(sa_conn)
     driver = sa_conn.connection.driver_connection
     if not isinstance(driver, psycopg.Connection):
         raise TransactionError(

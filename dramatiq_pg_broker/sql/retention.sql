@@ -189,32 +189,18 @@ WITH RECURSIVE days AS (
 )
 SELECT day::date FROM days WHERE day IS NOT NULL
 
--- move_history_default --
--- Up to %(limit)s rows of one day out of a DEFAULT partition of history into that day's
--- prepared table (its CHECK constraint holds them to the day). Rows move in short
--- transactions, locked with SKIP LOCKED; a moved row is out of sight of readers of the
--- parent until the table is attached, at the end of its day's moves.
+-- move_default_day --
+-- Up to %(limit)s rows of one day (by {{column}}: finished_at in history, created_at for
+-- events) out of a DEFAULT partition of history or events into that day's prepared table
+-- (its CHECK constraint holds them to the day). Rows move in short transactions, locked
+-- with SKIP LOCKED; a moved row is out of sight of readers of the parent until the table
+-- is attached, at the end of its day's moves.
 WITH moved AS (
     DELETE FROM {schema}.{{partition}}
     WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM {schema}.{{partition}}
-        WHERE finished_at >= %(day)s::timestamp AT TIME ZONE 'UTC'
-          AND finished_at < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    ))
-    RETURNING *
-)
-INSERT INTO {schema}.{{target}} SELECT * FROM moved
-
--- move_events_default --
--- The same for events.
-WITH moved AS (
-    DELETE FROM {schema}.job_events_default
-    WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM {schema}.job_events_default
-        WHERE created_at >= %(day)s::timestamp AT TIME ZONE 'UTC'
-          AND created_at < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
+        WHERE {{column}} >= %(day)s::timestamp AT TIME ZONE 'UTC'
+          AND {{column}} < (%(day)s::date + 1)::timestamp AT TIME ZONE 'UTC'
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     ))

@@ -127,7 +127,7 @@ class Template:
 
 class Dropper:
     """Drops databases in threads of their own: the checkpoint each ``DROP DATABASE``
-    waits for is shared by the drops running at once (the end of a run drops its last copy
+    waits for is shared by the drops running at once (the end of a process drops its copies
     and the template together)."""
 
     def __init__(self, server_url: str) -> None:

@@ -75,7 +75,7 @@ class AmbiguousJobId(PgBrokerError):
       prefix(str): the prefix as given.
       candidates(list[dict]): the matching jobs (``id``, ``queue_name``, ``actor_name``,
         ``status``, ``created_at``), in id order, at most
-        :data:`~dramatiq_pg_broker.jobs.MAX_ID_CANDIDATES` of them.
+        :data:`~dramatiq_pg_broker.jobs.rows.MAX_ID_CANDIDATES` of them.
       more(bool): whether more jobs match than are listed.
     """
 

@@ -52,7 +52,12 @@ from ..errors import LostOwnership, TransactionError
 from ..sending.app_connections import AppConnection, LoopConnection
 from ..sending.async_sending import identity as async_identity
 from ..sending.async_sending import in_thread, resolve_async_connection
-from ..sending.blocks import identity, resolve_connection
+from ..sending.blocks import (
+    identity,
+    is_sqlalchemy_async,
+    is_sqlalchemy_sync,
+    resolve_connection,
+)
 
 if TYPE_CHECKING:
     from .current import CurrentJob
@@ -112,18 +117,6 @@ def _django_wrapper(obj: Any) -> Any:
     return None
 
 
-def _is_sqlalchemy_sync(obj: Any) -> bool:
-    orm, engine = _needs("sqlalchemy.orm"), _needs("sqlalchemy.engine")
-    return (orm is not None and isinstance(obj, orm.Session)) or (
-        engine is not None and isinstance(obj, engine.Connection)
-    )
-
-
-def _is_sqlalchemy_async(obj: Any) -> bool:
-    module = _needs("sqlalchemy.ext.asyncio")
-    return module is not None and isinstance(obj, (module.AsyncSession, module.AsyncConnection))
-
-
 def _django_level(wrapper: Any) -> _Level:
     transaction = _needs("django.db.transaction")
     alias = wrapper.alias
@@ -181,12 +174,12 @@ def _sync_level(obj: Any) -> _Level:
     wrapper = _django_wrapper(obj)
     if wrapper is not None:
         return _django_level(wrapper)
-    if isinstance(obj, psycopg.AsyncConnection) or _is_sqlalchemy_async(obj):
+    if isinstance(obj, psycopg.AsyncConnection) or is_sqlalchemy_async(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
             "`async with current_job().complete_in(conn)`, not `with`"
         )
-    if not _is_sqlalchemy_sync(obj):
+    if not is_sqlalchemy_sync(obj):
         raise TransactionError(
             "complete_in() takes a psycopg 3 Connection, a SQLAlchemy 2 Session or "
             "Connection on the postgresql+psycopg driver, or a Django connection, not "
@@ -198,12 +191,12 @@ def _sync_level(obj: Any) -> _Level:
 def _async_level(obj: Any) -> _Level:
     if isinstance(obj, psycopg.AsyncConnection):
         return _psycopg_level(obj)
-    if isinstance(obj, psycopg.Connection) or _is_sqlalchemy_sync(obj) or _django_wrapper(obj):
+    if isinstance(obj, psycopg.Connection) or is_sqlalchemy_sync(obj) or _django_wrapper(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is a synchronous connection: enter the block with "
             "`with current_job().complete_in(conn)`, not `async with`"
         )
-    if not _is_sqlalchemy_async(obj):
+    if not is_sqlalchemy_async(obj):
         raise TransactionError(
             "`async with complete_in()` takes a psycopg 3 AsyncConnection or a SQLAlchemy 2 "
             "AsyncSession or AsyncConnection on the postgresql+psycopg driver, not "

@@ -48,7 +48,7 @@ from psycopg.rows import tuple_row
 from ..errors import TransactionError
 from .app_connections import LoopConnection
 from .app_transactions import JoinedTransaction
-from .blocks import IDENTITY_SQL, Batch, check_psycopg_driver
+from .blocks import IDENTITY_SQL, Batch, check_psycopg_driver, is_sqlalchemy_sync
 
 if TYPE_CHECKING:
     from .sender import Sender
@@ -134,7 +134,7 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, A
         if obj.closed:
             raise TransactionError("broker.transaction() was given a closed connection")
         return obj, None
-    if isinstance(obj, psycopg.Connection) or _is_sqlalchemy_sync(obj):
+    if isinstance(obj, psycopg.Connection) or is_sqlalchemy_sync(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is a synchronous connection: enter the block with "
             "`with broker.transaction(conn)`, not `async with`"
@@ -156,14 +156,6 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, A
             "transaction for the jobs to join"
         )
     return driver, sa_conn
-
-
-def _is_sqlalchemy_sync(obj: Any) -> bool:
-    orm = sys.modules.get("sqlalchemy.orm")
-    engine = sys.modules.get("sqlalchemy.engine")
-    return (orm is not None and isinstance(obj, orm.Session)) or (
-        engine is not None and isinstance(obj, engine.Connection)
-    )
 
 
 async def _sqlalchemy_async_connection(obj: Any):

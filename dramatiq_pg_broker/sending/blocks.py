@@ -10,7 +10,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import dramatiq
 import psycopg
@@ -18,10 +18,6 @@ import psycopg
 from ..errors import TransactionError
 from ..jobs.rows import NewJob
 from .app_connections import AppConnection
-
-if TYPE_CHECKING:
-    pass
-
 
 # -- blocks: batch() and transaction() ------------------------------------------------------
 
@@ -165,7 +161,17 @@ def _sqlalchemy_connection(obj: Any):
     return None
 
 
-def _is_sqlalchemy_async(obj: Any) -> bool:
+def is_sqlalchemy_sync(obj: Any) -> bool:
+    """Whether ``obj`` is a SQLAlchemy ``Session`` or ``Connection`` (SQLAlchemy is never
+    imported here: an object of it exists only if the application imported it)."""
+    orm = sys.modules.get("sqlalchemy.orm")
+    engine = sys.modules.get("sqlalchemy.engine")
+    return (orm is not None and isinstance(obj, orm.Session)) or (
+        engine is not None and isinstance(obj, engine.Connection)
+    )
+
+
+def is_sqlalchemy_async(obj: Any) -> bool:
     """Whether ``obj`` is a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``."""
     module = sys.modules.get("sqlalchemy.ext.asyncio")
     return module is not None and isinstance(obj, (module.AsyncSession, module.AsyncConnection))
@@ -194,7 +200,7 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
         if obj.closed:
             raise TransactionError("broker.transaction() was given a closed connection")
         return obj, None
-    if isinstance(obj, psycopg.AsyncConnection) or _is_sqlalchemy_async(obj):
+    if isinstance(obj, psycopg.AsyncConnection) or is_sqlalchemy_async(obj):
         raise TransactionError(
             f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
             "`async with broker.transaction(conn)`, not `with`"

@@ -6,13 +6,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from dramatiq.errors import BrokerConnectionError
 from psycopg_pool import PoolTimeout
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger("dramatiq_pg_broker.sending")
 

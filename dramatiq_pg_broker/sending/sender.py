@@ -310,9 +310,9 @@ class Sender:
         if message is not None:
             encoded = messages.encode(message)
             data_bytes = encoded.data
+            # No jsonb copy when the bytes are JSON that jsonb holds as they are: all_jobs
+            # parses them on read (migration 0018), as for a first send.
             data = encoded.view
-            if data is None and encoded.view_from_bytes:
-                data = messages.display_view(data_bytes)
         attempt = proxy.attempt
 
         def write(first: bool) -> bool:

@@ -162,14 +162,14 @@ PAUSE_PAYLOAD = "pause"
 #: arrays of ``insert_jobs`` and the columns of the staging table (a unit test holds the
 #: statements to this list). :func:`send_values` gives the values; the binary COPY of
 #: :meth:`JobStore._copy_new` writes the stored row the server computes from them
-#: (``available_at`` from ``delay_ms``; no jsonb view when ``view_from_bytes``).
+#: (``available_at`` from ``delay_ms``). ``message`` is None where jsonb holds the bytes as
+#: they are (``message_view_from_bytes``): the view ``all_jobs`` parses them on read.
 SEND_FIELDS: tuple[tuple[str, str], ...] = (
     ("id", "text"),
     ("queue_name", "text"),
     ("actor_name", "text"),
     ("message", "jsonb"),
     ("message_bytes", "bytea"),
-    ("view_from_bytes", "bool"),
     ("priority", "int4"),
     ("delay_ms", "int8"),
     ("max_attempts", "int4"),
@@ -190,7 +190,6 @@ def send_values(job: NewJob) -> tuple:
         job.actor_name,
         Jsonb(job.message) if job.message is not None else None,
         job.message_bytes,
-        job.message_view_from_bytes,
         job.priority,
         _delay_ms(job),
         job.max_attempts,

@@ -75,9 +75,9 @@ FOR UPDATE OF j
 -- is registered in job_keys, which holds it for its job's whole life: the job is inserted
 -- only if the key was new (keyed sends only; a real unique index, so no race with a move
 -- to history can let a second job in). message_bytes is what workers decode; the jsonb view is for display only: it is
--- given when it differs from the bytes (a display-safe copy) and left null when jsonb
--- holds the bytes as they are (%(view_from_bytes)s): the view all_jobs parses them on read
--- (migration 0018), so the message crosses the wire and lands in the row once.
+-- given when it differs from the bytes (a display-safe copy) and null when jsonb holds the
+-- bytes as they are: the view all_jobs parses them on read (migration 0018), so the
+-- message crosses the wire and lands in the row once.
 -- A send that is not %(durable)s commits without waiting for its WAL flush: set_config(...,
 -- true) is local to this statement's own transaction (the pool's connections autocommit;
 -- a caller's transaction always passes durable). A server crash can then lose the sends
@@ -95,8 +95,7 @@ WITH new_key AS (
     )
     SELECT
         %(id)s, %(queue_name)s, %(actor_name)s,
-        CASE WHEN %(view_from_bytes)s THEN NULL ELSE %(message)s::jsonb END,
-        %(message_bytes)s, %(priority)s,
+        %(message)s::jsonb, %(message_bytes)s, %(priority)s,
         coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         %(max_attempts)s, %(idempotency_key)s, %(idempotency_scope)s,
         coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
@@ -170,7 +169,7 @@ WITH moved AS (
         locked_by = NULL,
         locked_until = NULL,
         queue_name = %(queue_name)s,
-        message = CASE WHEN %(view_from_bytes)s THEN NULL ELSE %(message)s::jsonb END,
+        message = %(message)s::jsonb,
         message_bytes = %(message_bytes)s,
         priority = %(priority)s,
         available_at = coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
@@ -205,12 +204,12 @@ WITH given AS (
     SELECT *
     FROM unnest(
         %(id)s::uuid[], %(queue_name)s::text[], %(actor_name)s::text[],
-        %(message)s::jsonb[], %(message_bytes)s::bytea[], %(view_from_bytes)s::boolean[],
-        %(priority)s::integer[], %(delay_ms)s::bigint[], %(max_attempts)s::integer[],
-        %(idempotency_key)s::text[], %(idempotency_scope)s::text[], %(sent_at_ms)s::bigint[]
+        %(message)s::jsonb[], %(message_bytes)s::bytea[], %(priority)s::integer[],
+        %(delay_ms)s::bigint[], %(max_attempts)s::integer[], %(idempotency_key)s::text[],
+        %(idempotency_scope)s::text[], %(sent_at_ms)s::bigint[]
     ) WITH ORDINALITY AS g (
-        id, queue_name, actor_name, message, message_bytes, view_from_bytes, priority,
-        delay_ms, max_attempts, idempotency_key, idempotency_scope, sent_at_ms, position
+        id, queue_name, actor_name, message, message_bytes, priority, delay_ms, max_attempts,
+        idempotency_key, idempotency_scope, sent_at_ms, position
     )
 ), new_keys AS (
     INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
@@ -225,8 +224,7 @@ WITH given AS (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
     )
-    SELECT id, queue_name, actor_name,
-           CASE WHEN view_from_bytes THEN NULL ELSE message END, message_bytes, priority,
+    SELECT id, queue_name, actor_name, message, message_bytes, priority,
            coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
@@ -329,7 +327,7 @@ $$
 -- columns are the send's fields (jobs.py SEND_FIELDS), then the position in the batch.
 CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
     id text, queue_name text, actor_name text, message jsonb, message_bytes bytea,
-    view_from_bytes boolean, priority integer, delay_ms bigint, max_attempts integer,
+    priority integer, delay_ms bigint, max_attempts integer,
     idempotency_key text, idempotency_scope text, sent_at_ms bigint, position bigint
 ) ON COMMIT DROP
 
@@ -353,8 +351,7 @@ WITH new_keys AS (
         id, queue_name, actor_name, message, message_bytes, priority, available_at,
         max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
     )
-    SELECT id::uuid, queue_name, actor_name,
-           CASE WHEN view_from_bytes THEN NULL ELSE message END, message_bytes, priority,
+    SELECT id::uuid, queue_name, actor_name, message, message_bytes, priority,
            coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',

@@ -133,31 +133,10 @@ class PostgresBroker(dramatiq.Broker):
         for m in self.middleware:
             if isinstance(m, Retries):
                 m.configure(settings)
-        if any(isinstance(m, AgeLimit) for m in self.middleware):
-            # AgeLimit only skips messages too old to run: Dramatiq keeps it first.
-            self.add_middleware(JobContext(), after=AgeLimit)
-        else:
-            first = type(self.middleware[0]) if self.middleware else None
-            self.add_middleware(JobContext(), before=first)
-        self.schedules: list[Schedule] = []
-        #: A worker claims nothing before the schema handshake passes (see SchemaGate).
-        self.schema_gate = SchemaGate()
-        self.add_middleware(self.schema_gate)
-        self.periodic = Periodic()
-        self.add_middleware(self.periodic)
-        #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
-        self.queue_limits = QueueLimits(self)
-        self.add_middleware(self.queue_limits)
-        #: This process in the worker registry (see :mod:`.workers`).
-        self.presence = Presence()
-        self.add_middleware(self.presence)
-        # Last, so that its after-hooks run first (see AbortGuard).
-        self.add_middleware(AbortGuard())
-        #: Who skipped a message and why: run before every middleware's after_skip_message
-        #: (see emit_after), so a skip ends cancelled and no result is stored as None.
-        self.skips = SkipRecorder()
-
         self.queues: dict[str, None] = {}
+        self.schedules: list[Schedule] = []
+
+        # The parts, each given what it uses (none of them is given the broker); no I/O.
         # Sends wait for a running migration (see ProcessPool), bounded by the setting.
         self.pool = ProcessPool(settings, pool=pool, migration_wait=settings.migration_wait_seconds)
         self.store = (
@@ -167,6 +146,10 @@ class PostgresBroker(dramatiq.Broker):
         )
         #: Every attempt this process holds: the one owner of their states.
         self.ledger = Ledger(self.store, settings)
+        #: A worker claims nothing before the schema handshake passes (see SchemaGate).
+        self.schema_gate = SchemaGate(self.pool)
+        #: This process in the worker registry (see :mod:`.workers`).
+        self.presence = Presence()
         self.leases = LeaseKeeper(
             self, self.store, settings, self.ledger, self.schema_gate, self.presence
         )
@@ -174,6 +157,26 @@ class PostgresBroker(dramatiq.Broker):
         self.ledger.connect(leases=self.leases, outcomes=self.outcomes)
         #: The send path: every enqueue goes through it.
         self.sender = Sender(self, functools.partial(running_attempt, self.ledger))
+        self.periodic = Periodic()
+        #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
+        self.queue_limits = QueueLimits(self)
+        #: Who skipped a message and why: run before every middleware's after_skip_message
+        #: (see emit_after), so a skip ends cancelled and no result is stored as None.
+        self.skips = SkipRecorder()
+
+        # The broker's own middleware, in this order.
+        if any(isinstance(m, AgeLimit) for m in self.middleware):
+            # AgeLimit only skips messages too old to run: Dramatiq keeps it first.
+            self.add_middleware(JobContext(), after=AgeLimit)
+        else:
+            first = type(self.middleware[0]) if self.middleware else None
+            self.add_middleware(JobContext(), before=first)
+        self.add_middleware(self.schema_gate)
+        self.add_middleware(self.periodic)
+        self.add_middleware(self.queue_limits)
+        self.add_middleware(self.presence)
+        # Last, so that its after-hooks run first (see AbortGuard).
+        self.add_middleware(AbortGuard())
         for schedule in schedules or ():
             self.add_schedule(schedule)
 

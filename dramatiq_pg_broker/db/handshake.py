@@ -53,7 +53,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import psycopg
 from dramatiq.errors import BrokerConnectionError
@@ -67,10 +67,12 @@ from .queries import Queries
 logger = logging.getLogger("dramatiq_pg_broker.handshake")
 
 
-class PooledBroker(Protocol):
-    """The broker as the schema gate sees it: its pool."""
+class SchemaCheck(Protocol):
+    """What the schema gate checks through: the process pool
+    (:class:`~dramatiq_pg_broker.db.core.ProcessPool`), which runs the handshake at most
+    once per process and opens on first use."""
 
-    pool: Any  # :class:`~dramatiq_pg_broker.db.core.ProcessPool`
+    def check_schema(self, *, wait_for_migration: bool = True) -> None: ...
 
 
 #: Seconds between two checks of a worker waiting for a migration.
@@ -349,9 +351,15 @@ class SchemaGate(Middleware):
 
     A broker whose workers never boot (a sender, or a test that consumes directly) keeps the
     gate open: the handshake then happens at the pool's first connection.
+
+    Parameters:
+      pool(ProcessPool): the process pool the handshake runs through (the broker's); it is
+        given, not found on the broker the worker hooks receive, so the gate depends on
+        nothing else of it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: SchemaCheck) -> None:
+        self._pool = pool
         self._open = threading.Event()
         self._open.set()
         self._stop = threading.Event()
@@ -368,15 +376,13 @@ class SchemaGate(Middleware):
         """Wait up to ``timeout`` seconds for the gate to open; whether it is open."""
         return self._open.wait(timeout)
 
-    def before_worker_boot(self, broker: PooledBroker, worker) -> None:
+    def before_worker_boot(self, broker, worker) -> None:
         self._open.clear()
         self._stop.clear()
         with self._lock:
             self._booting = True
             self._fatal = False
-        watcher = threading.Thread(
-            target=self._watch, args=(broker,), name="dramatiq-pg-schema-gate", daemon=True
-        )
+        watcher = threading.Thread(target=self._watch, name="dramatiq-pg-schema-gate", daemon=True)
         watcher.start()
         watcher.join(BOOT_WAIT_SECONDS)
         with self._lock:
@@ -385,12 +391,12 @@ class SchemaGate(Middleware):
         if fatal:
             raise SystemExit(EXIT_CODE_TOO_OLD)
 
-    def before_worker_shutdown(self, broker: PooledBroker, worker) -> None:
+    def before_worker_shutdown(self, broker, worker) -> None:
         self._stop.set()
 
-    def _watch(self, broker: PooledBroker) -> None:
+    def _watch(self) -> None:
         try:
-            passed = self._wait(broker)
+            passed = self._wait()
         except CodeTooOld as e:
             logger.critical("This worker cannot use the database: %s.", e)
             with self._lock:
@@ -405,13 +411,13 @@ class SchemaGate(Middleware):
         if passed:
             self._open.set()
 
-    def _wait(self, broker: PooledBroker) -> bool:
+    def _wait(self) -> bool:
         """Check until the schema fits (True) or the worker stops (False)."""
         said: str | None = None
         while True:
             try:
                 # The gate waits for a migration itself, however long it takes.
-                broker.pool.check_schema(wait_for_migration=False)
+                self._pool.check_schema(wait_for_migration=False)
             except MigrationsPending as e:
                 if said != "migration":
                     logger.warning(

@@ -149,7 +149,14 @@ class PostgresBroker(dramatiq.Broker):
         #: A worker claims nothing before the schema handshake passes (see SchemaGate).
         self.schema_gate = SchemaGate(self.pool)
         #: This process in the worker registry (see :mod:`.workers`).
-        self.presence = Presence()
+        self.presence = Presence(
+            pool=self.pool,
+            settings=settings,
+            ledger=self.ledger,
+            schema_gate=self.schema_gate,
+            actors=self.actors,
+            queues=self.queues,
+        )
         self.leases = LeaseKeeper(
             self, self.store, settings, self.ledger, self.schema_gate, self.presence
         )

@@ -30,7 +30,8 @@ import logging
 import socket
 import threading
 import uuid
-from typing import Any, Protocol
+from collections.abc import Collection, Mapping, Sized
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from dramatiq.errors import BrokerConnectionError
@@ -38,22 +39,16 @@ from dramatiq.middleware import Middleware
 from psycopg.types.json import Jsonb
 
 from .. import forks
+from ..config import Settings
 from ..db.queries import Queries
 from .limits import apply_declared
 from .queues import declare as declare_queues
 
+if TYPE_CHECKING:
+    from ..db.core import ProcessPool
+    from ..db.handshake import SchemaGate
+
 logger = logging.getLogger("dramatiq_pg_broker.workers")
-
-
-class PresenceParts(Protocol):
-    """What the worker registry uses of the broker it is installed on."""
-
-    actors: dict[str, Any]
-    ledger: Any  # the in-flight ledger: what this process runs
-    pool: Any  # the process pool
-    queues: dict[str, None]
-    schema_gate: Any  # the schema handshake's gate
-    settings: Any  # the broker's Settings
 
 
 @functools.cache
@@ -122,10 +117,33 @@ class Presence(Middleware):
 
     A registration that cannot reach the database, or that waits for the worker's schema
     handshake, is retried by each heartbeat until it succeeds, actors and queues included.
+
+    Parameters:
+      pool(ProcessPool): where the rows are written (opened on first use).
+      settings(Settings): the schema, the lease (the row's time to live) and the
+        ``queue_limits`` setting, written at the first registration.
+      ledger(Ledger): the in-flight ledger (how many attempts the row reports).
+      schema_gate(SchemaGate): nothing is written before the worker's handshake passed.
+      actors(Mapping[str, Actor]): the broker's actors, read when the worker boots.
+      queues(Collection[str]): the broker's declared queues, read when the worker boots.
     """
 
-    def __init__(self) -> None:
-        self.broker: PresenceParts | None = None
+    def __init__(
+        self,
+        *,
+        pool: ProcessPool,
+        settings: Settings,
+        ledger: Sized,
+        schema_gate: SchemaGate,
+        actors: Mapping[str, Any],
+        queues: Collection[str],
+    ) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.ledger = ledger
+        self.schema_gate = schema_gate
+        self.actors = actors
+        self.queues = queues
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._id: str | None = None
@@ -143,19 +161,15 @@ class Presence(Middleware):
 
     def after_worker_boot(self, broker, worker) -> None:
         consumed = getattr(worker, "consumers", None)
-        queues = sorted(q for q in (consumed or broker.queues) if q in broker.queues)
+        queues = sorted(q for q in (consumed or self.queues) if q in self.queues)
+        actors = list(self.actors.values())
         with self._lock:
-            self.broker = broker
             self._pid = forks.pid()
             self._id = f"{socket.gethostname()}:{self._pid}:{uuid.uuid4().hex[:8]}"
             self._started_at = dt.datetime.now(dt.timezone.utc)
             self._queues = queues
-            self._actors = sorted(
-                (actor.actor_name, actor.queue_name) for actor in broker.actors.values()
-            )
-            self._options = {
-                actor.actor_name: declared_options(actor) for actor in broker.actors.values()
-            }
+            self._actors = sorted((actor.actor_name, actor.queue_name) for actor in actors)
+            self._options = {actor.actor_name: declared_options(actor) for actor in actors}
             self._declared = False
             self._gone = False
         try:
@@ -174,16 +188,17 @@ class Presence(Middleware):
         Raises:
           dramatiq.errors.ConnectionError: the database is unreachable.
         """
-        broker = self.broker
-        if broker is None or self._pid != forks.pid() or self._gone:
+        if self._pid != forks.pid() or self._gone:
+            # (Not booted yet: no pid.)
             return
-        if not broker.schema_gate.is_open:
+        if not self.schema_gate.is_open:
             # The worker's schema handshake has not passed (handshake.SchemaGate): its boot
             # does not wait on the database, and the heartbeat registers it once it passed.
             return
         from ..version import __version__
 
-        queries = _queries(broker.settings.schema)
+        settings = self.settings
+        queries = _queries(settings.schema)
         consumed = set(self._queues)
         params = {
             "id": self._id,
@@ -193,17 +208,17 @@ class Presence(Middleware):
             "actors": [name for name, queue in self._actors if queue in consumed],
             "version": __version__,
             "started_at": self._started_at,
-            "ttl_ms": int(broker.settings.lease_seconds * 1000),
-            "in_flight": len(broker.ledger),
+            "ttl_ms": int(settings.lease_seconds * 1000),
+            "in_flight": len(self.ledger),
         }
-        with broker.pool.connection() as conn, conn.transaction():
+        with self.pool.connection() as conn, conn.transaction():
             if not self._declared:
-                declare_queues(conn, broker.settings.schema, self._queues)
+                declare_queues(conn, settings.schema, self._queues)
                 # The queue_limits setting; an operator's limit wins (see limits.py).
                 apply_declared(
                     conn,
-                    broker.settings.schema,
-                    dict(broker.settings.queue_limits),
+                    settings.schema,
+                    dict(settings.queue_limits),
                     by=f"worker {self._id}",
                 )
                 if self._actors:
@@ -228,11 +243,12 @@ class Presence(Middleware):
             )
 
     def after_worker_shutdown(self, broker, worker) -> None:
-        if self.broker is None or self._pid != forks.pid():
+        if self._pid != forks.pid():
+            # (Never booted, or booted in the parent of this forked process.)
             return
         self._gone = True
         try:
-            with broker.pool.connection() as conn:
-                conn.execute(_queries(broker.settings.schema)["remove_worker"], {"id": self._id})
+            with self.pool.connection() as conn:
+                conn.execute(_queries(self.settings.schema)["remove_worker"], {"id": self._id})
         except BrokerConnectionError as e:
             logger.warning("Could not deregister this worker (%s); its row expires.", e)

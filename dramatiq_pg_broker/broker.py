@@ -166,7 +166,7 @@ class PostgresBroker(dramatiq.Broker):
         self.sender = Sender(self, functools.partial(running_attempt, self.ledger))
         self.periodic = Periodic()
         #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
-        self.queue_limits = QueueLimits(self)
+        self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)
         #: Who skipped a message and why: run before every middleware's after_skip_message
         #: (see emit_after), so a skip ends cancelled and no result is stored as None.
         self.skips = SkipRecorder()

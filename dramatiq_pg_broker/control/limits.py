@@ -49,6 +49,7 @@ import psycopg
 from dramatiq.middleware import Middleware
 
 from .. import forks
+from ..config import Settings
 from ..db.queries import Queries
 from ..errors import InvalidQueueLimit, QueueNotDeclared
 from ..jobs.rows import channel_name, clean_text
@@ -58,12 +59,17 @@ from .queues import get as get_queue
 logger = logging.getLogger("dramatiq_pg_broker.limits")
 
 
-class LimitParts(Protocol):
-    """What the queue limits use of the broker that installs them."""
+class Occupancy(Protocol):
+    """What the queue limits ask the in-flight ledger
+    (:class:`~dramatiq_pg_broker.attempt.inflight.Ledger`)."""
 
-    ledger: Any  # the in-flight ledger: which queues' jobs this process runs
-    settings: Any  # the broker's Settings
-    store: Any  # the job store
+    def occupying(self) -> int: ...
+
+
+class LimitReads(Protocol):
+    """What the queue limits ask the job store (:class:`~dramatiq_pg_broker.jobs.JobStore`)."""
+
+    def queue_limits(self) -> dict[str, int]: ...
 
 
 #: The payload on a queue's channel that announces a change of its limit.
@@ -211,11 +217,15 @@ class QueueLimits(Middleware):
     now. :class:`~dramatiq_pg_broker.PostgresBroker` installs it.
 
     Parameters:
-      broker(PostgresBroker): whose store, settings and in-flight ledger it reads.
+      store(JobStore): where the limits are read.
+      ledger(Ledger): the in-flight ledger, which counts the attempts that hold a thread.
+      settings(Settings): its ``listen`` (without LISTEN, no change is announced).
     """
 
-    def __init__(self, broker: LimitParts) -> None:
-        self.broker = broker
+    def __init__(self, *, store: LimitReads, ledger: Occupancy, settings: Settings) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.settings = settings
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}
         #: Monotonic time of the last read (None: never read, or a change was announced).
@@ -254,7 +264,7 @@ class QueueLimits(Middleware):
         now = time.monotonic()
         stale = read_at is None or (
             now - read_at >= REFRESH_SECONDS
-            and (busy or queue_name in self._limits or not self.broker.settings.listen)
+            and (busy or queue_name in self._limits or not self.settings.listen)
         )
         if stale:
             self.refresh(unless_read_since=read_at)
@@ -267,7 +277,7 @@ class QueueLimits(Middleware):
         with self._lock:
             if unless_read_since is not None and self._read_at not in (None, unless_read_since):
                 return self._limits
-            limits = self.broker.store.queue_limits()
+            limits = self.store.queue_limits()
             if limits != self._limits:
                 logger.info(
                     "Queue limits: %s.",
@@ -306,4 +316,4 @@ class QueueLimits(Middleware):
         threads = self.worker_threads
         if threads is None:
             return None
-        return max(0, threads - self.broker.ledger.occupying())
+        return max(0, threads - self.ledger.occupying())

@@ -42,22 +42,27 @@ class _Ledger:
         return self.n
 
 
-class _Broker:
-    def __init__(self, occupying: int) -> None:
-        self.ledger = _Ledger(occupying)
+class _Store:
+    def __init__(self) -> None:
+        self.reads = 0
+        self.limits: dict[str, int] = {}
+
+    def queue_limits(self) -> dict[str, int]:
+        self.reads += 1
+        return dict(self.limits)
 
 
 def test_free_threads_are_the_threads_less_what_runs_or_waits_for_one():
-    limits = QueueLimits(_Broker(occupying=5))
+    limits = QueueLimits(store=_Store(), ledger=_Ledger(5), settings=Settings())
     assert limits.free_threads() is None, "no worker booted: no thread bound"
     limits.worker_threads = 8
     assert limits.free_threads() == 3
-    limits.broker.ledger.n = 20
+    limits.ledger.n = 20
     assert limits.free_threads() == 0
 
 
 def test_a_hungry_limited_queue_reserves_a_thread_until_fed_or_silent(monkeypatch):
-    limits = QueueLimits(_Broker(occupying=0))
+    limits = QueueLimits(store=_Store(), ledger=_Ledger(0), settings=Settings())
     assert limits.reserved() == 0
     limits.hungry("partner_api")
     limits.hungry("reports")
@@ -69,45 +74,28 @@ def test_a_hungry_limited_queue_reserves_a_thread_until_fed_or_silent(monkeypatc
     assert limits.reserved() == 0, "a queue that stopped saying so reserves nothing"
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.reads = 0
-        self.limits: dict[str, int] = {}
-
-    def queue_limits(self) -> dict[str, int]:
-        self.reads += 1
-        return dict(self.limits)
-
-
-class _ListeningBroker(_Broker):
-    def __init__(self) -> None:
-        super().__init__(occupying=0)
-        self.store = _Store()
-        self.settings = Settings(listen=True)
-
-
 def test_the_limits_are_read_when_announced_or_a_second_old_while_busy(monkeypatch):
-    broker = _ListeningBroker()
-    limits = QueueLimits(broker)
+    store = _Store()
+    limits = QueueLimits(store=store, ledger=_Ledger(0), settings=Settings(listen=True))
     clock = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 1
-    broker.store.limits = {"a": 3}
+    assert limits.limit_of("a", busy=False) is None and store.reads == 1
+    store.limits = {"a": 3}
     # An idle consumer of an unlimited queue, listening, reads nothing more...
     clock[0] += 5
-    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 1
+    assert limits.limit_of("a", busy=False) is None and store.reads == 1
     # ...until a change is announced, or it claims work and the copy is a second old.
     limits.invalidate()
-    assert limits.limit_of("a", busy=False) == 3 and broker.store.reads == 2
+    assert limits.limit_of("a", busy=False) == 3 and store.reads == 2
     clock[0] += 0.5
-    assert limits.limit_of("a", busy=True) == 3 and broker.store.reads == 2
-    broker.store.limits = {}
+    assert limits.limit_of("a", busy=True) == 3 and store.reads == 2
+    store.limits = {}
     clock[0] += 0.6
     # A limited queue's copy is read again every second, busy or not.
-    assert limits.limit_of("a", busy=False) is None and broker.store.reads == 3
+    assert limits.limit_of("a", busy=False) is None and store.reads == 3
     # Two consumers that found the copy stale at once read it once.
     seen = limits._read_at
     clock[0] += 2
     limits.refresh(unless_read_since=seen)
     limits.refresh(unless_read_since=seen)
-    assert broker.store.reads == 4
+    assert store.reads == 4

@@ -164,7 +164,14 @@ class PostgresBroker(dramatiq.Broker):
         self.ledger.connect(leases=self.leases, outcomes=self.outcomes)
         #: The send path: every enqueue goes through it.
         self.sender = Sender(self, functools.partial(running_attempt, self.ledger))
-        self.periodic = Periodic()
+        self.periodic = Periodic(
+            schema_gate=self.schema_gate,
+            pool=self.pool,
+            settings=settings,
+            schedules=self.schedules,
+            actors=self.actors,
+            enqueue=self.enqueue,
+        )
         #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
         self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)
         #: Who skipped a message and why: run before every middleware's after_skip_message

@@ -36,35 +36,26 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.schedulers.background import BackgroundScheduler
-from dramatiq.errors import BrokerConnectionError
+from dramatiq.errors import ActorNotFound, BrokerConnectionError
 from dramatiq.middleware import Middleware
 
+from ..config import Settings
 from ..db.queries import Queries
 from ..errors import ConfigurationError
 from .retention import RetentionPolicy, prune
 from .schedules import UTC, Schedule
 
+if TYPE_CHECKING:
+    from ..db.core import ProcessPool
+    from ..db.handshake import SchemaGate
+
 logger = logging.getLogger("dramatiq_pg_broker.periodic")
-
-
-class ScheduleParts(Protocol):
-    """What the scheduler uses of the broker it runs the schedules of."""
-
-    actors: dict[str, Any]
-    pool: Any  # the process pool
-    schedules: list[Schedule]
-    schema_gate: Any  # the schema handshake's gate
-    settings: Any  # the broker's Settings
-
-    def get_actor(self, actor_name: str) -> Any: ...
-
-    def enqueue(self, message: dramatiq.Message, *, delay: int | None = None) -> Any: ...
 
 
 #: The name of the retention schedule in the schedules table.
@@ -132,15 +123,33 @@ def list_schedules(conn, schema: str) -> list[dict[str, Any]]:
 
 class Scheduler:
     """The schedules of one worker process on an APScheduler ``BackgroundScheduler``.
+    :class:`Periodic` builds it with the broker's parts.
 
     Parameters:
-      broker(PostgresBroker): the broker whose schedules and settings it runs.
+      pool(ProcessPool): where the schedule rows are written, and retention runs.
+      settings(Settings): the schema, retention's settings.
+      schedules(Sequence[Schedule]): the broker's schedules (its list, which ``@periodic``
+        adds to: read when the scheduler starts).
+      actors(Mapping[str, Actor]): the broker's actors, by name.
+      enqueue(callable): ``enqueue(message)`` sends a tick's message and returns it as
+        stored (the broker's :meth:`~dramatiq_pg_broker.PostgresBroker.enqueue`).
     """
 
-    def __init__(self, broker: ScheduleParts) -> None:
-        self.broker = broker
-        self.settings = broker.settings
-        self.queries = Queries(broker.settings.schema, "periodic.sql")
+    def __init__(
+        self,
+        *,
+        pool: ProcessPool,
+        settings: Settings,
+        schedules: Sequence[Schedule],
+        actors: Mapping[str, dramatiq.Actor],
+        enqueue: Callable[[dramatiq.Message], dramatiq.Message],
+    ) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.schedules = schedules
+        self.actors = actors
+        self._enqueue = enqueue
+        self.queries = Queries(settings.schema, "periodic.sql")
         self._seen: dict[str, dt.datetime] = {}
         #: Schedules whose registration could not reach the database yet, with the boot
         #: time their catch-up is computed from; retried at their next firing.
@@ -148,7 +157,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._scheduler: BackgroundScheduler | None = None
-        self.retention = Schedule(RETENTION_SCHEDULE, every=broker.settings.retention_interval)
+        self.retention = Schedule(RETENTION_SCHEDULE, every=settings.retention_interval)
 
     @property
     def running(self) -> bool:
@@ -174,8 +183,8 @@ class Scheduler:
         Raises:
           ConfigurationError: a schedule names an actor the broker does not know.
         """
-        for schedule in self.broker.schedules:
-            if schedule.actor_name not in self.broker.actors:
+        for schedule in self.schedules:
+            if schedule.actor_name not in self.actors:
                 raise ConfigurationError(
                     f"schedule {schedule.name!r} names actor {schedule.actor_name!r}, which "
                     "is not declared on this broker"
@@ -191,7 +200,7 @@ class Scheduler:
         if self._scheduler is not None:
             return
         self.check()
-        schedules = list(self.broker.schedules)
+        schedules = list(self.schedules)
         if not schedules and not self.settings.retention:
             return
         now = now or dt.datetime.now(UTC)
@@ -261,7 +270,7 @@ class Scheduler:
         Raises:
           dramatiq.errors.ConnectionError: the database cannot be reached.
         """
-        actor = self.broker.actors.get(schedule.actor_name) if kind == "actor" else None
+        actor = self.actors.get(schedule.actor_name) if kind == "actor" else None
         params = {
             "name": schedule.name,
             "kind": kind,
@@ -272,7 +281,7 @@ class Scheduler:
             "missed": schedule.missed,
             "next_run": schedule.next_run(now),
         }
-        with self.broker.pool.connection() as conn:
+        with self.pool.connection() as conn:
             return conn.execute(self.queries["upsert_schedule"], params).fetchone()[0]
 
     def try_register(self, schedule: Schedule, boot: dt.datetime, *, kind: str = "actor") -> bool:
@@ -356,7 +365,9 @@ class Scheduler:
     ) -> dramatiq.Message:
         """Enqueue the job of one tick (a no-op if any process already did) and record the
         tick on the schedule row."""
-        actor = self.broker.get_actor(schedule.actor_name)
+        actor = self.actors.get(schedule.actor_name)
+        if actor is None:
+            raise ActorNotFound(schedule.actor_name)
         tick = tick.astimezone(UTC)
         message = actor.message_with_options(
             args=schedule.args,
@@ -364,14 +375,14 @@ class Scheduler:
             idempotency_key=schedule.key(tick),
             periodic={"schedule": schedule.name, "tick": tick.isoformat(), "missed": missed},
         )
-        sent = self.broker.enqueue(message)
+        sent = self._enqueue(message)
         params = {
             "name": schedule.name,
             "tick": tick,
             "job_id": sent.message_id,
             "next_run": schedule.next_run(max(tick, now or tick)),
         }
-        with self.broker.pool.connection() as conn:
+        with self.pool.connection() as conn:
             conn.execute(self.queries["record_tick"], params)
         return sent
 
@@ -385,7 +396,7 @@ class Scheduler:
             return None
         tick = ticks[-1]
         params = {"name": schedule.name, "tick": tick, "next_run": schedule.next_run(now)}
-        with self.broker.pool.connection() as conn:
+        with self.pool.connection() as conn:
             won = conn.execute(self.queries["claim_tick"], params).fetchone()
         return tick if won else None
 
@@ -400,7 +411,7 @@ class Scheduler:
             if self.claim_tick(self.retention, now) is None:
                 return None
             report = prune(
-                self.broker.pool,
+                self.pool,
                 self.settings.schema,
                 RetentionPolicy.from_settings(self.settings),
                 batch=self.settings.retention_batch,
@@ -432,18 +443,49 @@ START_WAIT_SECONDS = 1.0
 
 
 class Periodic(Middleware):
-    """Starts the process's :class:`Scheduler` after the worker boots and stops it on
-    shutdown. :class:`~dramatiq_pg_broker.PostgresBroker` installs it; it does nothing
-    with ``scheduler=False``."""
+    """Starts the process's :class:`Scheduler` after the worker boots (once the schema
+    handshake passed) and stops it on shutdown.
+    :class:`~dramatiq_pg_broker.PostgresBroker` installs it; it does nothing with
+    ``scheduler=False``.
 
-    def __init__(self) -> None:
+    Parameters:
+      schema_gate(SchemaGate): the scheduler starts once it is open.
+      pool, settings, schedules, actors, enqueue: what each :class:`Scheduler` is given.
+    """
+
+    def __init__(
+        self,
+        *,
+        schema_gate: SchemaGate,
+        pool: ProcessPool,
+        settings: Settings,
+        schedules: Sequence[Schedule],
+        actors: Mapping[str, dramatiq.Actor],
+        enqueue: Callable[[dramatiq.Message], dramatiq.Message],
+    ) -> None:
+        self.schema_gate = schema_gate
+        self.pool = pool
+        self.settings = settings
+        self.schedules = schedules
+        self.actors = actors
+        self._enqueue = enqueue
         self.scheduler: Scheduler | None = None
 
+    def new_scheduler(self) -> Scheduler:
+        """A scheduler of the broker's schedules, not started."""
+        return Scheduler(
+            pool=self.pool,
+            settings=self.settings,
+            schedules=self.schedules,
+            actors=self.actors,
+            enqueue=self._enqueue,
+        )
+
     def after_worker_boot(self, broker, worker) -> None:
-        if not broker.settings.scheduler:
+        if not self.settings.scheduler:
             return
-        if self.scheduler is None or self.scheduler.broker is not broker or self.scheduler.stopped:
-            self.scheduler = Scheduler(broker)
+        if self.scheduler is None or self.scheduler.stopped:
+            self.scheduler = self.new_scheduler()
         scheduler = self.scheduler
         scheduler.check()
         # Starting writes the schedules to the database. A worker booting while the
@@ -456,9 +498,8 @@ class Periodic(Middleware):
         starting.start()
         starting.join(START_WAIT_SECONDS)
 
-    @staticmethod
-    def _start(scheduler: Scheduler) -> None:
-        gate = scheduler.broker.schema_gate
+    def _start(self, scheduler: Scheduler) -> None:
+        gate = self.schema_gate
         # Nothing is written before the worker's schema handshake passed.
         while not gate.wait(1.0):
             if scheduler.stopped:

@@ -7,7 +7,6 @@ import datetime as dt
 import dramatiq
 
 from dramatiq_pg_broker import PostgresBroker, periodic
-from dramatiq_pg_broker.history.periodic import Scheduler
 
 
 def test_schedules_are_listed_read_only(env, pg_url, schema):
@@ -18,7 +17,7 @@ def test_schedules_are_listed_read_only(env, pg_url, schema):
     def minutely():
         pass
 
-    scheduler = Scheduler(broker)
+    scheduler = broker.periodic.new_scheduler()
     now = dt.datetime.now(dt.timezone.utc)
     scheduler.register(broker.schedules[0], now)
     scheduler.enqueue_tick(broker.schedules[0], now.replace(second=0, microsecond=0))

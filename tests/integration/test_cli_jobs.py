@@ -226,7 +226,6 @@ def test_schedules_lists_what_workers_registered(pg_url, schema, run):
     import dramatiq
 
     from dramatiq_pg_broker import PostgresBroker, periodic
-    from dramatiq_pg_broker.history.periodic import Scheduler
 
     broker = PostgresBroker(url=pg_url, schema=schema, retention=False)
 
@@ -235,7 +234,7 @@ def test_schedules_lists_what_workers_registered(pg_url, schema, run):
     def report():
         pass
 
-    Scheduler(broker).register(broker.schedules[0], dt.datetime.now(dt.timezone.utc))
+    broker.periodic.new_scheduler().register(broker.schedules[0], dt.datetime.now(dt.timezone.utc))
     broker.close()
     code, out, _ = run("schedules")
     assert code == 0

@@ -11,7 +11,7 @@ import pytest
 
 from dramatiq_pg_broker import PostgresBroker, Schedule, periodic
 from dramatiq_pg_broker.errors import ConfigurationError
-from dramatiq_pg_broker.history.periodic import RETENTION_SCHEDULE, Scheduler, list_schedules
+from dramatiq_pg_broker.history.periodic import RETENTION_SCHEDULE, list_schedules
 from dramatiq_pg_broker.history.schedules import INTERVAL_ORIGIN
 
 UTC = dt.timezone.utc
@@ -119,23 +119,21 @@ def test_two_processes_firing_the_same_ticks_make_one_job_per_tick(make_broker):
     for _ in range(2):
         broker = make_broker(retention=False)
         declare(broker, every=1)
-        scheduler = Scheduler(broker)
+        scheduler = broker.periodic.new_scheduler()
         scheduler.register(broker.schedules[0], at(0.5))
         schedulers.append(scheduler)
     first, second = schedulers
-    assert first.fire(first.broker.schedules[0], at(1.01)) == [at(1)]
-    assert second.fire(second.broker.schedules[0], at(1.02)) == [at(1)]
+    assert first.fire(first.schedules[0], at(1.01)) == [at(1)]
+    assert second.fire(second.schedules[0], at(1.02)) == [at(1)]
     # A process that fell behind enqueues every tick it missed while alive.
-    assert second.fire(second.broker.schedules[0], at(3.5)) == [at(2), at(3)]
-    assert first.fire(first.broker.schedules[0], at(3.6)) == [at(2), at(3)]
+    assert second.fire(second.schedules[0], at(3.5)) == [at(2), at(3)]
+    assert first.fire(first.schedules[0], at(3.6)) == [at(2), at(3)]
 
-    jobs = tick_jobs(first.broker)
+    jobs = tick_jobs(broker)
     assert [j["periodic"]["tick"] for j in jobs] == [at(s).isoformat() for s in (1, 2, 3)]
     assert all(j["periodic"]["missed"] == 1 for j in jobs)
-    with first.broker.pool.connection() as conn:
-        (row,) = [
-            s for s in list_schedules(conn, first.broker.settings.schema) if s["name"] == "tick"
-        ]
+    with broker.pool.connection() as conn:
+        (row,) = [s for s in list_schedules(conn, broker.settings.schema) if s["name"] == "tick"]
     assert row["last_tick"] == at(3)
     assert row["next_run"] == at(4)
     assert row["queue_name"] == "periodic" and row["trigger"] == "every 1s"
@@ -145,11 +143,11 @@ def test_two_processes_firing_the_same_ticks_make_one_job_per_tick(make_broker):
 def test_catch_up_runs_once_for_the_latest_missed_tick(make_broker):
     broker = make_broker(retention=False)
     declare(broker, every=1)
-    before = Scheduler(broker)
+    before = broker.periodic.new_scheduler()
     before.register(broker.schedules[0], at(0.5))
     before.fire(broker.schedules[0], at(2.1))  # ticks 1 and 2, then every worker stops
 
-    after = Scheduler(broker)
+    after = broker.periodic.new_scheduler()
     assert after.register(broker.schedules[0], at(7.5)) == at(7)
     after.fire(broker.schedules[0], at(8.2))
 
@@ -165,10 +163,10 @@ def test_catch_up_runs_once_for_the_latest_missed_tick(make_broker):
 def test_skip_enqueues_nothing_for_missed_ticks(make_broker):
     broker = make_broker(retention=False)
     declare(broker, every=1, missed="skip")
-    first = Scheduler(broker)
+    first = broker.periodic.new_scheduler()
     first.register(broker.schedules[0], at(0.5))
     first.fire(broker.schedules[0], at(1.1))
-    again = Scheduler(broker)
+    again = broker.periodic.new_scheduler()
     assert again.register(broker.schedules[0], at(9.5)) is None
     again.fire(broker.schedules[0], at(10.1))
     assert [j["periodic"]["tick"] for j in tick_jobs(broker)] == [
@@ -180,7 +178,7 @@ def test_skip_enqueues_nothing_for_missed_ticks(make_broker):
 def test_a_new_schedule_has_nothing_to_catch_up(make_broker):
     broker = make_broker(retention=False)
     declare(broker, every=1)
-    assert Scheduler(broker).register(broker.schedules[0], at(100.5)) is None
+    assert broker.periodic.new_scheduler().register(broker.schedules[0], at(100.5)) is None
     assert tick_jobs(broker) == []
 
 
@@ -188,22 +186,22 @@ def test_an_undeclared_actor_stops_the_scheduler_from_starting(make_broker):
     broker = make_broker(retention=False)
     broker.add_schedule(Schedule("nobody", every=5))
     with pytest.raises(ConfigurationError, match="not declared"):
-        Scheduler(broker).start()
+        broker.periodic.new_scheduler().start()
 
 
 # -- maintenance -----------------------------------------------------------------------
 
 
 def test_exactly_one_process_runs_each_retention_tick(make_broker):
-    schedulers = [Scheduler(make_broker(retention_interval=60)) for _ in range(3)]
+    schedulers = [make_broker(retention_interval=60).periodic.new_scheduler() for _ in range(3)]
     for scheduler in schedulers:
         scheduler.upsert(scheduler.retention, at(0), kind="maintenance")
     winners = [s for s in schedulers if s.claim_tick(s.retention, at(61)) is not None]
     assert len(winners) == 1
     assert all(s.claim_tick(s.retention, at(100)) is None for s in schedulers)
     assert schedulers[2].claim_tick(schedulers[2].retention, at(120.5)) == at(120)
-    with schedulers[0].broker.pool.connection() as conn:
-        rows = list_schedules(conn, schedulers[0].broker.settings.schema)
+    with schedulers[0].pool.connection() as conn:
+        rows = list_schedules(conn, schedulers[0].settings.schema)
     (row,) = [r for r in rows if r["name"] == RETENTION_SCHEDULE]
     assert row["kind"] == "maintenance" and row["last_tick"] == at(120)
 
@@ -228,11 +226,11 @@ def test_a_registration_the_database_refused_is_retried_at_the_next_tick(make_br
 
     broker = make_broker(retention=False)
     declare(broker, every=1)
-    before = Scheduler(broker)
+    before = broker.periodic.new_scheduler()
     before.register(broker.schedules[0], at(0.5))
     before.fire(broker.schedules[0], at(1.1))  # tick 1, then every worker stops
 
-    booting = Scheduler(broker)
+    booting = broker.periodic.new_scheduler()
     real_upsert = booting.upsert
     calls = {"n": 0}
 
@@ -261,7 +259,7 @@ def test_a_tick_between_registration_and_the_scheduler_start_is_not_a_period_lat
 
     broker = make_broker(retention=False)
     declare(broker, every=3600)
-    scheduler = Scheduler(broker)
+    scheduler = broker.periodic.new_scheduler()
     # Registered "two hours ago": the hourly ticks since then fell before the scheduler's
     # own first fire time, an hour from now; its first firing at start enqueues them.
     scheduler.start(now=dt.datetime.now(UTC) - dt.timedelta(hours=2))
@@ -278,7 +276,7 @@ def test_a_tick_between_registration_and_the_scheduler_start_is_not_a_period_lat
 def test_the_scheduler_fires_on_the_aligned_ticks(make_broker):
     broker = make_broker(retention=False)
     declare(broker, every=7)
-    scheduler = Scheduler(broker)
+    scheduler = broker.periodic.new_scheduler()
     scheduler.start()
     try:
         schedule = broker.schedules[0]

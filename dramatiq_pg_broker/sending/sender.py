@@ -34,15 +34,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import dramatiq
 import psycopg
-from dramatiq.middleware import Middleware, MiddlewareError
+from dramatiq.middleware import Middleware
 
 from .. import forks
+from ..config import Settings
 from ..errors import InvalidMessage, TransactionError
 from ..jobs.rows import EnqueueResult, NewJob, clean_text
 from . import messages
@@ -51,26 +52,31 @@ from .blocks import Batch, LazyJobs, SendContext, Transaction, identity, resolve
 from .group_commit import GroupCommit, retrying
 
 if TYPE_CHECKING:
+    from ..jobs.store import JobStore
     from .async_sending import AsyncBlock
 
 
 logger = logging.getLogger("dramatiq_pg_broker.sending")
 
 
-class SenderParts(Protocol):
-    """What the send path uses of the broker whose sends it writes."""
+class Pooled(Protocol):
+    """The broker's process pool (:class:`~dramatiq_pg_broker.db.core.ProcessPool`)."""
 
-    actors: dict[str, Any]
-    middleware: list[Any]
-    logger: logging.Logger
-    ledger: Any  # the in-flight ledger: a retry reschedules the running attempt
-    pool: Any  # the process pool
-    settings: Any  # the broker's Settings
-    store: Any  # the job store
+    def connection(self) -> ContextManager[psycopg.Connection]: ...
 
-    def emit_before(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
 
-    def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None: ...
+class Reschedules(Protocol):
+    """What the send path asks the in-flight ledger
+    (:class:`~dramatiq_pg_broker.attempt.inflight.Ledger`): a retry of the running attempt
+    is written when Dramatiq acks or nacks it."""
+
+    def reschedule(self, attempt: Any, write: Callable[[], bool]) -> bool: ...
+
+
+#: ``emitter(when, signal)``: a function running the ``when_signal`` hooks of the broker's
+#: middleware (``when``: ``before`` or ``after``), as Dramatiq's ``emit_before`` and
+#: ``emit_after`` run them.
+Emitter = Callable[[str, str], Callable[..., None]]
 
 
 class TransactionBlock:
@@ -127,24 +133,52 @@ class RunningAttempt(NamedTuple):
 
 
 class Sender:
-    """The send path of one broker. See the module docstring.
+    """The send path of one broker. See the module docstring. The broker builds it with
+    what it uses.
 
     Parameters:
-      broker(PostgresBroker): whose store, settings, actors, middleware and ledger it uses.
+      store(JobStore): where the rows are written.
+      settings(Settings): ``durable_sends``, ``enqueue_retries``, ``max_attempts``.
+      pool(ProcessPool): the broker's pool, opened on first use (which database the
+        broker's jobs are in, see :meth:`check_database`).
+      ledger(Ledger): the in-flight ledger, which writes a retry of the running attempt
+        at its ack or nack.
       running(callable): ``running(message)`` is the :class:`RunningAttempt` of
         ``message`` if this thread's actor runs it, else None
         (:func:`.current.running_attempt`, bound to the broker's ledger).
+      actors(Mapping[str, Actor]): the broker's actors (their priority and options).
+      middleware(Sequence[Middleware]): the broker's middleware list (the Retries
+        middleware's ``max_retries``).
+      emit_before, emit_after(callable): the broker's ``emit_before`` and ``emit_after``
+        (a single send's ``enqueue`` hooks).
+      emitter(callable): see :data:`Emitter` (the hooks of a batch of sends, looked up
+        once for the batch).
     """
 
     def __init__(
         self,
-        broker: SenderParts,
+        *,
+        store: JobStore,
+        settings: Settings,
+        pool: Pooled,
+        ledger: Reschedules,
         running: Callable[[dramatiq.Message], RunningAttempt | None],
+        actors: Mapping[str, dramatiq.Actor],
+        middleware: Sequence[Middleware],
+        emit_before: Callable[..., None],
+        emit_after: Callable[..., None],
+        emitter: Emitter,
     ) -> None:
-        self.broker = broker
-        self.store = broker.store
-        self.settings = broker.settings
+        self.store = store
+        self.settings = settings
+        self.pool = pool
+        self.ledger = ledger
         self._running = running
+        self.actors = actors
+        self.middleware = middleware
+        self._emit_before = emit_before
+        self._emit_after = emit_after
+        self._emitter = emitter
         self._blocks = SendContext()
         #: Concurrent sends through the pool share a statement: one group per process.
         self._group = forks.PerProcess(lambda: GroupCommit(self._write_group))
@@ -184,10 +218,9 @@ class Sender:
 
     def _builder(self) -> Callable[[dramatiq.Message, int | None], tuple[NewJob, Any]]:
         """:meth:`job_for`, with what does not change within one batch looked up once."""
-        broker = self.broker
-        default_max_retries = messages.default_max_retries(self.settings, broker.middleware)
+        default_max_retries = messages.default_max_retries(self.settings, self.middleware)
         durable = self.settings.durable_sends
-        actors = broker.actors
+        actors = self.actors
 
         def job_for(message: dramatiq.Message, delay: int | None):
             actor = actors.get(message.actor_name)
@@ -206,12 +239,11 @@ class Sender:
 
     def send(self, message: dramatiq.Message, delay: int | None = None) -> dramatiq.Message:
         """:meth:`PostgresBroker.enqueue <dramatiq_pg_broker.PostgresBroker.enqueue>`."""
-        broker = self.broker
-        broker.emit_before("enqueue", message, delay)
+        self._emit_before("enqueue", message, delay)
         running = self._running(message)
         if running is not None:
             self._retry(running, message, delay)
-            broker.emit_after("enqueue", message, delay)
+            self._emit_after("enqueue", message, delay)
             return message
         job, stored = self.job_for(message, delay)
         block = self._block()
@@ -227,7 +259,7 @@ class Sender:
                 lambda first: self._send_alone(job, first), self.settings.enqueue_retries
             )
         stored = self._as_stored(job, stored, result)
-        broker.emit_after("enqueue", stored, delay)
+        self._emit_after("enqueue", stored, delay)
         return stored
 
     def _send_alone(self, job: NewJob, first: bool) -> EnqueueResult:
@@ -329,7 +361,7 @@ class Sender:
         # The ledger writes it at the ack or nack, and settles the attempt whatever
         # happens: a failed attempt whose retry could not be written is never acked as a
         # success.
-        held = self.broker.ledger.reschedule(
+        held = self.ledger.reschedule(
             attempt, lambda: retrying(write, self.settings.enqueue_retries)
         )
         if not held:
@@ -396,37 +428,6 @@ class Sender:
             sent.append(message)
         return sent
 
-    def _emitter(self, when: str, signal: str) -> Callable[..., None]:
-        """``emit_before(signal, ...)`` or ``emit_after``, as Dramatiq's broker runs them,
-        over only the middleware that define that hook: a batch of 100,000 messages
-        otherwise spends a good part of its time calling the base class's empty hooks."""
-        broker = self.broker
-        name = f"{when}_{signal}"
-        base = getattr(Middleware, name)
-        order = broker.middleware if when == "before" else list(reversed(broker.middleware))
-        hooks = [
-            (m, getattr(m, name))
-            for m in order
-            if getattr(type(m), name, base) is not base or name in getattr(m, "__dict__", {})
-        ]
-
-        def emit(*args: Any) -> None:
-            for middleware, hook in hooks:
-                try:
-                    hook(broker, *args)
-                except MiddlewareError:
-                    if when == "before":
-                        raise
-                    broker.logger.critical(
-                        "Unexpected failure in %s of %r.", name, middleware, exc_info=True
-                    )
-                except Exception:
-                    broker.logger.critical(
-                        "Unexpected failure in %s of %r.", name, middleware, exc_info=True
-                    )
-
-        return emit
-
     @contextlib.contextmanager
     def batch(self) -> Iterator[Batch]:
         """:meth:`PostgresBroker.batch <dramatiq_pg_broker.PostgresBroker.batch>`."""
@@ -481,7 +482,7 @@ class Sender:
 
     def broker_identity(self) -> tuple:
         """What the broker's own connections reach (see :func:`identity`)."""
-        with self.broker.pool.connection() as pooled:
+        with self.pool.connection() as pooled:
             return identity(pooled)
 
     def check_database(self, theirs: tuple, *, learn: Callable[[], tuple] | None = None) -> None:

@@ -25,7 +25,7 @@ from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware, Middleware
 from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool
 
-from .attempt.consumer import PostgresConsumer
+from .attempt.consumer import ConsumerParts, PostgresConsumer
 from .attempt.current import AbortGuard, JobContext, running_attempt
 from .attempt.inflight import Ledger
 from .attempt.leases import LeaseKeeper
@@ -185,6 +185,17 @@ class PostgresBroker(dramatiq.Broker):
         )
         #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
         self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)
+        #: What every consumer of this broker uses (see :meth:`consume`).
+        self._consumer_parts = ConsumerParts(
+            store=self.store,
+            settings=settings,
+            ledger=self.ledger,
+            schema_gate=self.schema_gate,
+            queue_limits=self.queue_limits,
+            leases=self.leases,
+            pool=self.pool,
+            decode_message=self.decode_message,
+        )
         #: Who skipped a message and why: run before every middleware's after_skip_message
         #: (see emit_after), so a skip ends cancelled and no result is stored as None.
         self.skips = SkipRecorder()
@@ -424,7 +435,7 @@ class PostgresBroker(dramatiq.Broker):
         if queue_name not in self.queues:
             raise dramatiq.errors.QueueNotFound(queue_name)
         self.leases.start()
-        return PostgresConsumer(self, queue_name, prefetch, timeout)
+        return PostgresConsumer(self._consumer_parts, queue_name, prefetch, timeout)
 
     # -- maintenance and tests -----------------------------------------------------------
 

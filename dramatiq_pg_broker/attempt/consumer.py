@@ -36,37 +36,56 @@ of the limits), it gives back, uncharged, the messages it claimed and has not st
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq.broker import Consumer
 from dramatiq.errors import BrokerConnectionError
 
-from ..control.limits import LIMIT_PAYLOAD
+from ..config import Settings
+from ..control.limits import LIMIT_PAYLOAD, QueueLimits
 from ..db.core import connect, translate_errors
 from ..jobs.rows import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob
 from .claiming import ClaimWindow, PgMessageProxy, describe_error, describe_exception, new_owner_id
 from .states import RETRY_CAP_SECONDS
 
+if TYPE_CHECKING:
+    from ..db.core import ProcessPool
+    from ..db.handshake import SchemaGate
+    from ..jobs.store import JobStore
+    from .inflight import Ledger
+    from .leases import LeaseKeeper
+
 logger = logging.getLogger("dramatiq_pg_broker.consumer")
 
 
-class ConsumerParts(Protocol):
-    """What a consumer uses of the broker that makes it (the composition root builds
-    these parts; the consumer reads them, never the broker's other state)."""
+@dataclasses.dataclass(frozen=True)
+class ConsumerParts:
+    """What every consumer of a broker uses: the broker builds it once with its parts and
+    hands it to each consumer it makes (:meth:`~dramatiq_pg_broker.PostgresBroker.consume`)."""
 
-    store: Any  # the job store (claims, lease reports)
-    settings: Any  # the broker's Settings
-    ledger: Any  # the in-flight ledger (:class:`~.inflight.Ledger`)
-    schema_gate: Any  # the schema handshake's gate: ``is_open``, ``wait(timeout)``
-    queue_limits: Any  # :class:`~dramatiq_pg_broker.control.limits.QueueLimits`
-    leases: Any  # the lease keeper: ``leases_report(sent, seconds_left)``
-    pool: Any  # the process pool: its ``url``
-
-    def decode_message(self, data: Any, data_bytes: bytes | None) -> dramatiq.Message: ...
+    #: The job store: claims, the look of a limited queue, dead letters.
+    store: JobStore
+    #: The broker's settings.
+    settings: Settings
+    #: The in-flight ledger: every attempt claimed goes to it, and every outcome.
+    ledger: Ledger
+    #: The schema handshake's gate: nothing is claimed before it opens.
+    schema_gate: SchemaGate
+    #: Which queues are limited, and this process's free worker threads.
+    queue_limits: QueueLimits
+    #: The lease keeper, told when an empty claim reports the earliest lease.
+    leases: LeaseKeeper
+    #: The process pool, opened on first use: its ``url`` is where LISTEN connects.
+    pool: ProcessPool
+    #: ``decode_message(data, data_bytes)``: a claimed row's message (the broker's
+    #: :meth:`~dramatiq_pg_broker.PostgresBroker.decode_message`).
+    decode_message: Callable[[Any, bytes | None], dramatiq.Message]
 
 
 #: How often a consumer whose last claim found work reads its notifications.
@@ -87,13 +106,22 @@ LISTEN_RETRY_SECONDS = (1.0, 10.0)
 
 
 class PostgresConsumer(Consumer):
-    """Consumes one queue for one Dramatiq consumer thread. See the module docstring."""
+    """Consumes one queue for one Dramatiq consumer thread. See the module docstring.
 
-    def __init__(self, broker: ConsumerParts, queue_name: str, prefetch: int, timeout: int):
-        self.broker = broker
-        self.store = broker.store
-        self.settings = broker.settings
-        self.ledger = broker.ledger
+    Parameters:
+      parts(ConsumerParts): what it uses of its broker, built by the broker.
+      queue_name(str), prefetch(int), timeout(int): as Dramatiq's ``Broker.consume`` gives them.
+    """
+
+    def __init__(self, parts: ConsumerParts, queue_name: str, prefetch: int, timeout: int):
+        self.store = parts.store
+        self.settings = parts.settings
+        self.ledger = parts.ledger
+        self.schema_gate = parts.schema_gate
+        self.queue_limits = parts.queue_limits
+        self.leases = parts.leases
+        self.pool = parts.pool
+        self.decode_message = parts.decode_message
         self.queue_name = queue_name
         self.prefetch = max(1, prefetch)
         self.slots = self.ledger.slots(self.prefetch)
@@ -144,9 +172,9 @@ class PostgresConsumer(Consumer):
             self._handed_last = False
             time.sleep(0)
         deadline = time.monotonic() + self.timeout
-        if not self.broker.schema_gate.is_open:
+        if not self.schema_gate.is_open:
             # The worker's schema handshake has not passed (handshake.SchemaGate).
-            self.broker.schema_gate.wait(self.timeout)
+            self.schema_gate.wait(self.timeout)
             return None
         while True:
             if self.ledger.closing:
@@ -238,7 +266,7 @@ class PostgresConsumer(Consumer):
         if limit <= 0:
             # The window just shrank below what is held: wait for slots instead.
             return False
-        limits = self.broker.queue_limits
+        limits = self.queue_limits
         if limits.limit_of(self.queue_name, busy=self._last_empty is None) is not None:
             self._became_limited()
             # Only what this process's threads can start now: no prefetch.
@@ -283,7 +311,7 @@ class PostgresConsumer(Consumer):
         )
         if not claim.jobs:
             if claim.lease_seconds_left is not None:
-                self.broker.leases.leases_report(sent, claim.lease_seconds_left)
+                self.leases.leases_report(sent, claim.lease_seconds_left)
             self._last_empty = time.monotonic()
             wait = claim.seconds_until_available
             self._next_due = None if wait is None else self._last_empty + max(0.0, wait)
@@ -327,7 +355,7 @@ class PostgresConsumer(Consumer):
     ) -> PgMessageProxy | None:
         attempt = Attempt(job.id, self.owner, job.attempts)
         try:
-            message = self.broker.decode_message(job.message, job.message_bytes)
+            message = self.decode_message(job.message, job.message_bytes)
         except Exception as e:
             # A message nobody can decode is dead-lettered with the reason, never dropped.
             logger.error("Job %s has a message that cannot be decoded: %s", job.id, e)
@@ -365,7 +393,7 @@ class PostgresConsumer(Consumer):
         consumers to leave it the next free thread (:meth:`.QueueLimits.hungry`) and looks
         again soon. A queue at its limit looks again soon without asking (the limit, not
         the threads, holds it back); an empty one waits as an idle consumer does."""
-        limits = self.broker.queue_limits
+        limits = self.queue_limits
         if self._last_look == "at limit" and not self._notified:
             if self.store.limited_room(self.queue_name) <= 0:
                 limits.fed(self.queue_name)
@@ -425,7 +453,7 @@ class PostgresConsumer(Consumer):
             if self._listen_retry_at is not None and now < self._listen_retry_at:
                 return None
             try:
-                conn = connect(self.broker.pool.url)
+                conn = connect(self.pool.url)
             except BrokerConnectionError as e:
                 logger.debug(
                     "Queue %r polls: its LISTEN connection could not be opened (%s); "
@@ -447,7 +475,7 @@ class PostgresConsumer(Consumer):
                 raise
             self._listen_conn = conn
             # A limit changed while nobody listened is not announced again: read them.
-            self.broker.queue_limits.invalidate()
+            self.queue_limits.invalidate()
             self._listen_retry_at = None
             self._listen_backoff = LISTEN_RETRY_SECONDS[0]
         return self._listen_conn
@@ -472,7 +500,7 @@ class PostgresConsumer(Consumer):
         elif payload == PAUSE_PAYLOAD:
             self._queue_paused()
         elif payload == LIMIT_PAYLOAD:
-            limits = self.broker.queue_limits
+            limits = self.queue_limits
             limits.invalidate()
             self._notified = True
             if limits.limit_of(self.queue_name, busy=True) is not None:

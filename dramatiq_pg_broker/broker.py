@@ -26,7 +26,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool
 
 from .attempt.consumer import ConsumerParts, PostgresConsumer
-from .attempt.current import AbortGuard, JobContext, running_attempt
+from .attempt.current import AbortGuard, CurrentParts, JobContext, running_attempt
 from .attempt.inflight import Ledger
 from .attempt.leases import LeaseKeeper
 from .attempt.outcomes import OutcomeWriter
@@ -201,18 +201,27 @@ class PostgresBroker(dramatiq.Broker):
         self.skips = SkipRecorder()
 
         # The broker's own middleware, in this order.
+        context = JobContext(
+            CurrentParts(
+                ledger=self.ledger,
+                store=self.store,
+                settings=settings,
+                sender=self.sender,
+                actors=self.actors,
+            )
+        )
         if any(isinstance(m, AgeLimit) for m in self.middleware):
             # AgeLimit only skips messages too old to run: Dramatiq keeps it first.
-            self.add_middleware(JobContext(), after=AgeLimit)
+            self.add_middleware(context, after=AgeLimit)
         else:
             first = type(self.middleware[0]) if self.middleware else None
-            self.add_middleware(JobContext(), before=first)
+            self.add_middleware(context, before=first)
         self.add_middleware(self.schema_gate)
         self.add_middleware(self.periodic)
         self.add_middleware(self.queue_limits)
         self.add_middleware(self.presence)
         # Last, so that its after-hooks run first (see AbortGuard).
-        self.add_middleware(AbortGuard())
+        self.add_middleware(AbortGuard(self.ledger))
         for schedule in schedules or ():
             self.add_schedule(schedule)
 

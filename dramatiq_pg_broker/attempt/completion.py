@@ -240,18 +240,18 @@ class CompletionBlock:
         level = _sync_level(self._given)
         with level.ctx:
             raw = level.raw()
-            job.broker.sender.check_database(identity(AppConnection(raw)))
+            job.parts.sender.check_database(identity(AppConnection(raw)))
             yield self._given
             # Reached only when the block's body raised nothing.
             level.check()
             with level.guard():
                 self._complete(
-                    lambda: job.broker.store.complete_in_transaction(
+                    lambda: job.parts.store.complete_in_transaction(
                         job.message.attempt, AppConnection(raw)
                     )
                 )
         if level.began:
-            job.broker.ledger.completion_committed(job.message.attempt)
+            job.parts.ledger.completion_committed(job.message.attempt)
 
     @contextlib.asynccontextmanager
     async def _async_block(self) -> AsyncIterator[Any]:
@@ -259,17 +259,17 @@ class CompletionBlock:
         level = _async_level(self._given)
         async with level.ctx:
             raw = level.raw() or (await resolve_async_connection(self._given))[0]
-            sender = job.broker.sender
+            sender = job.parts.sender
             await in_thread(sender.check_database, await async_identity(raw))
             yield self._given
             level.check()
             view = LoopConnection(raw, asyncio.get_running_loop())
             await in_thread(
                 self._complete,
-                lambda: job.broker.store.complete_in_transaction(job.message.attempt, view),
+                lambda: job.parts.store.complete_in_transaction(job.message.attempt, view),
             )
         if level.began:
-            job.broker.ledger.completion_committed(job.message.attempt)
+            job.parts.ledger.completion_committed(job.message.attempt)
 
     def _complete(self, write: Callable[[], str | None]) -> None:
         """Write the success in the block's transaction (``write``: the statement), with
@@ -281,7 +281,7 @@ class CompletionBlock:
         """
         job = self._job
         attempt = job.message.attempt
-        ledger = job.broker.ledger
+        ledger = job.parts.ledger
         if not ledger.completing(attempt):
             raise LostOwnership(
                 f"job {attempt.id} attempt {attempt.attempt} is no longer owned by this "

@@ -42,29 +42,41 @@ transaction (:meth:`CurrentJob.complete_in`, :mod:`.completion`)::
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import dramatiq
 from dramatiq.middleware import Middleware, SkipMessage
 
+from ..config import Settings
 from ..errors import JobAborted
-from ..sending.sender import RunningAttempt
+from ..sending.sender import RunningAttempt, Sender
 from .claiming import PgMessageProxy, describe_exception
 from .states import State
 
 if TYPE_CHECKING:
+    from ..jobs.store import JobStore
     from .completion import CompletionBlock
     from .inflight import Ledger
 
 
-class CurrentParts(Protocol):
-    """What the current job and its middleware use of the broker."""
+@dataclasses.dataclass(frozen=True)
+class CurrentParts:
+    """What the current job and the middleware that starts it use: the broker builds it
+    once with its parts."""
 
-    actors: dict[str, Any]
+    #: The in-flight ledger: the attempt's state, its lease, its abort.
     ledger: Ledger
-    settings: Any  # the broker's Settings
-    store: Any  # the job store
+    #: The job store: ``progress`` events, a ``complete_in`` block's success.
+    store: JobStore
+    #: The broker's settings (the lease length).
+    settings: Settings
+    #: The send path: a ``complete_in`` block's connection must reach the broker's database.
+    sender: Sender
+    #: The broker's actors (their ``heartbeat`` and ``interrupt_on_abort`` options).
+    actors: Mapping[str, dramatiq.Actor]
 
 
 #: A context variable, not a thread-local: async actors run on Dramatiq's event loop thread,
@@ -77,8 +89,8 @@ _current: contextvars.ContextVar[CurrentJob | None] = contextvars.ContextVar(
 class CurrentJob:
     """The job row behind the message an actor is running."""
 
-    def __init__(self, broker: CurrentParts, message: PgMessageProxy) -> None:
-        self.broker = broker
+    def __init__(self, parts: CurrentParts, message: PgMessageProxy) -> None:
+        self.parts = parts
         self.message = message
 
     @property
@@ -93,14 +105,14 @@ class CurrentJob:
     def renew(self, lease_seconds: float | None = None) -> bool:
         """Extend this attempt's lease (default: the broker's lease length) and record a
         ``lease_renewed`` event. Returns False if the attempt is no longer owned."""
-        seconds = lease_seconds or self.broker.settings.lease_seconds
-        return self.broker.ledger.renew(self.message.attempt, seconds, record=True)
+        seconds = lease_seconds or self.parts.settings.lease_seconds
+        return self.parts.ledger.renew(self.message.attempt, seconds, record=True)
 
     def progress(self, data: Any, *, lease_seconds: float | None = None) -> bool:
         """Record a ``progress`` event with ``data`` (anything JSON can hold) and renew the
         lease. Returns False if the attempt is no longer owned."""
-        seconds = lease_seconds or self.broker.settings.lease_seconds
-        return self.broker.store.progress(self.message.attempt, data, seconds)
+        seconds = lease_seconds or self.parts.settings.lease_seconds
+        return self.parts.store.progress(self.message.attempt, data, seconds)
 
     def complete_in(self, conn: Any) -> CompletionBlock:
         """A block whose transaction also records this job's success: when it commits,
@@ -133,7 +145,7 @@ class CurrentJob:
     def abort_requested(self) -> bool:
         """Whether an operator asked for this job's abort. No database query: the worker
         learns it from a notification (or its lease heartbeat) and remembers it."""
-        return self.broker.ledger.abort_requested(self.message.attempt)
+        return self.parts.ledger.abort_requested(self.message.attempt)
 
     def raise_if_aborted(self) -> None:
         """Raise :class:`~.errors.JobAborted` if an operator asked for this job's abort:
@@ -190,55 +202,60 @@ class JobContext(Middleware):
 
     The broker puts it right after ``AgeLimit`` (first without one), so a skipped message
     reaches no other middleware's ``before_process_message``.
+
+    Parameters:
+      parts(CurrentParts): what it and each :class:`CurrentJob` use, built by the broker.
     """
 
     #: Its documented path: a skip it raises names it so in the job's events, as before
     #: the module moved into attempt/.
     __module__ = "dramatiq_pg_broker.current"
 
+    def __init__(self, parts: CurrentParts) -> None:
+        self.parts = parts
+        self.ledger = parts.ledger
+
     @property
     def actor_options(self) -> set[str]:
         return {"heartbeat", "interrupt_on_abort"}
 
     def before_worker_boot(self, broker, worker) -> None:
-        broker.ledger.open()
+        self.ledger.open()
 
     def before_worker_shutdown(self, broker, worker) -> None:
-        broker.ledger.begin_shutdown()
+        self.ledger.begin_shutdown()
 
     def before_process_message(self, broker, message) -> None:
         if not isinstance(message, PgMessageProxy):
             return
-        actor = broker.actors.get(message.actor_name)
+        actor = self.parts.actors.get(message.actor_name)
         own_lease = actor is not None and actor.options.get("heartbeat") is False
-        if not broker.ledger.start(message.attempt, record_first=own_lease):
+        if not self.ledger.start(message.attempt, record_first=own_lease):
             # Another worker runs (or ran) this job: no hook here may record a result for
             # it (Dramatiq's Results middleware stores None for a skipped message).
             message.options["store_results"] = False
             raise SkipMessage(f"job {message.attempt.id} is no longer owned by this worker")
         interrupt = actor is None or actor.options.get("interrupt_on_abort") is not False
-        if not broker.ledger.running_in(
-            message.attempt, threading.get_ident(), interrupt=interrupt
-        ):
+        if not self.ledger.running_in(message.attempt, threading.get_ident(), interrupt=interrupt):
             message.options["store_results"] = False
             raise SkipMessage(f"job {message.attempt.id} was aborted before its actor started")
-        _current.set(CurrentJob(broker, message))
+        _current.set(CurrentJob(self.parts, message))
         if own_lease:
             # The start gave it a full lease; from here on only the actor renews it.
-            broker.ledger.stop_renewing(message.attempt)
+            self.ledger.stop_renewing(message.attempt)
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         _current.set(None)
         if isinstance(message, PgMessageProxy):
-            broker.ledger.left(message.attempt)
-            broker.ledger.resolve_completion(message.attempt)
+            self.ledger.left(message.attempt)
+            self.ledger.resolve_completion(message.attempt)
         if exception is not None and isinstance(message, PgMessageProxy):
-            broker.ledger.failed_with(message.attempt, describe_exception(exception))
+            self.ledger.failed_with(message.attempt, describe_exception(exception))
 
     def after_skip_message(self, broker, message) -> None:
         _current.set(None)
         if isinstance(message, PgMessageProxy):
-            broker.ledger.left(message.attempt)
+            self.ledger.left(message.attempt)
 
 
 class AbortGuard(Middleware):
@@ -247,15 +264,22 @@ class AbortGuard(Middleware):
     that once the actor is done, no abort is raised in its thread while the other
     middleware post-process the message (a pipeline's next message, a callback). Hooks of
     middleware added later still run before it; :class:`JobContext` does the same at the
-    end, whatever the order."""
+    end, whatever the order.
+
+    Parameters:
+      ledger(Ledger): the broker's in-flight ledger.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         if isinstance(message, PgMessageProxy):
-            broker.ledger.left(message.attempt)
+            self.ledger.left(message.attempt)
             # Before the Retries middleware asks for a retry: an actor that raised after
             # its complete_in() block committed succeeded, and is not retried.
-            broker.ledger.resolve_completion(message.attempt)
+            self.ledger.resolve_completion(message.attempt)
 
     def after_skip_message(self, broker, message) -> None:
         if isinstance(message, PgMessageProxy):
-            broker.ledger.left(message.attempt)
+            self.ledger.left(message.attempt)

@@ -41,7 +41,7 @@ def create_runs_table(conn, schema: str) -> None:
 
 def record_run() -> None:
     job = current_job()
-    broker = job.broker
+    broker = dramatiq.get_broker()
     statement = sql.SQL(
         "INSERT INTO {}.runs (run_id, job_id, pid) VALUES (%s, %s, %s) "
         "ON CONFLICT (run_id) DO NOTHING"

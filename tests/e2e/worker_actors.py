@@ -40,7 +40,7 @@ def create_executions_table(conn, schema: str) -> None:
 
 def record(phase: str) -> None:
     job = current_job()
-    broker = job.broker
+    broker = dramatiq.get_broker()
     statement = sql.SQL(
         "INSERT INTO {}.executions (job_id, attempt, pid, phase) VALUES (%s, %s, %s, %s)"
     ).format(sql.Identifier(broker.settings.schema))

@@ -43,11 +43,12 @@ def create_runs_table(conn, schema: str) -> None:
 
 def record(phase: str) -> None:
     job = current_job()
+    broker = dramatiq.get_broker()
     statement = sql.SQL(
         "INSERT INTO {}.upgrade_runs (job_id, actor, attempt, release, pid, phase) "
         "VALUES (%s, %s, %s, %s, %s, %s)"
-    ).format(sql.Identifier(job.broker.settings.schema))
-    with job.broker.pool.connection() as conn:
+    ).format(sql.Identifier(broker.settings.schema))
+    with broker.pool.connection() as conn:
         conn.execute(
             statement,
             (job.id, job.message.actor_name, job.attempt, RELEASE, os.getpid(), phase),

@@ -30,7 +30,7 @@ from .attempt.current import AbortGuard, CurrentParts, JobContext, running_attem
 from .attempt.inflight import Ledger
 from .attempt.leases import LeaseKeeper
 from .attempt.outcomes import OutcomeWriter
-from .attempt.retries import Retries
+from .attempt.retries import Retries, end_reaped_job
 from .attempt.skips import SkipRecorder
 from .config import Settings
 from .control.limits import QueueLimits
@@ -158,7 +158,13 @@ class PostgresBroker(dramatiq.Broker):
             queues=self.queues,
         )
         self.leases = LeaseKeeper(
-            self, self.store, settings, self.ledger, self.schema_gate, self.presence
+            self.store,
+            settings,
+            self.ledger,
+            self.schema_gate,
+            self.presence,
+            # Dramatiq's failure hooks (Retries, callbacks, Results) are handed the broker.
+            reaped_failed=functools.partial(end_reaped_job, self),
         )
         self.outcomes = OutcomeWriter(self.store, self.ledger)
         self.ledger.connect(leases=self.leases, outcomes=self.outcomes)

@@ -31,19 +31,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
-from dramatiq import Broker
 from dramatiq.errors import BrokerConnectionError
 
 from ..backoff import backoff_table
 from ..config import Settings
 from ..control.workers import Presence
 from ..db.handshake import SchemaGate
-from ..jobs.rows import ReapResult
+from ..jobs.rows import ReapedJob, ReapResult
 from ..jobs.store import JobStore
 from ..service import Service
 from .inflight import Ledger
-from .retries import end_reaped_job
 from .states import RETRY_CAP_SECONDS, START_RECORD_DELAY
 
 logger = logging.getLogger("dramatiq_pg_broker.leases")
@@ -54,22 +53,35 @@ REPORT_FRESH_POLLS = 2
 
 
 class LeaseKeeper(Service):
-    """Heartbeat and reaper of one process. See the module docstring."""
+    """Heartbeat and reaper of one process. See the module docstring.
+
+    Parameters:
+      store(JobStore): renewals and the reaper's statement.
+      settings(Settings): the lease, the intervals, the reaper's batch and backoff.
+      ledger(Ledger): the attempts this process holds.
+      schema_gate(SchemaGate): nothing is renewed or reaped before it opens.
+      presence(Presence): this process's row in the worker registry, refreshed at each
+        beat.
+      reaped_failed(callable): ``reaped_failed(job)`` for each job the reaper failed (its
+        interruptions exhausted): the broker's
+        :func:`~dramatiq_pg_broker.attempt.retries.end_reaped_job`, which runs the failure
+        hooks of its middleware.
+    """
 
     thread_name = "dramatiq-pg-leases"
 
     def __init__(
         self,
-        broker: Broker,
         store: JobStore,
         settings: Settings,
         ledger: Ledger,
         schema_gate: SchemaGate,
         presence: Presence | None = None,
+        *,
+        reaped_failed: Callable[[ReapedJob], None],
     ) -> None:
         super().__init__()
-        #: The Dramatiq broker whose middleware hears of reaped jobs that failed.
-        self.broker = broker
+        self.reaped_failed = reaped_failed
         self.store = store
         self.settings = settings
         self.ledger = ledger
@@ -225,5 +237,5 @@ class LeaseKeeper(Service):
                 len(result.aborted),
             )
         for job in result.failed_jobs:
-            end_reaped_job(self.broker, job)
+            self.reaped_failed(job)
         return result

@@ -76,7 +76,7 @@ class LeaseKeeper(Service):
         settings: Settings,
         ledger: Ledger,
         schema_gate: SchemaGate,
-        presence: Presence | None = None,
+        presence: Presence,
         *,
         reaped_failed: Callable[[ReapedJob], None],
     ) -> None:
@@ -191,9 +191,7 @@ class LeaseKeeper(Service):
     def heartbeat(self) -> None:
         """One beat: renew the leases, then refresh this process's registry row."""
         self.renew()
-        presence = self.presence
-        if presence is not None:
-            presence.refresh()
+        self.presence.refresh()
 
     def renew(self) -> set[str]:
         """Renew every attempt the ledger holds; the ledger lets go of those no longer

@@ -27,32 +27,28 @@ from .operator import OperatorTransitions
 from .outcomes import Outcomes
 from .reads import Reads
 
-# The values and helpers of the store, importable from here as before the split.
+# The values of the store that dramatiq_pg_broker.jobs (and the package's top) import from
+# here, as before the split.
 from .rows import (  # noqa: F401
-    ABORT_PAYLOAD_PREFIX,
     LEASE_EXPIRED,
-    MAX_ID_CANDIDATES,
     MIN_ID_PREFIX,
     PAUSE_PAYLOAD,
     SEND_FIELDS,
-    SEND_NAMES,
     Attempt,
     Claim,
     ClaimedJob,
     EnqueueResult,
     NewJob,
     QueueCounts,
-    ReapedJob,
     ReapResult,
     Renewal,
     abort_payload,
     channel_name,
-    clean_text,
     id_prefix_range,
     queue_counts_of,
     send_values,
 )
-from .sends import SNAPSHOT_LEVELS, SendWrites  # noqa: F401
+from .sends import SendWrites
 
 
 class JobStore(SendWrites, Claims, Outcomes, OperatorTransitions, Reads):

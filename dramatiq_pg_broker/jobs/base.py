@@ -12,7 +12,6 @@ import psycopg
 
 from ..db.core import ProcessPool
 from ..db.queries import Queries
-from ..errors import InvalidTransition
 from ..history.probe import HistoryProbe
 from .rows import Attempt, channel_name
 
@@ -81,7 +80,3 @@ class StoreBase:
         channels = sorted({self.channel(queue_name) for queue_name in queue_names})
         with self.pool.use(conn) as c:
             c.execute(self.queries["notify_queues"], {"channels": channels})
-
-    def _raise_for(self, job_id: str, allowed: str, done: str, conn) -> None:
-        job = self.get(job_id, conn=conn)
-        raise InvalidTransition(job_id, job["status"], done, allowed)

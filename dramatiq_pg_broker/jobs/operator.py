@@ -6,13 +6,20 @@ import datetime as dt
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import DuplicateJobId
+from ..errors import DuplicateJobId, InvalidTransition
 from .base import StoreBase
 from .rows import abort_payload, clean_text
 
 
 class OperatorTransitions(StoreBase):
     """The operator's transitions (a part of :class:`~.store.JobStore`)."""
+
+    def _raise_for(self, job_id: str, allowed: str, done: str, conn) -> None:
+        """Say why an operator's transition of ``job_id`` changed nothing: the job's
+        status (read with :meth:`~.reads.Reads.get`, which raises JobNotFound for no job)
+        is not ``allowed``."""
+        job = self.get(job_id, conn=conn)
+        raise InvalidTransition(job_id, job["status"], done, allowed)
 
     def retry_failed(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
         """failed -> queued by an operator; attempts start again from zero.

@@ -204,7 +204,7 @@ class PostgresBroker(dramatiq.Broker):
         )
         #: Who skipped a message and why: run before every middleware's after_skip_message
         #: (see emit_after), so a skip ends cancelled and no result is stored as None.
-        self.skips = SkipRecorder()
+        self.skips = SkipRecorder(self.ledger)
 
         # The broker's own middleware, in this order.
         context = JobContext(

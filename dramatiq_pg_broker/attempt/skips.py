@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dramatiq.actor import Actor
 from dramatiq.middleware import AgeLimit, Middleware, SkipMessage
@@ -34,6 +34,9 @@ from dramatiq.results import Results
 
 from ..errors import MessageSkipped
 from .claiming import PgMessageProxy
+
+if TYPE_CHECKING:
+    from .inflight import Ledger
 
 #: The ``reason`` of a skip by each kind of skipper.
 ABORT = "abort"
@@ -82,13 +85,20 @@ class SkipRecorder(Middleware):
 
     The broker calls its ``after_skip_message`` before any middleware's, whatever their
     order (:meth:`PostgresBroker.emit_after`): the ``Results`` middleware, added after the
-    broker was built, must find the result already taken care of."""
+    broker was built, must find the result already taken care of.
+
+    Parameters:
+      ledger(Ledger): the broker's in-flight ledger, which writes the skip's ack.
+    """
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
 
     def after_skip_message(self, broker, message) -> None:
         exception = sys.exc_info()[1]
         skip = describe_skip(exception if isinstance(exception, SkipMessage) else None)
         if isinstance(message, PgMessageProxy):
-            broker.ledger.skipped(message.attempt, skip)
+            self.ledger.skipped(message.attempt, skip)
         if not message.failed:
             self._store_skipped(broker, message, skip)
 

@@ -136,7 +136,9 @@ class PostgresBroker(dramatiq.Broker):
         self.queues: dict[str, None] = {}
         self.schedules: list[Schedule] = []
 
-        # The parts, each given what it uses (none of them is given the broker); no I/O.
+        # The parts, each given what it uses, no I/O. None of them holds the broker: where
+        # one calls back into it (the scheduler's sends, the send path's hooks, the reaper's
+        # failure hooks, which Dramatiq hands the broker), it is given that one function.
         # Sends wait for a running migration (see ProcessPool), bounded by the setting.
         self.pool = ProcessPool(settings, pool=pool, migration_wait=settings.migration_wait_seconds)
         self.store = (

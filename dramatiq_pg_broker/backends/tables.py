@@ -12,7 +12,6 @@ for all three.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, ClassVar
 
 import psycopg
@@ -20,7 +19,7 @@ from psycopg_pool import ConnectionPool
 
 from ..db.core import Reclaimer, backend_connections
 from ..db.listener import channel_for
-from ..db.queries import Queries
+from ..db.queries import statements_for
 
 #: The most expired rows one reclaiming pass deletes.
 DEFAULT_PRUNE_BATCH = 1000
@@ -28,12 +27,6 @@ DEFAULT_PRUNE_BATCH = 1000
 #: Seconds between two opportunistic reclaiming passes of one backend (a pass that found a
 #: full batch is followed by another at the next write).
 DEFAULT_PRUNE_INTERVAL = 5.0
-
-
-@functools.cache
-def statements_for(schema: str, sql_file: str) -> Queries:
-    """The named statements of ``sql_file`` for ``schema``, loaded once per process."""
-    return Queries(schema, sql_file)
 
 
 class BackendTable:

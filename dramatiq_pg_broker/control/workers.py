@@ -38,7 +38,7 @@ from dramatiq.middleware import Middleware
 from psycopg.types.json import Jsonb
 
 from .. import forks
-from ..db.queries import Queries
+from ..db.queries import statements_for
 from .limits import apply_declared
 from .queues import declare as declare_queues
 
@@ -56,9 +56,8 @@ class PresenceParts(Protocol):
     settings: Any  # the broker's Settings
 
 
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, "workers.sql")
+#: The statements of workers.sql for a schema (loaded once per process, shared).
+_queries = functools.partial(statements_for, filename="workers.sql")
 
 
 def list_workers(conn: psycopg.Connection, schema: str) -> list[dict[str, Any]]:

@@ -175,6 +175,19 @@ def _assignments(text: str, name: str, filename: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def statements_for(schema: str, filename: str = "queries.sql", package: str = PACKAGE) -> Queries:
+    """The named statements of ``filename`` for ``schema``, built once per process and
+    shared: the parts that read one file (the claims and the operator's limits both read
+    limits.sql) hold the same :class:`Queries` instead of a cache each."""
+    return _statements(schema, filename, package)
+
+
+@functools.cache
+def _statements(schema: str, filename: str, package: str) -> Queries:
+    # One cache key per file, however the caller spelled its arguments.
+    return Queries(schema, filename, package=package)
+
+
 class Queries:
     """The named statements with the schema filled in, as plain strings.
 

@@ -175,6 +175,44 @@ def test_a_row_macro_that_names_no_column_of_the_row_is_refused(text, error):
         expand_macros(text, {"job_columns": "id, status"})
 
 
+def test_a_piece_of_statement_fills_its_slots_and_hands_its_row_the_rest():
+    """A statement-level fragment (move_to_history's form): slot values, a list that runs
+    on over the commas, the assignments to the job's columns in its row macro."""
+    from dramatiq_pg_broker.db import expand_macros
+
+    blocks = {
+        "job_columns": "id, status, note",
+        "finished_row": "status = 'done'",
+        "move": "DELETE x{:using} WHERE {:on} RETURNING j.*{:returning}; "
+        "SELECT {finished_row: {:row}} FROM x{:ended}",
+    }
+    text = "{move: on = j.id = 1, returning = a, b AS c, note = f(x, y), ended = id, note}"
+    assert expand_macros(text, blocks) == (
+        "DELETE x WHERE j.id = 1 RETURNING j.*, a, b AS c; "
+        "SELECT id, 'done', f(x, y) FROM x\nRETURNING id, note"
+    )
+    assert expand_macros("{move: using = t, on = true}", blocks).startswith(
+        "DELETE x USING t WHERE true RETURNING j.*;"
+    )
+    with pytest.raises(ValueError, match="not a column"):
+        expand_macros("{move: on = true, notes = 1}", blocks)
+    with pytest.raises(ValueError, match="not `column = expression`"):
+        expand_macros("{move: on = true, status = 'x', stray}", blocks)
+
+
+def test_every_job_that_ends_moves_through_the_one_piece():
+    """The delete from jobs and the insert into history are written once (move_to_history)
+    and every finishing statement composes them."""
+    queries = load_queries()
+    finishing = [name for name, text in queries.items() if "jobs_history (" in text]
+    assert sorted(finishing) == sorted(
+        ["complete_jobs", "complete_in_transaction", "fail_jobs", "abort_attempts"]
+        + ["cancel_skipped", "cancel_job", "abort_job", "reschedule_job", "reap_expired"]
+    )
+    for name in finishing:
+        assert "), moved AS (\n    INSERT INTO {schema}.jobs_history" in queries[name], name
+
+
 def test_the_ownership_guard_takes_each_statement_s_arrays_and_condition():
     """The fragment owned_attempts, written once, as each exit from running uses it."""
     queries = {name: " ".join(text.split()) for name, text in load_queries().items()}

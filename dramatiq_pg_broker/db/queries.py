@@ -236,33 +236,48 @@ def _assignments(
     return pairs
 
 
-def statements_for(schema: str, filename: str = "queries.sql", package: str = PACKAGE) -> Queries:
+def statements_for(
+    schema: str, filename: str = "queries.sql", package: str = PACKAGE, **identifiers: str
+) -> Queries:
     """The named statements of ``filename`` for ``schema``, built once per process and
     shared: the parts that read one file (the claims and the operator's limits both read
-    limits.sql) hold the same :class:`Queries` instead of a cache each."""
-    return _statements(schema, filename, package)
+    limits.sql) hold the same :class:`Queries` instead of a cache each. ``identifiers``
+    fill the file's other identifier places (see :class:`Queries`)."""
+    return _statements(schema, filename, package, tuple(sorted(identifiers.items())))
 
 
 @functools.cache
-def _statements(schema: str, filename: str, package: str) -> Queries:
-    # One cache key per file, however the caller spelled its arguments.
-    return Queries(schema, filename, package=package)
+def _statements(
+    schema: str, filename: str, package: str, identifiers: tuple[tuple[str, str], ...]
+) -> Queries:
+    # One cache key per file and identifiers, however the caller spelled its arguments.
+    return Queries(schema, filename, package=package, identifiers=dict(identifiers))
 
 
 class Queries:
     """The named statements with the schema filled in, as plain strings.
 
     The schema goes through ``psycopg.sql.Identifier``; values are always bind parameters.
-    Plain strings let psycopg prepare each statement once per connection.
+    Plain strings let psycopg prepare each statement once per connection. A file written
+    for several tables (expired_rows.sql: ``{table}``, ``{key}``) is given them as
+    ``identifiers``, which go through ``psycopg.sql.Identifier`` too.
     """
 
     def __init__(
-        self, schema: str, filename: str = "queries.sql", *, package: str = PACKAGE
+        self,
+        schema: str,
+        filename: str = "queries.sql",
+        *,
+        package: str = PACKAGE,
+        identifiers: dict[str, str] | None = None,
     ) -> None:
         self.schema = schema
-        schema_id = sql.Identifier(schema)
+        names = {
+            name: sql.Identifier(value)
+            for name, value in {**(identifiers or {}), "schema": schema}.items()
+        }
         self._text = {
-            name: sql.SQL(text).format(schema=schema_id).as_string(None)
+            name: sql.SQL(text).format(**names).as_string(None)
             for name, text in load_queries(filename, package).items()
         }
 

@@ -27,8 +27,9 @@ def _python_files():
 
 
 def _names_used(path: Path) -> set[tuple[str, int]]:
-    """String constants used as ``<...>.queries["name"]``, ``queries["name"]`` or as the
-    first argument of ``<...>._fetch("name", ...)``."""
+    """String constants used as ``<...>.queries["name"]``, ``queries["name"]``, as the
+    first argument of ``<...>._fetch("name", ...)`` or the second of
+    ``<...>._probing(c, "name", ...)``."""
     tree = ast.parse(path.read_text("utf-8"), filename=str(path))
     found: set[tuple[str, int]] = set()
     for node in ast.walk(tree):
@@ -41,10 +42,11 @@ def _names_used(path: Path) -> set[tuple[str, int]]:
                 found.add((node.slice.value, node.lineno))
         elif isinstance(node, ast.Call) and node.args:
             func = node.func
-            if isinstance(func, ast.Attribute) and func.attr == "_fetch":
-                first = node.args[0]
-                if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                    found.add((first.value, node.lineno))
+            position = {"_fetch": 0, "_probing": 1}.get(getattr(func, "attr", None), -1)
+            if isinstance(func, ast.Attribute) and 0 <= position < len(node.args):
+                named = node.args[position]
+                if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                    found.add((named.value, node.lineno))
     return found
 
 

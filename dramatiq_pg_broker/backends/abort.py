@@ -98,7 +98,8 @@ class PostgresEventBackend(BackendTable, EventBackend):
     """
 
     sql_file = "abort.sql"
-    prune_statement = "prune_abort_events"
+    table = "abort_events"
+    row_key = "id"
     channel_name = "aborts"
     rows_name = "abort events"
 

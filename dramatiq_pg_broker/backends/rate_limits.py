@@ -62,7 +62,7 @@ class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
     """
 
     sql_file = "rate_limits.sql"
-    prune_statement = "prune_rate_limits"
+    table = "rate_limits"
     channel_name = "rate_limits"
     rows_name = "rate-limiter keys"
 
@@ -131,9 +131,7 @@ class PostgresRateLimiterBackend(BackendTable, RateLimiterBackend):
         seconds = None if timeout is None else max(0, timeout) / 1000
 
         def check() -> bool | None:
-            with self.pool.connection() as conn:
-                row = conn.execute(self.statements["key_is_live"], {"key": key}).fetchone()
-            return True if row is not None else None
+            return True if self.live_value(key) is not None else None
 
         if not self.settings.listen:
             return self._poll(check, seconds)

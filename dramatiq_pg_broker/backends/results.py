@@ -80,7 +80,7 @@ class PostgresBackend(BackendTable, ResultBackend):
     """
 
     sql_file = "results.sql"
-    prune_statement = "prune_results"
+    table = "results"
     channel_name = "results"
     rows_name = "results"
 
@@ -137,9 +137,8 @@ class PostgresBackend(BackendTable, ResultBackend):
         return self.unwrap_result(self.encoder.decode(data))
 
     def _fetch(self, key: str) -> bytes | None:
-        with self.pool.connection() as conn:
-            row = conn.execute(self.statements["get_result"], {"key": key}).fetchone()
-        return None if row is None else bytes(row[0])
+        value = self.live_value(key)
+        return None if value is None else bytes(value)
 
     def _get(self, message_key: str) -> Any:
         data = self._fetch(message_key)

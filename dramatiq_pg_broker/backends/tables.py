@@ -4,15 +4,17 @@ of the broker's schema.
 
 Each takes its connections from a broker or a pool of its own (:func:`~.db.backend_connections`),
 reads its statements from its own SQL file, wakes its waiters on its own notification
-channel and deletes its expired rows as it writes (:class:`~.db.Reclaimer`). A backend
-names those four things as class attributes; the constructor's connection and reclaiming
+channel and deletes its expired rows as it writes (:class:`~.db.Reclaimer`). The rule its
+rows expire by is the same for all three, and so are its statements (``sql/expiring_rows.sql``:
+the read of a live key, the deletion of expired rows), each table's name and key column
+filled in as identifiers. A backend names those things as class attributes; the constructor's
+connection and reclaiming
 parameters, :meth:`~BackendTable.prune` and :meth:`~BackendTable.close` are then the same
 for all three.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, ClassVar
 
 import psycopg
@@ -20,7 +22,7 @@ from psycopg_pool import ConnectionPool
 
 from ..db.core import Reclaimer, backend_connections
 from ..db.listener import channel_for
-from ..db.queries import Queries
+from ..db.queries import Queries, statements_for
 
 #: The most expired rows one reclaiming pass deletes.
 DEFAULT_PRUNE_BATCH = 1000
@@ -29,11 +31,9 @@ DEFAULT_PRUNE_BATCH = 1000
 #: full batch is followed by another at the next write).
 DEFAULT_PRUNE_INTERVAL = 5.0
 
-
-@functools.cache
-def statements_for(schema: str, sql_file: str) -> Queries:
-    """The named statements of ``sql_file`` for ``schema``, loaded once per process."""
-    return Queries(schema, sql_file)
+#: The SQL file of the statements every backend's table shares: a live key's value, the
+#: deletion of expired rows.
+EXPIRING_ROWS = "expiring_rows.sql"
 
 
 class BackendTable:
@@ -55,8 +55,10 @@ class BackendTable:
 
     #: The SQL file of the backend's statements (in ``dramatiq_pg_broker/sql``).
     sql_file: ClassVar[str]
-    #: The name of the statement that deletes expired rows (takes ``limit``).
-    prune_statement: ClassVar[str]
+    #: The backend's table in the schema, and the column that identifies one of its rows:
+    #: what the statements the tables share (``expiring_rows.sql``) are given.
+    table: ClassVar[str]
+    row_key: ClassVar[str] = "key"
     #: The notification channel's suffix (see :func:`~.listener.channel_for`).
     channel_name: ClassVar[str]
     #: What the rows are, for the reclaimer's log line ("results", "rate-limiter keys").
@@ -80,6 +82,8 @@ class BackendTable:
         self._owns_pool = broker is None
         self.schema = self.settings.schema
         self.statements = statements_for(self.schema, self.sql_file)
+        #: The statements of expiring_rows.sql for this backend's table.
+        self.expiring = self.expiring_statements(self.schema)
         self.channel = channel_for(self.schema, self.channel_name)
         #: Deletes expired rows as this backend writes (see :class:`~.db.Reclaimer`).
         self.reclaimer = Reclaimer(
@@ -90,12 +94,25 @@ class BackendTable:
         )
 
     @classmethod
+    def expiring_statements(cls, schema: str) -> Queries:
+        """The statements of ``sql/expiring_rows.sql`` for ``schema``'s table: this
+        backend's table and key column filled in."""
+        return statements_for(schema, EXPIRING_ROWS, table=cls.table, key=cls.row_key)
+
+    @classmethod
     def prune_expired_rows(cls, conn: psycopg.Connection, schema: str, limit: int) -> int:
         """Delete at most ``limit`` expired rows of ``schema``'s table on ``conn``, oldest
         expiry first, through the expiry index; returns how many. Safe to run from several
         processes at once."""
-        statement = statements_for(schema, cls.sql_file)[cls.prune_statement]
+        statement = cls.expiring_statements(schema)["prune_expired"]
         return conn.execute(statement, {"limit": int(limit)}).rowcount
+
+    def live_value(self, key: str) -> Any:
+        """The value stored under ``key``, or None when there is none or its row has
+        expired (an expired row counts as absent before it is deleted)."""
+        with self.pool.connection() as conn:
+            row = conn.execute(self.expiring["live_value"], {"key": key}).fetchone()
+        return None if row is None else row[0]
 
     def prune(self, *, limit: int | None = None) -> int:
         """Delete at most ``limit`` (default ``prune_batch``) expired rows now; returns how

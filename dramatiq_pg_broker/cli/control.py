@@ -23,7 +23,7 @@ from .jobs import (
     _plain_command,
     command,
     operator_name,
-    print_rows,
+    print_listing,
     printable,
     relative,
     to_json,
@@ -32,11 +32,10 @@ from .jobs import (
 
 @command
 def run_queues_list(ctx: Context, args) -> int:
-    with ctx.pool.connection() as conn:
-        rows = queue_control.list_queues(conn, ctx.settings.schema)
-    return print_rows(
+    return print_listing(
+        ctx,
         args,
-        rows,
+        queue_control.list_queues,
         ["QUEUE", "STATE", "SINCE", "BY", "LIMIT", "QUEUED", "DELAYED", "RUNNING"],
         lambda r, now: [
             printable(r["queue_name"]),
@@ -119,11 +118,10 @@ def run_queues_limit(ctx: Context, args) -> int:
 
 @command
 def run_workers(ctx: Context, args) -> int:
-    with ctx.pool.connection() as conn:
-        rows = list_workers(conn, ctx.settings.schema)
-    return print_rows(
+    return print_listing(
+        ctx,
         args,
-        rows,
+        list_workers,
         ["HOST", "PID", "VERSION", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
         lambda r, now: [
             printable(r["host"]),
@@ -140,11 +138,10 @@ def run_workers(ctx: Context, args) -> int:
 
 @command
 def run_actors(ctx: Context, args) -> int:
-    with ctx.pool.connection() as conn:
-        rows = list_actors(conn, ctx.settings.schema)
-    return print_rows(
+    return print_listing(
+        ctx,
         args,
-        rows,
+        list_actors,
         ["ACTOR", "QUEUE", "LIVE WORKERS", "LAST DECLARED"],
         lambda r, now: [
             printable(r["actor_name"]),

@@ -217,6 +217,21 @@ def print_rows(
     return 0
 
 
+def print_listing(
+    ctx: Context,
+    args,
+    read: Callable[[Any, str], list[dict[str, Any]]],
+    headers: Sequence[str],
+    cells: Callable[[dict[str, Any], dt.datetime], Sequence[Any]],
+    empty: str,
+) -> int:
+    """:func:`print_rows` of what ``read(conn, schema)`` returns (the worker registry's,
+    the queues' and the schedules' lists), read on one of the pool's connections."""
+    with ctx.pool.connection() as conn:
+        rows = read(conn, ctx.settings.schema)
+    return print_rows(args, rows, headers, cells, empty)
+
+
 def operator_name() -> str:
     try:
         return f"cli:{getpass.getuser()}"
@@ -482,11 +497,10 @@ def run_prune(ctx: Context, args) -> int:
 def run_schedules(ctx: Context, args) -> int:
     from ..history.periodic import list_schedules
 
-    with ctx.pool.connection() as conn:
-        rows = list_schedules(conn, ctx.settings.schema)
-    return print_rows(
+    return print_listing(
+        ctx,
         args,
-        rows,
+        list_schedules,
         ["NAME", "KIND", "QUEUE", "TRIGGER", "TZ", "MISSED", "LAST TICK", "NEXT RUN", "LAST JOB"],
         lambda r, now: [
             r["name"],

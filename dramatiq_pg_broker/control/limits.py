@@ -50,7 +50,7 @@ from dramatiq.middleware import Middleware
 
 from .. import forks
 from ..config import Settings
-from ..db.queries import Queries
+from ..db.queries import statements_for
 from ..errors import InvalidQueueLimit, QueueNotDeclared
 from ..jobs.rows import channel_name, clean_text
 from .queues import check_name
@@ -101,9 +101,8 @@ class QueueLimit:
         return dataclasses.asdict(self)
 
 
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, "limits.sql")
+#: The statements of limits.sql for a schema (loaded once per process, shared).
+_queries = functools.partial(statements_for, filename="limits.sql")
 
 
 def check_limit(limit: Any) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from ..db.queries import Queries
+from ..db.queries import statements_for
 from ..errors import InvalidQueueName, QueueNotDeclared
 from ..jobs.rows import PAUSE_PAYLOAD, channel_name, clean_text
 
@@ -54,9 +54,8 @@ class QueueState:
         return dataclasses.asdict(self)
 
 
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, "queues.sql")
+#: The statements of queues.sql for a schema (loaded once per process, shared).
+_queries = functools.partial(statements_for, filename="queues.sql")
 
 
 def check_name(name: str) -> str:

@@ -40,7 +40,7 @@ from psycopg.types.json import Jsonb
 
 from .. import forks
 from ..config import Settings
-from ..db.queries import Queries
+from ..db.queries import statements_for
 from .limits import apply_declared
 from .queues import declare as declare_queues
 
@@ -51,9 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dramatiq_pg_broker.workers")
 
 
-@functools.cache
-def _queries(schema: str) -> Queries:
-    return Queries(schema, "workers.sql")
+#: The statements of workers.sql for a schema (loaded once per process, shared).
+_queries = functools.partial(statements_for, filename="workers.sql")
 
 
 def list_workers(conn: psycopg.Connection, schema: str) -> list[dict[str, Any]]:

@@ -161,36 +161,28 @@ def _reclaimer(name: str) -> Callable[..., int] | None:
     return fn if callable(fn) else None
 
 
+@dataclasses.dataclass(eq=False)
 class _Run(PartitionSteps):
-    """One retention run: the steps, the clock, the budget and the report."""
+    """One retention run: the steps, the clock, the budget and the report. Its parameters
+    are :func:`prune`'s (a dataclass: they are the run's state as given)."""
 
-    def __init__(
-        self,
-        pool: ProcessPool,
-        schema: str,
-        policy: RetentionPolicy,
-        *,
-        batch: int,
-        dry_run: bool,
-        budget_seconds: float | None,
-        stop: threading.Event | None,
-        rest: bool,
-        partitions_ahead: int,
-    ) -> None:
-        self.pool = pool
-        self.schema = schema
-        self.policy = policy
-        self.batch = batch
-        self.dry_run = dry_run
-        self.budget_seconds = budget_seconds
-        self.stop = stop
-        self.rest = rest
-        self.partitions_ahead = partitions_ahead
-        self.queries = Queries(schema, "retention.sql")
-        self.report = PruneReport(dry_run=dry_run)
+    pool: ProcessPool
+    schema: str
+    policy: RetentionPolicy
+    _: dataclasses.KW_ONLY
+    batch: int
+    dry_run: bool
+    budget_seconds: float | None
+    stop: threading.Event | None
+    rest: bool
+    partitions_ahead: int
+    clock: dt.datetime | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.queries = Queries(self.schema, "retention.sql")
+        self.report = PruneReport(dry_run=self.dry_run)
         self.started = time.monotonic()
-        self.clock: dt.datetime | None = None
-        for status in policy.ages():
+        for status in self.policy.ages():
             self.report.jobs[status] = self.report.events[status] = 0
 
     # -- the run's frame -------------------------------------------------------------------

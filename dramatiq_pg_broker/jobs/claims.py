@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from ..db.queries import Queries
+from ..db.queries import statements_for
 from .base import StoreBase
 from .rows import (
     LEASE_EXPIRED,
@@ -26,10 +26,8 @@ from .rows import (
     _ms,
 )
 
-
-@functools.cache
-def _limit_queries(schema: str) -> Queries:
-    return Queries(schema, "limits.sql")
+#: The statements of limits.sql for a schema (loaded once per process, shared).
+_limit_queries = functools.partial(statements_for, filename="limits.sql")
 
 
 class Claims(StoreBase):

@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -47,6 +48,22 @@ class _RepeatedId(Exception):
     """Two jobs of one bulk enqueue share an id: the staged path resolves it."""
 
 
+@dataclass(frozen=True)
+class _Send:
+    """One job as the single-send path writes it, and what decides its fate on a
+    conflict: the parameters of its statements, ``again`` (see
+    :meth:`SendWrites.enqueue`), ``pooled`` (the connection is the broker's own: an
+    autocommit statement or a transaction begun READ COMMITTED, see
+    :meth:`SendWrites._confirm_new`), and ``key_released`` (a stale idempotency key was
+    already freed for it: it is sent once more at most)."""
+
+    job: NewJob
+    params: dict[str, Any]
+    again: bool
+    pooled: bool
+    key_released: bool = False
+
+
 class SendWrites(StoreBase):
     """The writes of the send path (a part of :class:`~.store.JobStore`)."""
 
@@ -79,22 +96,15 @@ class SendWrites(StoreBase):
             # The caller's transaction: its commit is the caller's to make durable or not.
             params["durable"] = True
         with self.pool.use(conn) as c:
-            return self._insert_one(c, job, params, again, pooled=conn is None)
+            return self._insert_one(c, _Send(job, params, again, pooled=conn is None))
 
-    def _insert_one(
-        self,
-        c: psycopg.Connection,
-        job: NewJob,
-        params: dict[str, Any],
-        again: bool,
-        *,
-        pooled: bool = False,
-    ) -> EnqueueResult:
-        row = self._probing(c, "insert_job", params, job.sent_at_ms, pooled).fetchone()
+    def _insert_one(self, c: psycopg.Connection, send: _Send) -> EnqueueResult:
+        job = send.job
+        row = self._probing(c, "insert_job", send.params, job.sent_at_ms, send.pooled).fetchone()
         if row is not None:
-            self._confirm_new(c, [job], row[2], pooled)
+            self._confirm_new(c, [job], row[2], send.pooled)
             return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-        return self._not_inserted(c, job, params, again, pooled)
+        return self._not_inserted(c, send)
 
     def _probing(
         self,
@@ -155,8 +165,8 @@ class SendWrites(StoreBase):
                     )
                     continue
                 try:
-                    alone = self._new_job_params(job, None)
-                    results.append(self._insert_one(c, job, alone, again, pooled=True))
+                    alone = _Send(job, self._new_job_params(job, None), again, pooled=True)
+                    results.append(self._insert_one(c, alone))
                 except (JobAlreadyFinished, *_REFUSED) as e:
                     results.append(e)
         return results
@@ -204,26 +214,16 @@ class SendWrites(StoreBase):
             ) from e
         raise AssertionError("refuse_send did not raise")  # pragma: no cover
 
-    def _not_inserted(
-        self,
-        c: psycopg.Connection,
-        job: NewJob,
-        params: dict[str, Any],
-        again: bool,
-        pooled: bool = False,
-    ) -> EnqueueResult:
+    def _not_inserted(self, c: psycopg.Connection, send: _Send) -> EnqueueResult:
         """What a send whose insert was a no-op gets: the job with its idempotency key, or
         the job with its id rescheduled (see :meth:`enqueue`)."""
+        job, params, again = send.job, send.params, send.again
         existing = c.execute(self.queries["find_existing"], params).fetchone()
-        if existing is None and job.idempotency_key is not None and not params.get("_again"):
+        if existing is None and job.idempotency_key is not None and not send.key_released:
             # The key's job was deleted by hand (not by retention or flush, which free its
             # key): free the key and send once more.
             c.execute(self.queries["release_stale_key"], params)
-            retried = c.execute(self.queries["insert_job"], params).fetchone()
-            if retried is not None:
-                self._confirm_new(c, [job], retried[2], pooled)
-                return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
-            return self._not_inserted(c, job, {**params, "_again": True}, again, pooled)
+            return self._insert_one(c, replace(send, key_released=True))
         if existing is None:  # pragma: no cover - deleted between the two statements
             raise JobNotFound(f"job {job.id} conflicted with a job that no longer exists")
         job_id, status, message, message_bytes = existing
@@ -349,9 +349,9 @@ class SendWrites(StoreBase):
         for index, job in enumerate(jobs):
             if results[index] is not None:
                 continue
-            params = self._new_job_params(job, now)
+            send = _Send(job, self._new_job_params(job, now), again, pooled)
             try:
-                results[index] = result = self._not_inserted(c, job, params, again, pooled)
+                results[index] = result = self._not_inserted(c, send)
             except JobAlreadyFinished as e:
                 e.args = (f"message {index} of the batch: {e}",)
                 raise

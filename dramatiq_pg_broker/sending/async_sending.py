@@ -48,7 +48,7 @@ from psycopg.rows import tuple_row
 from ..errors import TransactionError
 from .app_connections import LoopConnection
 from .app_transactions import JoinedTransaction
-from .blocks import IDENTITY_SQL, Batch, check_psycopg_driver, is_sqlalchemy_sync
+from .blocks import IDENTITY_SQL, Batch, check_psycopg_driver, given_psycopg, refuse_autocommit
 
 if TYPE_CHECKING:
     from .sender import Sender
@@ -130,15 +130,8 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, A
       TransactionError: ``obj`` is not a psycopg ``AsyncConnection``, nor a SQLAlchemy 2
         ``AsyncSession`` or ``AsyncConnection`` on the ``postgresql+psycopg`` driver.
     """
-    if isinstance(obj, psycopg.AsyncConnection):
-        if obj.closed:
-            raise TransactionError("broker.transaction() was given a closed connection")
+    if given_psycopg(obj, asynchronous=True):
         return obj, None
-    if isinstance(obj, psycopg.Connection) or is_sqlalchemy_sync(obj):
-        raise TransactionError(
-            f"{type(obj).__qualname__} is a synchronous connection: enter the block with "
-            "`with broker.transaction(conn)`, not `async with`"
-        )
     sa_conn = await _sqlalchemy_async_connection(obj)
     if sa_conn is None:
         raise TransactionError(
@@ -150,11 +143,7 @@ async def resolve_async_connection(obj: Any) -> tuple[psycopg.AsyncConnection, A
     driver = (await sa_conn.get_raw_connection()).driver_connection
     if not isinstance(driver, psycopg.AsyncConnection):  # pragma: no cover - psycopg only
         raise TransactionError("this SQLAlchemy connection has no psycopg AsyncConnection")
-    if driver.autocommit:
-        raise TransactionError(
-            "this SQLAlchemy connection uses the AUTOCOMMIT isolation level: it has no "
-            "transaction for the jobs to join"
-        )
+    refuse_autocommit(driver)
     return driver, sa_conn
 
 

@@ -187,6 +187,47 @@ def check_psycopg_driver(sa_conn: Any) -> None:
         )
 
 
+def given_psycopg(obj: Any, *, asynchronous: bool) -> bool:
+    """Whether ``obj`` is a psycopg connection of the block's own kind (``AsyncConnection``
+    for ``async with``, ``Connection`` for ``with``), which the block writes on directly;
+    False for anything else, left to be read as SQLAlchemy's. The sync and async blocks
+    share this rule, so each refuses a closed connection, and one of the other kind
+    (psycopg's or SQLAlchemy's), with the same sentences.
+
+    Raises:
+      TransactionError: ``obj`` is closed, or of the other kind: the sentence names the
+        block it needs.
+    """
+    own, other = psycopg.Connection, psycopg.AsyncConnection
+    if asynchronous:
+        own, other = other, own
+    if isinstance(obj, own):
+        if obj.closed:
+            raise TransactionError("broker.transaction() was given a closed connection")
+        return True
+    if asynchronous and (isinstance(obj, other) or is_sqlalchemy_sync(obj)):
+        raise TransactionError(
+            f"{type(obj).__qualname__} is a synchronous connection: enter the block with "
+            "`with broker.transaction(conn)`, not `async with`"
+        )
+    if not asynchronous and (isinstance(obj, other) or is_sqlalchemy_async(obj)):
+        raise TransactionError(
+            f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
+            "`async with broker.transaction(conn)`, not `with`"
+        )
+    return False
+
+
+def refuse_autocommit(driver: psycopg.Connection | psycopg.AsyncConnection) -> None:
+    """Refuse the psycopg connection under a SQLAlchemy one that has no transaction to
+    join (the AUTOCOMMIT isolation level), sync or async alike."""
+    if driver.autocommit:
+        raise TransactionError(
+            "this SQLAlchemy connection uses the AUTOCOMMIT isolation level: it has no "
+            "transaction for the jobs to join"
+        )
+
+
 def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
     """The psycopg connection to write on, and the SQLAlchemy ``Connection`` whose
     transaction the block joins (None for a psycopg connection given directly: the block
@@ -196,15 +237,8 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
       TransactionError: ``obj`` is not a synchronous psycopg 3 connection, nor a SQLAlchemy
         2 Session or Connection on the ``postgresql+psycopg`` driver.
     """
-    if isinstance(obj, psycopg.Connection):
-        if obj.closed:
-            raise TransactionError("broker.transaction() was given a closed connection")
+    if given_psycopg(obj, asynchronous=False):
         return obj, None
-    if isinstance(obj, psycopg.AsyncConnection) or is_sqlalchemy_async(obj):
-        raise TransactionError(
-            f"{type(obj).__qualname__} is an asyncio connection: enter the block with "
-            "`async with broker.transaction(conn)`, not `with`"
-        )
     sa_conn = _sqlalchemy_connection(obj)
     if sa_conn is None:
         raise TransactionError(
@@ -219,11 +253,7 @@ def resolve_connection(obj: Any) -> tuple[psycopg.Connection, Any]:
             "broker.transaction() needs a synchronous SQLAlchemy Session or Connection "
             "(create_engine, not create_async_engine)"
         )
-    if driver.autocommit:
-        raise TransactionError(
-            "this SQLAlchemy connection uses the AUTOCOMMIT isolation level: it has no "
-            "transaction for the jobs to join"
-        )
+    refuse_autocommit(driver)
     return driver, sa_conn
 
 

@@ -1,6 +1,7 @@
 -- Named statements of the dramatiq-abort event backend (dramatiq_pg_broker.abort). Same
 -- layout as queries.sql. {schema} is filled in once (as an identifier); every value is a
--- bind parameter.
+-- bind parameter. Expired events are deleted by the statement all the backends' tables share
+-- (expiring_rows.sql).
 
 -- notify_events --
 -- Store events (parallel arrays of keys and JSON parameters), each valid for %(ttl_ms)s,
@@ -27,14 +28,3 @@ WHERE id = (
     FOR UPDATE SKIP LOCKED
 )
 RETURNING key, params
-
--- prune_abort_events --
--- Delete at most %(limit)s expired events, oldest expiry first, through the expiry index.
-DELETE FROM {schema}.abort_events
-WHERE id IN (
-    SELECT id FROM {schema}.abort_events
-    WHERE expires_at <= now()
-    ORDER BY expires_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)

@@ -13,8 +13,11 @@
 -- A job row is written here once: the block job_columns lists its columns, and a statement
 -- writes {job_columns} for that list and {job_row: column = expression, ...} (or a row
 -- fragment, {finished_row: ...}) for a row's values in that order, each column the source
--- row's own unless assigned; they are expanded when the file is loaded (db.py,
--- expand_macros), so the server sees plain SQL. A column added to the tables passes through
+-- row's own unless assigned; they are expanded when the file is loaded (db/queries.py,
+-- expand_macros), so the server sees plain SQL. Every job that ends leaves jobs for
+-- jobs_history through one piece of statement, {move_to_history: ...}, and every send
+-- probes history with {not_sent: ...}: each is written once, below, with {:slots} that
+-- each statement fills. A column added to the tables passes through
 -- every move unless a statement assigns it, and a test holds job_columns equal to the
 -- migrated jobs, jobs_history and all_jobs. {clock_slack_ms} is history_probe.CLOCK_SLACK_MS.
 
@@ -56,6 +59,78 @@ WHERE j.id = ANY(%(ids)s::uuid[])
 ORDER BY j.id
 FOR UPDATE OF j
 
+-- move_to_history --
+-- A fragment, not a statement: the move of every job that ends (succeeded, failed or
+-- cancelled), two CTEs of its statement. `done` deletes from jobs the rows j {:using}
+-- and {:on} select, returning j.* and the {:returning} columns; `moved` inserts them into
+-- jobs_history as {finished_row: ...} with the statement's assignments to the job's
+-- columns (its {:row}), returning the {:ended} columns. A statement writes, say,
+-- {move_to_history: using = owned, on = j.id = owned.id, returning = owned.owner,
+-- status = 'succeeded'}, then reads `done` (and `moved`) in its own CTEs.
+done AS (
+    DELETE FROM {schema}.jobs AS j{:using}
+    WHERE {:on}
+    RETURNING j.*{:returning}
+), moved AS (
+    INSERT INTO {schema}.jobs_history ({job_columns})
+    SELECT {finished_row: {:row}}
+    FROM done{:ended}
+)
+
+-- sent_columns --
+-- A fragment, not a statement: the columns a send writes, in the order every send (one
+-- message, an array of them, a staged or copied batch) gives them.
+id, queue_name, actor_name, message, message_bytes, priority, available_at,
+max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
+
+-- sent_since --
+-- A fragment, not a statement: the earliest finish time of a job whose message was built
+-- at {:sent_at_ms} (milliseconds since the epoch; NULL: any time), less the clocks'
+-- slack. A job cannot finish before its message was built, so a probe of history by id
+-- reads only the partitions from there on (pruned at execution, even in a generic plan).
+coalesce(
+    'epoch'::timestamptz + ({:sent_at_ms} - {clock_slack_ms}) * interval '1 millisecond',
+    '-infinity')
+
+-- not_sent --
+-- A fragment, not a statement: no job has the id {:id} yet, neither finished (history,
+-- from {sent_since: ...} of {:sent_at_ms} on) nor unfinished, as the send's snapshot sees
+-- it (see insert_job).
+NOT EXISTS (
+    SELECT 1 FROM {schema}.jobs_history AS h
+    WHERE h.id = {:id}
+      AND h.finished_at >= {sent_since: sent_at_ms = {:sent_at_ms}}
+) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = {:id})
+
+-- insert_sent --
+-- A fragment, not a statement: the CTEs new_keys, inserted and event of a batch send
+-- (insert_jobs, insert_staged_jobs), reading the rows to send from {:rows} (the send's
+-- fields and each row's position in the batch; an id {:cast} to uuid where it is text).
+new_keys AS (
+    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT actor_name, idempotency_scope, idempotency_key, id{:cast}
+    FROM {:rows}
+    WHERE idempotency_key IS NOT NULL
+    ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING job_id
+), inserted AS (
+    INSERT INTO {schema}.jobs AS j ({sent_columns})
+    SELECT id{:cast}, queue_name, actor_name, message, message_bytes, priority,
+           coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
+           max_attempts, idempotency_key, idempotency_scope,
+           coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
+           coalesce(%(now)s::timestamptz, now())
+    FROM {:rows} AS g
+    WHERE {not_sent: id = g.id{:cast}, sent_at_ms = g.sent_at_ms}
+      AND (g.idempotency_key IS NULL OR g.id{:cast} IN (SELECT job_id FROM new_keys))
+    ON CONFLICT DO NOTHING
+    RETURNING j.id, j.created_at
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
+    SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
+)
+
 -- insert_job --
 -- Store one message as a queued job with its `created` event, and wake the queue's
 -- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
@@ -89,23 +164,14 @@ WITH new_key AS (
     ON CONFLICT DO NOTHING
     RETURNING job_id
 ), inserted AS (
-    INSERT INTO {schema}.jobs AS j (
-        id, queue_name, actor_name, message, message_bytes, priority, available_at,
-        max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
-    )
+    INSERT INTO {schema}.jobs AS j ({sent_columns})
     SELECT
         %(id)s, %(queue_name)s, %(actor_name)s,
         %(message)s::jsonb, %(message_bytes)s, %(priority)s,
         coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         %(max_attempts)s, %(idempotency_key)s, %(idempotency_scope)s,
         coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
-    WHERE NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs_history AS h
-        WHERE h.id = %(id)s::uuid
-          AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
-              '-infinity')
-    ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = %(id)s::uuid)
+    WHERE {not_sent: id = %(id)s::uuid, sent_at_ms = %(sent_at_ms)s::bigint}
       AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
     ON CONFLICT DO NOTHING
     RETURNING j.id, j.created_at
@@ -134,9 +200,7 @@ FROM (
     SELECT id, status, message, message_bytes
     FROM {schema}.jobs_history
     WHERE id = %(id)s::uuid
-      AND finished_at >= coalesce(
-          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
-          '-infinity')
+      AND finished_at >= {sent_since: sent_at_ms = %(sent_at_ms)s::bigint}
     UNION ALL
     SELECT id, status, message, message_bytes
     FROM {schema}.jobs_history
@@ -211,39 +275,7 @@ WITH given AS (
         id, queue_name, actor_name, message, message_bytes, priority, delay_ms, max_attempts,
         idempotency_key, idempotency_scope, sent_at_ms, position
     )
-), new_keys AS (
-    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
-    SELECT actor_name, idempotency_scope, idempotency_key, id
-    FROM given
-    WHERE idempotency_key IS NOT NULL
-    ORDER BY position
-    ON CONFLICT DO NOTHING
-    RETURNING job_id
-), inserted AS (
-    INSERT INTO {schema}.jobs AS j (
-        id, queue_name, actor_name, message, message_bytes, priority, available_at,
-        max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
-    )
-    SELECT id, queue_name, actor_name, message, message_bytes, priority,
-           coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
-           max_attempts, idempotency_key, idempotency_scope,
-           coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
-           coalesce(%(now)s::timestamptz, now())
-    FROM given AS g
-    WHERE NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs_history AS h
-        WHERE h.id = g.id
-          AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (g.sent_at_ms - {clock_slack_ms}) * interval '1 millisecond',
-              '-infinity')
-    ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id)
-      AND (g.idempotency_key IS NULL OR g.id IN (SELECT job_id FROM new_keys))
-    ON CONFLICT DO NOTHING
-    RETURNING j.id, j.created_at
-), event AS (
-    INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
-    SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
-), woken AS (
+), {insert_sent: rows = given}, woken AS (
     SELECT count(pg_notify(channel, '')) FROM unnest(%(channels)s::text[]) AS channel
 ), no_flush_wait AS (
     SELECT set_config('synchronous_commit', 'off', true) WHERE NOT %(durable)s
@@ -263,10 +295,7 @@ SELECT coalesce(%(now)s::timestamptz, now())
 -- (the binary form of jsonb is a version byte and the text; the server parses it). COPY
 -- has no ON CONFLICT: an existing id or idempotency key aborts it with a unique violation,
 -- and the caller, which ran it in a savepoint, takes the staged path instead.
-COPY {schema}.jobs (
-    id, queue_name, actor_name, message, message_bytes, priority, available_at,
-    max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
-) FROM STDIN (FORMAT BINARY)
+COPY {schema}.jobs ({sent_columns}) FROM STDIN (FORMAT BINARY)
 
 -- copy_created_events --
 -- The `created` events of the rows copy_jobs wrote (binary COPY, in this column order).
@@ -290,9 +319,7 @@ SELECT * FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::t
 SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])
-      AND h.finished_at >= coalesce(
-          'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
-          '-infinity')
+      AND h.finished_at >= {sent_since: sent_at_ms = %(sent_at_ms)s::bigint}
 ), current_setting('transaction_isolation')
 
 -- finished_among --
@@ -302,9 +329,7 @@ SELECT EXISTS (
 -- meanwhile). Any id found means the insert gave it a second row: the caller refuses it.
 SELECT DISTINCT id FROM {schema}.jobs_history AS h
 WHERE h.id = ANY(%(ids)s::uuid[])
-  AND h.finished_at >= coalesce(
-      'epoch'::timestamptz + (%(sent_at_ms)s::bigint - {clock_slack_ms}) * interval '1 millisecond',
-      '-infinity')
+  AND h.finished_at >= {sent_since: sent_at_ms = %(sent_at_ms)s::bigint}
 
 -- refuse_send --
 -- Abort the application's transaction as PostgreSQL aborts one whose snapshot cannot be
@@ -338,39 +363,7 @@ COPY dramatiq_pg_broker_staged_jobs FROM STDIN (FORMAT BINARY)
 -- insert_staged_jobs --
 -- insert_jobs, reading the staged rows instead of arrays (same rules, same events, the
 -- same isolation level returned).
-WITH new_keys AS (
-    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
-    SELECT actor_name, idempotency_scope, idempotency_key, id::uuid
-    FROM dramatiq_pg_broker_staged_jobs
-    WHERE idempotency_key IS NOT NULL
-    ORDER BY position
-    ON CONFLICT DO NOTHING
-    RETURNING job_id
-), inserted AS (
-    INSERT INTO {schema}.jobs AS j (
-        id, queue_name, actor_name, message, message_bytes, priority, available_at,
-        max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
-    )
-    SELECT id::uuid, queue_name, actor_name, message, message_bytes, priority,
-           coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
-           max_attempts, idempotency_key, idempotency_scope,
-           coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
-           coalesce(%(now)s::timestamptz, now())
-    FROM dramatiq_pg_broker_staged_jobs AS g
-    WHERE NOT EXISTS (
-        SELECT 1 FROM {schema}.jobs_history AS h
-        WHERE h.id = g.id::uuid
-          AND h.finished_at >= coalesce(
-              'epoch'::timestamptz + (g.sent_at_ms - {clock_slack_ms}) * interval '1 millisecond',
-              '-infinity')
-    ) AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS o WHERE o.id = g.id::uuid)
-      AND (g.idempotency_key IS NULL OR g.id::uuid IN (SELECT job_id FROM new_keys))
-    ON CONFLICT DO NOTHING
-    RETURNING j.id, j.created_at
-), event AS (
-    INSERT INTO {schema}.job_events (job_id, type, attempt, created_at)
-    SELECT id, 'created', 0, created_at FROM inserted WHERE %(events)s
-)
+WITH {insert_sent: rows = dramatiq_pg_broker_staged_jobs, cast = ::uuid}
 SELECT id, current_setting('transaction_isolation') FROM inserted
 
 -- drop_staged_jobs --
@@ -518,16 +511,9 @@ SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS
 -- carried over but what finished_row and the statement set).
 WITH owned AS MATERIALIZED (
     {owned_attempts}
-), done AS (
-    DELETE FROM {schema}.jobs AS j
-    USING owned
-    WHERE j.id = owned.id
-    RETURNING j.*, owned.owner
-), moved AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row: status = 'succeeded'}
-    FROM done
-), event AS (
+), {move_to_history:
+    using = owned, on = j.id = owned.id, returning = owned.owner, status = 'succeeded'
+}, event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
     SELECT id, 'succeeded', attempts, owner FROM done WHERE %(events)s
 )
@@ -551,19 +537,12 @@ WITH owned AS MATERIALIZED (
     WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s
       AND j.attempts = %(attempt)s AND j.abort_requested_at IS NULL
     FOR UPDATE OF j
-), done AS (
-    DELETE FROM {schema}.jobs AS j
-    USING owned
-    WHERE j.id = owned.id
-    RETURNING j.*
-), moved AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row:
-        status = 'succeeded',
-        updated_at = coalesce(%(now)s::timestamptz, statement_timestamp()),
-        finished_at = coalesce(%(now)s::timestamptz, statement_timestamp())}
-    FROM done
-), event AS (
+), {move_to_history:
+    using = owned, on = j.id = owned.id,
+    status = 'succeeded',
+    updated_at = coalesce(%(now)s::timestamptz, statement_timestamp()),
+    finished_at = coalesce(%(now)s::timestamptz, statement_timestamp())
+}, event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'succeeded', attempts, %(owner)s, jsonb_build_object('in_transaction', true)
     FROM done WHERE %(events)s
@@ -588,16 +567,10 @@ SELECT pg_xact_status(%(xid)s::xid8),
 -- The attempt counts as a failure. The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
     {owned_attempts: error = %(errors)s::text[]}
-), done AS (
-    DELETE FROM {schema}.jobs AS j
-    USING owned
-    WHERE j.id = owned.id
-    RETURNING j.*, owned.owner, owned.error
-), moved AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row: status = 'failed', last_error = error, failures = failures + 1}
-    FROM done
-), event AS (
+), {move_to_history:
+    using = owned, on = j.id = owned.id, returning = owned.owner, owned.error,
+    status = 'failed', last_error = error, failures = failures + 1
+}, event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'failed', attempts, owner, jsonb_build_object('error', error)
     FROM done WHERE %(events)s
@@ -629,36 +602,30 @@ WITH requeued AS (
     WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
       AND j.abort_requested_at IS NULL
     RETURNING j.id, j.attempts, j.available_at, j.queue_name, j.status, j.abort_requested_by
-), removed AS (
-    DELETE FROM {schema}.jobs AS j
-    WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
-      AND j.abort_requested_at IS NOT NULL
-    RETURNING j.*
-), cancelled AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row:
-        status = 'cancelled',
-        message = CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
-        message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
-        max_attempts = coalesce(%(max_attempts)s::integer, max_attempts),
-        last_error = coalesce(%(error)s, last_error),
-        failures = failures + 1}
-    FROM removed
-    RETURNING id, attempts, available_at, queue_name, status, abort_requested_by
-), moved AS (
-    SELECT * FROM requeued UNION ALL SELECT * FROM cancelled
+), {move_to_history:
+    on = j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s
+         AND j.attempts = %(attempt)s AND j.abort_requested_at IS NOT NULL,
+    status = 'cancelled',
+    message = CASE WHEN %(replace_message)s THEN %(message)s ELSE message END,
+    message_bytes = CASE WHEN %(replace_message)s THEN %(message_bytes)s ELSE message_bytes END,
+    max_attempts = coalesce(%(max_attempts)s::integer, max_attempts),
+    last_error = coalesce(%(error)s, last_error),
+    failures = failures + 1,
+    ended = id, attempts, available_at, queue_name, status, abort_requested_by
+}, changed AS (
+    SELECT * FROM requeued UNION ALL SELECT * FROM moved
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'retry_scheduled', attempts, %(owner)s,
            jsonb_build_object('error', %(error)s::text, 'delay_ms', %(delay_ms)s::bigint,
                               'available_at', available_at)
-    FROM moved WHERE status = 'queued' AND %(events)s
+    FROM changed WHERE status = 'queued' AND %(events)s
     UNION ALL
     SELECT id, 'aborted', attempts, abort_requested_by,
            jsonb_build_object('worker', %(owner)s::text, 'error', %(error)s::text)
-    FROM moved WHERE status = 'cancelled'
+    FROM changed WHERE status = 'cancelled'
 )
-SELECT id, pg_notify(%(channel)s, '') FROM moved
+SELECT id, pg_notify(%(channel)s, '') FROM changed
 
 -- release_jobs --
 -- running -> queued at once for claimed messages that never started (worker shutdown): the
@@ -744,7 +711,7 @@ WITH expired AS MATERIALIZED (
     ORDER BY locked_until
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
-), moved AS (
+), requeued AS (
     UPDATE {schema}.jobs AS j
     SET status = CASE
             WHEN j.abort_requested_at IS NOT NULL THEN 'cancelled'
@@ -785,31 +752,25 @@ WITH expired AS MATERIALIZED (
     RETURNING j.id, j.status, j.attempts, j.available_at, j.last_error, j.queue_name,
               j.actor_name, j.message, j.message_bytes, j.failures, j.interruptions,
               expired.locked_by AS previous_owner, expired.started, j.abort_requested_by
-), removed AS (
-    DELETE FROM {schema}.jobs AS j
-    USING expired
-    WHERE j.id = expired.id AND expired.ends
-    RETURNING j.*, expired.locked_by AS previous_owner, expired.started AS was_started
-), ended AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row:
-        status = CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
-        attempts = CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
-        last_error = CASE WHEN abort_requested_at IS NOT NULL THEN last_error
-            ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
-                 || attempts || '; interrupted ' || (interruptions + 1)
-                 || ' times (the limit): its worker died, hung or lost its lease each time'
-        END,
-        interruptions = interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
-        abandoned_claims = abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END}
-    FROM removed
-    RETURNING id, status, attempts, available_at, last_error, queue_name, actor_name,
-              message, message_bytes, failures, interruptions
-), ended_with_owner AS (
+), {move_to_history:
+    using = expired, on = j.id = expired.id AND expired.ends,
+    returning = expired.locked_by AS previous_owner, expired.started AS was_started,
+    status = CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
+    attempts = CASE WHEN was_started THEN attempts ELSE attempts - 1 END,
+    last_error = CASE WHEN abort_requested_at IS NOT NULL THEN last_error
+        ELSE %(lease_expired)s || ' ' || previous_owner || ' stopped renewing attempt '
+             || attempts || '; interrupted ' || (interruptions + 1)
+             || ' times (the limit): its worker died, hung or lost its lease each time'
+    END,
+    interruptions = interruptions + CASE WHEN was_started THEN 1 ELSE 0 END,
+    abandoned_claims = abandoned_claims + CASE WHEN was_started THEN 0 ELSE 1 END,
+    ended = id, status, attempts, available_at, last_error, queue_name, actor_name,
+            message, message_bytes, failures, interruptions
+}, ended_with_owner AS (
     SELECT e.*, r.previous_owner, r.was_started AS started, r.abort_requested_by
-    FROM ended AS e JOIN removed AS r ON r.id = e.id
+    FROM moved AS e JOIN done AS r ON r.id = e.id
 ), changed AS (
-    SELECT * FROM moved UNION ALL SELECT * FROM ended_with_owner
+    SELECT * FROM requeued UNION ALL SELECT * FROM ended_with_owner
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id,
@@ -905,19 +866,12 @@ SELECT id, NULL, finished_at, true FROM doubled
 -- cancel_job --
 -- queued -> cancelled by an operator. A running job cannot be cancelled (its worker owns it).
 -- The job moves to jobs_history, as in complete_jobs.
-WITH moved AS (
-    DELETE FROM {schema}.jobs AS j
-    WHERE j.id = %(id)s AND j.status = 'queued'
-    RETURNING j.*
-), finished AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row: status = 'cancelled'}
-    FROM moved
-), event AS (
+WITH {move_to_history: on = j.id = %(id)s AND j.status = 'queued', status = 'cancelled'},
+event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
-    SELECT id, 'cancelled', attempts, %(by)s FROM moved
+    SELECT id, 'cancelled', attempts, %(by)s FROM done
 )
-SELECT id FROM moved
+SELECT id FROM done
 
 -- abort_job --
 -- An operator aborts a job. A waiting job (queued, delayed included) is cancelled at once
@@ -929,20 +883,13 @@ SELECT id FROM moved
 -- to jobs_history, as in complete_jobs.
 WITH target AS MATERIALIZED (
     SELECT id, status FROM {schema}.jobs WHERE id = %(id)s FOR UPDATE
-), removed AS (
-    DELETE FROM {schema}.jobs AS j
-    USING target
-    WHERE j.id = target.id AND target.status = 'queued'
-    RETURNING j.*
-), cancelled AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row:
-        status = 'cancelled',
-        abort_requested_at = coalesce(%(now)s::timestamptz, now()),
-        abort_requested_by = %(by)s}
-    FROM removed
-    RETURNING id, attempts, status, queue_name, NULL::text AS locked_by
-), flagged AS (
+), {move_to_history:
+    using = target, on = j.id = target.id AND target.status = 'queued',
+    status = 'cancelled',
+    abort_requested_at = coalesce(%(now)s::timestamptz, now()),
+    abort_requested_by = %(by)s,
+    ended = id, attempts, status, queue_name, NULL::text AS locked_by
+}, flagged AS (
     UPDATE {schema}.jobs AS j
     SET abort_requested_at = coalesce(j.abort_requested_at, coalesce(%(now)s::timestamptz, now())),
         abort_requested_by = coalesce(j.abort_requested_by, %(by)s),
@@ -951,7 +898,7 @@ WITH target AS MATERIALIZED (
     WHERE j.id = target.id AND target.status = 'running'
     RETURNING j.id, j.attempts, j.status, j.queue_name, j.locked_by
 ), changed AS (
-    SELECT * FROM cancelled UNION ALL SELECT * FROM flagged
+    SELECT * FROM moved UNION ALL SELECT * FROM flagged
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, CASE WHEN status = 'cancelled' THEN 'aborted' ELSE 'abort_requested' END,
@@ -976,16 +923,9 @@ SELECT pg_notify(%(channel)s, %(payload)s)
 -- The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
     {owned_attempts: where = j.abort_requested_at IS NOT NULL}
-), done AS (
-    DELETE FROM {schema}.jobs AS j
-    USING owned
-    WHERE j.id = owned.id
-    RETURNING j.*, owned.owner
-), moved AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row: status = 'cancelled'}
-    FROM done
-), event AS (
+), {move_to_history:
+    using = owned, on = j.id = owned.id, returning = owned.owner, status = 'cancelled'
+}, event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'aborted', attempts, abort_requested_by, jsonb_build_object('worker', owner)
     FROM done
@@ -1003,16 +943,10 @@ SELECT id FROM done
 -- was claimed to run). The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
     {owned_attempts: skip = %(skips)s::jsonb[]}
-), done AS (
-    DELETE FROM {schema}.jobs AS j
-    USING owned
-    WHERE j.id = owned.id
-    RETURNING j.*, owned.owner, owned.skip
-), moved AS (
-    INSERT INTO {schema}.jobs_history ({job_columns})
-    SELECT {finished_row: status = 'cancelled'}
-    FROM done
-), event AS (
+), {move_to_history:
+    using = owned, on = j.id = owned.id, returning = owned.owner, owned.skip,
+    status = 'cancelled'
+}, event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'cancelled', attempts, skip ->> 'skipped_by',
            skip || jsonb_build_object('worker', owner)

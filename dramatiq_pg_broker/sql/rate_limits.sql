@@ -3,7 +3,9 @@
 --
 -- A key past its expires_at counts as absent (value 0) everywhere, whether or not it has
 -- been reclaimed yet. Each operation is one statement: the upsert's row lock makes it atomic
--- against every other operation on the key, with no retry loop.
+-- against every other operation on the key, with no retry loop. The read of a live key and
+-- the deletion of expired keys are the statements all the backends' tables share
+-- (expiring_rows.sql).
 
 -- add_key --
 -- Create the key with a value unless a live one exists (an expired row is replaced).
@@ -79,21 +81,3 @@ WITH noted AS (
     RETURNING r.key
 )
 SELECT pg_notify(%(channel)s, %(payload)s) FROM noted
-
--- key_is_live --
--- wait: has an event been recorded on this key (and not expired)?
-SELECT value
-FROM {schema}.rate_limits
-WHERE key = %(key)s AND expires_at > now()
-
--- prune_rate_limits --
--- Delete at most `limit` expired keys, oldest expiry first, through the expiry index.
-DELETE FROM {schema}.rate_limits
-WHERE key IN (
-    SELECT key
-    FROM {schema}.rate_limits
-    WHERE expires_at <= now()
-    ORDER BY expires_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)

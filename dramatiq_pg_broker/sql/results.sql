@@ -1,5 +1,7 @@
 -- Named statements of the results backend (dramatiq_pg_broker.results). {schema} is filled
--- in once (as an identifier); every value is a bind parameter.
+-- in once (as an identifier); every value is a bind parameter. The read of a live key and
+-- the deletion of expired results are the statements all the backends' tables share
+-- (expiring_rows.sql).
 
 -- store_result --
 -- Store (or replace) the result under its key, valid for ttl_ms from now, and wake the
@@ -20,26 +22,6 @@ WITH stored AS (
     RETURNING r.key
 )
 SELECT pg_notify(%(channel)s, %(payload)s) FROM stored
-
--- get_result --
--- The stored value of a key, unless it has expired (an expired row may still be there
--- until it is reclaimed; it is already gone for readers).
-SELECT value
-FROM {schema}.results
-WHERE key = %(key)s AND expires_at > now()
-
--- prune_results --
--- Delete at most `limit` expired results, oldest expiry first, through the expiry index.
--- SKIP LOCKED: two processes reclaiming at once split the work instead of queueing.
-DELETE FROM {schema}.results
-WHERE key IN (
-    SELECT key
-    FROM {schema}.results
-    WHERE expires_at <= now()
-    ORDER BY expires_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
 
 -- job_result --
 -- The unexpired result stored for a message id (the newest, should several namespaces

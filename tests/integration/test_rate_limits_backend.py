@@ -154,7 +154,7 @@ def test_expired_keys_are_reclaimed_through_the_index(backend, key, conn, schema
     with conn.transaction():
         conn.execute("SET LOCAL enable_seqscan = off")
         plan = conn.execute(
-            "EXPLAIN " + backend.statements["prune_rate_limits"], {"limit": 10}
+            "EXPLAIN " + backend.expiring["prune_expired"], {"limit": 10}
         ).fetchall()
     assert "rate_limits_expires_at_idx" in "\n".join(r[0] for r in plan)
     assert prune_expired(conn, schema, limit=2) == 2

@@ -214,7 +214,7 @@ def test_namespace_prefix_keys_are_readable(pg_url, schema, conn):
 
 def test_a_blocked_reader_wakes_on_the_notification_without_polling(backend, monkeypatch):
     message = a_message()
-    lookup = backend.statements["get_result"]
+    lookup = backend.expiring["live_value"]
     got = {}
 
     def reader():
@@ -312,7 +312,7 @@ def test_reclaiming_reads_the_expiry_index_not_the_table(backend, conn, schema):
         ).format(table)
     )
     conn.execute(sql.SQL("ANALYZE {}").format(table))
-    statement = backend.statements["prune_results"]
+    statement = backend.expiring["prune_expired"]
     with conn.transaction():
         plan = "\n".join(
             r[0] for r in conn.execute("EXPLAIN " + statement, {"limit": 10}).fetchall()

@@ -27,8 +27,9 @@ def _python_files():
 
 
 def _names_used(path: Path) -> set[tuple[str, int]]:
-    """String constants used as ``<...>.queries["name"]``, ``queries["name"]`` or as the
-    first argument of ``<...>._fetch("name", ...)``."""
+    """String constants used as ``<...>.queries["name"]``, ``queries["name"]``, as the
+    first argument of ``<...>._fetch("name", ...)`` or the second of
+    ``<...>._probing(c, "name", ...)``."""
     tree = ast.parse(path.read_text("utf-8"), filename=str(path))
     found: set[tuple[str, int]] = set()
     for node in ast.walk(tree):
@@ -41,10 +42,11 @@ def _names_used(path: Path) -> set[tuple[str, int]]:
                 found.add((node.slice.value, node.lineno))
         elif isinstance(node, ast.Call) and node.args:
             func = node.func
-            if isinstance(func, ast.Attribute) and func.attr == "_fetch":
-                first = node.args[0]
-                if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                    found.add((first.value, node.lineno))
+            position = {"_fetch": 0, "_probing": 1}.get(getattr(func, "attr", None), -1)
+            if isinstance(func, ast.Attribute) and 0 <= position < len(node.args):
+                named = node.args[position]
+                if isinstance(named, ast.Constant) and isinstance(named.value, str):
+                    found.add((named.value, node.lineno))
     return found
 
 
@@ -139,49 +141,36 @@ def test_the_clock_slack_of_the_statements_is_the_code_s():
     assert not any("{clock_slack_ms}" in text for text in queries.values())
 
 
+#: The identifier places a file has besides {schema}, filled in by the code that reads it.
+IDENTIFIERS = {"expiring_rows.sql": {"{table}", "{key}"}}
+
+
 def test_every_macro_is_expanded_and_only_the_schema_is_left():
     for filename in _sql_files():
+        allowed = {"{schema}"} | IDENTIFIERS.get(filename, set())
         for name, text in load_queries(filename).items():
             left = re.sub(r"\{\{\w+\}\}", "", text)  # {{x}}: a literal {x}, for psycopg
-            assert set(re.findall(r"\{[^}]*\}", left)) <= {"{schema}"}, (filename, name)
+            assert set(re.findall(r"\{[^}]*\}", left)) <= allowed, (filename, name)
 
 
-def test_a_row_macro_passes_every_column_through_unless_assigned():
-    from dramatiq_pg_broker.db import expand_macros
+def test_the_backends_share_their_statements_each_table_and_key_as_identifiers():
+    """results, rate_limits and abort_events: one statement that reads a live key, one that
+    deletes expired rows, each table's name and key column filled in as identifiers
+    (quoted), never as text."""
+    from dramatiq_pg_broker.backends.abort import PostgresEventBackend
+    from dramatiq_pg_broker.backends.rate_limits import PostgresRateLimiterBackend
+    from dramatiq_pg_broker.backends.results import PostgresBackend
 
-    blocks = {"job_columns": "id, status, note", "finished_row": "status = 'done'"}
-    assert expand_macros("SELECT {job_columns}", blocks) == "SELECT id, status, note"
-    assert expand_macros("SELECT {job_row: }", blocks) == "SELECT id, status, note"
-    assert expand_macros("SELECT {finished_row}", blocks) == "SELECT id, 'done', note"
-    # The statement's assignments win over the fragment's; commas inside parentheses and
-    # quotes belong to the expression.
-    text = "{finished_row: status = coalesce(a, 'b,c'), note = f(x, y)}"
-    assert expand_macros(text, blocks) == "id, coalesce(a, 'b,c'), f(x, y)"
-    assert expand_macros("{schema}.jobs", blocks) == "{schema}.jobs"
-
-
-@pytest.mark.parametrize(
-    ("text", "error"),
-    [
-        ("{job_row: statsu = 'done'}", "'statsu', which is not a column"),
-        ("{job_row: status 'done'}", "not `column = expression`"),
-        ("{schema: x = 1}", "no macro of this file"),
-    ],
-)
-def test_a_row_macro_that_names_no_column_of_the_row_is_refused(text, error):
-    from dramatiq_pg_broker.db import expand_macros
-
-    with pytest.raises(ValueError, match=re.escape(error)):
-        expand_macros(text, {"job_columns": "id, status"})
-
-
-def test_the_ownership_guard_takes_each_statement_s_arrays_and_condition():
-    """The fragment owned_attempts, written once, as each exit from running uses it."""
-    queries = {name: " ".join(text.split()) for name, text in load_queries().items()}
-    assert (
-        "%(attempts)s::int[], %(errors)s::text[]) AS o (id, owner, attempt, error)"
-        in queries["fail_jobs"]
-    )
-    assert "SELECT j.id, o.owner, o.skip FROM" in queries["cancel_skipped"]
-    assert "j.attempts = o.attempt AND NOT j.started ORDER BY j.id" in queries["release_jobs"]
-    assert "j.attempts = o.attempt ORDER BY j.id FOR UPDATE OF j" in queries["complete_jobs"]
+    odd = Queries("s", "expiring_rows.sql", identifiers={"table": 'a"b', "key": "K"})
+    assert 'DELETE FROM "s"."a""b"\nWHERE "K" IN' in odd["prune_expired"]
+    expected = {
+        PostgresBackend: ('"results"', '"key"'),
+        PostgresRateLimiterBackend: ('"rate_limits"', '"key"'),
+        PostgresEventBackend: ('"abort_events"', '"id"'),
+    }
+    for backend, (table, key) in expected.items():
+        statements = backend.expiring_statements("weird_schema")
+        prune = statements["prune_expired"]
+        assert prune.startswith(f'DELETE FROM "weird_schema".{table}\nWHERE {key} IN'), prune
+        assert "LIMIT %(limit)s" in prune
+        assert f'FROM "weird_schema".{table}\nWHERE {key} = %(key)s' in statements["live_value"]

@@ -28,6 +28,7 @@ its reaper runs on its interval. (A lease shortened since the report by an expli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ logger = logging.getLogger("dramatiq_pg_broker.leases")
 REPORT_FRESH_POLLS = 2
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class LeaseKeeper(Service):
     """Heartbeat and reaper of one process. See the module docstring.
 
@@ -70,23 +72,15 @@ class LeaseKeeper(Service):
 
     thread_name = "dramatiq-pg-leases"
 
-    def __init__(
-        self,
-        store: JobStore,
-        settings: Settings,
-        ledger: Ledger,
-        schema_gate: SchemaGate,
-        presence: Presence,
-        *,
-        reaped_failed: Callable[[ReapedJob], None],
-    ) -> None:
+    store: JobStore
+    settings: Settings
+    ledger: Ledger
+    schema_gate: SchemaGate
+    presence: Presence
+    reaped_failed: Callable[[ReapedJob], None] = dataclasses.field(kw_only=True)
+
+    def __post_init__(self) -> None:
         super().__init__()
-        self.reaped_failed = reaped_failed
-        self.store = store
-        self.settings = settings
-        self.ledger = ledger
-        self.schema_gate = schema_gate
-        self.presence = presence
         #: Set to wake the thread early: a start was deferred, or the keeper stops.
         self._wake = threading.Event()
         #: Whether the thread knows of deferred starts (it sets a timer for them).

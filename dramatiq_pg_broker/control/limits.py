@@ -210,6 +210,7 @@ def apply_declared(
     return changed
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class QueueLimits(Middleware):
     """A worker process's view of queue limits: which queues are limited (refreshed as the
     module docstring says), and how many of its worker threads are free to start a job
@@ -221,10 +222,11 @@ class QueueLimits(Middleware):
       settings(Settings): its ``listen`` (without LISTEN, no change is announced).
     """
 
-    def __init__(self, *, store: LimitReads, ledger: Occupancy, settings: Settings) -> None:
-        self.store = store
-        self.ledger = ledger
-        self.settings = settings
+    store: LimitReads
+    ledger: Occupancy
+    settings: Settings
+
+    def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}
         #: Monotonic time of the last read (None: never read, or a change was announced).

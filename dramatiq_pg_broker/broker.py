@@ -38,7 +38,7 @@ from .control.workers import Presence
 from .db.core import ProcessPool
 from .db.handshake import SchemaGate
 from .errors import PgBrokerError
-from .history.periodic import Periodic, Schedule
+from .history.periodic import Periodic, Schedule, Scheduler
 from .jobs.store import JobStore
 from .sending import messages
 from .sending.blocks import Batch
@@ -185,11 +185,15 @@ class PostgresBroker(dramatiq.Broker):
         )
         self.periodic = Periodic(
             schema_gate=self.schema_gate,
-            pool=self.pool,
             settings=settings,
-            schedules=self.schedules,
-            actors=self.actors,
-            enqueue=self.enqueue,
+            new_scheduler=functools.partial(
+                Scheduler,
+                pool=self.pool,
+                settings=settings,
+                schedules=self.schedules,
+                actors=self.actors,
+                enqueue=self.enqueue,
+            ),
         )
         #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
         self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)

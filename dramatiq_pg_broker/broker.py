@@ -26,6 +26,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool
 
 from .attempt.consumer import ConsumerParts, PostgresConsumer
+from .attempt.core import WorkerCore
 from .attempt.current import AbortGuard, CurrentParts, JobContext, running_attempt
 from .attempt.inflight import Ledger
 from .attempt.leases import LeaseKeeper
@@ -159,11 +160,12 @@ class PostgresBroker(dramatiq.Broker):
             actors=self.actors,
             queues=self.queues,
         )
+        # What the lease keeper and every consumer claim, hold and renew attempts with.
+        core = WorkerCore(
+            store=self.store, settings=settings, ledger=self.ledger, schema_gate=self.schema_gate
+        )
         self.leases = LeaseKeeper(
-            self.store,
-            settings,
-            self.ledger,
-            self.schema_gate,
+            core,
             self.presence,
             # Dramatiq's failure hooks (Retries, callbacks, Results) are handed the broker.
             reaped_failed=functools.partial(end_reaped_job, self),
@@ -199,10 +201,7 @@ class PostgresBroker(dramatiq.Broker):
         self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)
         #: What every consumer of this broker uses (see :meth:`consume`).
         self._consumer_parts = ConsumerParts(
-            store=self.store,
-            settings=settings,
-            ledger=self.ledger,
-            schema_gate=self.schema_gate,
+            core=core,
             queue_limits=self.queue_limits,
             leases=self.leases,
             pool=self.pool,

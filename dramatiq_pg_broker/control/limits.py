@@ -52,7 +52,7 @@ from .. import forks
 from ..config import Settings
 from ..db.queries import statements_for
 from ..errors import InvalidQueueLimit, QueueNotDeclared
-from ..jobs.rows import channel_name, clean_text
+from ..jobs.rows import AsDict, channel_name, clean_text
 from .queues import check_name
 from .queues import get as get_queue
 
@@ -87,7 +87,7 @@ HUNGER_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
-class QueueLimit:
+class QueueLimit(AsDict):
     """A queue's limit: at most ``limit`` of its jobs run at once. ``source`` is ``code``
     (a worker's ``queue_limits`` setting) or ``operator`` (the CLI, the admin API)."""
 
@@ -96,9 +96,6 @@ class QueueLimit:
     source: str
     set_by: str
     set_at: dt.datetime
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 #: The statements of limits.sql for a schema (loaded once per process, shared).

@@ -26,6 +26,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 from psycopg_pool import ConnectionPool
 
 from .attempt.consumer import ConsumerParts, PostgresConsumer
+from .attempt.core import WorkerCore
 from .attempt.current import AbortGuard, CurrentParts, JobContext, running_attempt
 from .attempt.inflight import Ledger
 from .attempt.leases import LeaseKeeper
@@ -38,7 +39,7 @@ from .control.workers import Presence
 from .db.core import ProcessPool
 from .db.handshake import SchemaGate
 from .errors import PgBrokerError
-from .history.periodic import Periodic, Schedule
+from .history.periodic import Periodic, Schedule, Scheduler
 from .jobs.store import JobStore
 from .sending import messages
 from .sending.blocks import Batch
@@ -159,11 +160,12 @@ class PostgresBroker(dramatiq.Broker):
             actors=self.actors,
             queues=self.queues,
         )
+        # What the lease keeper and every consumer claim, hold and renew attempts with.
+        core = WorkerCore(
+            store=self.store, settings=settings, ledger=self.ledger, schema_gate=self.schema_gate
+        )
         self.leases = LeaseKeeper(
-            self.store,
-            settings,
-            self.ledger,
-            self.schema_gate,
+            core,
             self.presence,
             # Dramatiq's failure hooks (Retries, callbacks, Results) are handed the broker.
             reaped_failed=functools.partial(end_reaped_job, self),
@@ -185,20 +187,21 @@ class PostgresBroker(dramatiq.Broker):
         )
         self.periodic = Periodic(
             schema_gate=self.schema_gate,
-            pool=self.pool,
             settings=settings,
-            schedules=self.schedules,
-            actors=self.actors,
-            enqueue=self.enqueue,
+            new_scheduler=functools.partial(
+                Scheduler,
+                pool=self.pool,
+                settings=settings,
+                schedules=self.schedules,
+                actors=self.actors,
+                enqueue=self.enqueue,
+            ),
         )
         #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
         self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)
         #: What every consumer of this broker uses (see :meth:`consume`).
         self._consumer_parts = ConsumerParts(
-            store=self.store,
-            settings=settings,
-            ledger=self.ledger,
-            schema_gate=self.schema_gate,
+            core=core,
             queue_limits=self.queue_limits,
             leases=self.leases,
             pool=self.pool,

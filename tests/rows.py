@@ -1,14 +1,34 @@
 """Reading a job in tests through the job store's own API (so that the tests follow the
 tables wherever the store keeps them), on the store's pooled connections: only committed
-rows are seen."""
+rows are seen. And a job store of a test's own, with no job in it (:func:`emptied_store`)."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import psycopg
 from psycopg import sql
 
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.errors import JobNotFound
 from dramatiq_pg_broker.jobs import JobStore
+
+
+@contextlib.contextmanager
+def emptied_store(url: str, schema: str) -> Iterator[JobStore]:
+    """A job store on its own pool (closed at the end), with the waiting, running and
+    finished jobs of ``schema`` and their keys deleted first."""
+    pool = ProcessPool(Settings.load(url=url, schema=schema))
+    try:
+        with pool.connection() as conn:
+            conn.execute(
+                f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys CASCADE"
+            )
+        yield JobStore(pool, schema)
+    finally:
+        pool.close()
 
 
 def status_of(store: JobStore, job_id: str) -> str | None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -63,38 +64,34 @@ if TYPE_CHECKING:
     from .current import CurrentJob
 
 
+@dataclasses.dataclass(frozen=True)
 class _Level:
     """The transaction level a block opened on the application's connection."""
 
-    def __init__(
-        self,
-        ctx: Any,
-        began: bool,
-        raw: Callable[[], Any],
-        *,
-        active: Callable[[], bool] | None = None,
-        guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-    ) -> None:
-        #: The framework's own transaction block: ``conn.transaction()``, ``begin()``,
-        #: ``begin_nested()``, ``atomic()``.
-        self.ctx = ctx
-        #: The block begins (and commits) the transaction, rather than a savepoint in it.
-        self.began = began
-        #: The psycopg connection underneath, once ``ctx`` was entered.
-        self.raw = raw
-        self._active = active
-        self._guard = guard
+    #: The framework's own transaction block: ``conn.transaction()``, ``begin()``,
+    #: ``begin_nested()``, ``atomic()``.
+    ctx: Any
+    #: The block begins (and commits) the transaction, rather than a savepoint in it.
+    began: bool
+    #: The psycopg connection underneath, once ``ctx`` was entered.
+    raw: Callable[[], Any]
+    #: Whether the transaction is still open (None: the block cannot tell).
+    active: Callable[[], bool] | None = dataclasses.field(default=None, kw_only=True)
+    #: ``guard()``: the block the success is written in (None: none).
+    guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = dataclasses.field(
+        default=None, kw_only=True
+    )
 
     def check(self) -> None:
-        if self._active is not None and not self._active():
+        if self.active is not None and not self.active():
             raise TransactionError(
                 "the transaction of this complete_in() block ended inside the block (a "
                 "commit or rollback of the application's): the job's success was not "
                 "written; end the transaction after the block, not inside it"
             )
 
-    def guard(self) -> contextlib.AbstractContextManager[Any]:
-        return self._guard() if self._guard is not None else contextlib.nullcontext()
+    def guarded(self) -> contextlib.AbstractContextManager[Any]:
+        return self.guard() if self.guard is not None else contextlib.nullcontext()
 
 
 def _needs(name: str) -> Any:
@@ -244,7 +241,7 @@ class CompletionBlock:
             yield self._given
             # Reached only when the block's body raised nothing.
             level.check()
-            with level.guard():
+            with level.guarded():
                 self._complete(
                     lambda: job.parts.store.complete_in_transaction(
                         job.message.attempt, AppConnection(raw)

@@ -47,7 +47,6 @@ import dramatiq
 from dramatiq.broker import Consumer
 from dramatiq.errors import BrokerConnectionError
 
-from ..config import Settings
 from ..control.limits import LIMIT_PAYLOAD, QueueLimits
 from ..db.core import connect, translate_errors
 from ..jobs.rows import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob
@@ -56,9 +55,7 @@ from .states import RETRY_CAP_SECONDS
 
 if TYPE_CHECKING:
     from ..db.core import ProcessPool
-    from ..db.handshake import SchemaGate
-    from ..jobs.store import JobStore
-    from .inflight import Ledger
+    from .core import WorkerCore
     from .leases import LeaseKeeper
 
 logger = logging.getLogger("dramatiq_pg_broker.consumer")
@@ -69,14 +66,10 @@ class ConsumerParts:
     """What every consumer of a broker uses: the broker builds it once with its parts and
     hands it to each consumer it makes (:meth:`~dramatiq_pg_broker.PostgresBroker.consume`)."""
 
-    #: The job store: claims, the look of a limited queue, dead letters.
-    store: JobStore
-    #: The broker's settings.
-    settings: Settings
-    #: The in-flight ledger: every attempt claimed goes to it, and every outcome.
-    ledger: Ledger
-    #: The schema handshake's gate: nothing is claimed before it opens.
-    schema_gate: SchemaGate
+    #: The job store (claims, the look of a limited queue, dead letters), the settings,
+    #: the in-flight ledger (every attempt claimed goes to it, and every outcome) and the
+    #: schema gate (nothing is claimed before it opens): the lease keeper's too.
+    core: WorkerCore
     #: Which queues are limited, and this process's free worker threads.
     queue_limits: QueueLimits
     #: The lease keeper, told when an empty claim reports the earliest lease.
@@ -114,10 +107,10 @@ class PostgresConsumer(Consumer):
     """
 
     def __init__(self, parts: ConsumerParts, queue_name: str, prefetch: int, timeout: int):
-        self.store = parts.store
-        self.settings = parts.settings
-        self.ledger = parts.ledger
-        self.schema_gate = parts.schema_gate
+        self.store = parts.core.store
+        self.settings = parts.core.settings
+        self.ledger = parts.core.ledger
+        self.schema_gate = parts.core.schema_gate
         self.queue_limits = parts.queue_limits
         self.leases = parts.leases
         self.pool = parts.pool

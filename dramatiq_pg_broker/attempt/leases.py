@@ -28,6 +28,7 @@ its reaper runs on its interval. (A lease shortened since the report by an expli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,13 +37,10 @@ from collections.abc import Callable
 from dramatiq.errors import BrokerConnectionError
 
 from ..backoff import backoff_table
-from ..config import Settings
 from ..control.workers import Presence
-from ..db.handshake import SchemaGate
 from ..jobs.rows import ReapedJob, ReapResult
-from ..jobs.store import JobStore
 from ..service import Service
-from .inflight import Ledger
+from .core import WorkerCore
 from .states import RETRY_CAP_SECONDS, START_RECORD_DELAY
 
 logger = logging.getLogger("dramatiq_pg_broker.leases")
@@ -52,14 +50,15 @@ logger = logging.getLogger("dramatiq_pg_broker.leases")
 REPORT_FRESH_POLLS = 2
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class LeaseKeeper(Service):
     """Heartbeat and reaper of one process. See the module docstring.
 
     Parameters:
-      store(JobStore): renewals and the reaper's statement.
-      settings(Settings): the lease, the intervals, the reaper's batch and backoff.
-      ledger(Ledger): the attempts this process holds.
-      schema_gate(SchemaGate): nothing is renewed or reaped before it opens.
+      core(WorkerCore): the job store (renewals, the reaper's statement), the settings
+        (the lease, the intervals, the reaper's batch and backoff), the in-flight ledger
+        (the attempts this process holds) and the schema gate (nothing is renewed or
+        reaped before it opens).
       presence(Presence): this process's row in the worker registry, refreshed at each
         beat.
       reaped_failed(callable): ``reaped_failed(job)`` for each job the reaper failed (its
@@ -70,23 +69,12 @@ class LeaseKeeper(Service):
 
     thread_name = "dramatiq-pg-leases"
 
-    def __init__(
-        self,
-        store: JobStore,
-        settings: Settings,
-        ledger: Ledger,
-        schema_gate: SchemaGate,
-        presence: Presence,
-        *,
-        reaped_failed: Callable[[ReapedJob], None],
-    ) -> None:
+    core: WorkerCore
+    presence: Presence
+    reaped_failed: Callable[[ReapedJob], None] = dataclasses.field(kw_only=True)
+
+    def __post_init__(self) -> None:
         super().__init__()
-        self.reaped_failed = reaped_failed
-        self.store = store
-        self.settings = settings
-        self.ledger = ledger
-        self.schema_gate = schema_gate
-        self.presence = presence
         #: Set to wake the thread early: a start was deferred, or the keeper stops.
         self._wake = threading.Event()
         #: Whether the thread knows of deferred starts (it sets a timer for them).
@@ -124,17 +112,17 @@ class LeaseKeeper(Service):
         any running job expiring ``seconds_left`` later by the server's clock (``math.inf``:
         no job ran). A lease taken since expires no sooner than ``lease_seconds`` after
         ``sent``: until the earlier of the two, a reaper run would find nothing."""
-        self._quiet = (sent, sent + min(seconds_left, self.settings.lease_seconds))
+        self._quiet = (sent, sent + min(seconds_left, self.core.settings.lease_seconds))
 
     def _nothing_expired(self, now: float) -> bool:
         """Whether a fresh lease report says that no lease can have expired yet."""
         quiet = self._quiet
-        fresh = REPORT_FRESH_POLLS * self.settings.poll_interval
+        fresh = REPORT_FRESH_POLLS * self.core.settings.poll_interval
         return quiet is not None and now - quiet[0] <= fresh and now < quiet[1]
 
     def run(self) -> None:
-        heartbeat = self.settings.heartbeat_interval
-        reaper = self.settings.reaper_interval
+        heartbeat = self.core.settings.heartbeat_interval
+        reaper = self.core.settings.reaper_interval
         next_heartbeat = time.monotonic() + heartbeat
         # Reap soon after start: a restarted worker recovers what its predecessor left.
         next_reap = time.monotonic() + min(reaper, 1.0)
@@ -159,7 +147,7 @@ class LeaseKeeper(Service):
                     # Unreachable: try again soon, so that leases are renewed within a
                     # moment of the server's return.
                     next_heartbeat = now + min(heartbeat, RETRY_CAP_SECONDS)
-            if now >= next_reap and self.schema_gate.is_open:
+            if now >= next_reap and self.core.schema_gate.is_open:
                 # (A worker whose schema handshake has not passed reaps nothing: see
                 # handshake.SchemaGate. Renewals and starts concern claims it made after.)
                 self.guarded(self.reap)
@@ -180,7 +168,7 @@ class LeaseKeeper(Service):
             logger.debug("Lease maintenance could not reach the database: %s", e)
             # The leases of this process's attempts (and maybe others') could not be
             # renewed: give every owner a whole lease to come back before reaping.
-            self._reap_after = time.monotonic() + self.settings.lease_seconds
+            self._reap_after = time.monotonic() + self.core.settings.lease_seconds
             return False
         except Exception:
             logger.exception("Lease maintenance failed.")
@@ -196,20 +184,20 @@ class LeaseKeeper(Service):
     def renew(self) -> set[str]:
         """Renew every attempt the ledger holds; the ledger lets go of those no longer
         owned, and stops those an operator asked to abort."""
-        ledger = self.ledger
+        ledger = self.core.ledger
         with ledger.renewing() as attempts:
             if not attempts:
                 return set()
             sent = time.monotonic()
-            renewal = self.store.renew_leases(attempts, self.settings.lease_seconds)
-            ledger.renewed(attempts, renewal.owned, sent + self.settings.lease_seconds)
+            renewal = self.core.store.renew_leases(attempts, self.core.settings.lease_seconds)
+            ledger.renewed(attempts, renewal.owned, sent + self.core.settings.lease_seconds)
         for job_id in renewal.abort_requested:
             ledger.abort(job_id)
         return renewal.owned
 
     def record_starts(self) -> None:
         """Write the starts the ledger deferred; remember when the next one is due."""
-        self._next_start_due = self.ledger.record_starts()
+        self._next_start_due = self.core.ledger.record_starts()
 
     def reap(self) -> ReapResult | None:
         """Give back running jobs whose lease expired (any worker's); run Dramatiq's
@@ -217,8 +205,8 @@ class LeaseKeeper(Service):
         now = time.monotonic()
         if now < self._reap_after or self._nothing_expired(now):
             return None
-        settings = self.settings
-        result = self.store.reap(
+        settings = self.core.settings
+        result = self.core.store.reap(
             batch=settings.reaper_batch,
             backoff_ms=backoff_table(settings.backoff_base_ms, settings.backoff_max_ms),
             max_interruptions=settings.max_interruptions,

@@ -22,33 +22,28 @@ from .jobs import (
     _json_flag,
     _plain_command,
     command,
+    listing,
     operator_name,
-    print_listing,
     printable,
     relative,
     to_json,
 )
 
-
-@command
-def run_queues_list(ctx: Context, args) -> int:
-    return print_listing(
-        ctx,
-        args,
-        queue_control.list_queues,
-        ["QUEUE", "STATE", "SINCE", "BY", "LIMIT", "QUEUED", "DELAYED", "RUNNING"],
-        lambda r, now: [
-            printable(r["queue_name"]),
-            "paused" if r["paused"] else "active",
-            relative(r["paused_at"] if r["paused"] else r["resumed_at"], now) or "-",
-            printable(r["paused_by"] if r["paused"] else r["resumed_by"]) or "-",
-            "-" if r["limit"] is None else r["limit"],
-            r["queued"],
-            r["delayed"],
-            r["running"],
-        ],
-        "(no queues: a worker declares its queues when it boots)",
-    )
+run_queues_list = listing(
+    queue_control.list_queues,
+    ["QUEUE", "STATE", "SINCE", "BY", "LIMIT", "QUEUED", "DELAYED", "RUNNING"],
+    lambda r, now: [
+        printable(r["queue_name"]),
+        "paused" if r["paused"] else "active",
+        relative(r["paused_at"] if r["paused"] else r["resumed_at"], now) or "-",
+        printable(r["paused_by"] if r["paused"] else r["resumed_by"]) or "-",
+        "-" if r["limit"] is None else r["limit"],
+        r["queued"],
+        r["delayed"],
+        r["running"],
+    ],
+    "(no queues: a worker declares its queues when it boots)",
+)
 
 
 def _print_state(state: queue_control.QueueState, args, verb: str, changed: bool) -> None:
@@ -116,41 +111,33 @@ def run_queues_limit(ctx: Context, args) -> int:
     return 0
 
 
-@command
-def run_workers(ctx: Context, args) -> int:
-    return print_listing(
-        ctx,
-        args,
-        list_workers,
-        ["HOST", "PID", "VERSION", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
-        lambda r, now: [
-            printable(r["host"]),
-            r["pid"],
-            printable(r["version"]) or "-",
-            relative(r["started_at"], now),
-            relative(r["heartbeat_at"], now),
-            r["in_flight"],
-            ", ".join(printable(q) for q in r["queues"]),
-        ],
-        "(no live worker processes)",
-    )
+run_workers = listing(
+    list_workers,
+    ["HOST", "PID", "VERSION", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
+    lambda r, now: [
+        printable(r["host"]),
+        r["pid"],
+        printable(r["version"]) or "-",
+        relative(r["started_at"], now),
+        relative(r["heartbeat_at"], now),
+        r["in_flight"],
+        ", ".join(printable(q) for q in r["queues"]),
+    ],
+    "(no live worker processes)",
+)
 
 
-@command
-def run_actors(ctx: Context, args) -> int:
-    return print_listing(
-        ctx,
-        args,
-        list_actors,
-        ["ACTOR", "QUEUE", "LIVE WORKERS", "LAST DECLARED"],
-        lambda r, now: [
-            printable(r["actor_name"]),
-            printable(r["queue_name"]),
-            r["live_workers"],
-            relative(r["seen_at"], now),
-        ],
-        "(no actors: a worker declares its actors when it boots)",
-    )
+run_actors = listing(
+    list_actors,
+    ["ACTOR", "QUEUE", "LIVE WORKERS", "LAST DECLARED"],
+    lambda r, now: [
+        printable(r["actor_name"]),
+        printable(r["queue_name"]),
+        r["live_workers"],
+        relative(r["seen_at"], now),
+    ],
+    "(no actors: a worker declares its actors when it boots)",
+)
 
 
 def _positive_int(text: str) -> int:

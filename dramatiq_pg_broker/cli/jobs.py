@@ -217,19 +217,24 @@ def print_rows(
     return 0
 
 
-def print_listing(
-    ctx: Context,
-    args,
+def listing(
     read: Callable[[Any, str], list[dict[str, Any]]],
     headers: Sequence[str],
     cells: Callable[[dict[str, Any], dt.datetime], Sequence[Any]],
     empty: str,
-) -> int:
-    """:func:`print_rows` of what ``read(conn, schema)`` returns (the worker registry's,
-    the queues' and the schedules' lists), read on one of the pool's connections."""
-    with ctx.pool.connection() as conn:
-        rows = read(conn, ctx.settings.schema)
-    return print_rows(args, rows, headers, cells, empty)
+) -> Callable[[argparse.Namespace], int]:
+    """A list command (the worker registry's, the queues', the schedules'): it prints, as
+    :func:`print_rows` does, what ``read(conn, schema)`` returns, read on one of the pool's
+    connections. Such a command is only its reader, its columns and its sentence for no
+    rows, so it is written as those."""
+
+    @command
+    def run(ctx: Context, args) -> int:
+        with ctx.pool.connection() as conn:
+            rows = read(conn, ctx.settings.schema)
+        return print_rows(args, rows, headers, cells, empty)
+
+    return run
 
 
 def operator_name() -> str:
@@ -493,28 +498,29 @@ def run_prune(ctx: Context, args) -> int:
     return 0
 
 
-@command
-def run_schedules(ctx: Context, args) -> int:
+def _list_schedules(conn, schema: str) -> list[dict[str, Any]]:
+    # Imported here: the scheduler's module (and APScheduler) only for this command.
     from ..history.periodic import list_schedules
 
-    return print_listing(
-        ctx,
-        args,
-        list_schedules,
-        ["NAME", "KIND", "QUEUE", "TRIGGER", "TZ", "MISSED", "LAST TICK", "NEXT RUN", "LAST JOB"],
-        lambda r, now: [
-            r["name"],
-            r["kind"],
-            r["queue_name"] or "-",
-            r["trigger"],
-            r["timezone"],
-            r["missed"] if r["kind"] == "actor" else "-",
-            relative(r["last_tick"], now) or "never",
-            relative(r["next_run"], now),
-            r["last_job_status"] or "-",
-        ],
-        "(no schedules: a worker registers them when it boots)",
-    )
+    return list_schedules(conn, schema)
+
+
+run_schedules = listing(
+    _list_schedules,
+    ["NAME", "KIND", "QUEUE", "TRIGGER", "TZ", "MISSED", "LAST TICK", "NEXT RUN", "LAST JOB"],
+    lambda r, now: [
+        r["name"],
+        r["kind"],
+        r["queue_name"] or "-",
+        r["trigger"],
+        r["timezone"],
+        r["missed"] if r["kind"] == "actor" else "-",
+        relative(r["last_tick"], now) or "never",
+        relative(r["next_run"], now),
+        r["last_job_status"] or "-",
+    ],
+    "(no schedules: a worker registers them when it boots)",
+)
 
 
 # -- registration -------------------------------------------------------------------------

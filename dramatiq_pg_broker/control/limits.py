@@ -52,7 +52,7 @@ from .. import forks
 from ..config import Settings
 from ..db.queries import statements_for
 from ..errors import InvalidQueueLimit, QueueNotDeclared
-from ..jobs.rows import channel_name, clean_text
+from ..jobs.rows import AsDict, channel_name, clean_text
 from .queues import check_name
 from .queues import get as get_queue
 
@@ -87,7 +87,7 @@ HUNGER_SECONDS = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
-class QueueLimit:
+class QueueLimit(AsDict):
     """A queue's limit: at most ``limit`` of its jobs run at once. ``source`` is ``code``
     (a worker's ``queue_limits`` setting) or ``operator`` (the CLI, the admin API)."""
 
@@ -96,9 +96,6 @@ class QueueLimit:
     source: str
     set_by: str
     set_at: dt.datetime
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 #: The statements of limits.sql for a schema (loaded once per process, shared).
@@ -210,6 +207,7 @@ def apply_declared(
     return changed
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class QueueLimits(Middleware):
     """A worker process's view of queue limits: which queues are limited (refreshed as the
     module docstring says), and how many of its worker threads are free to start a job
@@ -221,10 +219,11 @@ class QueueLimits(Middleware):
       settings(Settings): its ``listen`` (without LISTEN, no change is announced).
     """
 
-    def __init__(self, *, store: LimitReads, ledger: Occupancy, settings: Settings) -> None:
-        self.store = store
-        self.ledger = ledger
-        self.settings = settings
+    store: LimitReads
+    ledger: Occupancy
+    settings: Settings
+
+    def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}
         #: Monotonic time of the last read (None: never read, or a change was announced).

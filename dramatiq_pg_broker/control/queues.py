@@ -29,7 +29,7 @@ import psycopg
 
 from ..db.queries import statements_for
 from ..errors import InvalidQueueName, QueueNotDeclared
-from ..jobs.rows import PAUSE_PAYLOAD, channel_name, clean_text
+from ..jobs.rows import PAUSE_PAYLOAD, AsDict, channel_name, clean_text
 
 #: Dramatiq's own rule for queue names.
 QUEUE_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
@@ -39,7 +39,7 @@ MAX_QUEUE_NAME = 255
 
 
 @dataclasses.dataclass(frozen=True)
-class QueueState:
+class QueueState(AsDict):
     """A known queue and whether it is paused, with the latest pause and resume."""
 
     queue_name: str
@@ -49,9 +49,6 @@ class QueueState:
     resumed_at: dt.datetime | None
     resumed_by: str | None
     declared_at: dt.datetime
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 #: The statements of queues.sql for a schema (loaded once per process, shared).

@@ -23,6 +23,7 @@ register: a rolling upgrade lists only the new ones.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -109,6 +110,7 @@ def prune_expired(conn: psycopg.Connection, schema: str, *, limit: int = 1000) -
     return conn.execute(_queries(schema)["prune_workers"], {"limit": int(limit)}).rowcount
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Presence(Middleware):
     """This process in the registry: registers after the worker boots, is refreshed by the
     lease heartbeat (:meth:`refresh`), and deregisters when the worker shuts down.
@@ -127,22 +129,14 @@ class Presence(Middleware):
       queues(Collection[str]): the broker's declared queues, read when the worker boots.
     """
 
-    def __init__(
-        self,
-        *,
-        pool: ProcessPool,
-        settings: Settings,
-        ledger: Sized,
-        schema_gate: SchemaGate,
-        actors: Mapping[str, Any],
-        queues: Collection[str],
-    ) -> None:
-        self.pool = pool
-        self.settings = settings
-        self.ledger = ledger
-        self.schema_gate = schema_gate
-        self.actors = actors
-        self.queues = queues
+    pool: ProcessPool
+    settings: Settings
+    ledger: Sized
+    schema_gate: SchemaGate
+    actors: Mapping[str, Any]
+    queues: Collection[str]
+
+    def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._id: str | None = None

@@ -33,6 +33,7 @@ maintenance schedule's last tick.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -121,9 +122,11 @@ def list_schedules(conn, schema: str) -> list[dict[str, Any]]:
     return [dict(zip(names, row)) for row in cur.fetchall()]
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Scheduler:
     """The schedules of one worker process on an APScheduler ``BackgroundScheduler``.
-    :class:`Periodic` builds it with the broker's parts.
+    :class:`Periodic` builds one when the worker boots (its ``new_scheduler``, which the
+    broker binds to its parts).
 
     Parameters:
       pool(ProcessPool): where the schedule rows are written, and retention runs.
@@ -135,21 +138,14 @@ class Scheduler:
         stored (the broker's :meth:`~dramatiq_pg_broker.PostgresBroker.enqueue`).
     """
 
-    def __init__(
-        self,
-        *,
-        pool: ProcessPool,
-        settings: Settings,
-        schedules: Sequence[Schedule],
-        actors: Mapping[str, dramatiq.Actor],
-        enqueue: Callable[[dramatiq.Message], dramatiq.Message],
-    ) -> None:
-        self.pool = pool
-        self.settings = settings
-        self.schedules = schedules
-        self.actors = actors
-        self._enqueue = enqueue
-        self.queries = Queries(settings.schema, "periodic.sql")
+    pool: ProcessPool
+    settings: Settings
+    schedules: Sequence[Schedule]
+    actors: Mapping[str, dramatiq.Actor]
+    enqueue: Callable[[dramatiq.Message], dramatiq.Message]
+
+    def __post_init__(self) -> None:
+        self.queries = Queries(self.settings.schema, "periodic.sql")
         self._seen: dict[str, dt.datetime] = {}
         #: Schedules whose registration could not reach the database yet, with the boot
         #: time their catch-up is computed from; retried at their next firing.
@@ -157,7 +153,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._scheduler: BackgroundScheduler | None = None
-        self.retention = Schedule(RETENTION_SCHEDULE, every=settings.retention_interval)
+        self.retention = Schedule(RETENTION_SCHEDULE, every=self.settings.retention_interval)
 
     @property
     def running(self) -> bool:
@@ -375,7 +371,7 @@ class Scheduler:
             idempotency_key=schedule.key(tick),
             periodic={"schedule": schedule.name, "tick": tick.isoformat(), "missed": missed},
         )
-        sent = self._enqueue(message)
+        sent = self.enqueue(message)
         params = {
             "name": schedule.name,
             "tick": tick,
@@ -442,6 +438,7 @@ class Scheduler:
 START_WAIT_SECONDS = 1.0
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Periodic(Middleware):
     """Starts the process's :class:`Scheduler` after the worker boots (once the schema
     handshake passed) and stops it on shutdown.
@@ -450,36 +447,18 @@ class Periodic(Middleware):
 
     Parameters:
       schema_gate(SchemaGate): the scheduler starts once it is open.
-      pool, settings, schedules, actors, enqueue: what each :class:`Scheduler` is given.
+      settings(Settings): its ``scheduler`` (False: nothing starts).
+      new_scheduler(callable): ``new_scheduler()`` is a :class:`Scheduler` of the broker's
+        schedules, not started (the broker's binds the :class:`Scheduler` to its pool,
+        settings, schedules, actors and ``enqueue``): one when the worker boots, and a new
+        one when a stopped worker boots again.
     """
 
-    def __init__(
-        self,
-        *,
-        schema_gate: SchemaGate,
-        pool: ProcessPool,
-        settings: Settings,
-        schedules: Sequence[Schedule],
-        actors: Mapping[str, dramatiq.Actor],
-        enqueue: Callable[[dramatiq.Message], dramatiq.Message],
-    ) -> None:
-        self.schema_gate = schema_gate
-        self.pool = pool
-        self.settings = settings
-        self.schedules = schedules
-        self.actors = actors
-        self._enqueue = enqueue
-        self.scheduler: Scheduler | None = None
-
-    def new_scheduler(self) -> Scheduler:
-        """A scheduler of the broker's schedules, not started."""
-        return Scheduler(
-            pool=self.pool,
-            settings=self.settings,
-            schedules=self.schedules,
-            actors=self.actors,
-            enqueue=self._enqueue,
-        )
+    schema_gate: SchemaGate
+    settings: Settings
+    new_scheduler: Callable[[], Scheduler]
+    #: The scheduler the last worker boot started (None before the first boot).
+    scheduler: Scheduler | None = dataclasses.field(init=False, default=None)
 
     def after_worker_boot(self, broker, worker) -> None:
         if not self.settings.scheduler:

@@ -1,6 +1,6 @@
 """The job store: one method per transition of a job row, split by role."""
 
-from .store import (
+from .rows import (
     LEASE_EXPIRED,
     MIN_ID_PREFIX,
     PAUSE_PAYLOAD,
@@ -9,7 +9,6 @@ from .store import (
     Claim,
     ClaimedJob,
     EnqueueResult,
-    JobStore,
     NewJob,
     QueueCounts,
     ReapResult,
@@ -20,3 +19,4 @@ from .store import (
     queue_counts_of,
     send_values,
 )
+from .store import JobStore

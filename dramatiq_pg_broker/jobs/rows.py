@@ -208,8 +208,16 @@ def _delay_ms(job: NewJob) -> int:
 LEASE_EXPIRED = "lease expired:"
 
 
+class AsDict:
+    """A dataclass value that the CLI prints as JSON and the admin API returns:
+    :meth:`as_dict` is its fields, as :func:`dataclasses.asdict` gives them."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass
-class QueueCounts:
+class QueueCounts(AsDict):
     """One queue's unfinished and failed jobs (see :meth:`JobStore.queue_counts`).
 
     Attributes:
@@ -238,9 +246,6 @@ class QueueCounts:
     paused_at: dt.datetime | None = None
     paused_by: str | None = None
     limit: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def queue_counts_of(rows: Iterable[Sequence[Any]]) -> dict[str, QueueCounts]:

@@ -26,28 +26,6 @@ from .claims import Claims
 from .operator import OperatorTransitions
 from .outcomes import Outcomes
 from .reads import Reads
-
-# The values of the store that dramatiq_pg_broker.jobs (and the package's top) import from
-# here, as before the split.
-from .rows import (  # noqa: F401
-    LEASE_EXPIRED,
-    MIN_ID_PREFIX,
-    PAUSE_PAYLOAD,
-    SEND_FIELDS,
-    Attempt,
-    Claim,
-    ClaimedJob,
-    EnqueueResult,
-    NewJob,
-    QueueCounts,
-    ReapResult,
-    Renewal,
-    abort_payload,
-    channel_name,
-    id_prefix_range,
-    queue_counts_of,
-    send_values,
-)
 from .sends import SendWrites
 
 

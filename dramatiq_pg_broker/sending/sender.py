@@ -32,6 +32,7 @@ attempt this thread runs?) is handed to the :class:`Sender` by the broker.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -132,6 +133,7 @@ class RunningAttempt(NamedTuple):
     error: str | None
 
 
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class Sender:
     """The send path of one broker. See the module docstring. The broker builds it with
     what it uses.
@@ -155,39 +157,27 @@ class Sender:
         once for the batch).
     """
 
-    def __init__(
-        self,
-        *,
-        store: JobStore,
-        settings: Settings,
-        pool: Pooled,
-        ledger: Reschedules,
-        running: Callable[[dramatiq.Message], RunningAttempt | None],
-        actors: Mapping[str, dramatiq.Actor],
-        middleware: Sequence[Middleware],
-        emit_before: Callable[..., None],
-        emit_after: Callable[..., None],
-        emitter: Emitter,
-    ) -> None:
-        self.store = store
-        self.settings = settings
-        self.pool = pool
-        self.ledger = ledger
-        self._running = running
-        self.actors = actors
-        self.middleware = middleware
-        self._emit_before = emit_before
-        self._emit_after = emit_after
-        self._emitter = emitter
+    store: JobStore
+    settings: Settings
+    pool: Pooled
+    ledger: Reschedules
+    running: Callable[[dramatiq.Message], RunningAttempt | None]
+    actors: Mapping[str, dramatiq.Actor]
+    middleware: Sequence[Middleware]
+    emit_before: Callable[..., None]
+    emit_after: Callable[..., None]
+    emitter: Emitter
+    #: Asked for the transaction a send joins when no ``broker.transaction()`` or
+    #: ``batch()`` block is open: ``resolver()`` returns a :class:`Transaction` on the
+    #: application's connection, or None to send through the pool. The Django
+    #: integration sets it to join ``transaction.atomic()`` blocks.
+    resolver: Callable[[], Transaction | None] | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
         self._blocks = SendContext()
         #: Concurrent sends through the pool share a statement: one group per process.
         self._group = forks.PerProcess(lambda: GroupCommit(self._write_group))
         self._identity: tuple | None = None
-        #: Asked for the transaction a send joins when no ``broker.transaction()`` or
-        #: ``batch()`` block is open: ``resolver()`` returns a :class:`Transaction` on the
-        #: application's connection, or None to send through the pool. The Django
-        #: integration sets it to join ``transaction.atomic()`` blocks.
-        self.resolver: Callable[[], Transaction | None] | None = None
 
     def _block(self) -> Transaction | Batch | None:
         """Where a send of this thread (or task) goes: the innermost block it opened, else
@@ -239,11 +229,11 @@ class Sender:
 
     def send(self, message: dramatiq.Message, delay: int | None = None) -> dramatiq.Message:
         """:meth:`PostgresBroker.enqueue <dramatiq_pg_broker.PostgresBroker.enqueue>`."""
-        self._emit_before("enqueue", message, delay)
-        running = self._running(message)
+        self.emit_before("enqueue", message, delay)
+        running = self.running(message)
         if running is not None:
             self._retry(running, message, delay)
-            self._emit_after("enqueue", message, delay)
+            self.emit_after("enqueue", message, delay)
             return message
         job, stored = self.job_for(message, delay)
         block = self._block()
@@ -259,7 +249,7 @@ class Sender:
                 lambda first: self._send_alone(job, first), self.settings.enqueue_retries
             )
         stored = self._as_stored(job, stored, result)
-        self._emit_after("enqueue", stored, delay)
+        self.emit_after("enqueue", stored, delay)
         return stored
 
     def _send_alone(self, job: NewJob, first: bool) -> EnqueueResult:
@@ -379,7 +369,7 @@ class Sender:
     ) -> list[dramatiq.Message]:
         """:meth:`PostgresBroker.enqueue_many <dramatiq_pg_broker.PostgresBroker.enqueue_many>`."""
         messages = list(messages)
-        before = self._emitter("before", "enqueue")
+        before = self.emitter("before", "enqueue")
         job_for = self._builder()
         stored: list[dramatiq.Message] = [None] * len(messages)  # type: ignore[list-item]
 
@@ -420,7 +410,7 @@ class Sender:
                 lambda first: self.store.enqueue_many(jobs, again=first),
                 self.settings.enqueue_retries,
             )
-        after = self._emitter("after", "enqueue")
+        after = self.emitter("after", "enqueue")
         sent = []
         for job, message, delay, result in zip(jobs, stored, delays, results):
             message = self._as_stored(job, message, result)

@@ -12,10 +12,10 @@ import uuid
 import psycopg
 import pytest
 
-from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob
 from dramatiq_pg_broker.retention import RetentionPolicy, create_partitions, prune
+
+from ..rows import emptied_store
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,20 +27,17 @@ HOT_PATH_BOUND = 1.0
 
 @pytest.fixture
 def store(pg_url, schema):
-    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
-    store = JobStore(pool, schema)
-    with pool.connection() as conn:
-        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys CASCADE")
-        conn.execute(f"TRUNCATE {schema}.job_events")
-        # Days before today start without partitions (an earlier test made some).
-        for (name,) in conn.execute(
-            f"SELECT partition FROM {schema}.history_partitions"
-            " WHERE NOT is_default AND range_end <= date_trunc('day', now(), 'UTC')"
-            f" UNION ALL SELECT partition FROM {schema}.history_partitions_pending"
-        ).fetchall():
-            conn.execute(f"DROP TABLE {schema}.{name}")
-    yield store
-    pool.close()
+    with emptied_store(pg_url, schema) as store:
+        with store.pool.connection() as conn:
+            conn.execute(f"TRUNCATE {schema}.job_events")
+            # Days before today start without partitions (an earlier test made some).
+            for (name,) in conn.execute(
+                f"SELECT partition FROM {schema}.history_partitions"
+                " WHERE NOT is_default AND range_end <= date_trunc('day', now(), 'UTC')"
+                f" UNION ALL SELECT partition FROM {schema}.history_partitions_pending"
+            ).fetchall():
+                conn.execute(f"DROP TABLE {schema}.{name}")
+        yield store
 
 
 def server_now(store: JobStore) -> dt.datetime:

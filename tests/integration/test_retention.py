@@ -10,21 +10,18 @@ import uuid
 import pytest
 
 from dramatiq_pg_broker.config import Settings
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import JobStore, NewJob
 from dramatiq_pg_broker.retention import RetentionPolicy, prune
+
+from ..rows import emptied_store
 
 NOW = dt.datetime(2030, 6, 1, 12, 0, tzinfo=dt.timezone.utc)
 
 
 @pytest.fixture
 def store(pg_url, schema):
-    pool = ProcessPool(Settings.load(url=pg_url, schema=schema))
-    store = JobStore(pool, schema)
-    with pool.connection() as conn:
-        conn.execute(f"TRUNCATE {schema}.jobs, {schema}.jobs_history, {schema}.job_keys CASCADE")
-    yield store
-    pool.close()
+    with emptied_store(pg_url, schema) as store:
+        yield store
 
 
 def make_job(store: JobStore, status: str, *, days_ago: float, queue: str = "q") -> str:

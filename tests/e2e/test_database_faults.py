@@ -184,6 +184,7 @@ def test_outages_and_a_crash_fail_nothing_and_draining_resumes_at_once(cluster, 
         )
         assert not story.others, f"worker {n} logged more than the outages:\n{story}"
         told = [outage_seconds(end) for end in story.ends]
+        print(f"worker {n}: outages told as {told}s with {len(story.reminders)} reminder(s)")
         for (surely, at_most), length in zip(downtimes, told):
             # From the fault (seen at once) to the first statement answered after the
             # restart (within 2 s of it, as asserted above).

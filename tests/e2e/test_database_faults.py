@@ -98,9 +98,9 @@ def test_outages_and_a_crash_fail_nothing_and_draining_resumes_at_once(cluster, 
         for fault, outage in FAULTS:
             name = f"{fault} {outage:.0f}s"
             before = len(sent)
-            # 50 ms each, 8 at a time: draining takes several seconds, so the fault lands
-            # in the middle of it.
-            sent += [steady.send(0.05).message_id for _ in range(JOBS_PER_FAULT)]
+            # 25 ms each, 8 at a time: draining takes seconds (nearly 4 s are left at the
+            # fault, more with the backlog), so the fault lands in the middle of it.
+            sent += [steady.send(0.025).message_id for _ in range(JOBS_PER_FAULT)]
             wait_for(
                 lambda before=before: succeeded() >= before + JOBS_PER_FAULT // 5,
                 120,

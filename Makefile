@@ -51,6 +51,8 @@ format: $(STAMP)
 ## Python writes its bytecode caches (__pycache__, git-ignored) during the run even where
 ## PYTHONDONTWRITEBYTECODE is set: otherwise every pytest process and every worker, gunicorn
 ## and CLI process the tests start compiles the package and rewrites the tests anew.
+## Four workers: on two cores the run is bound by the CPU more than by waiting, and six
+## exhausted the embedded server's 100 connections.
 TEST_WORKERS ?= 4
 PYTEST := $(BIN)/python -m pytest -v -p no:cacheprovider --durations=10
 test: export PYTHONDONTWRITEBYTECODE =

@@ -48,8 +48,14 @@ format: $(STAMP)
 ## printed as it starts and as it ends (-v). PYTEST_ARGS=-n0 runs the first part serially
 ## too; a selection in PYTEST_ARGS that leaves one of the two runs without a test (pytest's
 ## exit status 5) is not a failure.
+## Python writes its bytecode caches (__pycache__, git-ignored) during the run even where
+## PYTHONDONTWRITEBYTECODE is set: otherwise every pytest process and every worker, gunicorn
+## and CLI process the tests start compiles the package and rewrites the tests anew.
+## Four workers: on two cores the run is bound by the CPU more than by waiting, and six
+## exhausted the embedded server's 100 connections.
 TEST_WORKERS ?= 4
 PYTEST := $(BIN)/python -m pytest -v -p no:cacheprovider --durations=10
+test: export PYTHONDONTWRITEBYTECODE =
 test: lint
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" \
 		$(PYTEST_ARGS) || [ $$? -eq 5 ]

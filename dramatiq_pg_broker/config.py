@@ -295,6 +295,14 @@ class Settings:
         "with them metric labels) through the API.",
         group="Admin API",
     )
+    outage_reminder_seconds: float = _setting(
+        60.0,
+        "Seconds between two reminders while the database stays unreachable: a process "
+        "logs one line when an outage starts, a reminder per interval while it lasts and "
+        "one line when it ends (see the high-availability guide). One interval per "
+        "process: its connection pool's settings set it.",
+        group="Logging",
+    )
     log_level: str | None = _setting(
         None,
         "Level of the `dramatiq_pg_broker` loggers (`DEBUG`, `INFO`, ...); unset leaves "
@@ -320,6 +328,7 @@ class Settings:
             "retention_interval",
             "statement_timeout",
             "pool_timeout",
+            "outage_reminder_seconds",
         )
         for name in positive:
             if getattr(self, name) <= 0:

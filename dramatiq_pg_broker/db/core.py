@@ -257,6 +257,9 @@ class ProcessPool:
         migration_wait: float = 0.0,
     ) -> None:
         self.settings = settings
+        # The process's outage lines remind at the interval its settings ask for (one
+        # tracker per process: every pool of a process normally has the same settings).
+        outage.tracker.reminder_seconds = settings.outage_reminder_seconds
         #: Seconds the handshake waits for a running migration (see the class docstring).
         self.migration_wait = migration_wait
         self._migration_waiter = threading.Lock()

@@ -6,7 +6,9 @@ connection that could not be made, a connection lost, a statement the database a
 From that, the process logs at WARNING, whatever number of pools and threads it runs:
 
 - one line when the database becomes unreachable, with the error;
-- one reminder every :data:`REMINDER_SECONDS` while it stays so, with the latest error;
+- one reminder every :attr:`Outage.reminder_seconds` (a minute unless the
+  ``outage_reminder_seconds`` setting says otherwise) while it stays so, with the latest
+  error;
 - one line when the database answers again, saying how long it was gone;
 
 and nothing per reconnection attempt: the holders log their retries at DEBUG only, and
@@ -54,7 +56,8 @@ from .. import forks
 
 logger = logging.getLogger("dramatiq_pg_broker.outage")
 
-#: Seconds between two reminders while the database stays unreachable.
+#: Seconds between two reminders while the database stays unreachable, unless the
+#: ``outage_reminder_seconds`` setting says otherwise.
 REMINDER_SECONDS = 60.0
 
 #: How long connections must keep being lost, with no statement succeeding, before that
@@ -125,10 +128,18 @@ class Outage:
 
     Parameters:
       clock(callable): monotonic seconds (tests pass their own).
+      reminder_seconds(float): seconds between two reminders while an outage lasts. The
+        process's connection pool sets it from its settings (``outage_reminder_seconds``),
+        so that the interval is one setting like the others rather than a constant.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        reminder_seconds: float = REMINDER_SECONDS,
+    ) -> None:
         self._clock = clock
+        self.reminder_seconds = reminder_seconds
         self._lock = threading.Lock()
         self._pid = forks.pid()
         #: Monotonic time of the first sign of trouble; None while all is well.
@@ -224,7 +235,7 @@ class Outage:
                 self._announced = True
                 self._last_notice = now
                 reminder = False
-            elif now - self._last_notice >= REMINDER_SECONDS:
+            elif now - self._last_notice >= self.reminder_seconds:
                 self._last_notice = now
                 reminder = True
             else:
@@ -239,7 +250,7 @@ class Outage:
             logger.warning(
                 "The database is unreachable (retrying quietly: a reminder every %s while "
                 "it lasts, a line when it is back): %s",
-                duration(REMINDER_SECONDS),
+                duration(self.reminder_seconds),
                 describe(error),
             )
 

@@ -1,24 +1,21 @@
 """``dramatiq tests.e2e.outage_app``: the e2e worker app with the connection holders an
 application adds in each worker process, kept busy: a connection pool of its own and the
 results/rate-limit listener (besides the broker's pool and the consumers' LISTEN
-connections). Outage reminders come every ``OUTAGE_TEST_REMINDER_SECONDS`` (default: a
-minute, as in production), so that a short outage shows them.
+connections). Its reminders come at the broker's ``outage_reminder_seconds``, which a
+test sets through ``DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS`` so that a short outage shows them.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.middleware import Middleware
 
-from dramatiq_pg_broker.db import ProcessPool, outage
+from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.db.listener import channel_for, listener_for
 from tests.e2e.worker_app import broker
-
-outage.REMINDER_SECONDS = float(os.environ.get("OUTAGE_TEST_REMINDER_SECONDS", "60"))
 
 
 def _keep_busy(pool: ProcessPool) -> None:

@@ -75,7 +75,7 @@ def test_a_worker_tells_each_outage_once_with_reminders_and_its_end(new_cluster,
         SCHEMA,
         log,
         app="tests.e2e.outage_app",
-        OUTAGE_TEST_REMINDER_SECONDS=str(REMINDER_SECONDS),
+        DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS=str(REMINDER_SECONDS),
     )
     try:
         wait_for(lambda: lines(OUTAGE_STARTS), 30, "the worker to say the database is down")

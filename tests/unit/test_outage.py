@@ -206,3 +206,27 @@ def test_saturation_leaves_an_outage_as_it_is(tracker, clock, lines):
     story = lines()
     assert story[0].startswith("The database is unreachable")
     assert story[-1] == "The database is reachable again; it was unreachable for 10.0s."
+
+
+def test_the_reminder_interval_is_a_setting_a_minute_by_default(clock, lines, monkeypatch):
+    from dramatiq_pg_broker.config import Settings
+    from dramatiq_pg_broker.db import ProcessPool
+
+    assert Settings().outage_reminder_seconds == 60.0
+    monkeypatch.setattr(outage, "tracker", Outage(clock=clock))
+    ProcessPool(Settings.load({"DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS": "5"}))
+    tracker = outage.tracker
+    assert tracker.reminder_seconds == 5.0
+    for _ in range(25):  # 12 s of failed attempts, twice a second
+        tracker.connect_failed(REFUSED)
+        clock.now += 0.5
+    tracker.answered()
+
+    story = lines()
+    assert "a reminder every 5.0s while it lasts" in story[0], story
+    assert story[1:] == [
+        f"The database is still unreachable, for {seconds} now: connection failed: "
+        'connection to server at "10.0.0.1", port 5432 failed: Connection refused Is the '
+        "server running on that host and accepting TCP/IP connections?"
+        for seconds in ("5.0s", "10.0s")
+    ] + ["The database is reachable again; it was unreachable for 12.5s."], story

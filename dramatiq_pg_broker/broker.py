@@ -92,10 +92,12 @@ class PostgresBroker(dramatiq.Broker):
     that has not started, say) ends ``cancelled``, not ``succeeded``, with an event saying
     who skipped it; see :mod:`dramatiq_pg_broker.skips`.
 
-    The broker adds two middleware of its own: :class:`~dramatiq_pg_broker.current.JobContext`
+    The broker adds six middleware of its own: :class:`~dramatiq_pg_broker.current.JobContext`
     (the in-flight ledger's view of the worker: it skips a message this process no longer
     owns) right after ``AgeLimit``, or first when there is no ``AgeLimit``, so that no
-    other middleware sees such a message start; and the periodic scheduler, last.
+    other middleware sees such a message start; then, appended in this order, the schema
+    gate, the periodic scheduler, the queue limits, the worker registry and, last, the abort
+    guard (its after-hooks run first).
     """
 
     def __init__(
@@ -137,9 +139,10 @@ class PostgresBroker(dramatiq.Broker):
         self.queues: dict[str, None] = {}
         self.schedules: list[Schedule] = []
 
-        # The parts, each given what it uses, no I/O. None of them holds the broker: where
-        # one calls back into it (the scheduler's sends, the send path's hooks, the reaper's
-        # failure hooks, which Dramatiq hands the broker), it is given that one function.
+        # The parts, each given what it uses, no I/O. None of them reads the broker's
+        # attributes: where one calls back into it (the scheduler's sends, the send path's
+        # hooks, the reaper's failure hooks, which Dramatiq hands the broker), it holds that
+        # one bound function.
         # Sends wait for a running migration (see ProcessPool), bounded by the setting.
         self.pool = ProcessPool(settings, pool=pool, migration_wait=settings.migration_wait_seconds)
         self.store = (

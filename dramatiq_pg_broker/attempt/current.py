@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,18 @@ class CurrentJob:
     def attempt(self) -> int:
         """This attempt's number, from 1."""
         return self.message.attempt.attempt
+
+    @property
+    def broker(self) -> dramatiq.Broker:
+        """The broker running this job (deprecated: use ``dramatiq.get_broker()`` or the
+        actor's ``broker``). Kept for actors written against 0.1.0; it is read from the
+        running actor, so the current job holds no reference to the broker itself."""
+        warnings.warn(
+            "current_job().broker is deprecated: use dramatiq.get_broker() or the actor's broker",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.parts.actors[self.message.actor_name].broker
 
     def renew(self, lease_seconds: float | None = None) -> bool:
         """Extend this attempt's lease (default: the broker's lease length) and record a

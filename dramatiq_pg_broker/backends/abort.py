@@ -100,6 +100,7 @@ class PostgresEventBackend(BackendTable, EventBackend):
     sql_file = "abort.sql"
     table = "abort_events"
     row_key = "id"
+    holds_values = False
     channel_name = "aborts"
     rows_name = "abort events"
 

@@ -59,6 +59,9 @@ class BackendTable:
     #: what the statements the tables share (``expiring_rows.sql``) are given.
     table: ClassVar[str]
     row_key: ClassVar[str] = "key"
+    #: Whether the table's rows hold a ``value`` column that :meth:`live_value` reads (the
+    #: abort backend's events hold none).
+    holds_values: ClassVar[bool] = True
     #: The notification channel's suffix (see :func:`~.listener.channel_for`).
     channel_name: ClassVar[str]
     #: What the rows are, for the reclaimer's log line ("results", "rate-limiter keys").
@@ -110,6 +113,8 @@ class BackendTable:
     def live_value(self, key: str) -> Any:
         """The value stored under ``key``, or None when there is none or its row has
         expired (an expired row counts as absent before it is deleted)."""
+        if not self.holds_values:
+            raise TypeError(f"{type(self).__name__} stores no values to read")
         with self.pool.connection() as conn:
             row = conn.execute(self.expiring["live_value"], {"key": key}).fetchone()
         return None if row is None else row[0]

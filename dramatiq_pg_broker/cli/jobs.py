@@ -223,10 +223,10 @@ def listing(
     cells: Callable[[dict[str, Any], dt.datetime], Sequence[Any]],
     empty: str,
 ) -> Callable[[argparse.Namespace], int]:
-    """A list command (the worker registry's, the queues', the schedules'): it prints, as
-    :func:`print_rows` does, what ``read(conn, schema)`` returns, read on one of the pool's
-    connections. Such a command is only its reader, its columns and its sentence for no
-    rows, so it is written as those."""
+    """A list command (the worker registry's, the actors', the queues', the schedules'): it
+    prints, as :func:`print_rows` does, what ``read(conn, schema)`` returns, read on one of
+    the pool's connections. Such a command is only its reader, its columns and its sentence
+    for no rows, so it is written as those."""
 
     @command
     def run(ctx: Context, args) -> int:

@@ -259,7 +259,7 @@ class Queries:
 
     The schema goes through ``psycopg.sql.Identifier``; values are always bind parameters.
     Plain strings let psycopg prepare each statement once per connection. A file written
-    for several tables (expired_rows.sql: ``{table}``, ``{key}``) is given them as
+    for several tables (expiring_rows.sql: ``{table}``, ``{key}``) is given them as
     ``identifiers``, which go through ``psycopg.sql.Identifier`` too.
     """
 

@@ -5,6 +5,7 @@ failed attempt never recorded as a success, with or without a Retries middleware
 from __future__ import annotations
 
 import threading
+import warnings
 
 import dramatiq
 from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware, TimeLimit
@@ -73,6 +74,27 @@ def test_current_message_works_in_an_actor_under_the_default_middleware(h, queue
     broker.join(queue, timeout=20_000)
     assert seen == [sent.message_id], "CurrentMessage.get_current_message() in the actor"
     assert broker.store.get(sent.message_id)["status"] == "succeeded"
+
+
+def test_the_current_job_s_broker_is_deprecated_and_still_the_actor_s(h, queue):
+    """``current_job().broker`` (0.1.0's attribute) warns and returns the running broker."""
+    from dramatiq_pg_broker import current_job
+
+    broker = h.broker()
+    seen: list = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def which():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen.append(current_job().broker)
+        seen.append([w.category for w in caught])
+
+    sent = which.send()
+    h.start(broker, threads=1)
+    broker.join(queue, timeout=20_000)
+    assert broker.store.get(sent.message_id)["status"] == "succeeded"
+    assert seen == [broker, [DeprecationWarning]]
 
 
 def test_an_actor_that_raised_is_failed_without_a_retries_middleware(h, queue):

@@ -153,6 +153,85 @@ def test_every_macro_is_expanded_and_only_the_schema_is_left():
             assert set(re.findall(r"\{[^}]*\}", left)) <= allowed, (filename, name)
 
 
+def test_a_row_macro_passes_every_column_through_unless_assigned():
+    from dramatiq_pg_broker.db import expand_macros
+
+    blocks = {"job_columns": "id, status, note", "finished_row": "status = 'done'"}
+    assert expand_macros("SELECT {job_columns}", blocks) == "SELECT id, status, note"
+    assert expand_macros("SELECT {job_row: }", blocks) == "SELECT id, status, note"
+    assert expand_macros("SELECT {finished_row}", blocks) == "SELECT id, 'done', note"
+    # The statement's assignments win over the fragment's; commas inside parentheses and
+    # quotes belong to the expression.
+    text = "{finished_row: status = coalesce(a, 'b,c'), note = f(x, y)}"
+    assert expand_macros(text, blocks) == "id, coalesce(a, 'b,c'), f(x, y)"
+    assert expand_macros("{schema}.jobs", blocks) == "{schema}.jobs"
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("{job_row: statsu = 'done'}", "'statsu', which is not a column"),
+        ("{job_row: status 'done'}", "not `column = expression`"),
+        ("{schema: x = 1}", "no macro of this file"),
+    ],
+)
+def test_a_row_macro_that_names_no_column_of_the_row_is_refused(text, error):
+    from dramatiq_pg_broker.db import expand_macros
+
+    with pytest.raises(ValueError, match=re.escape(error)):
+        expand_macros(text, {"job_columns": "id, status"})
+
+
+def test_a_piece_of_statement_fills_its_slots_and_hands_its_row_the_rest():
+    """A statement-level fragment (move_to_history's form): slot values, a list that runs
+    on over the commas, the assignments to the job's columns in its row macro."""
+    from dramatiq_pg_broker.db import expand_macros
+
+    blocks = {
+        "job_columns": "id, status, note",
+        "finished_row": "status = 'done'",
+        "move": "DELETE x{:using} WHERE {:on} RETURNING j.*{:returning}; "
+        "SELECT {finished_row: {:row}} FROM x{:ended}",
+    }
+    text = "{move: on = j.id = 1, returning = a, b AS c, note = f(x, y), ended = id, note}"
+    assert expand_macros(text, blocks) == (
+        "DELETE x WHERE j.id = 1 RETURNING j.*, a, b AS c; "
+        "SELECT id, 'done', f(x, y) FROM x\nRETURNING id, note"
+    )
+    assert expand_macros("{move: using = t, on = true}", blocks).startswith(
+        "DELETE x USING t WHERE true RETURNING j.*;"
+    )
+    with pytest.raises(ValueError, match="not a column"):
+        expand_macros("{move: on = true, notes = 1}", blocks)
+    with pytest.raises(ValueError, match="not `column = expression`"):
+        expand_macros("{move: on = true, status = 'x', stray}", blocks)
+
+
+def test_every_job_that_ends_moves_through_the_one_piece():
+    """The delete from jobs and the insert into history are written once (move_to_history)
+    and every finishing statement composes them."""
+    queries = load_queries()
+    finishing = [name for name, text in queries.items() if "jobs_history (" in text]
+    assert sorted(finishing) == sorted(
+        ["complete_jobs", "complete_in_transaction", "fail_jobs", "abort_attempts"]
+        + ["cancel_skipped", "cancel_job", "abort_job", "reschedule_job", "reap_expired"]
+    )
+    for name in finishing:
+        assert "), moved AS (\n    INSERT INTO {schema}.jobs_history" in queries[name], name
+
+
+def test_the_ownership_guard_takes_each_statement_s_arrays_and_condition():
+    """The fragment owned_attempts, written once, as each exit from running uses it."""
+    queries = {name: " ".join(text.split()) for name, text in load_queries().items()}
+    assert (
+        "%(attempts)s::int[], %(errors)s::text[]) AS o (id, owner, attempt, error)"
+        in queries["fail_jobs"]
+    )
+    assert "SELECT j.id, o.owner, o.skip FROM" in queries["cancel_skipped"]
+    assert "j.attempts = o.attempt AND NOT j.started ORDER BY j.id" in queries["release_jobs"]
+    assert "j.attempts = o.attempt ORDER BY j.id FOR UPDATE OF j" in queries["complete_jobs"]
+
+
 def test_the_backends_share_their_statements_each_table_and_key_as_identifiers():
     """results, rate_limits and abort_events: one statement that reads a live key, one that
     deletes expired rows, each table's name and key column filled in as identifiers

@@ -40,26 +40,30 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-## The test command: lint, then every test against real PostgreSQL, in two runs.
-## First all but the "alone" ones, in TEST_WORKERS parallel pytest-xdist workers (more than
-## the cores: most tests wait on PostgreSQL and on child processes), each test module whole
-## on one worker and the slow ones handed out first (tests/conftest.py). Then, serially,
-## the few marked "alone", which time server outages to the second. Each test's name is
-## printed as it starts and as it ends (-v). PYTEST_ARGS=-n0 runs the first part serially
-## too; a selection in PYTEST_ARGS that leaves one of the two runs without a test (pytest's
-## exit status 5) is not a failure.
+## The test command: lint, then every test against real PostgreSQL, in three runs. First
+## all but the "alone" ones, in TEST_WORKERS parallel pytest-xdist workers (more than the
+## cores: most tests wait on PostgreSQL and on child processes), each test module whole on
+## one worker and the slow ones handed out first (tests/conftest.py). Then the few marked
+## "alone", which time server outages to the second, each module on a server of its own,
+## side by side in ALONE_WORKERS workers; last, serially, those that time an event loop to
+## the millisecond ("loop_timing"). Each test's name is printed as it starts and as it ends
+## (-v). PYTEST_ARGS=-n0 runs every part serially; a selection in PYTEST_ARGS that leaves a
+## run without a test (pytest's exit status 5) is not a failure.
 ## Python writes its bytecode caches (__pycache__, git-ignored) during the run even where
 ## PYTHONDONTWRITEBYTECODE is set: otherwise every pytest process and every worker, gunicorn
 ## and CLI process the tests start compiles the package and rewrites the tests anew.
 ## Four workers: on two cores the run is bound by the CPU more than by waiting, and six
 ## exhausted the embedded server's 100 connections.
 TEST_WORKERS ?= 4
+ALONE_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -v -p no:cacheprovider --durations=10
 test: export PYTHONDONTWRITEBYTECODE =
 test: lint
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" \
 		$(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PYTEST) -n0 -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PYTEST) -n $(ALONE_WORKERS) --dist loadfile -m "alone and not loop_timing" \
+		$(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PYTEST) -n0 -m loop_timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 ## Unit and integration tests only (no real worker processes).
 test-fast: $(STAMP)

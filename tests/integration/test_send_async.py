@@ -391,8 +391,9 @@ def assert_never_late(delays: list[float], took: float, what: str) -> None:
 
 
 # The loop's lateness is timed to the millisecond: not beside other tests' load (make test
-# runs it after the parallel part).
+# runs it last, alone).
 @pytest.mark.alone
+@pytest.mark.loop_timing
 def test_a_ticker_beside_1000_send_async_is_never_late(broker, task):
     async def work():
         async def client(k):
@@ -411,8 +412,9 @@ def test_a_ticker_beside_1000_send_async_is_never_late(broker, task):
 
 
 # The loop's lateness is timed to the millisecond: not beside other tests' load (make test
-# runs it after the parallel part).
+# runs it last, alone).
 @pytest.mark.alone
+@pytest.mark.loop_timing
 def test_a_ticker_beside_1000_sends_in_async_transactions_is_never_late(broker, task, pg_url):
     async def work():
         async def client(app):

@@ -392,7 +392,9 @@ def test_events_go_by_day_past_the_longest_age(store):
         succeeded=dt.timedelta(days=1), failed=dt.timedelta(days=2), cancelled=dt.timedelta(days=1)
     )
     dry = prune(store.pool, store.schema, short, dry_run=True, now=now)
-    assert dry.expired_events >= 3 and count(store, "job_events", [old]) == 3
+    # The old job's `created` event at least (its day is past the longest age, 2 days);
+    # more where earlier tests of this module left events in such days.
+    assert dry.expired_events >= 1 and count(store, "job_events", [old]) == 3
 
     report = prune(store.pool, store.schema, short, rest=False, now=now)
     assert f"job_events_{_day(now - dt.timedelta(days=4))}" in report.dropped
@@ -400,7 +402,8 @@ def test_events_go_by_day_past_the_longest_age(store):
     # its day; the claim and outcome events are stamped by the server's clock (today).
     assert count(store, "job_events", [old]) == 2
     assert count(store, "job_events", [new]) == 3
-    assert report.expired_events >= 3
+    # The dry run counted exactly what the run then removed.
+    assert report.expired_events == dry.expired_events
 
     # A status kept forever keeps every event.
     forever = RetentionPolicy(succeeded=dt.timedelta(days=1), failed=None)

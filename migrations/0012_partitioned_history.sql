@@ -241,28 +241,7 @@ SELECT actor_name, idempotency_scope, idempotency_key, id
 FROM all_jobs
 WHERE idempotency_key IS NOT NULL;
 
--- Statistics for the tables (and partitions) this migration filled, and only for those:
--- an ANALYZE of an empty table records it as known to be empty (reltuples 0), and every
--- statement planned while it is (the send's probe of today's partitions, the claim, the
--- lease renewals) reads it sequentially, and goes on doing so in the plans cached on the
--- workers' connections until its next ANALYZE, however big it has grown (as long as
--- autovacuum takes to notice, or for good on a server without autovacuum). A table never
--- analyzed is planned as holding at least a few pages, which keeps the index lookups
--- until autovacuum's first ANALYZE of it (PostgreSQL's planner, estimate_rel_size).
-DO $$
-DECLARE
-    t regclass;
-    filled boolean;
-BEGIN
-    FOR t IN
-        SELECT p.relid FROM unnest(ARRAY['jobs', 'jobs_history', 'job_events', 'job_owners']) AS n,
-             pg_partition_tree(n::regclass) AS p
-        WHERE p.isleaf
-    LOOP
-        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s)', t) INTO STRICT filled;
-        IF filled THEN
-            EXECUTE format('ANALYZE %s', t);
-        END IF;
-    END LOOP;
-END
-$$;
+ANALYZE jobs;
+ANALYZE jobs_history;
+ANALYZE job_events;
+ANALYZE job_owners;

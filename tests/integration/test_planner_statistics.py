@@ -1,12 +1,11 @@
-"""The planner never takes the job tables for empty when they are not (migration 0019).
+"""Tables that never held a row are not planned as known to be empty (migration 0019).
 
 An ANALYZE of an empty table records it as known to be empty, and PostgreSQL then plans
 every lookup in it as a sequential scan: the send's probe of today's history partitions,
 the claim, the outcome. Prepared on the workers' connections, such plans outlive the
 table's growth until its next ANALYZE (for good on a server without autovacuum), so each
 send read the whole of today's history and each transition the whole hot table. A table
-never analyzed is planned as holding a few pages, and one that keeps its pages by what it
-holds per page: both keep the index lookups.
+never analyzed is planned as holding a few pages, which keeps the index lookups.
 
 The counts are read from ``pg_stat_xact_user_tables``: the scans of the test's own open
 transaction, exact and not yet flushed to the shared statistics.
@@ -71,14 +70,6 @@ def _life(store: JobStore, conn: psycopg.Connection, jobs: int) -> None:
         assert store.complete([Attempt(claimed.id, "w", claimed.attempts)], conn=conn)
 
 
-def _backlog(store: JobStore, conn: psycopg.Connection, jobs: int) -> None:
-    """A backlog of ``jobs`` jobs sent at once, then drained."""
-    now_ms = int(time.time() * 1000)
-    store.enqueue_many([_new_job(now_ms) for _ in range(jobs)], conn=conn)
-    while claimed := store.claim("q", 500, "w", 30, conn=conn):
-        store.complete([Attempt(j.id, "w", j.attempts) for j in claimed], conn=conn)
-
-
 def _sequential_scans(conn: psycopg.Connection, schema: str) -> dict[str, int]:
     """The sequential scans of jobs and of history's partitions in ``conn``'s open
     transaction."""
@@ -102,24 +93,3 @@ def test_a_jobs_life_on_a_fresh_schema_reads_by_index(pg_url, fresh):
         ).fetchone()[0]
     assert finished == JOBS
     assert scans == {}
-
-
-def test_a_drained_table_vacuumed_and_analyzed_is_still_read_by_index(pg_url, fresh):
-    """After a backlog drained, VACUUM gave the table's empty pages back and the ANALYZE
-    after it recorded it as empty; the next burst's statements were then planned as
-    sequential scans. The table keeps its pages now (vacuum_truncate off)."""
-    schema, store = fresh
-    table = f'"{schema}".jobs'
-    with psycopg.connect(pg_url, autocommit=True) as c:
-        _backlog(store, c, 5000)
-        c.execute(f"VACUUM {table}")
-        c.execute(f"ANALYZE {table}")
-        pages, rows = c.execute(
-            "SELECT relpages, reltuples FROM pg_class WHERE oid = %s::regclass", (table,)
-        ).fetchone()
-    assert rows == 0
-    assert pages > 0
-    with psycopg.connect(pg_url) as c:
-        _life(store, c, JOBS)
-        scans = _sequential_scans(c, schema)
-    assert "jobs" not in scans

@@ -8,8 +8,10 @@ waiting for its outcome to be written), except those of running actors declared 
 ``heartbeat=False``. The renewal also returns which of them an operator asked to abort,
 which the ledger then stops: how a worker learns of an abort when no NOTIFY reaches it
 (``listen=False``, a transaction-mode pooler), within a heartbeat. With the same beat the
-process refreshes its row in the worker registry (:mod:`.workers`). It writes the starts
-the ledger deferred, a moment after their actors began (:meth:`.Ledger.record_starts`).
+process refreshes its row in the worker registry (:mod:`.workers`) and, when it renewed
+attempts, has the job tables analyzed whose statistics fell far behind them
+(:mod:`..jobs.statistics`). It writes the starts the ledger deferred, a moment after their
+actors began (:meth:`.Ledger.record_starts`).
 Every ``reaper_interval`` it runs the reaper: a
 bounded, ``SKIP LOCKED`` statement, so every process can run it at once and an idle run
 costs one index probe. After the database was unreachable, a process renews as soon as it
@@ -177,9 +179,29 @@ class LeaseKeeper(Service):
     # -- the work ------------------------------------------------------------------------
 
     def heartbeat(self) -> None:
-        """One beat: renew the leases, then refresh this process's registry row."""
-        self.renew()
+        """One beat: renew the leases, then refresh this process's registry row; a busy
+        beat (it renewed attempts) also has the job tables analyzed whose statistics fell
+        far behind them (:mod:`~..jobs.statistics`)."""
+        owned = self.renew()
         self.presence.refresh()
+        if owned:
+            self.refresh_statistics()
+
+    def refresh_statistics(self) -> None:
+        """Analyze the job tables whose statistics fell far behind them. A failure is
+        logged and leaves the leases alone: the next busy beat tries again."""
+        try:
+            analyzed = self.core.store.refresh_statistics()
+        except BrokerConnectionError:
+            raise
+        except Exception:
+            logger.exception("Refreshing the job tables' statistics failed.")
+            return
+        if analyzed:
+            logger.info(
+                "Analyzed %s: they held far more rows than their statistics counted.",
+                ", ".join(analyzed),
+            )
 
     def renew(self) -> set[str]:
         """Renew every attempt the ledger holds; the ledger lets go of those no longer

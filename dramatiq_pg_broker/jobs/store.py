@@ -27,9 +27,10 @@ from .operator import OperatorTransitions
 from .outcomes import Outcomes
 from .reads import Reads
 from .sends import SendWrites
+from .statistics import Statistics
 
 
-class JobStore(SendWrites, Claims, Outcomes, OperatorTransitions, Reads):
+class JobStore(SendWrites, Claims, Outcomes, OperatorTransitions, Reads, Statistics):
     """The job-store API over one schema.
 
     Parameters:

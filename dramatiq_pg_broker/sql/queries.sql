@@ -1067,3 +1067,19 @@ WITH flushed AS (
     WHERE o.job_id = flushed.id
 )
 SELECT count(*) FROM flushed
+
+-- stale_statistics --
+-- The job tables whose planner statistics fell far behind what they hold: jobs and the
+-- leaf partitions of jobs_history that hold more than four times the rows (and at least
+-- %(min_rows)s) their last ANALYZE or VACUUM counted. The live rows are the server's
+-- running count (pg_stat_get_live_tuples, kept by every insert and delete): reading it
+-- costs no scan. See statistics.py.
+SELECT c.oid::regclass::text
+FROM pg_class AS c
+WHERE c.oid IN (
+    SELECT '{schema}.jobs'::regclass
+    UNION ALL
+    SELECT relid FROM pg_partition_tree('{schema}.jobs_history'::regclass) WHERE isleaf
+)
+  AND pg_stat_get_live_tuples(c.oid) >= greatest(4 * c.reltuples, %(min_rows)s)
+ORDER BY c.oid

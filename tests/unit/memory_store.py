@@ -314,6 +314,11 @@ class InMemoryJobStore:
         with self._lock:
             return bool(self._owned([attempt]))
 
+    def refresh_statistics(self, **_: Any) -> list[str]:
+        """No planner here: nothing to analyze (the call is recorded)."""
+        self._call("refresh_statistics", [])
+        return []
+
     def reap(self, **_: Any) -> ReapResult:
         """No lease expires here: the reaper finds nothing."""
         return ReapResult([], [])

@@ -140,6 +140,17 @@ def test_the_heartbeat_lets_go_of_attempts_another_worker_owns(memory_broker, me
     assert not ledger.settle(lost, "complete"), "a lost attempt's outcome was taken"
 
 
+def test_only_a_busy_heartbeat_refreshes_the_tables_statistics(memory_broker, memory_store, claim):
+    def refreshes() -> int:
+        return sum(name == "refresh_statistics" for name, _ in memory_store.calls)
+
+    memory_broker.leases.heartbeat()
+    assert refreshes() == 0, "an idle beat sent a statement for the statistics"
+    assert memory_broker.ledger.start(claim())
+    memory_broker.leases.heartbeat()
+    assert refreshes() == 1
+
+
 def test_the_heartbeat_delivers_an_abort_no_notification_told(memory_broker, memory_store, claim):
     attempt = claim()
     memory_store.request_abort(attempt.id)

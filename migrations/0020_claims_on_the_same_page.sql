@@ -1,0 +1,30 @@
+-- compatibility: compatible
+-- Changes the fill factor of the jobs table (a storage parameter): no statement of any release depends on it, and rows already stored stay where they are.
+--
+-- 0020: a claim writes its new row version on the row's own page.
+--
+-- A claim is an UPDATE of the job's row (status, attempt, lease), never a HOT update (the
+-- claim-order and lease-expiry indexes are partial on status). When the new version fits
+-- on the page of the old one, PostgreSQL logs only the bytes that changed between them:
+-- the row's leading columns (id, queue and actor names, the encoded message) and its
+-- trailing ones are the same in both versions and are left out of the WAL record. When it
+-- does not fit, the whole new version, message included, is written to another page and
+-- into the WAL. Since 0001 the table was filled to 80 % by inserts: a page of rows claimed
+-- together (a busy worker claims tens of rows at once, in the order they were sent) had
+-- room for the new versions of about a fifth of them, and every other claim logged its
+-- whole row (245 of 400 claims in batches of 50 moved their row, in the test of this
+-- migration; the benchmark's claims logged 313 B each on average, 186 B after it).
+--
+-- Filled to 50 % by inserts, a page keeps room for a second version of each of its rows,
+-- so a claim's record carries the changed columns only, whatever the message's size. The
+-- price is space: a backlog of unfinished jobs takes up to 1.6 times the pages it took at
+-- 80 % (the hot table holds unfinished jobs only; finished ones are in jobs_history, whose
+-- rows are written once and keep their fill factor). Measured in docs/benchmarks.md.
+--
+-- Locking and duration: ALTER TABLE ... SET (fillfactor) takes a SHARE UPDATE EXCLUSIVE
+-- lock on jobs (sends, claims and outcomes go on) for the instant of the catalog change;
+-- nothing is rewritten, pages filled before keep their rows and fill anew as they empty.
+--
+-- Applied with search_path set to the broker's schema, so the names here are unqualified.
+
+ALTER TABLE jobs SET (fillfactor = 50);

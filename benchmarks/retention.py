@@ -22,7 +22,9 @@ stay bounded under churn.
   is the hot ``jobs`` table the claim reads: ``hot_*_mb`` are its sizes at the same
   moments, ``hot_dead_rows_end`` its dead rows at the end (``pg_stat_user_tables``).
   For a soak (``--churn-seconds 1800``), the first third is warm-up: ``hot_third_mb``
-  and ``hot_growth_after_third`` (the hot table at the end over its size at a third), and
+  and ``hot_growth_after_third`` (the hot table at the end over its size at a third),
+  ``hot_max_t2_mb`` and ``hot_max_t3_mb`` (its largest sample in the second and in the
+  last third: two single samples say where autovacuum happened to be), and
   per third ``finished_per_s_tN`` and ``claim_wait_p99_ms_tN`` (the 99th percentile of
   the wait from insert to claim of the jobs that finished in that third, read from
   history) say whether the drain and the claim stayed flat.
@@ -185,6 +187,11 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
         def size_at(fraction: float, column: int = 1) -> float:
             return min(samples, key=lambda s: abs(s[0] - seconds * fraction))[column]
 
+        def window_max(start: float, end: float) -> float:
+            """The hot table's largest sample from ``start`` to ``end`` (fractions)."""
+            inside = [hot for at, _, hot in samples if start * seconds <= at < end * seconds]
+            return max(inside, default=0.0)
+
         mid = size_at(0.5)
         return {
             "jobs_fed": float(fed),
@@ -206,6 +213,11 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             # the 99th percentile of their wait from insert to claim (the server's clock).
             "hot_third_mb": size_at(1 / 3, 2),
             "hot_growth_after_third": samples[-1][2] / max(size_at(1 / 3, 2), 1e-9),
+            # The same flatness read from the largest sample of each third instead of two
+            # single samples, which autovacuum decides: a sample just after a vacuum is
+            # small, one just before it large, whatever the trend.
+            "hot_max_t2_mb": window_max(1 / 3, 2 / 3),
+            "hot_max_t3_mb": window_max(2 / 3, 1.01),
             **{
                 f"{what}_t{n + 1}": value
                 for n, (count, p99) in enumerate(thirds)

@@ -3,7 +3,7 @@
 PostgreSQL logs only the changed bytes of an UPDATE whose new version lands on the old
 version's page (the message and the other leading and trailing columns are left out of
 the WAL record); a version that moves to another page is logged whole. The jobs table is
-filled to 50 % by inserts, so a page of rows sent together has room for a claimed version
+filled to 45 % by inserts, so a page of rows sent together has room for a claimed version
 of each. Read here from the rows' physical places (``ctid``) before and after the claims,
 on the real server: a claim that moved a row shows another page.
 """
@@ -26,6 +26,9 @@ from dramatiq_pg_broker.migrate import migrate
 JOBS = 400
 #: Rows a claim takes at once: more than a page holds, as a busy worker's batches do.
 BATCH = 50
+#: A worker's lease owner id as workers make them (host, pid, thread, random): the claim
+#: writes it into the row, so the new version is larger than the old one.
+OWNER = "worker-host-0123.example.internal:123456:Thread-8 (_consume):1a2b3c4d"
 #: The size of an encoded no-op message of the benchmarks (about 190 bytes) and some.
 MESSAGE = (
     b'{"queue_name":"q","actor_name":"a","args":[],"kwargs":{},"options":{},"pad":"'
@@ -74,7 +77,7 @@ def test_claims_keep_their_rows_on_their_pages(pg_url, store):
         while claimed < JOBS:
             # A busy worker's claims: batches of tens of rows (half its claim window), in
             # claim order (the order sent), so one statement claims most rows of a page.
-            batch = store.claim_or_wait("q", BATCH, "w", 30).jobs
+            batch = store.claim_or_wait("q", BATCH, OWNER, 30).jobs
             assert batch
             claimed += len(batch)
         after = _pages(conn, store.schema)

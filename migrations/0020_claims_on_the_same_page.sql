@@ -11,8 +11,8 @@
 -- does not fit, the whole new version, message included, is written to another page and
 -- into the WAL. Since 0001 the table was filled to 80 % by inserts: a page of rows claimed
 -- together (a busy worker claims tens of rows at once, in the order they were sent) had
--- room for the new versions of about a fifth of them, and every other claim logged its
--- whole row (245 of 400 claims in batches of 50 moved their row, in the test of this
+-- room for the new versions of only some of them, and every other claim logged its whole
+-- row (245 of 400 claims in batches of 50 moved their row, in the test of this
 -- migration).
 --
 -- A claimed version is larger than the queued one it replaces: the claim fills in the

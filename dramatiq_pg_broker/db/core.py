@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 from dramatiq.errors import ConnectionClosed, ConnectionFailed
+from dramatiq.errors import ConnectionError as BrokerConnectionError
 from psycopg_pool import ConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 from psycopg_pool.pool import AddConnection
@@ -530,7 +531,8 @@ class Reclaimer:
     :meth:`maybe_run` (called after a write) runs ``prune(batch)`` at most once every
     ``interval`` seconds, or at every call while passes come back full (expiries outpacing
     the interval). Never two passes at once in one process; a failed pass is logged, not
-    raised, since the write it follows has succeeded.
+    raised, since the write it follows has succeeded: at debug level when the server was
+    lost (the outage is told once by :mod:`.outage`), as a warning otherwise.
     """
 
     def __init__(self, prune, *, batch: int, interval: float, what: str) -> None:
@@ -554,6 +556,13 @@ class Reclaimer:
             self.next_run = now if deleted >= self.batch else now + self.interval
         except Exception as e:
             self.next_run = now + self.interval
-            logger.warning("Reclaiming expired %s failed: %s", self._what, e)
+            if isinstance(e, BrokerConnectionError) or (
+                isinstance(e, psycopg.Error) and is_connection_error(e)
+            ):
+                # A lost server: the process's outage lines tell it, once (outage.py), not
+                # each opportunistic pass that met it.
+                logger.debug("Reclaiming expired %s failed: %s", self._what, e)
+            else:
+                logger.warning("Reclaiming expired %s failed: %s", self._what, e)
         finally:
             self._lock.release()

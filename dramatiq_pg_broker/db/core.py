@@ -49,10 +49,11 @@ def connect(url: str, **kwargs) -> psycopg.Connection:
     """Open one autocommit connection, translating failures (a failure counts towards
     the process's outage, see :mod:`.outage`)."""
     with translate_errors():
+        began = time.monotonic()
         try:
             return psycopg.connect(url, autocommit=True, **kwargs)
         except psycopg.Error as e:
-            outage.tracker.connect_failed(e)
+            outage.tracker.connect_failed(e, began)
             raise
 
 
@@ -108,6 +109,12 @@ class CappedAttempt(AttemptWithBackoff):
 POOL_NAME_PREFIX = "dramatiq-pg-broker-"
 
 
+def opening_began(conn: psycopg.Connection) -> float | None:
+    """Monotonic time at which a :class:`ReconnectingPool` began to open ``conn``; None
+    for a connection of another pool."""
+    return getattr(conn, "_dpb_opening_began", None)
+
+
 class ReconnectingPool(ConnectionPool):
     """A psycopg ConnectionPool whose reconnection attempts are at most
     :data:`RECONNECT_CAP_SECONDS` apart, and whose failed attempts count towards the
@@ -131,14 +138,15 @@ class ReconnectingPool(ConnectionPool):
         try:
             conn = super()._connect(timeout)
         except psycopg.Error as e:
-            outage.tracker.connect_failed(e)
+            outage.tracker.connect_failed(e, began)
             raise
         conn._dpb_opening_began = began
         return conn
 
     def opened_before_refusal(self, conn: psycopg.Connection) -> bool:
         """Whether the opening of ``conn`` began before the pool's last refusal to write."""
-        return getattr(conn, "_dpb_opening_began", math.inf) <= self.refused_at
+        began = opening_began(conn)
+        return began is not None and began <= self.refused_at
 
     def refused(self, conn: psycopg.Connection) -> bool:
         """``conn``, one of the pool's, met a server that refuses to write: close it, and
@@ -356,7 +364,7 @@ class ProcessPool:
             self._discard_broken(pool)
             raise
         if not standby:
-            outage.tracker.answered()
+            outage.tracker.answered(opening_began(conn))
 
     def _handshake(self, pool: ConnectionPool, wait_for_migration: bool) -> None:
         from ..errors import MigrationsPending

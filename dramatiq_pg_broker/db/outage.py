@@ -26,7 +26,17 @@ What counts as an outage:
   which the next connection replaces, is no outage;
 - the first statement the database answers ends it. Its length is counted from the first
   sign of it. A pooled connection's answer from a hot standby ends none (the broker
-  cannot write there; the pool tells, see :func:`.core.in_hot_standby`);
+  cannot write there; the pool tells, see :func:`.core.in_hot_standby`), nor does, for
+  :data:`GRACE_SECONDS` after a failed connection attempt, the answer of a pooled
+  connection opened before that attempt: a server shutting down refuses new connections
+  at once but may still answer a statement or two on a connection it has not closed yet
+  (seen on a loaded machine, where the shutdown then read as three outages in 60 ms). A
+  connection opened since, or the grace passing (a connection attempt that failed for a
+  moment, while the pool's connections kept working), ends it;
+- a connection attempt that began before the last outage ended and fails after it starts
+  none: it says only that the database was down when the attempt began (on a loaded
+  machine, an attempt begun while the server was starting up was refused as "starting up"
+  after another connection had already been answered);
 - a refusal to write on a pooled connection opened before an earlier refusal (one that
   was in use, or being opened, when the pool replaced its connections) is the same
   failover, not a new outage: it is not counted again.
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import threading
 import time
@@ -146,6 +157,10 @@ class Outage:
         self._since: float | None = None
         #: Whether the outage was announced (and its end must be).
         self._announced = False
+        #: Monotonic time of the latest failed connection attempt (not for want of slots).
+        self._connect_failed_at = -math.inf
+        #: Monotonic time at which the last outage (announced or not) ended.
+        self._ended_at = -math.inf
         self._last_notice = 0.0
         #: Connections refused for want of slots since the last saturation warning.
         self._refused = 0
@@ -163,12 +178,17 @@ class Outage:
         plain read, cheap enough for every statement."""
         return self._since is not None
 
-    def connect_failed(self, error: BaseException) -> None:
-        """A connection attempt failed, or the server refused to write. A refusal for want
-        of connection slots is saturation, not an outage (see :meth:`saturated`)."""
+    def connect_failed(self, error: BaseException, began_at: float | None = None) -> None:
+        """A connection attempt that began at ``began_at`` (monotonic seconds; None: not
+        known) failed, or the server refused to write. A refusal for want of connection
+        slots is saturation, not an outage (see :meth:`saturated`); an attempt that began
+        before the last outage ended tells nothing new."""
         if is_saturation(error):
             self.saturated(error)
             return
+        if began_at is not None and began_at <= self._ended_at:
+            return
+        self._connect_failed_at = self._clock()
         self._failed(error, at_once=True)
 
     def saturated(self, error: BaseException) -> None:
@@ -207,19 +227,28 @@ class Outage:
         """An established connection broke."""
         self._failed(error, at_once=False)
 
-    def answered(self) -> None:
-        """The database answered a statement. Cheap while all is well (the claim path
-        calls it for every statement)."""
+    def answered(self, opened_at: float | None = None) -> None:
+        """The database answered a statement, on a connection whose opening began at
+        ``opened_at`` (monotonic seconds; None: not known). Cheap while all is well (the
+        claim path calls it for every statement). An answer on a connection opened before
+        the latest failed connection attempt ends nothing within :data:`GRACE_SECONDS` of
+        that attempt (see the module docstring)."""
         if self._since is None:
+            return
+        now = self._clock()
+        failed_at = self._connect_failed_at
+        if opened_at is not None and opened_at <= failed_at and now - failed_at < GRACE_SECONDS:
             return
         with self._lock:
             self._check_fork()
             since, announced = self._since, self._announced
             self._since, self._announced = None, False
+            if since is not None:
+                self._ended_at = now
         if since is not None and announced:
             logger.warning(
                 "The database is reachable again; it was unreachable for %s.",
-                duration(self._clock() - since),
+                duration(now - since),
             )
 
     def _failed(self, error: BaseException, *, at_once: bool) -> None:
@@ -260,6 +289,8 @@ class Outage:
             self._pid = forks.pid()
             self._since = None
             self._announced = False
+            self._connect_failed_at = -math.inf
+            self._ended_at = -math.inf
             self._refused = 0
             self._saturation_notice = None
 

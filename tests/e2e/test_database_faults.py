@@ -99,13 +99,20 @@ def test_outages_and_a_crash_fail_nothing_and_draining_resumes_at_once(cluster, 
             name = f"{fault} {outage:.0f}s"
             before = len(sent)
             # 25 ms each, 8 at a time: draining takes seconds (nearly 4 s are left at the
-            # fault, more with the backlog), so the fault lands in the middle of it.
-            sent += [steady.send(0.025).message_id for _ in range(JOBS_PER_FAULT)]
+            # fault), so the fault lands in the middle of it. One bulk send, not a loop of
+            # send(): on a loaded machine a loop of 1,500 sends took longer than the
+            # workers took to drain them, and the fault then found nothing left to resume.
+            batch = [steady.message(0.025) for _ in range(JOBS_PER_FAULT)]
+            sent += [m.message_id for m in broker.enqueue_many(batch)]
             wait_for(
                 lambda before=before: succeeded() >= before + JOBS_PER_FAULT // 5,
                 120,
                 f"draining to be under way before the {name} fault",
                 on_timeout=workers[0].log_tail,
+            )
+            left = len(sent) - succeeded()
+            assert left >= JOBS_PER_FAULT // 5, (
+                f"only {left} job(s) left at the {name} fault: it must land mid-drain"
             )
             if fault == "crash":
                 (crash_at,) = _query(url, "SELECT clock_timestamp()")[0]

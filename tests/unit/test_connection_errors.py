@@ -17,7 +17,7 @@ class Recorder(outage.Outage):
         super().__init__()
         self.calls: list[str] = []
 
-    def connect_failed(self, error: BaseException) -> None:
+    def connect_failed(self, error: BaseException, began_at: float | None = None) -> None:
         self.calls.append("connect_failed")
 
     def connection_lost(self, error: BaseException) -> None:

@@ -230,3 +230,68 @@ def test_the_reminder_interval_is_a_setting_a_minute_by_default(clock, lines, mo
         "server running on that host and accepting TCP/IP connections?"
         for seconds in ("5.0s", "10.0s")
     ] + ["The database is reachable again; it was unreachable for 12.5s."], story
+
+
+def test_a_server_shutting_down_is_one_outage_though_an_old_connection_answers(
+    tracker, clock, lines
+):
+    """A server shutting down refuses new connections at once, but a connection it has
+    not closed yet may still answer: that answer is no end (it once read as three outages
+    in 60 ms). A connection opened after the refusals ends it, counted from the first."""
+    opened_long_ago = clock.now - 60
+    for _ in range(3):
+        tracker.connect_failed(REFUSED)
+        clock.now += 0.01
+        tracker.answered(opened_long_ago)
+        clock.now += 0.01
+    assert tracker.unreachable
+    clock.now += 3.0
+    tracker.connect_failed(REFUSED)
+    clock.now += 0.3
+    tracker.answered(clock.now - 0.01)
+    story = lines()
+    assert len(story) == 2, story
+    assert story[0].startswith("The database is unreachable"), story
+    assert story[1] == "The database is reachable again; it was unreachable for 3.4s.", story
+
+
+def test_an_old_connection_ends_an_outage_once_no_attempt_failed_for_the_grace(
+    tracker, clock, lines
+):
+    """A connection attempt that failed for a moment while the pool's connections kept
+    working: their answers end the outage once the grace has passed without another
+    failed attempt (and an answer whose connection is not known ends it at once)."""
+    opened_long_ago = clock.now - 60
+    tracker.connect_failed(REFUSED)
+    clock.now += outage.GRACE_SECONDS / 2
+    tracker.answered(opened_long_ago)
+    assert tracker.unreachable
+    clock.now += outage.GRACE_SECONDS
+    tracker.answered(opened_long_ago)
+    assert not tracker.unreachable
+    assert lines()[-1] == "The database is reachable again; it was unreachable for 1.5s."
+    tracker.connect_failed(REFUSED)
+    tracker.answered()
+    assert not tracker.unreachable
+
+
+def test_an_attempt_that_began_before_the_end_and_fails_after_it_starts_no_outage(
+    tracker, clock, lines
+):
+    """A server starting up answers a connection while an attempt begun a moment earlier
+    still fails ("the database system is starting up"): that late failure is the outage
+    that just ended, not a new one (it once read as an outage of 0.4 s). An attempt that
+    begins after the end and fails starts one."""
+    starting_up = psycopg.OperationalError("FATAL:  the database system is starting up")
+    tracker.connect_failed(REFUSED, clock.now)
+    clock.now += 3.0
+    began = clock.now
+    clock.now += 0.1
+    tracker.answered(clock.now)
+    clock.now += 0.01
+    tracker.connect_failed(starting_up, began)
+    assert not tracker.unreachable
+    assert len(lines()) == 2, lines()
+    clock.now += 5.0
+    tracker.connect_failed(REFUSED, clock.now)
+    assert tracker.unreachable

@@ -128,10 +128,16 @@ class Template:
 class Dropper:
     """Drops databases in threads of their own: the checkpoint each ``DROP DATABASE``
     waits for is shared by the drops running at once (the end of a process drops its copies
-    and the template together)."""
+    and the template together). At most :attr:`AT_ONCE` of them hold a connection at a
+    time: a process ending with twenty copies once opened twenty connections at once, and
+    four processes ending together took most of a 100-connection server from the modules
+    still running (``sorry, too many clients already``)."""
+
+    AT_ONCE = 4
 
     def __init__(self, server_url: str) -> None:
         self.server_url = server_url
+        self._slots = threading.BoundedSemaphore(self.AT_ONCE)
         self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
 
@@ -150,7 +156,8 @@ class Dropper:
 
     def _drop(self, name: str) -> None:
         try:
-            _drop(self.server_url, name)
+            with self._slots:
+                _drop(self.server_url, name)
         except Exception as e:  # told by close(), at the end of the run
             self.errors.append(e)
 

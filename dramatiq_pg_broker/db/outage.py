@@ -32,7 +32,10 @@ What counts as an outage:
   at once but may still answer a statement or two on a connection it has not closed yet
   (seen on a loaded machine, where the shutdown then read as three outages in 60 ms). A
   connection opened since, or the grace passing (a connection attempt that failed for a
-  moment, while the pool's connections kept working), ends it;
+  moment, while the pool's connections kept working), ends it. A refusal to write holds
+  back no answer this way: it came over a connection the server accepted, and the
+  standby's own answers are already set aside (a pool led back to the primary once ran
+  its job within the second after the listener's last refusal, and its end went untold);
 - a connection attempt that began before the last outage ended and fails after it starts
   none: it says only that the database was down when the attempt began (on a loaded
   machine, an attempt begun while the server was starting up was refused as "starting up"
@@ -90,9 +93,9 @@ _SATURATION_RE = re.compile(
 )
 
 
-def is_saturation(error: BaseException) -> bool:
-    """Whether ``error`` (or the driver error behind it) is a connection refused because
-    the server, or a pooler in front of it, has no free connection slot."""
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors behind it: Dramatiq's connection errors hold the driver's
+    error as their argument, and this package raises them from it."""
     seen: set[int] = set()
     pending: list[BaseException] = [error]
     while pending:
@@ -100,14 +103,24 @@ def is_saturation(error: BaseException) -> bool:
         if id(cause) in seen:
             continue
         seen.add(id(cause))
-        if getattr(cause, "sqlstate", None) == TOO_MANY_CONNECTIONS:
-            return True
-        if isinstance(cause, psycopg.Error) and _SATURATION_RE.search(str(cause)):
-            return True
-        # Dramatiq's connection errors hold the driver's error as their argument, and
-        # this package raises them from it.
+        yield cause
         pending.extend(e for e in (cause.__cause__, *cause.args) if isinstance(e, BaseException))
-    return False
+
+
+def is_saturation(error: BaseException) -> bool:
+    """Whether ``error`` (or the driver error behind it) is a connection refused because
+    the server, or a pooler in front of it, has no free connection slot."""
+    return any(
+        getattr(cause, "sqlstate", None) == TOO_MANY_CONNECTIONS
+        or (isinstance(cause, psycopg.Error) and _SATURATION_RE.search(str(cause)))
+        for cause in _causes(error)
+    )
+
+
+def refuses_to_write(error: BaseException) -> bool:
+    """Whether ``error`` (or the driver error behind it) is a server refusing to write
+    (``ReadOnlySqlTransaction``: a standby, or a primary made read-only)."""
+    return any(isinstance(c, psycopg.errors.ReadOnlySqlTransaction) for c in _causes(error))
 
 
 def describe(error: BaseException) -> str:
@@ -188,7 +201,11 @@ class Outage:
             return
         if began_at is not None and began_at <= self._ended_at:
             return
-        self._connect_failed_at = self._clock()
+        if not refuses_to_write(error):
+            # A refusal to write came over a connection that was made: the server is up
+            # (a standby), and the pooled connections' answers from a standby end nothing
+            # anyway. Only a failed attempt holds back older connections' answers.
+            self._connect_failed_at = self._clock()
         self._failed(error, at_once=True)
 
     def saturated(self, error: BaseException) -> None:

@@ -33,10 +33,12 @@ DEADLINE = 120
 
 
 def _store(url: str, schema: str) -> JobStore:
-    return JobStore(ProcessPool(Settings(url=url, schema=schema)), schema)
+    # The racing threads pass their own connections; the pool serves only the schema
+    # handshake of their first statements, so two connections are plenty.
+    return JobStore(ProcessPool(Settings(url=url, schema=schema, pool_max_size=2)), schema)
 
 
-def _claimer(url, schema, queue_name, reschedule, barrier, results, thread_no, proc_no, stop_at):
+def _claimer(url, store, queue_name, reschedule, barrier, results, thread_no, proc_no, stop_at):
     """One racing thread: claim small batches, reschedule some first attempts, complete the
     rest, until the queue has nothing left. Records (job id, attempt, owner) per claim."""
     owner = f"p{proc_no}:t{thread_no}"
@@ -44,7 +46,7 @@ def _claimer(url, schema, queue_name, reschedule, barrier, results, thread_no, p
     lost: list[tuple[str, int]] = []
     try:
         _claim_until_empty(
-            url, schema, queue_name, reschedule, barrier, owner, claims, lost, stop_at
+            url, store, queue_name, reschedule, barrier, owner, claims, lost, stop_at
         )
     except BaseException as e:  # reported, so the test says what broke instead of hanging
         results.put((owner, claims, lost, f"{type(e).__name__}: {e}"))
@@ -52,8 +54,7 @@ def _claimer(url, schema, queue_name, reschedule, barrier, results, thread_no, p
         results.put((owner, claims, lost, None))
 
 
-def _claim_until_empty(url, schema, queue_name, reschedule, barrier, owner, claims, lost, stop_at):
-    store = _store(url, schema)
+def _claim_until_empty(url, store, queue_name, reschedule, barrier, owner, claims, lost, stop_at):
     with psycopg.connect(url, autocommit=True) as conn:
         barrier.wait(timeout=60)
         empty_in_a_row = 0
@@ -84,10 +85,14 @@ def _claim_until_empty(url, schema, queue_name, reschedule, barrier, owner, clai
 
 
 def _process(url, schema, queue_name, reschedule, barrier, results, proc_no, stop_at):
+    # One store per process, as a worker has: its threads pass their own connections, so
+    # the store's pool stays nearly idle (a store per thread held a pool each: 3 x 8 pools
+    # beside the 24 racing connections, most of a 100-connection server).
+    store = _store(url, schema)
     threads = [
         threading.Thread(
             target=_claimer,
-            args=(url, schema, queue_name, reschedule, barrier, results, t, proc_no, stop_at),
+            args=(url, store, queue_name, reschedule, barrier, results, t, proc_no, stop_at),
         )
         for t in range(THREADS)
     ]
@@ -95,6 +100,7 @@ def _process(url, schema, queue_name, reschedule, barrier, results, proc_no, sto
         t.start()
     for t in threads:
         t.join()
+    store.pool.close()
 
 
 @pytest.fixture

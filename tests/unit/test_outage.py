@@ -295,3 +295,18 @@ def test_an_attempt_that_began_before_the_end_and_fails_after_it_starts_no_outag
     clock.now += 5.0
     tracker.connect_failed(REFUSED, clock.now)
     assert tracker.unreachable
+
+
+def test_a_refusal_to_write_holds_back_no_answer_of_an_older_connection(tracker, clock, lines):
+    """A standby's refusal to write (a LISTEN during recovery, say) came over a connection
+    the server accepted: the answer of a connection opened before it, from the primary
+    the pool was led back to, ends the outage at once (within the grace too)."""
+    opened = clock.now
+    clock.now += 0.2
+    standby = psycopg.errors.ReadOnlySqlTransaction("cannot execute LISTEN during recovery")
+    tracker.connect_failed(ConnectionClosed(standby))
+    assert tracker.unreachable
+    clock.now += 0.1
+    tracker.answered(opened)
+    assert not tracker.unreachable
+    assert lines()[-1] == "The database is reachable again; it was unreachable for 0.1s."

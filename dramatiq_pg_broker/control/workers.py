@@ -204,8 +204,13 @@ class Presence(Middleware):
             "ttl_ms": int(settings.lease_seconds * 1000),
             "in_flight": len(self.ledger),
         }
-        with self.pool.connection() as conn, conn.transaction():
-            if not self._declared:
+        with self.pool.connection() as conn:
+            if self._declared:
+                # A beat: one autocommit upsert (a transaction around it cost an idle
+                # process two more round trips, BEGIN and COMMIT, per beat).
+                conn.execute(queries["register_worker"], params)
+                return
+            with conn.transaction():
                 declare_queues(conn, settings.schema, self._queues)
                 # The queue_limits setting; an operator's limit wins (see limits.py).
                 apply_declared(
@@ -225,15 +230,14 @@ class Presence(Middleware):
                             ],
                         },
                     )
-            conn.execute(queries["register_worker"], params)
-        if not self._declared:
-            self._declared = True
-            logger.info(
-                "Registered worker %s: %d queue(s), %d actor(s).",
-                self._id,
-                len(self._queues),
-                len(self._actors),
-            )
+                conn.execute(queries["register_worker"], params)
+        self._declared = True
+        logger.info(
+            "Registered worker %s: %d queue(s), %d actor(s).",
+            self._id,
+            len(self._queues),
+            len(self._actors),
+        )
 
     def after_worker_shutdown(self, broker, worker) -> None:
         if self._pid != forks.pid():

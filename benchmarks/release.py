@@ -4,7 +4,7 @@ The git ref (a tag, a branch, a commit such as ``994d6c9``, the 0.1.0 release) i
 way the upgrade test builds the previous release: ``git archive`` of the commit into a
 folder, a virtual environment of its own, and ``pip install`` of that folder, whose
 dependencies come from the package index (or pip's cache). The result is kept under
-``benchmarks/results/releases/<commit>/`` (git-ignored), so a second run reuses it.
+``benchmarks/results/.releases/<commit>/`` (git-ignored), so a second run reuses it.
 
 The release's own ``benchmarks/`` may not exist or may differ: the run uses *this*
 checkout's harness with the release's package. Its processes (clients and workers) run
@@ -29,8 +29,11 @@ from pathlib import Path
 from .harness import ROOT, BenchError, Variant
 
 HERE = Path(__file__).resolve().parent
-#: Where built releases are kept (``benchmarks/results/`` is git-ignored).
-CACHE = HERE / "results" / "releases"
+#: Where built releases are kept (``benchmarks/results/`` is git-ignored). A hidden folder:
+#: setuptools' package finder (``find_namespace:`` in setup.cfg) walks every folder of the
+#: checkout whose name has no dot, and building the package (``python -m build``, as the
+#: base-install test does) spent minutes walking a release's virtualenv there.
+CACHE = HERE / "results" / ".releases"
 #: The workloads an earlier release takes part in. The others load or read this
 #: checkout's schema (history partitions, the ``all_jobs`` view, its migrations) or
 #: depend on a setting of this checkout (the idle worker's statement count).

@@ -173,7 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--against",
         metavar="REF",
         help="also run an earlier release (a git tag, branch or commit, e.g. 994d6c9 for "
-        "0.1.0), built once into its own virtualenv under benchmarks/results/releases/, on "
+        "0.1.0), built once into its own virtualenv under benchmarks/results/.releases/, on "
         f"the workloads {', '.join(release.WORKLOADS)}, in turns with this checkout",
     )
     p.add_argument("--out", type=Path, default=HERE / "results", help="output folder")

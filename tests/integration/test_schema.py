@@ -54,11 +54,13 @@ def test_a_plain_queued_job_is_accepted(insert, conn, schema):
             {"status": "running", "locked_by": "w", "started_at": "2030-01-01"},
             "jobs_running_shape",
         ),
-        ("succeeded without finished_at", {"status": "succeeded"}, "jobs_terminal_shape"),
+        # jobs_unfinished refuses every terminal row; migration 0021 dropped the checks it
+        # implies (jobs_terminal_shape, jobs_status_check), which history keeps.
+        ("succeeded without finished_at", {"status": "succeeded"}, "jobs_unfinished"),
         (
             "failed still locked",
             {"status": "failed", "finished_at": "2030-01-01", "locked_by": "w"},
-            "jobs_terminal_shape",
+            "jobs_unfinished",
         ),
         (
             "queued with a lock",
@@ -74,7 +76,7 @@ def test_a_plain_queued_job_is_accepted(insert, conn, schema):
         ),
         ("a queued row that started", {"started": True}, "jobs_started_shape"),
         ("max_attempts of zero", {"max_attempts": 0}, "jobs_max_attempts_positive"),
-        ("unknown status", {"status": "paused"}, "jobs_status_check"),
+        ("unknown status", {"status": "paused"}, "jobs_unfinished"),
         ("no message at all", {"message": None}, "jobs_message_stored"),
         ("blank actor name", {"actor_name": ""}, "jobs_actor_name_check"),
     ],
@@ -146,6 +148,37 @@ def test_finished_jobs_land_in_their_status_and_day_or_in_a_default_partition(co
             ).format(s),
             (str(uuid.uuid4()),),
         )
+
+
+@pytest.mark.parametrize("status", ["succeeded", "failed", "cancelled"])
+def test_history_keeps_the_terminal_shape_the_hot_table_dropped(conn, schema, status):
+    """Migration 0021 dropped jobs_terminal_shape (and jobs_status_check) from the jobs
+    table only, where jobs_unfinished implies them: history's partitions, where finished
+    rows live, still refuse a finished row that keeps its lock (an unknown status finds
+    no partition there)."""
+    with pytest.raises(psycopg.errors.CheckViolation) as excinfo:
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.jobs_history (id, queue_name, actor_name, message, status, "
+                "finished_at, locked_by) VALUES (%s, 'q', 'a', '{{}}', %s, now(), 'w')"
+            ).format(sql.Identifier(schema)),
+            (str(uuid.uuid4()), status),
+        )
+    assert excinfo.value.diag.constraint_name == "jobs_terminal_shape", status
+
+
+def test_the_hot_table_checks_each_shape_once(conn, schema):
+    """The jobs table carries no check that jobs_unfinished implies (migration 0021): each
+    check is prepared and evaluated at every send and claim."""
+    names = {
+        name
+        for (name,) in conn.execute(
+            "SELECT conname FROM pg_constraint WHERE contype = 'c' AND conrelid = %s::regclass",
+            (f'"{schema}".jobs',),
+        )
+    }
+    assert "jobs_unfinished" in names
+    assert not names & {"jobs_status_check", "jobs_terminal_shape"}, names
 
 
 def test_the_claim_and_reaper_indexes_are_partial(conn, schema):

@@ -48,23 +48,66 @@ def server_binaries(*tools: str) -> Path | None:
     return None
 
 
+#: Where the test processes of a machine reserve the ports of their clusters: one lock
+#: file per port, locked (``flock``) by the process whose cluster has that port.
+RESERVATIONS = Path(tempfile.gettempdir()) / "dramatiq-pg-test-ports"
+
+#: This process's reservations: port -> its locked file.
+_reserved: dict[int, object] = {}
+
+
+def _reserve(port: int) -> bool:
+    """Take ``port`` for a cluster of this process, for as long as the cluster lives
+    (:func:`release`); False when another process holds it. A cluster that is stopped
+    keeps its port this way: without it, a test beside this one took the port of a
+    cluster stopped for an outage, the cluster came back on another port, and the worker
+    under test waited for the old one until the test timed out."""
+    if port in _reserved:
+        return False
+    import fcntl
+
+    RESERVATIONS.mkdir(exist_ok=True)
+    handle = open(RESERVATIONS / f"{port}.lock", "a")  # noqa: SIM115 - held until release
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return False
+    _reserved[port] = handle
+    return True
+
+
+def release(port: int) -> None:
+    """Give back a port taken by :func:`free_ports` (a lock ends with its process too)."""
+    handle = _reserved.pop(port, None)
+    if handle is not None:
+        handle.close()
+
+
 def free_ports(count: int, ports: Iterable[int] = PORTS) -> list[int] | None:
-    """``count`` ports of ``ports`` nothing listens on yet, or None if there are fewer.
+    """``count`` ports of ``ports`` that nothing listens on yet and no other cluster of a
+    test process holds, reserved for this process (:func:`release` gives them back), or
+    None if there are fewer.
 
     A port that only has connections in TIME_WAIT (those of a server killed a moment ago)
     is free: PostgreSQL binds its port with SO_REUSEADDR, and so does this check.
     """
     found: list[int] = []
     for port in random.sample(list(ports), len(ports)):
+        if not _reserve(port):
+            continue
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
+                release(port)
                 continue
         found.append(port)
         if len(found) == count:
             return found
+    for port in found:
+        release(port)
     return None
 
 
@@ -173,6 +216,7 @@ class Cluster:
                 ports = free_ports(1, [p for p in PORTS if p != self.port])
                 if "could not bind" not in said or ports is None:
                     raise RuntimeError(f"the test cluster did not start:\n{said[-2000:]}") from e
+                release(self.port)
                 self.port = ports[0]
                 self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         raise RuntimeError("the test cluster found no free port in five tries")
@@ -207,6 +251,7 @@ class Cluster:
         except subprocess.CalledProcessError:
             pass
         shutil.rmtree(self.root, ignore_errors=True)
+        release(self.port)
 
 
 def cluster_factory():
@@ -224,10 +269,14 @@ def cluster_factory():
         ports = free_ports(1, [p for p in PORTS if p not in taken])
         if ports is None:
             pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1} for a test cluster")
-        if standby_of is not None:
-            cluster = Cluster.standby_of(standby_of, ports[0])
-        else:
-            cluster = Cluster(bindir, ports[0], **kwargs)
+        try:
+            if standby_of is not None:
+                cluster = Cluster.standby_of(standby_of, ports[0])
+            else:
+                cluster = Cluster(bindir, ports[0], **kwargs)
+        except BaseException:  # a skip included
+            release(ports[0])
+            raise
         clusters.append(cluster)
         if start:
             cluster.start()

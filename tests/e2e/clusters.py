@@ -213,7 +213,7 @@ class Cluster:
                 with open(self.log, "rb") as log:
                     log.seek(seen)
                     said = log.read().decode(errors="replace")
-                ports = free_ports(1, [p for p in PORTS if p != self.port])
+                ports = free_ports(1)  # not this cluster's own port: it holds it
                 if "could not bind" not in said or ports is None:
                     raise RuntimeError(f"the test cluster did not start:\n{said[-2000:]}") from e
                 release(self.port)
@@ -265,8 +265,7 @@ def cluster_factory():
         bindir = server_binaries(*(("pg_basebackup",) if standby_of is not None else ()))
         if bindir is None:
             pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl...) to start a cluster")
-        taken = {c.port for c in clusters}
-        ports = free_ports(1, [p for p in PORTS if p not in taken])
+        ports = free_ports(1)  # never a port of this process's clusters: they hold theirs
         if ports is None:
             pytest.skip(f"no free port in {PORTS.start}-{PORTS.stop - 1} for a test cluster")
         try:

@@ -15,15 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidQueueLimit, InvalidQueueName
+from .queue_rules import check_limit, check_queue_name
 from .urls import check_url, mask_url
 
 #: The environment variable prefix.
 ENV_PREFIX = "DRAMATIQ_PG_"
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-#: Dramatiq's rule for queue names (as :data:`.queues.QUEUE_NAME_RE`).
-_QUEUE_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]{0,254}$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -509,7 +508,8 @@ def _queue_limits(value: Any) -> tuple[tuple[str, int], ...]:
     pairs, or from ``name=N`` strings (the environment variable's comma-separated form).
 
     Raises:
-      ConfigurationError: a pair that is not a queue name and a whole number of at least 1.
+      ConfigurationError: a pair that is not a queue name and a limit, as
+        :mod:`.queue_rules` defines them (the CLI's and the admin API's bounds).
     """
     if isinstance(value, str):
         value = [part for part in value.split(",") if part.strip()]
@@ -525,17 +525,15 @@ def _queue_limits(value: Any) -> tuple[tuple[str, int], ...]:
             pair = (name.strip(), limit)
         else:
             pair = tuple(item)
-        if (
-            len(pair) != 2
-            or not isinstance(pair[0], str)
-            or not _QUEUE_RE.fullmatch(pair[0])
-            or isinstance(pair[1], bool)
-            or not isinstance(pair[1], int)
-            or pair[1] < 1
-        ):
+        if len(pair) != 2:
             raise ConfigurationError(
-                f"queue_limits: {item!r} is not a queue name and a limit of at least 1 "
+                f"queue_limits: {item!r} is not a queue name and a limit "
                 "(write name=N, e.g. partner_api=5)"
             )
-        limits[pair[0]] = pair[1]
+        try:
+            limits[check_queue_name(pair[0])] = check_limit(pair[1])
+        except (InvalidQueueName, InvalidQueueLimit) as e:
+            raise ConfigurationError(
+                f"queue_limits: {item!r}: {e} (write name=N, e.g. partner_api=5)"
+            ) from None
     return tuple(sorted(limits.items()))

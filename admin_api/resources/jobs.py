@@ -9,6 +9,7 @@ import dramatiq
 import falcon
 from pydantic import Field
 
+from dramatiq_pg_broker import queue_rules
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.control.workers import actor_declaration
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
@@ -53,8 +54,9 @@ MAX_LIMIT = 100
 MAX_OFFSET = 10_000
 #: The longest ``queue`` or ``actor`` filter (Dramatiq's names are shorter).
 MAX_FILTER_LENGTH = 255
-#: Dramatiq's own rule for queue names.
-QUEUE_NAME_PATTERN = r"^[a-zA-Z_][a-zA-Z0-9._-]*$"
+#: Dramatiq's own rule for queue names (the broker's one definition; the OpenAPI document
+#: names it here).
+QUEUE_NAME_PATTERN = queue_rules.QUEUE_NAME_PATTERN
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -70,7 +72,7 @@ class JobRequest(Body):
     )
     queue_name: Name = Field(
         None,
-        max_length=255,
+        max_length=queue_rules.MAX_QUEUE_NAME,
         pattern=QUEUE_NAME_PATTERN,
         description="The actor's queue: a letter or '_', then letters, digits, '.', '_', "
         "'-'. Default: the queue the actor was declared on by the workers (a different one "

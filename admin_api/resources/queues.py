@@ -12,6 +12,7 @@ from pydantic import Field
 from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.control import limits as queue_limits
 from dramatiq_pg_broker.jobs import JobStore
+from dramatiq_pg_broker.queue_rules import MAX_LIMIT
 
 from ..auth import OPERATORS
 from ..validation import Body, check_name, read_body, read_optional_body, read_query
@@ -51,7 +52,7 @@ class LimitRequest(Body):
 
     limit: int | None = Field(
         ge=1,
-        le=queue_limits.MAX_LIMIT,
+        le=MAX_LIMIT,
         description="At most this many jobs of the queue run at a time, across every worker "
         "on every host; null lifts the limit.",
     )

@@ -17,6 +17,7 @@ import sys
 from ..control import limits as queue_limits
 from ..control import queues as queue_control
 from ..control.workers import list_actors, list_workers
+from ..queue_rules import MAX_LIMIT, check_limit
 from .jobs import (
     Context,
     _json_flag,
@@ -140,17 +141,14 @@ run_actors = listing(
 )
 
 
-def _positive_int(text: str) -> int:
+def _limit(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or value > queue_limits.MAX_LIMIT:
+        return check_limit(int(text))
+    except ValueError:  # not a number, or InvalidQueueLimit
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a limit: give a whole number from 1 to {queue_limits.MAX_LIMIT} "
+            f"{text!r} is not a limit: give a whole number from 1 to {MAX_LIMIT} "
             "(pause a queue to stop it; --clear lifts its limit)"
-        )
-    return value
+        ) from None
 
 
 def add_control_commands(sub: argparse._SubParsersAction) -> None:
@@ -187,7 +185,7 @@ def add_control_commands(sub: argparse._SubParsersAction) -> None:
     )
     limit.add_argument("name")
     limit.add_argument(
-        "limit", nargs="?", type=_positive_int, help="the most jobs of the queue running at once"
+        "limit", nargs="?", type=_limit, help="the most jobs of the queue running at once"
     )
     limit.add_argument("--clear", action="store_true", help="lift the queue's limit")
     limit.add_argument(

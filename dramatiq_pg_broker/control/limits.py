@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import psycopg
 from dramatiq.middleware import Middleware
@@ -51,9 +51,9 @@ from dramatiq.middleware import Middleware
 from .. import forks
 from ..config import Settings
 from ..db.queries import statements_for
-from ..errors import InvalidQueueLimit, QueueNotDeclared
+from ..errors import QueueNotDeclared
 from ..jobs.rows import AsDict, channel_name, clean_text
-from .queues import check_name
+from ..queue_rules import check_limit, check_queue_name
 from .queues import get as get_queue
 
 logger = logging.getLogger("dramatiq_pg_broker.limits")
@@ -74,9 +74,6 @@ class LimitReads(Protocol):
 
 #: The payload on a queue's channel that announces a change of its limit.
 LIMIT_PAYLOAD = "limit"
-
-#: The largest limit accepted.
-MAX_LIMIT = 1_000_000
 
 #: How old a worker's copy of which queues are limited may get while it claims work.
 REFRESH_SECONDS = 1.0
@@ -100,20 +97,6 @@ class QueueLimit(AsDict):
 
 #: The statements of limits.sql for a schema (loaded once per process, shared).
 _queries = functools.partial(statements_for, filename="limits.sql")
-
-
-def check_limit(limit: Any) -> int:
-    """A limit as accepted: an integer from 1 to :data:`MAX_LIMIT`.
-
-    Raises:
-      InvalidQueueLimit: anything else, with a sentence saying what a limit must be.
-    """
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise InvalidQueueLimit(
-            f"a queue limit must be a whole number from 1 to {MAX_LIMIT}, not {limit!r} "
-            "(to stop a queue, pause it; to lift a limit, clear it)"
-        )
-    return limit
 
 
 def get(conn: psycopg.Connection, schema: str, name: str) -> QueueLimit | None:
@@ -156,9 +139,10 @@ def set_limit(
     Raises:
       QueueNotDeclared: no worker declared the queue (and ``force`` is False).
       InvalidQueueName: the name cannot be a queue's.
-      InvalidQueueLimit: the limit is not a whole number from 1 to :data:`MAX_LIMIT`.
+      InvalidQueueLimit: the limit is not a whole number from 1 to
+        :data:`~dramatiq_pg_broker.queue_rules.MAX_LIMIT`.
     """
-    check_name(name)
+    check_queue_name(name)
     if limit is not None:
         check_limit(limit)
     queries = _queries(schema)

@@ -21,21 +21,17 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
-import re
 from collections.abc import Iterable
 from typing import Any
 
 import psycopg
 
 from ..db.queries import statements_for
-from ..errors import InvalidQueueName, QueueNotDeclared
+from ..errors import QueueNotDeclared
 from ..jobs.rows import PAUSE_PAYLOAD, AsDict, channel_name, clean_text
 
-#: Dramatiq's own rule for queue names.
-QUEUE_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9._-]*$")
-
-#: The longest queue name accepted.
-MAX_QUEUE_NAME = 255
+# The one definition of a queue name (the settings, the CLI and the admin API use it too).
+from ..queue_rules import check_queue_name as check_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,21 +49,6 @@ class QueueState(AsDict):
 
 #: The statements of queues.sql for a schema (loaded once per process, shared).
 _queries = functools.partial(statements_for, filename="queues.sql")
-
-
-def check_name(name: str) -> str:
-    """A queue name as Dramatiq allows it.
-
-    Raises:
-      InvalidQueueName: the name cannot be a queue's (wrong characters, or too long).
-    """
-    if not isinstance(name, str) or len(name) > MAX_QUEUE_NAME or not QUEUE_NAME_RE.match(name):
-        shown = name if len(str(name)) <= 60 else str(name)[:60] + "..."
-        raise InvalidQueueName(
-            f"{shown!r} is not a queue name: a letter or '_', then letters, digits, '.', "
-            f"'_' or '-', at most {MAX_QUEUE_NAME} characters"
-        )
-    return name
 
 
 def declare(conn: psycopg.Connection, schema: str, names: Iterable[str]) -> None:

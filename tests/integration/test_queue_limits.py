@@ -19,6 +19,7 @@ from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.control import limits as queue_limits
 from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
+from dramatiq_pg_broker.queue_rules import MAX_LIMIT
 
 from ..helpers import wait_for
 from .harness import declared_queue, start_worker, stop_workers
@@ -154,7 +155,7 @@ def test_setting_a_limit_is_recorded_announced_and_refused_when_malformed(store,
         assert set_limit(store, queue, None) is None
         assert [n.payload for n in listener.notifies(timeout=2, stop_after=1)] == ["limit"]
     assert (limit.limit, limit.source, limit.set_by) == (5, "operator", "ops")
-    for bad in (0, -1, 2.5, "3", True, queue_limits.MAX_LIMIT + 1):
+    for bad in (0, -1, 2.5, "3", True, MAX_LIMIT + 1):
         with pytest.raises(InvalidQueueLimit, match="whole number from 1"):
             set_limit(store, queue, bad)
     with pytest.raises(InvalidQueueName):

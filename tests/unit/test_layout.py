@@ -18,7 +18,17 @@ ROOMS = ("base", "db", "history", "jobs", "control", "sending", "attempt", "back
 
 #: The modules at the top of the package that are the base room: imported by every room,
 #: importing no room.
-BASE = {"errors", "events", "backoff", "forks", "service", "version", "config", "urls"}
+BASE = {
+    "errors",
+    "events",
+    "backoff",
+    "forks",
+    "service",
+    "version",
+    "config",
+    "urls",
+    "queue_rules",
+}
 
 #: The composition root and the package's entry points: they may import any room.
 ROOT = {"__init__", "__main__", "broker", "contrib"}

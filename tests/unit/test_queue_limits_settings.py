@@ -23,11 +23,23 @@ def test_queue_limits_are_read_from_keywords_and_the_environment():
 
 
 @pytest.mark.parametrize(
-    "value",
-    [{"a": 0}, {"a": -1}, {"a": True}, {"a": "3"}, {"9a": 3}, {"a\n": 3}, "a", "a=x", "=3"],
+    ("value", "says"),
+    [
+        ({"a": 0}, "a queue limit must be a whole number from 1 to"),
+        ({"a": -1}, "a queue limit must be a whole number from 1 to"),
+        ({"a": True}, "a queue limit must be a whole number from 1 to"),
+        ({"a": "3"}, "a queue limit must be a whole number from 1 to"),
+        ({"a": 3_000_000_000}, "a queue limit must be a whole number from 1 to"),
+        ({"9a": 3}, "is not a queue name"),
+        ({"a\n": 3}, "is not a queue name"),
+        ([("a", 1, 2)], "is not a queue name and a limit"),
+        ("a", "a queue limit must be a whole number from 1 to"),
+        ("a=x", "a queue limit must be a whole number from 1 to"),
+        ("=3", "is not a queue name"),
+    ],
 )
-def test_a_malformed_queue_limit_is_refused_in_a_sentence(value):
-    with pytest.raises(ConfigurationError, match="is not a queue name and a limit of at least 1"):
+def test_a_malformed_queue_limit_is_refused_in_a_sentence(value, says):
+    with pytest.raises(ConfigurationError, match=f"^queue_limits: .*{says}.*write name=N"):
         if isinstance(value, str):
             Settings.load(environ={"DRAMATIQ_PG_QUEUE_LIMITS": value})
         else:

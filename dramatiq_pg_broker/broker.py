@@ -79,8 +79,8 @@ class PostgresBroker(dramatiq.Broker):
         :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
       queue_limits(dict[str, int]): at most this many jobs of each named queue run at a
         time across every worker (``{"partner_api": 5}``; the ``queue_limits`` setting).
-        Each worker writes them when it boots; a limit an operator set with the CLI or the
-        admin API wins over it (see :mod:`dramatiq_pg_broker.limits`).
+        Each worker process writes them before its first claim; a limit an operator set
+        with the CLI or the admin API wins over it (see :mod:`dramatiq_pg_broker.limits`).
       settings(Settings): every other knob (see :class:`Settings`); keyword arguments win.
       store(JobStore): the job store every statement of the broker goes through (default:
         one on the pool). The worker side (consumers, the in-flight ledger, the outcome
@@ -201,7 +201,9 @@ class PostgresBroker(dramatiq.Broker):
             ),
         )
         #: Which queues are limited, and the worker's free threads (see :mod:`.limits`).
-        self.queue_limits = QueueLimits(store=self.store, ledger=self.ledger, settings=settings)
+        self.queue_limits = QueueLimits(
+            store=self.store, ledger=self.ledger, settings=settings, pool=self.pool
+        )
         #: What every consumer of this broker uses (see :meth:`consume`).
         self._consumer_parts = ConsumerParts(
             core=core,

@@ -27,11 +27,17 @@ one before the lease says so, and counting it never lets two attempts of the lim
 beside the one that may still be running.
 
 Limits set in code (``PostgresBroker(queue_limits={"partner_api": 5})`` or
-``DRAMATIQ_PG_QUEUE_LIMITS=partner_api=5``) are written by each worker when it boots
-(:func:`apply_declared`). An operator's limit (``dramatiq-pg-broker queues limit`` or
-``PUT /api/queues/{name}/limit``) wins over code: a booting worker replaces only a limit
-that code set. Clearing a limit deletes the row, whoever set it; a worker configured with
-a limit for that queue sets it again when it next boots.
+``DRAMATIQ_PG_QUEUE_LIMITS=partner_api=5``) are written by each worker process before its
+first claim, of any queue (:func:`apply_declared`, from :meth:`QueueLimits.refresh`): the
+claim that follows reads them like any other limit, so the deploy that introduces a limit
+is held to it from the first claim of its first worker. Until the write succeeds, the
+process claims nothing (a failure to write is raised to the consumer, which tries again).
+A worker whose code does not declare the limit (an older deploy, still running) is told
+on the queue's channel when the row is written, as for an operator's change. An
+operator's limit (``dramatiq-pg-broker queues limit`` or ``PUT /api/queues/{name}/limit``)
+wins over code: a worker replaces only a limit that code set. Clearing a limit deletes the
+row, whoever set it; a worker process configured with a limit for that queue sets it again
+when it next starts.
 """
 
 from __future__ import annotations
@@ -40,10 +46,11 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import psycopg
 from dramatiq.middleware import Middleware
@@ -55,6 +62,9 @@ from ..errors import QueueNotDeclared
 from ..jobs.rows import AsDict, channel_name, clean_text
 from ..queue_rules import check_limit, check_queue_name
 from .queues import get as get_queue
+
+if TYPE_CHECKING:
+    from ..db.core import ProcessPool
 
 logger = logging.getLogger("dramatiq_pg_broker.limits")
 
@@ -168,9 +178,11 @@ def set_limit(
 def apply_declared(
     conn: psycopg.Connection, schema: str, limits: Mapping[str, int], *, by: str
 ) -> list[str]:
-    """Write the limits a worker was configured with (its boot does it): a queue without a
-    limit gets its configured one, a limit set by code takes the new value, and an
-    operator's limit is left as it is. Consumers of a queue whose limit changed are told.
+    """Write the limits a worker was configured with (each worker process does it before
+    its first claim, see :meth:`QueueLimits.refresh`): a queue without a limit gets its
+    configured one, a limit set by code takes the new value, and an operator's limit is
+    left as it is. Consumers of a queue whose limit changed are told (at the commit of the
+    caller's transaction).
 
     Returns:
       list[str]: the queues whose limit changed.
@@ -195,17 +207,21 @@ def apply_declared(
 class QueueLimits(Middleware):
     """A worker process's view of queue limits: which queues are limited (refreshed as the
     module docstring says), and how many of its worker threads are free to start a job
-    now. :class:`~dramatiq_pg_broker.PostgresBroker` installs it.
+    now. It writes the limits declared in code before its process's first claim.
+    :class:`~dramatiq_pg_broker.PostgresBroker` installs it.
 
     Parameters:
       store(JobStore): where the limits are read.
       ledger(Ledger): the in-flight ledger, which counts the attempts that hold a thread.
-      settings(Settings): its ``listen`` (without LISTEN, no change is announced).
+      settings(Settings): its ``listen`` (without LISTEN, no change is announced), its
+        ``queue_limits`` (the limits declared in code) and its ``schema``.
+      pool(ProcessPool): where the declared limits are written (opened on first use).
     """
 
     store: LimitReads
     ledger: Occupancy
     settings: Settings
+    pool: ProcessPool
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -217,6 +233,8 @@ class QueueLimits(Middleware):
         #: Limited queues of this process that wait for a free thread, with when each
         #: last said so (see :meth:`hungry`).
         self._hungry: dict[str, float] = {}
+        #: Whether this process wrote the limits declared in code (see :meth:`refresh`).
+        self._declared = False
         self._process = forks.PerProcess(self._enter_process, value=None)
 
     def _enter_process(self) -> None:
@@ -224,6 +242,7 @@ class QueueLimits(Middleware):
             self._limits = {}
             self._read_at = None
             self._hungry = {}
+            self._declared = False
 
     def before_worker_boot(self, broker, worker) -> None:
         self.worker_threads = getattr(worker, "worker_threads", None)
@@ -255,10 +274,19 @@ class QueueLimits(Middleware):
     def refresh(self, *, unless_read_since: float | None = None) -> dict[str, int]:
         """Read every limit now (one statement), unless another thread read them since
         ``unless_read_since`` (the read its caller saw): the consumers of a process that
-        find the copy stale at once read it once."""
+        find the copy stale at once read it once. The process's first read writes the
+        limits declared in code first (:meth:`write_declared`): every consumer reads the
+        limits before its first claim, so no claim of this process comes before them.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database is unreachable (nothing is
+            claimed: the caller tries again).
+        """
         with self._lock:
             if unless_read_since is not None and self._read_at not in (None, unless_read_since):
                 return self._limits
+            if not self._declared:
+                self.write_declared()
             limits = self.store.queue_limits()
             if limits != self._limits:
                 logger.info(
@@ -268,6 +296,25 @@ class QueueLimits(Middleware):
             self._limits = limits
             self._read_at = time.monotonic()
             return limits
+
+    def write_declared(self) -> list[str]:
+        """Write the limits declared in code (the ``queue_limits`` setting) with
+        :func:`apply_declared`, once per process; an operator's limit wins. Returns the
+        queues whose limit this changed.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database is unreachable (written next time).
+        """
+        declared = dict(self.settings.queue_limits)
+        changed: list[str] = []
+        if declared:
+            by = f"worker {socket.gethostname()}:{forks.pid()}"
+            with self.pool.connection() as conn, conn.transaction():
+                changed = apply_declared(conn, self.settings.schema, declared, by=by)
+            if changed:
+                logger.info("Queue limits set from this worker's code: %s.", ", ".join(changed))
+        self._declared = True
+        return changed
 
     def hungry(self, queue_name: str) -> None:
         """A limited queue has jobs to run and below its limit, but every worker thread of

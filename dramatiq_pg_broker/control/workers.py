@@ -8,8 +8,9 @@ beat, the attempts it holds (in flight). The row expires a lease after the last 
 then, and retention deletes its row. A clean exit deletes the row at once.
 
 At the same boot the process declares its actors, each with its queue, in
-``<schema>.actors``, its queues in ``<schema>.queues`` (:mod:`.queues`), and the queue
-limits it was configured with (:func:`.limits.apply_declared`). Declared actors
+``<schema>.actors`` and its queues in ``<schema>.queues`` (:mod:`.queues`). (The queue
+limits it was configured with are written sooner, before its first claim: see
+:mod:`.limits`.) Declared actors
 outlive the workers that declared them, so an operator can enqueue through the admin API
 while every worker is being redeployed; the admin API creates jobs only for declared
 actors, on their own queue (see ``DRAMATIQ_PG_ADMIN_ADHOC_ACTORS``). An actor that is
@@ -42,7 +43,6 @@ from psycopg.types.json import Jsonb
 from .. import forks
 from ..config import Settings
 from ..db.queries import statements_for
-from .limits import apply_declared
 from .queues import declare as declare_queues
 
 if TYPE_CHECKING:
@@ -121,8 +121,7 @@ class Presence(Middleware):
 
     Parameters:
       pool(ProcessPool): where the rows are written (opened on first use).
-      settings(Settings): the schema, the lease (the row's time to live) and the
-        ``queue_limits`` setting, written at the first registration.
+      settings(Settings): the schema and the lease (the row's time to live).
       ledger(Ledger): the in-flight ledger (how many attempts the row reports).
       schema_gate(SchemaGate): nothing is written before the worker's handshake passed.
       actors(Mapping[str, Actor]): the broker's actors, read when the worker boots.
@@ -212,13 +211,6 @@ class Presence(Middleware):
                 return
             with conn.transaction():
                 declare_queues(conn, settings.schema, self._queues)
-                # The queue_limits setting; an operator's limit wins (see limits.py).
-                apply_declared(
-                    conn,
-                    settings.schema,
-                    dict(settings.queue_limits),
-                    by=f"worker {self._id}",
-                )
                 if self._actors:
                     conn.execute(
                         queries["declare_actors"],

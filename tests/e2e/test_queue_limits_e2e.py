@@ -4,11 +4,19 @@ worker processes of 8 threads each with 0.2 s jobs, never has more than 3 jobs r
 usual rate, and the limited queue still gets threads while it does; a limit raised to 5,
 then lowered to 1, mid-drain, holds within a second.
 
+The timed tests record when each job's actor starts and when its thread leaves it (by the
+database's clock), and count from those spans how many ran at once: a limit declared in
+code holds from the first claim of a fresh deploy's workers (and an older worker that does
+not declare it is held within a second); an aborted job keeps its place until its thread
+leaves the actor; a SIGKILLed worker's place comes back within one lease.
+
 The figures (the limited queue's throughput at its limit, the unlimited queue's drain time
 alone and beside the limited one) are printed: run with ``-s`` to see them."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import threading
 import time
 
@@ -19,7 +27,17 @@ from psycopg import sql
 from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.control import limits as queue_limits
 
-from .queue_limits_actors import JOB_SECONDS, LIMITED, UNLIMITED, declare
+from ..rows import status_of
+from .queue_limits_actors import (
+    CODE_LIMITED,
+    JOB_SECONDS,
+    LIMITED,
+    MIXED_LIMITED,
+    UNLIMITED,
+    declare,
+    declare_spans,
+)
+from .worker_actors import create_executions_table
 from .workers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -71,13 +89,15 @@ def broker(pg_url, schema):
     broker.close()
 
 
-def set_limit(broker: PostgresBroker, limit: int | None) -> tuple[float, float]:
-    """Set the limited queue's limit as an operator does; returns when it was asked (the
-    end of the previous limit's span: a sample taken after may already see the new one)
-    and when it was committed."""
+def set_limit(
+    broker: PostgresBroker, limit: int | None, queue: str = LIMITED
+) -> tuple[float, float]:
+    """Set a queue's limit (the limited queue's by default) as an operator does; returns
+    when it was asked (the end of the previous limit's span: a sample taken after may
+    already see the new one) and when it was committed."""
     asked = time.monotonic()
     with broker.pool.connection() as conn:
-        queue_limits.set_limit(conn, broker.settings.schema, LIMITED, limit, by="e2e", force=True)
+        queue_limits.set_limit(conn, broker.settings.schema, queue, limit, by="e2e", force=True)
     return asked, time.monotonic()
 
 
@@ -169,3 +189,143 @@ def test_a_limit_holds_across_two_worker_processes_and_changes_within_a_second(
     # Nor was the limited queue starved while the unlimited one kept every thread busy:
     # the other consumers left it the threads it waited for (QueueLimits.hungry).
     assert rate_beside >= 1.5, f"the limited queue ran {rate_beside:.1f} jobs/s meanwhile"
+
+
+# -- timed spans ----------------------------------------------------------------------------
+
+APP = "tests.e2e.queue_limits_app"
+
+
+@dataclasses.dataclass
+class Span:
+    """One attempt of a job, as its actor recorded it: its process, when it started and
+    when its thread left the actor (None: it never did, its process was killed)."""
+
+    job_id: str
+    attempt: int
+    pid: int
+    start: dt.datetime
+    finish: dt.datetime | None
+
+
+@pytest.fixture
+def span_actors(broker, conn, schema):
+    """The actors of :func:`.queue_limits_actors.declare_spans` on the test's broker, by
+    queue, with an empty ``executions`` table."""
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}.executions").format(sql.Identifier(schema)))
+    create_executions_table(conn, schema)
+    return declare_spans(broker)
+
+
+def spans(conn, schema: str, job_ids) -> list[Span]:
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT job_id::text, attempt, min(pid), min(at) FILTER (WHERE phase = 'start'), "
+            "max(at) FILTER (WHERE phase = 'finish') FROM {}.executions "
+            "WHERE job_id = ANY(%s::uuid[]) GROUP BY 1, 2 ORDER BY 4"
+        ).format(sql.Identifier(schema)),
+        (list(job_ids),),
+    ).fetchall()
+    return [Span(*row) for row in rows]
+
+
+def most_at_once(
+    spans: list[Span], *, since: dt.datetime | None = None, until: dt.datetime | None = None
+) -> int:
+    """The most spans that were open at one moment from ``since`` on; a span without a
+    finish ends at ``until`` (its process's death)."""
+    moments = []
+    for span in spans:
+        end = span.finish or until
+        assert end is not None, f"{span} never finished"
+        if since is not None and end <= since:
+            continue
+        start = span.start if since is None else max(span.start, since)
+        # A finish sorts before a start at the same moment: back to back is not at once.
+        moments += [(start, 1), (end, -1)]
+    running = most = 0
+    for _, step in sorted(moments, key=lambda m: (m[0], m[1])):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def describe(spans: list[Span], origin: dt.datetime) -> str:
+    def at(moment):
+        return "-" if moment is None else f"{(moment - origin).total_seconds():.2f}"
+
+    return "; ".join(
+        f"{s.job_id[:8]}#{s.attempt} pid {s.pid} {at(s.start)}..{at(s.finish)}" for s in spans
+    )
+
+
+def db_now(conn) -> dt.datetime:
+    return conn.execute("SELECT clock_timestamp()").fetchone()[0]
+
+
+def all_done(broker, job_ids) -> bool:
+    return all(status_of(broker.store, j) in ("succeeded", "cancelled") for j in job_ids)
+
+
+def test_a_limit_in_code_holds_from_the_first_claim_of_a_fresh_deploy(
+    broker, span_actors, start_worker, conn, schema
+):
+    """The deploy that introduces a limit in code: no limit row yet, jobs waiting, two
+    worker processes of 4 threads start with ``DRAMATIQ_PG_QUEUE_LIMITS``: never more
+    than 1 ran at once, from the first claim on."""
+    with broker.pool.connection() as c:
+        assert queue_limits.get(c, schema, CODE_LIMITED) is None
+    actor = span_actors[CODE_LIMITED]
+    ids = [actor.send(0.3).message_id for _ in range(12)]
+    begun = db_now(conn)
+    worker = start_worker(
+        app=APP,
+        processes=2,
+        threads=4,
+        options=("--queues", CODE_LIMITED),
+        DRAMATIQ_PG_QUEUE_LIMITS=f"{CODE_LIMITED}=1",
+    )
+    wait_for(lambda: all_done(broker, ids), 60, "the queue to drain", on_timeout=worker.log_tail)
+
+    ran = spans(conn, schema, ids)
+    assert len(ran) == 12 and {status_of(broker.store, j) for j in ids} == {"succeeded"}
+    assert most_at_once(ran) == 1, describe(ran, begun)
+    with broker.pool.connection() as c:
+        limit = queue_limits.get(c, schema, CODE_LIMITED)
+    assert (limit.limit, limit.source) == (1, "code")
+
+
+def test_a_worker_that_declares_a_limit_holds_an_older_one_that_does_not_within_a_second(
+    broker, span_actors, start_worker, conn, schema
+):
+    """A worker whose code has no limit drains the queue with 3 threads; a worker of the
+    new code, declaring a limit of 1, starts beside it: from a second after the limit is
+    written, never more than 1 runs at once (the older worker hears of it on the queue's
+    channel; what it had started finishes)."""
+    actor = span_actors[MIXED_LIMITED]
+    ids = [actor.send(0.3).message_id for _ in range(40)]
+    older = start_worker(app=APP, threads=3, options=("--queues", MIXED_LIMITED))
+    wait_for(
+        lambda: len(spans(conn, schema, ids)) >= 6,
+        60,
+        "the older worker to run jobs",
+        on_timeout=older.log_tail,
+    )
+    newer = start_worker(
+        app=APP,
+        threads=3,
+        options=("--queues", MIXED_LIMITED),
+        DRAMATIQ_PG_QUEUE_LIMITS=f"{MIXED_LIMITED}=1",
+    )
+
+    def written():
+        with broker.pool.connection() as c:
+            return queue_limits.get(c, schema, MIXED_LIMITED)
+
+    limit = wait_for(written, 60, "the newer worker to write its limit", on_timeout=newer.log_tail)
+    wait_for(lambda: all_done(broker, ids), 90, "the queue to drain", on_timeout=older.log_tail)
+
+    ran = spans(conn, schema, ids)
+    assert most_at_once(ran, until=limit.set_at) > 1, "the older worker never ran 2: void"
+    held_from = limit.set_at + dt.timedelta(seconds=1)
+    assert most_at_once(ran, since=held_from) == 1, describe(ran, limit.set_at)

@@ -388,7 +388,7 @@ class PostgresConsumer(Consumer):
         the threads, holds it back); an empty one waits as an idle consumer does."""
         limits = self.queue_limits
         if self._last_look == "at limit" and not self._notified:
-            if self.store.limited_room(self.queue_name) <= 0:
+            if self.store.limited_room(self.queue_name, self.settings.lease_seconds) <= 0:
                 limits.fed(self.queue_name)
                 self._wait_under_limit()
                 return

@@ -84,16 +84,17 @@ class Claims(StoreBase):
         One transaction: an advisory lock of the transaction on the queue (claims of the
         queue take turns until it commits), then the room left under the limit, read with
         a snapshot taken after the lock was granted, then the plain claim statement for at
-        most that many jobs. The returned claim carries the limit read (``queue_limit``;
-        None: the queue has no limit any more and the claim was not bounded by one) and,
-        when the queue was at its limit, ``at_limit``.
+        most that many jobs. A running job whose lease ran out (by the reaper's test, with
+        ``lease_seconds`` as the whole lease the server must have been up for) takes no
+        room: a crashed worker's place comes back within its lease. The returned claim
+        carries the limit read (``queue_limit``; None: the queue has no limit any more and
+        the claim was not bounded by one) and, when the queue was at its limit,
+        ``at_limit``.
         """
         queries = _limit_queries(self.schema)
         with self.pool.use(conn) as c, c.transaction():
             c.execute(queries["lock_limited_queue"], {"key": f"{self.schema}.{queue_name}"})
-            max_running, room = c.execute(
-                queries["limited_queue_room"], {"queue_name": queue_name}
-            ).fetchone()
+            max_running, room = self._room(queue_name, lease_seconds, now, c)
             if max_running is not None:
                 limit = min(limit, room)
             if limit <= 0:
@@ -102,15 +103,19 @@ class Claims(StoreBase):
         claim = _claim_of(rows)
         return dataclasses.replace(claim, queue_limit=max_running)
 
-    def limited_room(self, queue_name: str, *, conn=None) -> int:
+    def limited_room(
+        self, queue_name: str, lease_seconds: float, *, conn=None, now: dt.datetime | None = None
+    ) -> int:
         """How many more jobs of a limited queue may run now, by a read that takes no lock
-        (a hint: :meth:`claim_limited` decides). A large number for a queue without a
-        limit."""
-        with self.pool.use(conn) as c:
-            max_running, room = c.execute(
-                _limit_queries(self.schema)["limited_queue_room"], {"queue_name": queue_name}
-            ).fetchone()
+        (a hint: :meth:`claim_limited` decides, and counts the same way). A large number
+        for a queue without a limit."""
+        max_running, room = self._room(queue_name, lease_seconds, now, conn)
         return room if max_running is not None else 1 << 30
+
+    def _room(self, queue_name, lease_seconds, now, conn) -> tuple[int | None, int]:
+        """The queue's limit (None: it has none) and the room left under it."""
+        params = {"queue_name": queue_name, "lease_ms": _ms(lease_seconds), "now": now}
+        return self._fetch("limited_queue_room", params, conn)[0]
 
     def queue_limits(self, *, conn=None) -> dict[str, int]:
         """Every queue's limit, by queue name (see :mod:`.limits`)."""

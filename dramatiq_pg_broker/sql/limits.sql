@@ -1,6 +1,8 @@
 -- Named statements of queue limits (dramatiq_pg_broker.limits): setting, clearing and
--- reading them, and the two statements a claim of a limited queue runs before the claim
--- itself (JobStore.claim_limited). Same layout as queries.sql.
+-- reading them, and the lock a claim of a limited queue takes before it reads the room
+-- left under the limit (queries.sql limited_queue_room, beside the reaper's statement,
+-- whose idea of an expired lease it shares) and claims (JobStore.claim_limited). Same
+-- layout as queries.sql.
 
 -- set_queue_limit --
 -- An operator's limit (the CLI, the admin API): it replaces any limit of the queue,
@@ -55,17 +57,3 @@ SELECT pg_notify(%(channel)s, 'limit')
 -- the statements after it take their snapshot once the lock is granted, and so see every
 -- claim committed before.
 SELECT pg_advisory_xact_lock(hashtext('dramatiq_pg_broker.queue_limit'), hashtext(%(key)s))
-
--- limited_queue_room --
--- How many more jobs of the queue may run now: its limit less its running jobs (claimed,
--- started, or whose worker died and whose lease the reaper has not yet taken back), and
--- the limit itself (NULL: the queue has no limit any more, and the claim is not bounded).
--- Running rows are few (one per busy worker thread): the count reads the running-rows
--- index.
-SELECT l.max_running,
-       greatest(0, l.max_running - (
-           SELECT count(*) FROM {schema}.jobs AS j
-           WHERE j.queue_name = %(queue_name)s AND j.status = 'running'
-       ))::int
-FROM (SELECT 1) AS one
-LEFT JOIN {schema}.queue_limits AS l ON l.queue_name = %(queue_name)s

@@ -481,6 +481,25 @@ FROM pause
 WHERE NOT EXISTS (SELECT 1 FROM claimed)
 ORDER BY 2, 10, 11, 1
 
+-- limited_queue_room --
+-- How many more jobs of a limited queue may run now (JobStore.claim_limited, after the
+-- queue's lock, limits.sql lock_limited_queue): its limit less its running jobs (claimed,
+-- started, or held by a worker that stopped renewing them, until their lease runs out),
+-- and the limit itself (NULL: the queue has no limit any more, and the claim is not
+-- bounded). A running job whose lease ran out (lease_ran_out, the reaper's own test)
+-- holds no place: the reaper may requeue it at any moment, and its worker, dead or cut
+-- off, has lost it; so a crashed worker's place comes back within one lease, not when
+-- the reaper next runs. Running rows are few (one per busy worker thread): the count
+-- reads the running-rows index (jobs_lease_expiry_idx).
+SELECT l.max_running,
+       greatest(0, l.max_running - (
+           SELECT count(*) FROM {schema}.jobs
+           WHERE queue_name = %(queue_name)s AND status = 'running'
+             AND NOT coalesce({lease_ran_out}, false)
+       ))::int
+FROM (SELECT 1) AS one
+LEFT JOIN {schema}.queue_limits AS l ON l.queue_name = %(queue_name)s
+
 -- start_jobs --
 -- Claimed attempts whose actors run or are about to: from here on each is an attempt (a
 -- worker that dies later has interrupted it; before this, its claim is given back
@@ -685,15 +704,23 @@ WITH owned AS (
 )
 SELECT id FROM owned
 
+-- lease_ran_out --
+-- A running row's lease ran out: its worker died, hung or lost the database. A lease that
+-- ran out while the server was down could not be renewed, so it counts only once the
+-- server has been up for a whole lease (%(lease_ms)s): the owners of live attempts renew
+-- them, or write their outcomes, first. The reaper takes such rows back; a limited
+-- queue's claim no longer counts them (limited_queue_room).
+locked_until < coalesce(%(now)s::timestamptz, now())
+AND pg_postmaster_start_time() + %(lease_ms)s * interval '1 millisecond'
+    < coalesce(%(now)s::timestamptz, now())
+
 -- reap_expired --
 -- Give back running jobs whose lease expired: their worker died, hung or lost the database.
 -- A claim that never started goes back at once, uncharged. A started attempt was
 -- interrupted: the job is requeued after %(backoff_ms)s[interruptions] (the delays come
 -- from the worker's one backoff function), or failed once interruptions reach
 -- %(max_interruptions)s. Failures are not counted here: only an attempt's own outcome is one.
--- A lease that ran out while the server was down could not be renewed, so a lease counts as
--- expired only once the server has been up for a whole lease (%(lease_ms)s): the owners of
--- live attempts renew them, or write their outcomes, first.
+-- Expired is lease_ran_out: never while the server has been up for less than a lease.
 -- A job whose abort was requested ends cancelled instead (its worker died before it could
 -- stop the attempt), with an `aborted` event naming who asked.
 -- Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at once, each taking
@@ -705,9 +732,7 @@ WITH expired AS MATERIALIZED (
            abort_requested_at IS NOT NULL
                OR (started AND interruptions + 1 >= %(max_interruptions)s) AS ends
     FROM {schema}.jobs
-    WHERE status = 'running' AND locked_until < coalesce(%(now)s::timestamptz, now())
-      AND pg_postmaster_start_time() + %(lease_ms)s * interval '1 millisecond'
-          < coalesce(%(now)s::timestamptz, now())
+    WHERE status = 'running' AND {lease_ran_out}
     ORDER BY locked_until
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED

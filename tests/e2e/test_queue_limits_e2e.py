@@ -30,6 +30,7 @@ from dramatiq_pg_broker.control import limits as queue_limits
 from ..rows import status_of
 from .queue_limits_actors import (
     CODE_LIMITED,
+    CRASH_LIMITED,
     JOB_SECONDS,
     LIMITED,
     MIXED_LIMITED,
@@ -329,3 +330,34 @@ def test_a_worker_that_declares_a_limit_holds_an_older_one_that_does_not_within_
     assert most_at_once(ran, until=limit.set_at) > 1, "the older worker never ran 2: void"
     held_from = limit.set_at + dt.timedelta(seconds=1)
     assert most_at_once(ran, since=held_from) == 1, describe(ran, limit.set_at)
+
+
+def test_after_a_sigkill_the_place_comes_back_within_one_lease(
+    broker, span_actors, start_worker, conn, schema
+):
+    """Limit 1, a 3 s lease, the reaper every 30 s: the worker running the queue's one job
+    is SIGKILLed; another worker starts the next job within the lease (plus a second) of
+    the kill, long before any reaper takes the dead worker's job back."""
+    lease = 3.0
+    settings = {"DRAMATIQ_PG_LEASE_SECONDS": str(lease), "DRAMATIQ_PG_REAPER_INTERVAL": "30"}
+    set_limit(broker, 1, CRASH_LIMITED)
+    actor = span_actors[CRASH_LIMITED]
+    first = start_worker(app=APP, threads=2, options=("--queues", CRASH_LIMITED), **settings)
+    hung = actor.send(120, True).message_id  # only its first attempt hangs
+    wait_for(lambda: spans(conn, schema, [hung]), 60, "the job to start", on_timeout=first.log_tail)
+    second = start_worker(app=APP, threads=2, options=("--queues", CRASH_LIMITED), **settings)
+    second.wait_ready()
+    quick = [actor.send(0.1).message_id for _ in range(3)]
+
+    first.kill_group()
+    killed = db_now(conn)
+    wait_for(
+        lambda: all_done(broker, quick), 60, "the next jobs to run", on_timeout=second.log_tail
+    )
+
+    ran = spans(conn, schema, [hung, *quick])
+    came_back = min(s.start for s in ran if s.job_id != hung)
+    waited = (came_back - killed).total_seconds()
+    print(f"\nqueue limits e2e: the place came back {waited:.2f}s after the kill ({lease}s lease)")
+    assert waited <= lease + 1.0, f"{waited:.2f}s: " + describe(ran, killed)
+    assert most_at_once(ran, until=killed) == 1, describe(ran, killed)

@@ -5,6 +5,7 @@ limit, learn a change without restart and give back what they prefetched before 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import threading
 import time
@@ -64,10 +65,10 @@ def test_the_limited_claim_takes_only_the_room_left_under_the_limit(store):
     assert len(second.jobs) == 1, "3 may run: 2 run, so 1 more"
     full = store.claim_limited(queue, 5, "w3", 30)
     assert full.jobs == [] and full.at_limit and full.queue_limit == 3
-    assert store.limited_room(queue) == 0
+    assert store.limited_room(queue, 30) == 0
     # A finished job frees its place.
     store.complete([Attempt(first.jobs[0].id, "w1", first.jobs[0].attempts)])
-    assert store.limited_room(queue) == 1
+    assert store.limited_room(queue, 30) == 1
     assert len(store.claim_limited(queue, 5, "w3", 30).jobs) == 1
     # Raised: the room follows at once, without any worker's cache.
     set_limit(store, queue, 6)
@@ -76,6 +77,26 @@ def test_the_limited_claim_takes_only_the_room_left_under_the_limit(store):
     set_limit(store, queue, None)
     cleared = store.claim_limited(queue, 10, "w5", 30)
     assert cleared.queue_limit is None and len(cleared.jobs) == 3, "the 3 left, 6 running"
+
+
+def test_a_running_job_whose_lease_ran_out_holds_no_place(store):
+    """A worker died with the queue's one place: once its lease ran out, the place is free
+    to the next claim, before any reaper took the job back (which stays running until
+    then); a lease that ran out within a lease of the server's start still counts."""
+    queue = declared_queue(store)
+    send(store, queue, 3)
+    set_limit(store, queue, 1)
+    dead = store.claim_limited(queue, 1, "dead", 5)
+    assert len(dead.jobs) == 1
+    assert store.claim_limited(queue, 1, "w2", 5).at_limit
+    later = store.server_now() + dt.timedelta(seconds=6)
+    assert store.limited_room(queue, 5, now=later) == 1
+    # The server must have been up for the whole lease a claim names: a day's lease, no.
+    assert store.limited_room(queue, 86_400, now=later) == 0
+    taken = store.claim_limited(queue, 1, "w2", 5, now=later)
+    assert len(taken.jobs) == 1 and not taken.at_limit
+    assert store.get(dead.jobs[0].id)["status"] == "running", "reaped: the test is void"
+    assert store.claim_limited(queue, 1, "w3", 5, now=later).at_limit, "one place only"
 
 
 def test_an_empty_limited_queue_reports_its_next_delayed_job_like_the_plain_claim(store):

@@ -22,15 +22,17 @@ an attempt moves from one state to the next.
 - *done*: written, rescheduled, released or lost. The ledger forgets it.
 
 An operator's abort (:meth:`Ledger.abort`, told by a NOTIFY, the lease heartbeat or a
-claim) moves a claimed or started attempt straight to *outcome queued* with the outcome
-``abort`` (the job ends ``cancelled``), at once, whatever the actor is doing: a thread
-blocked in a system call (``time.sleep``, a socket read) cannot be interrupted before the
-call returns, but its job is cancelled within moments and the outcome the thread reports
-later is refused. The actor's thread gets :class:`~.errors.JobAborted` raised in it (as
-Dramatiq's TimeLimit raises its exception), at its next Python instruction, unless the
-actor is declared ``interrupt_on_abort=False``: it then only sees
-``current_job().abort_requested`` and stops itself; whatever it raises then ends the job
-cancelled (a success stays a success).
+claim) moves a claimed attempt, or a started one whose actor is not running (yet, or any
+more), straight to *outcome queued* with the outcome ``abort`` (the job ends
+``cancelled``). A running actor's thread gets :class:`~.errors.JobAborted` raised in it
+(as Dramatiq's TimeLimit raises its exception), at its next Python instruction, and the
+attempt stays *started* until the thread leaves the actor: its ack or nack is then
+written as the abort. A thread blocked in a system call (``time.sleep``, a socket read)
+cannot be interrupted before the call returns: meanwhile the job is still ``running``
+(with its abort requested), its lease renewed, and it keeps its place under its queue's
+limit, since it may still be calling what the limit protects. An actor declared
+``interrupt_on_abort=False`` only sees ``current_job().abort_requested`` and stops
+itself; whatever it raises then ends the job cancelled (a success stays a success).
 
 Every attempt that is not done has its lease renewed by the heartbeat and holds a slot of
 its consumer's claim window, except that a consumer's first ``window`` unwritten outcomes
@@ -322,8 +324,10 @@ class Ledger(HeartbeatBook, CompletionBook):
     def _outcome(entry: _Entry, kind: str, error: Any) -> tuple[str, Any]:
         """The outcome an ack or nack of ``entry`` is written as (see :meth:`settle`)."""
         attempt = entry.attempt
-        if kind == "fail" and entry.abort_requested:
-            # An actor that checks for aborts itself stopped with an exception.
+        if entry.abort_requested and (kind == "fail" or entry.interrupt):
+            # An actor that checks for aborts itself stopped with an exception; or the
+            # abort was raised in the actor's thread, which has now left it (whatever it
+            # reports: the exception may have come after its last line).
             return "abort", None
         if entry.skip is not None and entry.error is None:
             # Nothing ran: an ack is no success, and a failure says who skipped it.

@@ -121,9 +121,14 @@ class CompletionBook:
         """An operator asked for the abort of job ``job_id``: stop this process's attempt of
         it, if it holds one that is claimed or running (see the module docstring). The
         attempt's outcome becomes ``abort``, written by the outcome writer (the job ends
-        ``cancelled``, never retried nor run again), except for a running actor declared
-        ``interrupt_on_abort=False``, which is only flagged. Returns True if this process
-        held such an attempt; a second request for the same attempt changes nothing."""
+        ``cancelled``, never retried nor run again): at once for an attempt whose actor is
+        not running; for one whose actor runs, ``JobAborted`` is raised in its thread and
+        the outcome is written when the thread leaves the actor (its ack or nack, see
+        :meth:`settle`), so that the job stays ``running``, its lease renewed and its place
+        under a queue limit kept, while the thread may still be in a call no exception can
+        interrupt. A running actor declared ``interrupt_on_abort=False`` is only flagged.
+        Returns True if this process held such an attempt; a second request for the same
+        attempt changes nothing."""
         self._check_fork()
         with self._lock:
             entry = self._entries.get(str(job_id))
@@ -145,17 +150,27 @@ class CompletionBook:
                 return True
             started = entry.state is State.STARTED
             thread = entry.thread
-            entry.state = State.OUTCOME_QUEUED
-            entry.slot_given = entry.slots._settle()
             if thread is not None:
-                # Under the lock that left() takes: the thread is still in the actor.
+                # Under the lock that left() takes: the thread is still in the actor. The
+                # attempt stays started until it leaves: its ack or nack writes the abort.
                 raise_thread_exception(thread, JobAborted)
+            else:
+                entry.state = State.OUTCOME_QUEUED
+                entry.slot_given = entry.slots._settle()
+        if thread is not None:
+            logger.warning(
+                "Aborting job %s attempt %d at an operator's request: its actor is "
+                "interrupted, and the job ends cancelled when its thread leaves it.",
+                attempt.id,
+                attempt.attempt,
+            )
+            return True
         self._outcomes().submit("abort", attempt, None)
         logger.warning(
             "Aborted job %s attempt %d at an operator's request (%s).",
             attempt.id,
             attempt.attempt,
-            "its actor is interrupted" if started else "it had not started",
+            "its actor was not running" if started else "it had not started",
         )
         return True
 

@@ -111,8 +111,9 @@ class OperatorTransitions(StoreBase):
           a second request keeps the first one's) with an ``abort_requested`` event, and the
           worker holding it is told (a NOTIFY on the job's queue, delivered at commit; its
           lease heartbeat tells it too when no NOTIFY can reach it). The worker interrupts
-          the actor and ends the job ``cancelled`` with an ``aborted`` event (see
-          :meth:`abort_attempts`); the job is never retried nor run again. A worker that
+          the actor and, once its thread has left the actor, ends the job ``cancelled``
+          with an ``aborted`` event (see :meth:`abort_attempts`); the job is never retried
+          nor run again. A worker that
           died with it lets the reaper cancel it once its lease expires.
 
         Parameters:

@@ -29,6 +29,7 @@ from dramatiq_pg_broker.control import limits as queue_limits
 
 from ..rows import status_of
 from .queue_limits_actors import (
+    ABORT_LIMITED,
     CODE_LIMITED,
     CRASH_LIMITED,
     JOB_SECONDS,
@@ -330,6 +331,39 @@ def test_a_worker_that_declares_a_limit_holds_an_older_one_that_does_not_within_
     assert most_at_once(ran, until=limit.set_at) > 1, "the older worker never ran 2: void"
     held_from = limit.set_at + dt.timedelta(seconds=1)
     assert most_at_once(ran, since=held_from) == 1, describe(ran, limit.set_at)
+
+
+def test_an_aborted_job_keeps_its_place_until_its_thread_leaves_the_actor(
+    broker, span_actors, start_worker, conn, schema
+):
+    """Limit 1, a worker of 2 threads: a job blocked in a 3 s sleep is aborted (no
+    exception interrupts the sleep); the next job starts only once the aborted one's
+    thread left the actor, and the aborted job ends cancelled."""
+    set_limit(broker, 1, ABORT_LIMITED)
+    actor = span_actors[ABORT_LIMITED]
+    worker = start_worker(app=APP, threads=2, options=("--queues", ABORT_LIMITED))
+    blocked = actor.send(3.0).message_id
+    wait_for(
+        lambda: spans(conn, schema, [blocked]), 60, "the job to start", on_timeout=worker.log_tail
+    )
+    quick = [actor.send(0.1).message_id for _ in range(3)]
+    asked = db_now(conn)
+    broker.store.abort(blocked, by="e2e")
+    wait_for(lambda: all_done(broker, [blocked, *quick]), 30, "every job to end")
+    ran = wait_for(
+        lambda: (
+            len(r := spans(conn, schema, [blocked, *quick])) == 4 and all(s.finish for s in r) and r
+        ),
+        30,
+        "every thread to leave its actor",
+    )
+    assert status_of(broker.store, blocked) == "cancelled"
+    assert {status_of(broker.store, j) for j in quick} == {"succeeded"}
+    assert most_at_once(ran) == 1, describe(ran, asked)
+    left = next(s.finish for s in ran if s.job_id == blocked)
+    first_next = min(s.start for s in ran if s.job_id != blocked)
+    assert first_next >= left, describe(ran, asked)
+    assert (left - asked).total_seconds() > 1.5, "the sleep ended early: the test is void"
 
 
 def test_after_a_sigkill_the_place_comes_back_within_one_lease(

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from dramatiq_pg_broker.attempt.states import State
+from dramatiq_pg_broker.errors import JobAborted
 
 from ..helpers import wait_for
 
@@ -205,6 +206,45 @@ def test_an_abort_stops_a_claimed_attempt_once(memory_broker, memory_store, clai
     assert memory_store.called("abort_attempts") == [[attempt.id]]
     assert memory_store.status(attempt.id) == "cancelled"
     assert not ledger.abort(attempt.id), "an abort of an attempt no longer held"
+
+
+@pytest.mark.parametrize("reported", ["fail", "complete"])
+def test_an_interrupted_actor_keeps_its_attempt_until_its_thread_leaves(
+    memory_broker, memory_store, claim, reported
+):
+    """The abort raises JobAborted in the actor's thread, and the attempt stays started
+    (renewed, occupying a thread, holding its place under a queue limit) until the thread
+    leaves the actor; then whatever its message reports is written as the abort."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    entered, raised = threading.Event(), threading.Event()
+
+    def actor():
+        try:
+            assert ledger.running_in(attempt, threading.get_ident())
+            entered.set()
+            for _ in range(500):
+                time.sleep(0.01)
+        except JobAborted:
+            raised.set()
+
+    thread = threading.Thread(target=actor)
+    thread.start()
+    assert entered.wait(5)
+    memory_store.request_abort(attempt.id)
+    assert ledger.abort(attempt.id)
+    assert ledger.state_of(attempt) is State.STARTED, "ended while its thread is in the actor"
+    assert ledger.occupying() == 1
+    assert memory_store.called("abort_attempts") == []
+    assert raised.wait(5), "JobAborted never reached the actor"
+    thread.join(5)
+    ledger.left(attempt)
+    assert ledger.settle(attempt, reported, "JobAborted" if reported == "fail" else None)
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.called("abort_attempts") == [[attempt.id]]
+    assert memory_store.status(attempt.id) == "cancelled"
+    assert ledger.occupying() == 0
 
 
 def test_an_actor_that_checks_for_its_abort_is_only_flagged_and_ends_cancelled(

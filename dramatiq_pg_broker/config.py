@@ -110,7 +110,11 @@ class Settings:
         group="Database",
     )
     lease_seconds: float = _setting(
-        30.0, "How long a claim is valid without renewal.", group="Workers"
+        30.0,
+        "How long a claim is valid without renewal: a dead worker's jobs go back to their "
+        "queues within this and `reaper_interval`, and its places under queue limits "
+        "come back within this alone.",
+        group="Workers",
     )
     heartbeat_seconds: float | None = _setting(
         None,
@@ -135,8 +139,9 @@ class Settings:
         (),
         "Queues whose running jobs are limited across every worker, as `name=N` pairs "
         "separated by commas (`partner_api=5,reports=2`; in code, "
-        '`queue_limits={"partner_api": 5}`). Each worker writes them when it boots; a '
-        "limit an operator set (`dramatiq-pg-broker queues limit`, the admin API) wins. "
+        '`queue_limits={"partner_api": 5}`), each N from 1 to 1,000,000. Each worker '
+        "process writes them before its first claim; a limit an operator set "
+        "(`dramatiq-pg-broker queues limit`, the admin API) wins. "
         "See [queue limits](../guides/queue-limits.md).",
         group="Workers",
     )
@@ -149,7 +154,8 @@ class Settings:
         10.0,
         "Seconds between two runs of the expired-lease reaper in each worker process. An "
         "idle process skips a run while its last empty claims report that no lease can "
-        "have expired yet.",
+        "have expired yet. A limited queue's claim does not wait for it: a job whose "
+        "lease ran out holds no place.",
         group="Retries and recovery",
     )
     reaper_batch: int = _setting(

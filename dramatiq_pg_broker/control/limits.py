@@ -18,13 +18,17 @@ queues is limited), and before every claim at most once a second in poll-only mo
 (``listen=False``). A queue that becomes limited is thus held to its limit within about a
 second, everywhere; until then a worker that has not heard of it may claim as before.
 
-What counts as running: every ``running`` row of the queue: claimed by a worker (a
-limited queue's consumer claims only what its worker threads can start at once, never a
-prefetch), started, finished but with its outcome not written yet (a few milliseconds),
-or held by a worker that died, until the reaper takes the row back when its lease
-expires. That last one is deliberate: the database cannot tell a dead worker from a slow
-one before the lease says so, and counting it never lets two attempts of the limit run
-beside the one that may still be running.
+What counts as running: every ``running`` row of the queue whose lease has not run out:
+claimed by a worker (a limited queue's consumer claims only what its worker threads can
+start at once, never a prefetch), started, aborted while its thread is still in the actor
+(the attempt ends when the thread leaves it), finished but with its outcome not written
+yet (a few milliseconds), or held by a worker that died, until its lease runs out. That
+last one is deliberate: the database cannot tell a dead worker from a slow one before the
+lease says so, and counting it never lets two attempts of the limit run beside the one
+that may still be running. Once the lease ran out (the reaper's test: never within a
+lease of the server's start), the row holds no place, whether or not the reaper took it
+back yet: a crashed worker's place comes back within its lease, whatever
+``reaper_interval`` is.
 
 Limits set in code (``PostgresBroker(queue_limits={"partner_api": 5})`` or
 ``DRAMATIQ_PG_QUEUE_LIMITS=partner_api=5``) are written by each worker process before its

@@ -4,6 +4,8 @@ it talks to. Building it does no I/O; connections open on the first request, per
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 from typing import Any
 
@@ -22,14 +24,23 @@ from .auth import Authentication, SecurityHeaders
 from .errors import add_error_handlers
 from .metrics import Metrics
 from .monitoring import Monitor
+from .operations import operations, routes
 from .queries import JobQueries
-from .resources import dashboard
+from .resources.dashboard import DashboardPage, Queues, Root, StaticFile, Throughput
 from .resources.docs import DocsPage, OpenApiDocument
 from .resources.events import EventFeed
 from .resources.health import Health
-from .resources.jobs import JobDetail, JobEvents, JobList, JobStats, JobTransition
+from .resources.jobs import (
+    AbortJob,
+    CancelJob,
+    JobDetail,
+    JobEvents,
+    JobList,
+    JobStats,
+    RetryJob,
+)
 from .resources.metrics import MetricsPage
-from .resources.queues import QueueAction, QueueLimit
+from .resources.queues import PauseQueue, QueueLimit, ResumeQueue
 from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
@@ -44,6 +55,71 @@ logger = logging.getLogger(__name__)
 #: Well under gunicorn's worker timeout, so that a database outage gets a JSON error rather
 #: than a killed worker.
 DATABASE_WAIT_SECONDS = 5
+
+
+#: The API's resources, in the OpenAPI document's order. Each says where it is served
+#: (``route``) and declares its operations on its responders (:mod:`admin_api.operations`):
+#: the router, the authorization and the document are derived from those declarations.
+API = (
+    Health,
+    Config,
+    JobList,
+    JobStats,
+    ScheduleList,
+    JobDetail,
+    JobEvents,
+    RetryJob,
+    CancelJob,
+    AbortJob,
+    PauseQueue,
+    ResumeQueue,
+    QueueLimit,
+    WorkerList,
+    ActorList,
+    EventFeed,
+    Login,
+    Logout,
+    Me,
+    UserList,
+    UserDetail,
+    UserTokens,
+    TokenDetail,
+    OpenApiDocument,
+    DocsPage,
+    Queues,
+    Throughput,
+)
+#: What the app serves besides the API (HTML and Prometheus text): declared the same way,
+#: left out of the document.
+PAGES = (Root, DashboardPage, StaticFile, MetricsPage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the resources are built with: a resource's constructor takes the parts it
+    uses, by these names (see :func:`build`)."""
+
+    settings: Settings
+    store: JobStore
+    accounts: AccountStore
+    queries: JobQueries
+    monitor: Monitor
+    metrics: Metrics
+    throttle: LoginThrottle
+    schema_check: SchemaCheck
+
+
+def build(resource: type, parts: Parts) -> object:
+    """An instance of ``resource``, given the parts its constructor names, answering HEAD
+    as it answers GET (see :func:`with_head`).
+
+    Raises:
+      TypeError: a responder declares no operation, or the constructor takes something
+        that is not one of the :class:`Parts`.
+    """
+    operations(resource)
+    names = inspect.signature(resource).parameters
+    return with_head(resource(**{name: getattr(parts, name) for name in names}))
 
 
 def statement_timeout_ms(settings: Settings) -> int:
@@ -145,16 +221,25 @@ def create_app(
         throttle = LoginThrottle(accounts.pool, settings.schema)
     if engine is None:
         engine = create_engine(settings.url or database_url(), settings)
-    queries = JobQueries(engine, settings.schema)
     monitor = Monitor(engine, settings.schema)
+    # Before the authentication, which reads accounts: see schema_check.py.
+    schema_check = SchemaCheck(store.pool)
+    parts = Parts(
+        settings=settings,
+        store=store,
+        accounts=accounts,
+        queries=JobQueries(engine, settings.schema),
+        monitor=monitor,
+        metrics=Metrics(monitor),
+        throttle=throttle,
+        schema_check=schema_check,
+    )
 
     middleware: list[Any] = []
     if settings.cors_origins:
         origins = list(settings.cors_origins)
         middleware.append(falcon.CORSMiddleware(allow_origins=origins, allow_credentials=origins))
     middleware.append(SecurityHeaders(settings))
-    # Before the authentication, which reads accounts: see schema_check.py.
-    schema_check = SchemaCheck(store.pool)
     middleware.append(schema_check)
     middleware.append(Authentication(accounts, settings))
     app = falcon.App(middleware=middleware)
@@ -162,15 +247,10 @@ def create_app(
     add_error_handlers(app)
     # "/api/jobs/" and "/api/jobs" are the same resource.
     app.req_options.strip_url_path_trailing_slash = True
-
-    every = [
-        *routes(settings, store, accounts, queries, monitor, throttle, schema_check=schema_check),
-        # Not API endpoints (HTML and Prometheus text), so not in the OpenAPI document.
-        *dashboard.page_routes(),
-        ("/metrics", MetricsPage(Metrics(monitor))),
-    ]
-    for path, resource in every:
-        app.add_route(path, with_head(resource))
+    for resource in (*API, *PAGES):
+        instance = build(resource, parts)
+        for path in routes(resource):
+            app.add_route(path, instance)
     return app
 
 
@@ -181,44 +261,3 @@ def with_head(resource: object) -> object:
     if hasattr(resource, "on_get") and not hasattr(resource, "on_head"):
         resource.on_head = resource.on_get  # type: ignore[attr-defined]
     return resource
-
-
-def routes(
-    settings: Settings,
-    store: JobStore,
-    accounts: AccountStore,
-    queries: JobQueries,
-    monitor: Monitor | None = None,
-    throttle: LoginThrottle | None = None,
-    *,
-    schema_check: SchemaCheck | None = None,
-) -> list[tuple[str, object]]:
-    """Every route of the API and its resource (the OpenAPI document lists the same)."""
-    return [
-        *dashboard.api_routes(monitor),
-        ("/api/health", Health(queries, schema_check)),
-        ("/api/config", Config(settings)),
-        ("/api/jobs", JobList(queries, store, accounts, settings)),
-        ("/api/jobs/stats", JobStats(queries)),
-        ("/api/jobs/{job_id}", JobDetail(queries)),
-        ("/api/jobs/{job_id}/events", JobEvents(queries)),
-        ("/api/jobs/{job_id}/retry", JobTransition(queries, store, "retry_failed")),
-        ("/api/jobs/{job_id}/cancel", JobTransition(queries, store, "cancel")),
-        ("/api/jobs/{job_id}/abort", JobTransition(queries, store, "abort")),
-        ("/api/queues/{queue_name}/pause", QueueAction(store, "pause")),
-        ("/api/queues/{queue_name}/resume", QueueAction(store, "resume")),
-        ("/api/queues/{queue_name}/limit", QueueLimit(store)),
-        ("/api/workers", WorkerList(store)),
-        ("/api/actors", ActorList(store)),
-        ("/api/job-events", EventFeed(queries)),
-        ("/api/schedules", ScheduleList(store)),
-        ("/api/auth/login", Login(accounts, settings, throttle)),
-        ("/api/auth/logout", Logout(accounts, settings)),
-        ("/api/auth/me", Me()),
-        ("/api/users", UserList(accounts)),
-        ("/api/users/{user_id}", UserDetail(accounts)),
-        ("/api/users/{user_id}/tokens", UserTokens(accounts)),
-        ("/api/tokens/{token_id}", TokenDetail(accounts)),
-        ("/api/openapi.json", OpenApiDocument()),
-        ("/api/docs", DocsPage()),
-    ]

@@ -7,9 +7,10 @@ Credentials, checked in this order:
 2. The session cookie set by ``POST /api/auth/login`` (HttpOnly, SameSite=Lax, Secure
    when ``DRAMATIQ_PG_COOKIE_SECURE`` is on). For browsers.
 
-Every resource states which roles may call each of its methods in ``permissions``; a
-resource with ``public = True`` needs no credentials (health, login, logout, the docs
-page). No credentials (or bad ones) is a 401; a role that may not is a 403.
+Each responder's operation names the roles that may call it (:mod:`admin_api.operations`);
+a public one needs no credentials (health, login, logout, the docs page, the dashboard's
+pages). No credentials (or bad ones) is a 401; a role that may not is a 403; a method the
+resource has no responder for is a 405, whoever asks.
 
 Cross-site requests: a browser sends the session cookie with any request to the API,
 including one a hostile page triggers. So a state-changing request (POST, PATCH, PUT,
@@ -30,7 +31,6 @@ Bearer requests need neither: a browser never adds a bearer token on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import falcon
@@ -39,6 +39,7 @@ from dramatiq_pg_broker.config import Settings
 
 from .accounts import AccountStore, User
 from .errors import ApiError
+from .operations import PUBLIC, Operation
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +95,9 @@ def owner_scope(user: User) -> int | None:
 
 
 class Authentication:
-    """Falcon middleware: identifies the caller, enforces ``permissions`` and the
-    cross-site rules above. Sets ``req.context.user`` (a :class:`User` or None) and
-    ``req.context.via`` (``"token"``, ``"session"`` or None).
+    """Falcon middleware: identifies the caller, lets the roles of the responder's operation
+    call it, and enforces the cross-site rules above. Sets ``req.context.user`` (a
+    :class:`User` or None) and ``req.context.via`` (``"token"``, ``"session"`` or None).
 
     Parameters:
       accounts(AccountStore): users, sessions and tokens.
@@ -117,7 +118,16 @@ class Authentication:
         req.context.via = None
         if resource is None or req.method == "OPTIONS":
             return  # an unknown route (404), or a CORS preflight
-        if getattr(resource, "public", False):
+        # HEAD is GET without the body (the router's with_head): the same roles may.
+        method = "get" if req.method == "HEAD" else req.method.lower()
+        responder = getattr(resource, f"on_{method}", None)
+        if responder is None:
+            return  # Falcon answers 405
+        declared: Operation | None = getattr(responder, "operation", None)
+        # A responder without a declaration is refused to everyone (the router refuses to
+        # add one: see admin_api.app.build).
+        allowed = frozenset() if declared is None else declared.roles
+        if allowed is PUBLIC:
             # Login and logout are browser requests too; a cross-site page cannot send an
             # Authorization header without a CORS preflight.
             if req.get_header("Authorization") is None:
@@ -128,12 +138,6 @@ class Authentication:
         req.context.user = user
         if req.context.via == "session":
             self._check_cross_site(req)
-        responder = getattr(resource, f"on_{req.method.lower()}", None)
-        if responder is None:
-            return  # Falcon answers 405
-        # HEAD is GET without the body: the same roles may.
-        method = "GET" if req.method == "HEAD" else req.method
-        allowed: Iterable[str] = resource.permissions.get(method, ())
         if user.role not in allowed:
             raise ApiError(
                 403,

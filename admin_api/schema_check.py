@@ -22,17 +22,12 @@ from dramatiq_pg_broker.errors import SchemaVersionError
 
 logger = logging.getLogger(__name__)
 
-#: Paths served without the database (``/api/health`` runs the check itself).
-_NO_DATABASE = frozenset({"/", "/api/openapi.json", "/api/docs", "/api/health"})
-
-
-def needs_database(path: str) -> bool:
-    return path not in _NO_DATABASE and not path.startswith("/dashboard")
-
 
 class SchemaCheck:
-    """Falcon middleware running :meth:`check` before every request that needs the
-    database. Place it before the authentication, which reads accounts.
+    """Falcon middleware running :meth:`check` before every responder whose operation
+    needs the database (all but those declared with ``database=False``: the pages, the
+    document, and ``/api/health``, which runs the check itself). Place it before the
+    authentication, which reads accounts.
 
     Parameters:
       pool(ProcessPool): the API's pool; its handshake is the process's.
@@ -63,6 +58,8 @@ class SchemaCheck:
                 logger.error("The admin API cannot use the database: %s.", line)
             raise
 
-    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if needs_database(req.path):
+    def process_resource(self, req: falcon.Request, resp: falcon.Response, resource, params):
+        method = "get" if req.method == "HEAD" else req.method.lower()
+        declared = getattr(getattr(resource, f"on_{method}", None), "operation", None)
+        if declared is not None and declared.database:
             self.check()

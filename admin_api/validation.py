@@ -1,6 +1,7 @@
-"""Reading what a client sends: JSON bodies into :class:`Body` models, query parameters
-into :class:`Params` models. Every failure is a 400 whose message names the field and
-says what it must be.
+"""What a client may send: JSON bodies are :class:`Body` models, query parameters
+:class:`Params` models (an operation declares them, :mod:`admin_api.operations` reads the
+request with them). Every failure is a 400 whose message names the field and says what it
+must be.
 
 A model is the only declaration of a body or of an endpoint's parameters: pydantic
 validates the request with it, and the OpenAPI document (:mod:`admin_api.openapi`) takes
@@ -14,32 +15,23 @@ an offset read as UTC, integers in ASCII digits, and what PostgreSQL cannot stor
 from __future__ import annotations
 
 import datetime as dt
-import math
 import re
 import typing
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-import falcon
 import pydantic
 from pydantic import AfterValidator, BeforeValidator, StringConstraints, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from . import media
-from .errors import ApiError, bad_request
-
-#: How deep a JSON body may nest (job arguments included).
-MAX_DEPTH = 32
-#: The largest request body accepted, in bytes (job arguments included). Larger ones are a
-#: 413: they would only cost memory in the API and, past jsonb's limit, fail in PostgreSQL.
-MAX_BODY_BYTES = 1024 * 1024
+from .errors import bad_request
 
 _INTEGER_RE = re.compile(r"-?[0-9]+")
 #: A UUID in ASCII: 32 hex digits with or without hyphens, in braces or as a URN.
 _UUID_RE = re.compile(r"(?:urn:uuid:)?\{?[0-9a-fA-F-]{32,36}\}?", re.ASCII)
 
 B = TypeVar("B", bound="Body")
-P = TypeVar("P", bound="Params")
 
 
 class Body(pydantic.BaseModel):
@@ -71,26 +63,83 @@ def _not_blank(value: Any) -> Any:
     return value
 
 
-def _name(value: Any) -> Any:
-    value = _not_blank(value)
-    if isinstance(value, str):
-        problem = name_problem(value)
+def _validator(read: Callable[[Any], tuple[Any, str | None]]) -> Callable[[Any], Any]:
+    """A validator from ``read``, which returns the value read and what is wrong with it."""
+
+    def validate(value: Any) -> Any:
+        read_value, problem = read(value)
         if problem is not None:
             raise _problem(problem)
+        return read_value
+
+    return validate
+
+
+def refuse(where: str, read: Callable[[str], tuple[Any, str | None]], raw: str) -> Any:
+    """``raw`` read with ``read``, or a 400 saying what is wrong with ``where``."""
+    value, problem = read(raw)
+    if problem is not None:
+        raise bad_request(f"{where} {problem}")
     return value
+
+
+def _name(value: Any) -> Any:
+    return _validator(read_name)(_not_blank(value))
 
 
 def _strip(value: Any) -> Any:
     return value.strip() if isinstance(value, str) else value
 
 
-def _datetime(value: Any) -> dt.datetime:
-    if not isinstance(value, str):
-        raise _problem("must be an ISO 8601 date-time string")
-    parsed, problem = _read_datetime(value)
-    if problem is not None:
-        raise _problem(problem)
-    return parsed
+#: What a name may not contain: control characters (C0, DEL, C1; tabs and line breaks
+#: among them) and the line and paragraph separators.
+_NAME_FORBIDDEN_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def read_name(value: Any) -> tuple[Any, str | None]:
+    """A name (an actor's, a queue's), and what is wrong with it: whitespace at either
+    end, a control character or a line or paragraph separator. Such a name is a mistake or
+    a disguise, and stripping it would store a name the client did not send."""
+    bad = _NAME_FORBIDDEN_RE.search(value) if isinstance(value, str) else None
+    if bad is not None:
+        return value, (
+            "must not contain control characters, tabs, line breaks or line or paragraph "
+            f"separators; it has U+{ord(bad.group()):04X} at position {bad.start()}"
+        )
+    if isinstance(value, str) and value != value.strip():
+        return value, "must not begin or end with whitespace: send the name alone"
+    return value, None
+
+
+def _read_datetime(text: Any) -> tuple[Any, str | None]:
+    """``text`` as a timezone-aware date-time, and what is wrong with it."""
+    if not isinstance(text, str):
+        return None, "must be an ISO 8601 date-time string"
+    try:
+        value = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        return None, f"must be an ISO 8601 date-time such as 2030-01-31T12:00:00Z, not {text!r}"
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=dt.timezone.utc)
+    try:
+        value.astimezone(dt.timezone.utc)
+    except OverflowError:
+        return None, "is out of the supported date range"
+    return value, None
+
+
+def read_uuid(raw: str) -> tuple[Any, str | None]:
+    """``raw`` as a UUID in its canonical text form, and what is wrong with it."""
+    # ASCII hex only: uuid.UUID() reads the digits with int(), which also takes other
+    # scripts' digits ("\u0663" for "3"), "_" and "+", so that another spelling would find
+    # a job.
+    if _UUID_RE.fullmatch(raw):
+        try:
+            return str(uuid.UUID(raw)), None
+        except ValueError:
+            pass
+    shown = raw if len(raw) <= 60 else raw[:60] + "..."
+    return None, f"must be a UUID such as 6f1c1f9e-6a43-4f7e-9b1f-0a5a1c6e2d3b, not {shown!r}"
 
 
 #: A string, whitespace at either end stripped, that may not be empty.
@@ -104,8 +153,8 @@ Secret = Annotated[str, BeforeValidator(_not_blank), StringConstraints(min_lengt
 #: refused, never stripped, so that the name stored is the name sent, and two names that
 #: look alike are not made one.
 Name = Annotated[str, BeforeValidator(_name), StringConstraints(min_length=1)]
-#: An ISO 8601 date-time; without an offset it is UTC.
-DateTime = Annotated[dt.datetime, BeforeValidator(_datetime)]
+#: An ISO 8601 date-time (in a body or a query string); without an offset it is UTC.
+DateTime = Annotated[dt.datetime, BeforeValidator(_validator(_read_datetime))]
 
 
 def choice(values: tuple[str, ...]) -> Any:
@@ -113,8 +162,17 @@ def choice(values: tuple[str, ...]) -> Any:
     return Annotated[Literal[values], BeforeValidator(_strip)]  # type: ignore[valid-type]
 
 
-def check_body(model: type[B], body: Any, *, what: str = "the body") -> B:
-    """Check a parsed body against ``model``; see :func:`read_body`."""
+def check_body(model: type[B], body: Any, what: str = "the body") -> B:
+    """Check a parsed body against ``model``.
+
+    Returns:
+      Body: the body, strings trimmed (not a :data:`Secret` or a :data:`Name`), datetimes
+      parsed and made timezone-aware; :func:`given` has the fields the client gave.
+
+    Raises:
+      ApiError: 400 for a body that is not an object, an unknown or missing field, or a
+        value of the wrong type or out of range.
+    """
     if not isinstance(body, dict):
         raise bad_request(f"{what} must be a JSON object, not {_json_type(body)}")
     try:
@@ -150,6 +208,7 @@ _SENTENCES = {
     "greater_than_equal": "must be at least {ge}",
     "less_than_equal": "must be at most {le}",
     "string_too_short": "must have at least {min_length} characters",
+    "too_short": "must have at least {min_length} characters",
     "string_too_long": "must be at most {max_length} characters long",
     "too_long": "must be at most {max_length} characters long",
     "string_pattern_mismatch": "must match the pattern {pattern}",
@@ -179,157 +238,6 @@ def _literals(annotation: Any) -> list[str]:
     return [v for arg in typing.get_args(annotation) for v in _literals(arg)]
 
 
-def read_json(req: falcon.Request) -> Any:
-    """The request body, parsed.
-
-    Raises:
-      ApiError: 400 when the body is missing or not JSON, 411 when it is chunked, 413
-        when it is larger than :data:`MAX_BODY_BYTES`, 415 when it is declared as
-        something else than JSON.
-    """
-    # Media types are case-insensitive (RFC 9110): APPLICATION/JSON is JSON.
-    content_type = (req.content_type or falcon.MEDIA_JSON).split(";")[0].strip().lower()
-    if content_type != falcon.MEDIA_JSON:
-        raise ApiError(
-            415, f"The body must be JSON (Content-Type: application/json), not {content_type}."
-        )
-    if req.content_length is None and req.get_header("Transfer-Encoding"):
-        # Falcon reads a WSGI body up to its Content-Length only: a chunked one would
-        # look empty.
-        raise ApiError(411, "Send the body with a Content-Length header, not chunked.")
-    if (req.content_length or 0) > MAX_BODY_BYTES:
-        raise ApiError(413, f"The body must be at most {MAX_BODY_BYTES} bytes long.")
-    raw = req.bounded_stream.read()
-    if not raw.strip():
-        raise bad_request("The request body is empty: send a JSON object.")
-    try:
-        body = media.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise bad_request("The request body is not valid JSON (it is not UTF-8 text).") from None
-    except ValueError as e:
-        raise bad_request(f"The request body is not valid JSON ({e}).") from None
-    check_json_value(body, "body")
-    return body
-
-
-def check_json_value(value: Any, where: str) -> None:
-    """Refuse what PostgreSQL cannot store in jsonb or text: NUL characters, unpaired
-    surrogates, non-finite numbers, and nesting beyond :data:`MAX_DEPTH`.
-
-    Raises:
-      ApiError: 400 naming the place of the first bad value.
-    """
-    stack = [(value, where, 0)]
-    while stack:
-        item, path, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise bad_request(f"{path} is nested more than {MAX_DEPTH} levels deep")
-        if isinstance(item, str):
-            _check_text(item, path)
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise bad_request(f"{path} is a number too large to store")
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                _check_text(key, f"a key in {path}")
-                stack.append((child, f"{path}.{key}", depth + 1))
-        elif isinstance(item, list):
-            for index, child in enumerate(item):
-                stack.append((child, f"{path}[{index}]", depth + 1))
-
-
-#: What a name may not contain: control characters (C0, DEL, C1; tabs and line breaks
-#: among them) and the line and paragraph separators.
-_NAME_FORBIDDEN_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def name_problem(value: str) -> str | None:
-    """What is wrong with a name (an actor's, a queue's), or None: whitespace at either
-    end, a control character or a line or paragraph separator. Such a name is a mistake or
-    a disguise, and stripping it would store a name the client did not send."""
-    bad = _NAME_FORBIDDEN_RE.search(value)
-    if bad is not None:
-        return (
-            "must not contain control characters, tabs, line breaks or line or paragraph "
-            f"separators; it has U+{ord(bad.group()):04X} at position {bad.start()}"
-        )
-    if value != value.strip():
-        return "must not begin or end with whitespace: send the name alone"
-    return None
-
-
-def check_name(where: str, value: str) -> None:
-    """Refuse a name that has a :func:`name_problem`.
-
-    Raises:
-      ApiError: 400 saying which problem it has.
-    """
-    problem = name_problem(value)
-    if problem is not None:
-        raise bad_request(f"{where} {problem}")
-
-
-def _check_text(text: str, where: str) -> None:
-    if "\x00" in text:
-        raise bad_request(f"{where} contains a NUL character, which cannot be stored")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(
-            f"{where} contains an unpaired surrogate, which is not valid text"
-        ) from None
-
-
-def read_body(req: falcon.Request, model: type[B], *, what: str = "the body") -> B:
-    """Read a JSON object body and check it against ``model``.
-
-    Returns:
-      Body: the body, strings trimmed (not a :data:`Secret` or a :data:`Name`), datetimes
-      parsed and made timezone-aware; :func:`given` has the fields the client gave.
-
-    Raises:
-      ApiError: 400 for a body that is not an object, an unknown or missing field, or a
-        value of the wrong type or out of range; see :func:`read_json` for the others.
-    """
-    return check_body(model, read_json(req), what=what)
-
-
-def read_optional_body(req: falcon.Request, model: type[B], *, what: str = "the body") -> B:
-    """Like :func:`read_body`, but no body at all (no Content-Length, or 0) is an empty
-    object: for the action endpoints, whose body is optional. A body that is sent is held
-    to every rule of :func:`read_json` (415, 413, 411, 400) and to ``model``."""
-    chunked = req.content_length is None and req.get_header("Transfer-Encoding")
-    if not req.content_length and not chunked:
-        return check_body(model, {}, what=what)
-    return read_body(req, model, what=what)
-
-
-def parse_datetime(name: str, text: str) -> dt.datetime:
-    """An ISO 8601 date-time, timezone-aware (UTC when it has no offset).
-
-    Raises:
-      ApiError: 400 when it does not parse.
-    """
-    value, problem = _read_datetime(text)
-    if problem is not None:
-        raise bad_request(f"{name} {problem}")
-    return value
-
-
-def _read_datetime(text: str) -> tuple[Any, str | None]:
-    """``text`` as a timezone-aware date-time, or what is wrong with it."""
-    try:
-        value = dt.datetime.fromisoformat(text.strip())
-    except ValueError:
-        return None, f"must be an ISO 8601 date-time such as 2030-01-31T12:00:00Z, not {text!r}"
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=dt.timezone.utc)
-    try:
-        value.astimezone(dt.timezone.utc)
-    except OverflowError:
-        return None, "is out of the supported date range"
-    return value, None
-
-
 def _json_type(value: Any) -> str:
     if value is None:
         return "null"
@@ -348,8 +256,8 @@ def _json_type(value: Any) -> str:
 
 
 class Params(pydantic.BaseModel):
-    """The query parameters of an endpoint, declared once: :func:`read_query` reads them
-    with the model, the OpenAPI document lists them from it. A parameter given empty is
+    """The query parameters of an endpoint, declared once: the operation reads them with
+    the model, the OpenAPI document lists them from it. A parameter given empty is
     absent. Its types are the ``Query*`` ones below: a query parameter is text, and each
     says how it becomes a value (or a 400 naming the parameter)."""
 
@@ -364,60 +272,20 @@ def _query_int(value: Any) -> Any:
     return value  # not an integer: the int schema refuses it
 
 
-def _query_name(value: str, info: pydantic.ValidationInfo) -> str:
-    check_name(info.field_name, value)
-    return value
-
-
 #: An integer, in ASCII digits; bound it with ``Field(ge=..., le=...)``.
 QueryInt = Annotated[int, BeforeValidator(_query_int)]
-#: A name to filter by (see :func:`check_name`); bound it with ``Field(max_length=...)``.
-QueryName = Annotated[str, AfterValidator(_query_name)]
+#: A name to filter by (see :func:`read_name`); bound it with ``Field(max_length=...)``.
+QueryName = Annotated[str, AfterValidator(_validator(read_name))]
 #: A UUID, in its canonical text form.
 QueryUuid = Annotated[
     str,
-    BeforeValidator(lambda value, info: parse_uuid(value, info.field_name)),
+    BeforeValidator(_validator(read_uuid)),
     WithJsonSchema({"type": "string", "format": "uuid"}),
 ]
-#: An ISO 8601 date-time; without an offset it is UTC.
-QueryDateTime = Annotated[
-    dt.datetime, BeforeValidator(lambda value, info: parse_datetime(info.field_name, value))
-]
 
 
-def read_query(req: falcon.Request, model: type[P] | None = None) -> P | None:
-    """The query parameters of ``req``, read with ``model`` (None: the endpoint takes
-    none).
-
-    Raises:
-      ApiError: 400 for a parameter the endpoint does not take (a misspelt filter is
-        reported instead of silently ignored), one given twice, or a bad value.
-    """
-    fields = model.model_fields if model is not None else {}
-    unknown = sorted(set(req.params) - set(fields))
-    if unknown:
-        raise bad_request(
-            f"unknown query parameter(s) {', '.join(map(repr, unknown))}; this endpoint "
-            f"takes {', '.join(fields) or 'none'}"
-        )
-    if model is None:
-        return None
-    values = {}
-    for name, value in req.params.items():
-        if isinstance(value, list):
-            raise bad_request(f"give the query parameter {name} once")
-        _check_text(value, f"query parameter {name}")
-        if value != "":
-            values[name] = value
-    try:
-        return model.model_validate(values)
-    except pydantic.ValidationError as e:
-        error = e.errors(include_url=False)[0]
-        name = str(error["loc"][0])
-        raise bad_request(_explain_param(name, fields[name], error, values[name])) from None
-
-
-def _explain_param(name: str, field: Any, error: dict, raw: str) -> str:
+def explain_param(name: str, field: Any, error: dict, raw: str) -> str:
+    """pydantic's ``error`` of the query parameter ``name`` (sent as ``raw``), as a sentence."""
     if error["type"] == "literal_error":
         return f"{name} must be one of {', '.join(_literals(field.annotation))}, not {raw!r}"
     if error["type"] in ("int_type", "greater_than_equal", "less_than_equal"):
@@ -426,23 +294,3 @@ def _explain_param(name: str, field: Any, error: dict, raw: str) -> str:
         }
         return f"{name} must be an integer from {bounds['ge']} to {bounds['le']}, not {raw!r}"
     return f"{name} {_sentence(error, field)}"
-
-
-def parse_uuid(raw: str, name: str = "job id") -> str:
-    """A UUID in its canonical text form.
-
-    Raises:
-      ApiError: 400 when ``raw`` is not a UUID.
-    """
-    try:
-        # ASCII hex only: uuid.UUID() reads the digits with int(), which also takes other
-        # scripts' digits ("\u0663" for "3"), "_" and "+", so that another spelling would
-        # find a job.
-        if not isinstance(raw, str) or not _UUID_RE.fullmatch(raw):
-            raise ValueError(raw)
-        return str(uuid.UUID(raw))
-    except (ValueError, TypeError, AttributeError):
-        shown = raw if len(raw) <= 60 else raw[:60] + "..."
-        raise bad_request(
-            f"{name} must be a UUID such as 6f1c1f9e-6a43-4f7e-9b1f-0a5a1c6e2d3b, not {shown!r}"
-        ) from None

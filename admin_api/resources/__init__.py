@@ -1,3 +1,4 @@
 """Falcon resources: one module per group of endpoints, nouns with ``on_get``/``on_post``
-responders. Dependencies come through the constructors; permissions are declared on each
-resource and enforced by :class:`admin_api.auth.Authentication`."""
+responders. Each says where it is served (``route``) and declares its operations on its
+responders (:mod:`admin_api.operations`); dependencies come through the constructors, by
+the names of :class:`admin_api.app.Parts`."""

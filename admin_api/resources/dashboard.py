@@ -26,10 +26,23 @@ from importlib import resources
 import falcon
 from pydantic import Field
 
+from .. import responses
 from ..auth import OBSERVERS
 from ..monitoring import Monitor
+from ..operations import ANY_QUERY, PUBLIC, operation
 from ..pagination import link_to
-from ..validation import Params, QueryInt, read_query
+from ..validation import Params, QueryInt
+
+#: How the pages are declared: no credentials, no database, any query string (the script
+#: reads the page's), not in the OpenAPI document.
+page = operation(
+    roles=PUBLIC,
+    summary="A page of the dashboard.",
+    query=ANY_QUERY,
+    database=False,
+    documented=False,
+    responses={200: "HTML, or one of its files."},
+)
 
 #: The dashboard's files, read once: name -> (content type, bytes).
 STATIC_TYPES = {
@@ -62,8 +75,9 @@ PAGE = resources.files("admin_api").joinpath("dashboard", "index.html").read_byt
 class Root:
     """``/``: to the dashboard."""
 
-    public = True
+    route = "/"
 
+    @page
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         # Relative (or under DRAMATIQ_PG_PUBLIC_URL): never built from the Host header.
         raise falcon.HTTPFound(link_to(req, "/dashboard"))
@@ -73,8 +87,9 @@ class DashboardPage:
     """``/dashboard``, ``/dashboard/jobs`` and ``/dashboard/jobs/{job_id}``: one shell;
     the script reads the path."""
 
-    public = True
+    routes = ("/dashboard", "/dashboard/jobs", "/dashboard/jobs/{job_id}")
 
+    @page
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str | None = None):
         resp.content_type = falcon.MEDIA_HTML
         resp.set_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
@@ -86,8 +101,9 @@ class DashboardPage:
 class StaticFile:
     """``/dashboard/static/{name}``: the script, the style sheet and the icon."""
 
-    public = True
+    route = "/dashboard/static/{name}"
 
+    @page
     def on_get(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
         found = FILES.get(name)
         if found is None:
@@ -103,13 +119,19 @@ class Queues:
     processes consume it now and whether it is paused (see :meth:`Monitor.queues` and
     :meth:`Monitor.live_workers`)."""
 
-    permissions = {"GET": OBSERVERS}
+    route = "/api/queues"
 
     def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
 
+    @operation(
+        roles=OBSERVERS,
+        summary="Per queue: queued, delayed, running and failed jobs, the age of the oldest "
+        "runnable job, whether it is paused and its limit. Every declared queue is listed; "
+        "another queue only while it has such jobs.",
+        responses={200: (responses.QueueList, "The queues, by name.")},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        read_query(req)
         queues = self.monitor.queues()
         live = self.monitor.live_workers()
         resp.media = {
@@ -142,15 +164,21 @@ class Throughput:
     minute (see :meth:`Monitor.throughput`), reused for :data:`THROUGHPUT_CACHE_SECONDS`
     within a process."""
 
-    permissions = {"GET": OBSERVERS}
+    route = "/api/throughput"
 
     def __init__(self, monitor: Monitor) -> None:
         self.monitor = monitor
         self._lock = threading.Lock()
         self._cache: dict[int, tuple[float, dict]] = {}
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        minutes = read_query(req, ThroughputParams).minutes
+    @operation(
+        roles=OBSERVERS,
+        summary="Succeeded, failed and retried attempts per minute.",
+        query=ThroughputParams,
+        responses={200: (responses.Throughput, "One bucket per minute, oldest first.")},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response, query: ThroughputParams) -> None:
+        minutes = query.minutes
         # One reader at a time: concurrent dashboards wait for the answer being counted
         # instead of counting it again.
         with self._lock:
@@ -159,20 +187,3 @@ class Throughput:
                 answer = self.monitor.throughput(minutes=minutes)
                 self._cache[minutes] = (time.monotonic(), answer)
         resp.media = answer
-
-
-def api_routes(monitor: Monitor) -> list[tuple[str, object]]:
-    """The dashboard's API endpoints (documented in the OpenAPI document)."""
-    return [("/api/queues", Queues(monitor)), ("/api/throughput", Throughput(monitor))]
-
-
-def page_routes() -> list[tuple[str, object]]:
-    """The pages and files (HTML, not API)."""
-    page = DashboardPage()
-    return [
-        ("/", Root()),
-        ("/dashboard", page),
-        ("/dashboard/jobs", page),
-        ("/dashboard/jobs/{job_id}", page),
-        ("/dashboard/static/{name}", StaticFile()),
-    ]

@@ -11,24 +11,47 @@ from importlib import resources
 
 import falcon
 
-from .. import openapi
 from ..auth import READERS
+from ..operations import ANY_QUERY, PUBLIC, operation
+from ..pagination import link_to
 
 
 class OpenApiDocument:
-    permissions = {"GET": READERS}
+    route = "/api/openapi.json"
 
     def __init__(self) -> None:
-        self.document = openapi.build()
+        # The document is derived from the router's resources, this one among them.
+        from ..openapi import build
 
+        self.document = build()
+
+    @operation(
+        roles=READERS,
+        summary="This document.",
+        database=False,
+        responses={200: "The OpenAPI document."},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = self.document
 
 
 class DocsPage:
-    public = True
+    route = "/api/docs"
 
+    @operation(
+        roles=PUBLIC,
+        summary="A page that shows this document (it loads it after you log in).",
+        description="At /api/docs/ it is a redirect here: the page finds the document and the "
+        "login beside its own address.",
+        query=ANY_QUERY,
+        database=False,
+        responses={200: "HTML.", 301: "From /api/docs/: to /api/docs."},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        # The page's requests are relative to its address (so that it works behind a
+        # proxy's path prefix too): from /api/docs/ they would miss the API.
+        if req.env.get("PATH_INFO", "").endswith("/"):
+            raise falcon.HTTPMovedPermanently(link_to(req, "/api/docs"))
         resp.content_type = falcon.MEDIA_HTML
         # The page runs only its own inline script and talks only to this API.
         resp.set_header(

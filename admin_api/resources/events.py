@@ -14,10 +14,12 @@ from pydantic import Field
 
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 
+from .. import responses
 from ..auth import READERS, owner_scope
+from ..operations import operation
 from ..pagination import MAX_EVENT_ID, decode_cursor, encode_cursor, page_link
 from ..queries import Cursor, JobQueries
-from ..validation import Params, QueryInt, QueryUuid, read_query
+from ..validation import Params, QueryInt, QueryUuid
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
@@ -33,13 +35,21 @@ class FeedParams(Params):
 
 
 class EventFeed:
-    permissions = {"GET": READERS}
+    route = "/api/job-events"
 
     def __init__(self, queries: JobQueries) -> None:
         self.queries = queries
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        params = read_query(req, FeedParams)
+    @operation(
+        roles=READERS,
+        scope="members: events of their jobs",
+        summary="Every job's events, newest first, with cursor pages.",
+        description="Follow next/previous; a cursor is opaque.",
+        query=FeedParams,
+        responses={200: (responses.EventPage, "One page of events.")},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response, query: FeedParams) -> None:
+        params = query
         limit = params.limit
         cursor = decode_cursor(params.cursor) if params.cursor else None
         results, more = self.queries.event_feed(

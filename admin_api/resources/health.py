@@ -9,6 +9,8 @@ import falcon
 
 from dramatiq_pg_broker.errors import MigrationsPending, SchemaVersionError
 
+from .. import responses
+from ..operations import PUBLIC, operation
 from ..queries import JobQueries
 from ..schema_check import SchemaCheck
 
@@ -23,12 +25,22 @@ class Health:
     the schema handshake's line as ``detail``.
     """
 
-    public = True
+    route = "/api/health"
 
     def __init__(self, queries: JobQueries, schema_check: SchemaCheck | None = None) -> None:
         self.queries = queries
         self.schema_check = schema_check
 
+    @operation(
+        roles=PUBLIC,
+        summary="Is the database reachable? No credentials needed.",
+        # It runs the schema check itself, to say what it found in its own shape.
+        database=False,
+        responses={
+            200: (responses.Health, "The database answers and is migrated."),
+            503: (responses.Health, "It does not; detail says why."),
+        },
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         try:
             self.queries.ping()

@@ -24,10 +24,11 @@ from dramatiq_pg_broker.messages import (
     job_from_message,
 )
 
-from .. import conditional
+from .. import conditional, responses
 from ..accounts import AccountStore, User
 from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
+from ..operations import operation
 from ..pagination import decode_job_cursor, job_links, link_to
 from ..queries import DELAYED, JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
 from ..validation import (
@@ -35,15 +36,10 @@ from ..validation import (
     DateTime,
     Name,
     Params,
-    QueryDateTime,
     QueryInt,
     QueryName,
     Text,
     given,
-    parse_uuid,
-    read_body,
-    read_optional_body,
-    read_query,
 )
 
 #: Page size of the job list when ``limit`` is not given, and its largest value.
@@ -54,9 +50,8 @@ MAX_LIMIT = 100
 MAX_OFFSET = 10_000
 #: The longest ``queue`` or ``actor`` filter (Dramatiq's names are shorter).
 MAX_FILTER_LENGTH = 255
-#: Dramatiq's own rule for queue names (the broker's one definition; the OpenAPI document
-#: names it here).
-QUEUE_NAME_PATTERN = queue_rules.QUEUE_NAME_PATTERN
+#: The 404 of an operation on one job.
+NO_JOB = "No such job (or, for a member, not one of theirs)."
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -73,7 +68,7 @@ class JobRequest(Body):
     queue_name: Name = Field(
         None,
         max_length=queue_rules.MAX_QUEUE_NAME,
-        pattern=QUEUE_NAME_PATTERN,
+        pattern=queue_rules.QUEUE_NAME_PATTERN,
         description="The actor's queue: a letter or '_', then letters, digits, '.', '_', "
         "'-'. Default: the queue the actor was declared on by the workers (a different one "
         "is a 400); with DRAMATIQ_PG_ADMIN_ADHOC_ACTORS, 'default' for an actor no worker "
@@ -144,8 +139,8 @@ class JobListParams(Params):
         description="Case-insensitive substring of the actor's name (at most 50 actor names "
         "may match).",
     )
-    created_after: QueryDateTime = Field(None, description="Created at or after (ISO 8601).")
-    created_before: QueryDateTime = Field(None, description="Created before (ISO 8601).")
+    created_after: DateTime = Field(None, description="Created at or after (ISO 8601).")
+    created_before: DateTime = Field(None, description="Created before (ISO 8601).")
 
 
 def member_scope(user: User) -> str:
@@ -159,15 +154,11 @@ def member_scope(user: User) -> str:
     return idempotency_scope(f"member:{user.id}")
 
 
-def job_id_param(raw: str) -> str:
-    return parse_uuid(raw, "job id")
-
-
 class JobList:
     """``GET /api/jobs`` (filters; keyset pages, or an offset up to :data:`MAX_OFFSET`)
     and ``POST /api/jobs``."""
 
-    permissions = {"GET": READERS, "POST": CREATORS}
+    route = "/api/jobs"
 
     def __init__(
         self, queries: JobQueries, store: JobStore, accounts: AccountStore, settings: Settings
@@ -177,8 +168,16 @@ class JobList:
         self.accounts = accounts
         self.settings = settings
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        params = read_query(req, JobListParams)
+    @operation(
+        roles=READERS,
+        summary="List jobs, newest first, with filters and keyset pages.",
+        description="Members see only the jobs they created. Follow next and previous (cursor "
+        f"links) to page; offset serves the first {MAX_OFFSET:,} jobs only.",
+        query=JobListParams,
+        responses={200: (responses.JobPage, "One page of jobs.")},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response, query: JobListParams) -> None:
+        params = query
         limit, offset = params.limit, params.offset
         cursor = decode_job_cursor(params.cursor) if params.cursor else None
         if cursor is not None and offset:
@@ -209,8 +208,23 @@ class JobList:
             "results": page.results,
         }
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        values = given(read_body(req, JobRequest))
+    @operation(
+        roles=CREATORS,
+        summary="Enqueue a message for an actor by name.",
+        description="The API needs no actor code: it stores the message a worker of the queue "
+        "will run. The actor must be one a worker declared (GET /api/actors), and the job goes "
+        "to its queue: another actor name, or another queue_name, is a 400 (unless "
+        "DRAMATIQ_PG_ADMIN_ADHOC_ACTORS allows actors no worker declared).",
+        body=JobRequest,
+        responses={
+            201: (responses.Job, "The new job."),
+            200: (responses.Job, "The job that already had this idempotency key."),
+            400: "Bad input, an actor no worker declared, or a queue that is not the actor's.",
+            409: "A member reused a key of a job they did not create.",
+        },
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, body: JobRequest) -> None:
+        values = given(body)
         user = req.context.user
         queue_name, declared = self._queue_of(values["actor_name"], values.get("queue_name"))
         if "delay" in values and "available_at" in values:
@@ -326,14 +340,24 @@ class JobDetail:
     leaves out ``locked_until``: a running job's lease renewals alone do not change it, so
     the dashboard's poll of a running job stays a 304 between its real changes."""
 
-    permissions = {"GET": READERS}
+    route = "/api/jobs/{job_id}"
 
     def __init__(self, queries: JobQueries) -> None:
         self.queries = queries
 
+    @operation(
+        roles=READERS,
+        scope="members: their jobs",
+        summary="One job.",
+        description="Its ETag is weak and leaves out locked_until: a running job's lease "
+        "renewals alone answer 304 to If-None-Match. Ask without it for the current lease.",
+        etag=True,
+        responses={200: (responses.Job, "The job."), 404: NO_JOB},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        read_query(req)
-        job_id = job_id_param(job_id)
+        self.respond(req, resp, job_id)
+
+    def respond(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         value = self.read(job_id, owner_scope(req.context.user))
         conditional.respond(req, resp, value, tagged=self.tagged(value))
 
@@ -350,6 +374,18 @@ class JobEvents(JobDetail):
     """``GET /api/jobs/{id}/events``: the job's timeline, oldest first, with an ``ETag``
     (304 when unchanged, as for the job)."""
 
+    route = "/api/jobs/{job_id}/events"
+
+    @operation(
+        roles=READERS,
+        scope="members: their jobs",
+        summary="A job's timeline, oldest first.",
+        etag=True,
+        responses={200: (responses.JobTimeline, "The events."), 404: NO_JOB},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
+        self.respond(req, resp, job_id)
+
     def read(self, job_id: str, owner_id: int | None) -> dict:
         return {"job_id": job_id, "results": self.queries.job_events(job_id, owner_id=owner_id)}
 
@@ -364,45 +400,108 @@ class JobStats:
     """``GET /api/jobs/stats``; see :meth:`admin_api.queries.JobQueries.stats` for how it
     stays fast."""
 
-    permissions = {"GET": OBSERVERS}
+    route = "/api/jobs/stats"
 
     def __init__(self, queries: JobQueries) -> None:
         self.queries = queries
 
+    @operation(
+        roles=OBSERVERS,
+        summary="Counts by status and queue, expired leases, pending retries, the oldest "
+        "queued job.",
+        responses={200: (responses.Stats, "The stats.")},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        read_query(req)
         resp.media = self.queries.stats()
 
 
 class JobTransition:
-    """An operator's transition of one job, through the broker's state machine:
-    ``POST /api/jobs/{id}/retry`` (failed to queued, attempts from zero),
-    ``POST /api/jobs/{id}/cancel`` (queued to cancelled) and ``POST /api/jobs/{id}/abort``
-    (queued to cancelled at once; running: the abort is requested, its worker stops the
-    attempt and the job ends cancelled); 409 for any other status.
+    """An operator's transition of one job, through the broker's state machine (its
+    :class:`JobStore` method :attr:`change`); 409 for a job in another status. The
+    transition and its read-back share one transaction: see :meth:`transition`."""
 
-    Parameters:
-      queries(JobQueries): to read the job back.
-      store(JobStore): the state machine.
-      name(str): the :class:`JobStore` method, ``retry_failed``, ``cancel`` or ``abort``.
-    """
+    #: The :class:`JobStore` method: ``retry_failed``, ``cancel`` or ``abort``.
+    change: str
 
-    permissions = {"POST": OPERATORS}
-
-    def __init__(self, queries: JobQueries, store: JobStore, name: str) -> None:
+    def __init__(self, queries: JobQueries, store: JobStore) -> None:
         self.queries = queries
         self.store = store
-        self.change = getattr(store, name)
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
-        read_query(req)
-        job_id = job_id_param(job_id)
-        read_optional_body(req, ActionRequest)
+    def transition(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
         # read, so the response shows what the operator did, not what happened next.
+        change = getattr(self.store, self.change)
         with self.store.pool.connection() as conn, conn.transaction():
-            row = self.change(job_id, by=req.context.user.email, conn=conn)
+            row = change(job_id, by=req.context.user.email, conn=conn)
         job = self.queries.get_job(job_id)
         job.update({name: row[name] for name in JOB_COLUMNS if name != "id"})
         resp.media = job
+
+
+class RetryJob(JobTransition):
+    """``POST /api/jobs/{id}/retry``: failed to queued, attempts from zero."""
+
+    route = "/api/jobs/{job_id}/retry"
+    change = "retry_failed"
+
+    @operation(
+        roles=OPERATORS,
+        summary="Move a failed job back to the queue; attempts start from zero.",
+        body=ActionRequest,
+        body_required=False,
+        responses={
+            200: (responses.Job, "The job, queued again."),
+            404: NO_JOB,
+            409: "The job is not failed.",
+        },
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
+        self.transition(req, resp, job_id)
+
+
+class CancelJob(JobTransition):
+    """``POST /api/jobs/{id}/cancel``: queued to cancelled."""
+
+    route = "/api/jobs/{job_id}/cancel"
+    change = "cancel"
+
+    @operation(
+        roles=OPERATORS,
+        summary="Cancel a queued job.",
+        body=ActionRequest,
+        body_required=False,
+        responses={
+            200: (responses.Job, "The job, cancelled."),
+            404: NO_JOB,
+            409: "The job is not queued.",
+        },
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
+        self.transition(req, resp, job_id)
+
+
+class AbortJob(JobTransition):
+    """``POST /api/jobs/{id}/abort``: queued to cancelled at once; running: the abort is
+    requested, its worker stops the attempt and the job ends cancelled."""
+
+    route = "/api/jobs/{job_id}/abort"
+    change = "abort"
+
+    @operation(
+        roles=OPERATORS,
+        summary="Abort a job: a waiting one is cancelled at once; a running one is stopped by "
+        "its worker and ends cancelled, never retried.",
+        description="For a running job the answer comes before the worker stops it: the job "
+        "is still running, with abort_requested_at and abort_requested_by set; it ends "
+        "cancelled within about a second, with an aborted event naming who asked.",
+        body=ActionRequest,
+        body_required=False,
+        responses={
+            200: (responses.Job, "The job, cancelled or with the abort requested."),
+            404: NO_JOB,
+            409: "The job has finished (succeeded, failed or cancelled).",
+        },
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
+        self.transition(req, resp, job_id)

@@ -19,6 +19,7 @@ from dramatiq_pg_broker.config import Settings
 from ..auth import OBSERVERS
 from ..metrics import Metrics
 from ..monitoring import Monitor
+from ..operations import PUBLIC, operation
 
 #: The classic text format (what ``generate_latest`` writes), which every Prometheus reads.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -27,12 +28,21 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class MetricsPage:
     """``GET /metrics`` on the admin API: viewer, operator or admin."""
 
-    permissions = {"GET": OBSERVERS}
+    route = "/metrics"
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
+    @operation(
+        roles=OBSERVERS,
+        summary="Prometheus' text format.",
+        documented=False,
+        responses={200: "The metrics."},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.respond(resp)
+
+    def respond(self, resp: falcon.Response) -> None:
         resp.content_type = CONTENT_TYPE
         resp.data = self.metrics.render()
 
@@ -41,7 +51,14 @@ class OpenMetricsPage(MetricsPage):
     """``GET /metrics`` of the metrics-only app: no credentials (guard it by where it
     listens)."""
 
-    public = True
+    @operation(
+        roles=PUBLIC,
+        summary="Prometheus' text format.",
+        documented=False,
+        responses={200: "The metrics."},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.respond(resp)
 
 
 def create_metrics_app(settings: Settings | None = None, *, engine=None) -> falcon.App:

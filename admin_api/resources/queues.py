@@ -9,14 +9,19 @@ from __future__ import annotations
 import falcon
 from pydantic import Field
 
-from dramatiq_pg_broker import queues as queue_control
 from dramatiq_pg_broker.control import limits as queue_limits
+from dramatiq_pg_broker.control import queues as queue_control
 from dramatiq_pg_broker.jobs import JobStore
 from dramatiq_pg_broker.queue_rules import MAX_LIMIT
 
+from .. import responses
 from ..auth import OPERATORS
-from ..validation import Body, check_name, read_body, read_optional_body, read_query
+from ..operations import operation
+from ..validation import Body
 from .jobs import ActionRequest
+
+#: The 404 of an operation on a queue.
+UNDECLARED = "No worker has declared this queue."
 
 
 class QueueAction:
@@ -26,24 +31,56 @@ class QueueAction:
 
     Parameters:
       store(JobStore): whose pool and schema to use.
-      action(str): ``pause`` or ``resume``.
     """
 
-    permissions = {"POST": OPERATORS}
+    #: The function of :mod:`dramatiq_pg_broker.control.queues`: ``pause`` or ``resume``.
+    action: str
 
-    def __init__(self, store: JobStore, action: str) -> None:
+    def __init__(self, store: JobStore) -> None:
         self.store = store
-        self.action = getattr(queue_control, action)
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
-        read_query(req)
-        # A name with a line break at its end would pass the queue-name pattern's "$": said
-        # here, as for the names of a new job, instead of a 404 for a queue that looks real.
-        check_name("queue name", queue_name)
-        read_optional_body(req, ActionRequest)
+    def act(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
+        action = getattr(queue_control, self.action)
         with self.store.pool.connection() as conn:
-            state = self.action(conn, self.store.schema, queue_name, by=req.context.user.email)
+            state = action(conn, self.store.schema, queue_name, by=req.context.user.email)
         resp.media = state.as_dict()
+
+
+class PauseQueue(QueueAction):
+    """``POST /api/queues/{name}/pause``."""
+
+    route = "/api/queues/{queue_name}/pause"
+    action = "pause"
+
+    @operation(
+        roles=OPERATORS,
+        summary="Pause a queue: no worker on any host claims its jobs from now on; sends are "
+        "still accepted; the pause survives worker restarts.",
+        description="Its workers give back the messages they prefetched and had not started; "
+        "running jobs finish. Pausing a paused queue changes nothing.",
+        body=ActionRequest,
+        body_required=False,
+        responses={200: (responses.QueueState, "The queue, paused."), 404: UNDECLARED},
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str, body) -> None:
+        self.act(req, resp, queue_name)
+
+
+class ResumeQueue(QueueAction):
+    """``POST /api/queues/{name}/resume``."""
+
+    route = "/api/queues/{queue_name}/resume"
+    action = "resume"
+
+    @operation(
+        roles=OPERATORS,
+        summary="Resume a paused queue: its workers claim its jobs at once.",
+        body=ActionRequest,
+        body_required=False,
+        responses={200: (responses.QueueState, "The queue, active."), 404: UNDECLARED},
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str, body) -> None:
+        self.act(req, resp, queue_name)
 
 
 class LimitRequest(Body):
@@ -68,15 +105,25 @@ class QueueLimit:
       store(JobStore): whose pool and schema to use.
     """
 
-    permissions = {"PUT": OPERATORS}
+    route = "/api/queues/{queue_name}/limit"
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
 
-    def on_put(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
-        read_query(req)
-        check_name("queue name", queue_name)
-        body = read_body(req, LimitRequest)
+    @operation(
+        roles=OPERATORS,
+        summary="Limit a queue: at most N of its jobs run at a time, across every worker on "
+        "every host; null lifts the limit.",
+        description="In force from the next claim of every worker; jobs already running beyond "
+        "a lowered limit finish. An operator's limit wins over the queue_limits setting "
+        "workers boot with. A job counts as running from its claim until its outcome is "
+        "written, or, if its worker died, until the reaper takes it back.",
+        body=LimitRequest,
+        responses={200: (responses.QueueLimit, "The queue's limit now."), 404: UNDECLARED},
+    )
+    def on_put(
+        self, req: falcon.Request, resp: falcon.Response, queue_name: str, body: LimitRequest
+    ) -> None:
         with self.store.pool.connection() as conn:
             limit = queue_limits.set_limit(
                 conn, self.store.schema, queue_name, body.limit, by=req.context.user.email

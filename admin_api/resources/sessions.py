@@ -7,11 +7,16 @@ from pydantic import Field
 
 from dramatiq_pg_broker.config import Settings
 
+from .. import responses
 from ..accounts import AccountStore
 from ..auth import READERS, SESSION_COOKIE, clear_session_cookie, set_session_cookie
 from ..errors import ApiError
+from ..operations import PUBLIC, operation
 from ..throttle import LoginThrottle, client_address
-from ..validation import Body, Secret, Text, read_body
+from ..validation import Body, Secret, Text
+
+#: The 403 of a public state change (see :class:`admin_api.auth.Authentication`).
+CROSS_SITE = "X-Requested-With missing, or an origin not allowed."
 
 
 class LoginRequest(Body):
@@ -25,7 +30,7 @@ class Login:
     """``POST /api/auth/login``: check email and password, start a session, set its cookie
     (HttpOnly, SameSite=Lax, Secure when DRAMATIQ_PG_COOKIE_SECURE is on)."""
 
-    public = True
+    route = "/api/auth/login"
 
     def __init__(self, accounts: AccountStore, settings: Settings, throttle: LoginThrottle) -> None:
         self.accounts = accounts
@@ -33,8 +38,20 @@ class Login:
         self.throttle = throttle
         self.trusted_proxies = frozenset(settings.trusted_proxies)
 
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        body = read_body(req, LoginRequest)
+    @operation(
+        roles=PUBLIC,
+        summary="Log in: sets the session cookie dpb_session.",
+        description="Send the header X-Requested-With (any value).",
+        body=LoginRequest,
+        responses={
+            200: (responses.Login, "Logged in."),
+            401: "Wrong email or password, or a deactivated account.",
+            403: CROSS_SITE,
+            429: "Too many failed logins for this account or from this address, or too many "
+            "password checks at once; Retry-After gives the seconds to wait.",
+        },
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, body: LoginRequest) -> None:
         email, client = body.email, client_address(req, self.trusted_proxies)
         wait = self.throttle.retry_after(email, client)
         if wait > 0:
@@ -71,12 +88,18 @@ class Logout:
     """``POST /api/auth/logout``: end the session on the server and clear the cookie. Always
     204, so that logging out twice is harmless."""
 
-    public = True
+    route = "/api/auth/logout"
 
     def __init__(self, accounts: AccountStore, settings: Settings) -> None:
         self.accounts = accounts
         self.settings = settings
 
+    @operation(
+        roles=PUBLIC,
+        summary="Log out: ends the session on the server and clears the cookie.",
+        description="Send the header X-Requested-With (any value).",
+        responses={204: "Logged out (also when no session was open).", 403: CROSS_SITE},
+    )
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         session_id = req.cookies.get(SESSION_COOKIE)
         if session_id:
@@ -88,7 +111,12 @@ class Logout:
 class Me:
     """``GET /api/auth/me``: the caller's account and how they authenticated."""
 
-    permissions = {"GET": READERS}
+    route = "/api/auth/me"
 
+    @operation(
+        roles=READERS,
+        summary="The caller's account.",
+        responses={200: (responses.Caller, "The account.")},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = {"user": req.context.user.as_dict(), "via": req.context.via}

@@ -1,4 +1,6 @@
-"""``GET /api/config``: the effective settings, without secrets."""
+"""``GET /api/config``: the effective settings, without secrets. For viewers, operators and
+admins: a member sees its own jobs only, not how the service is set up (the database's
+host and user, every queue's limit)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import falcon
 
 from dramatiq_pg_broker.config import Settings, mask_url
 
-from ..auth import READERS
+from .. import responses
+from ..auth import OBSERVERS
+from ..operations import operation
 
 
 def public_settings(settings: Settings) -> dict:
@@ -18,10 +22,15 @@ def public_settings(settings: Settings) -> dict:
 
 
 class Config:
-    permissions = {"GET": READERS}
+    route = "/api/config"
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
+    @operation(
+        roles=OBSERVERS,
+        summary="The effective settings, without secrets.",
+        responses={200: (responses.Settings, "The settings.")},
+    )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
         resp.media = public_settings(self.settings)

@@ -9,8 +9,9 @@ import falcon
 from dramatiq_pg_broker.control.workers import list_actors, list_workers
 from dramatiq_pg_broker.jobs import JobStore
 
+from .. import responses
 from ..auth import OBSERVERS, READERS
-from ..validation import read_query
+from ..operations import operation
 
 
 class RegistryList:
@@ -20,8 +21,7 @@ class RegistryList:
     def __init__(self, store: JobStore) -> None:
         self.store = store
 
-    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        read_query(req)
+    def respond(self, resp: falcon.Response) -> None:
         with self.store.pool.connection() as conn:
             rows = self.read(conn, self.store.schema)
         resp.media = self.body(rows)
@@ -38,7 +38,16 @@ class WorkerList(RegistryList):
     started, its last heartbeat, and the attempts it holds (in flight). A process that
     stopped refreshing for a lease is not listed."""
 
-    permissions = {"GET": OBSERVERS}
+    route = "/api/workers"
+
+    @operation(
+        roles=OBSERVERS,
+        summary="The live worker processes: host, pid, queues, actors, start, last heartbeat, "
+        "jobs in flight.",
+        responses={200: (responses.WorkerList, "The live workers, oldest first.")},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.respond(resp)
 
     def read(self, conn, schema: str) -> list[dict]:
         return list_workers(conn, schema)
@@ -48,7 +57,15 @@ class ActorList(RegistryList):
     """Every declared actor with its queue (what ``POST /api/jobs`` accepts), when a worker
     last declared it, and how many live workers declare it now."""
 
-    permissions = {"GET": READERS}
+    route = "/api/actors"
+
+    @operation(
+        roles=READERS,
+        summary="The actors workers declared, each with its queue: what POST /api/jobs accepts.",
+        responses={200: (responses.ActorList, "The declared actors, by name.")},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        self.respond(resp)
 
     def read(self, conn, schema: str) -> list[dict]:
         return list_actors(conn, schema)

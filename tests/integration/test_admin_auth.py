@@ -29,7 +29,7 @@ def endpoints(env: AdminEnv) -> list[Endpoint]:
     job = env.failed()
     user = env.users["viewer"].id
     return [
-        Endpoint("GET", "/api/config", ALL),
+        Endpoint("GET", "/api/config", OBSERVERS),
         Endpoint("GET", "/api/jobs", ALL),
         Endpoint("POST", "/api/jobs", CREATORS, {"actor_name": "tests.noop"}),
         Endpoint("GET", "/api/jobs/stats", OBSERVERS),

@@ -29,7 +29,7 @@ EXPECTED = {
     ("post", "/api/auth/login"): PUBLIC,
     ("post", "/api/auth/logout"): PUBLIC,
     ("get", "/api/openapi.json"): ANY,
-    ("get", "/api/config"): ANY,
+    ("get", "/api/config"): OBSERVERS,
     ("get", "/api/auth/me"): ANY,
     ("get", "/api/jobs"): ANY,
     ("post", "/api/jobs"): CREATORS,

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from admin_api.validation import MAX_BODY_BYTES
+from admin_api.operations import MAX_BODY_BYTES
 from dramatiq_pg_broker.jobs import NewJob
 
 from .admin_support import AdminEnv

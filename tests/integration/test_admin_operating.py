@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from admin_api.validation import MAX_BODY_BYTES
+from admin_api.operations import MAX_BODY_BYTES
 
 from .admin_support import CSRF, AdminEnv
 

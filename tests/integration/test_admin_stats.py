@@ -129,7 +129,7 @@ def test_config_masks_every_connection_string_form_for_every_role(pg_url, schema
             engine=env.engine,
         )
         client = testing.TestClient(app)
-        for role in ("member", "viewer", "admin"):
+        for role in ("viewer", "operator", "admin"):
             result = client.simulate_get("/api/config", headers=env.auth(role))
             assert result.status_code == 200
             assert "hunter" not in result.text and "ter2" not in result.text, result.text

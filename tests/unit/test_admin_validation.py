@@ -8,12 +8,13 @@ import pytest
 from falcon import testing
 
 from admin_api.errors import ApiError
+from admin_api.operations import read_query
 from admin_api.resources.dashboard import ThroughputParams
 from admin_api.resources.events import FeedParams
 from admin_api.resources.jobs import ActionRequest, JobListParams, JobRequest
 from admin_api.resources.sessions import LoginRequest
 from admin_api.resources.users import TokenRequest, UserRequest, UserUpdate
-from admin_api.validation import Body, check_body, given, read_query
+from admin_api.validation import Body, check_body, given
 
 BODIES = (JobRequest, ActionRequest, LoginRequest, UserRequest, UserUpdate, TokenRequest)
 #: A valid body of each model, to break one field at a time.

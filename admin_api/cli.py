@@ -1,7 +1,8 @@
 """CLI commands for admin API accounts: users and API tokens.
 
-``dramatiq-pg-broker`` registers them (:func:`add_account_commands`) when the ``admin``
-extra is installed:
+The ``admin`` extra adds them to ``dramatiq-pg-broker`` (:func:`add_user_commands` and
+:func:`add_token_commands`, entry points of the group ``dramatiq_pg_broker.commands`` in
+setup.cfg; the broker never imports this module):
 
   user create --email EMAIL --role ROLE (--password PASSWORD | --password-stdin) [--exists-ok]
   user list
@@ -147,8 +148,9 @@ def _password_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_account_commands(sub: argparse._SubParsersAction) -> None:
-    """Add the ``user`` and ``token`` commands to the ``dramatiq-pg-broker`` parser."""
+def add_user_commands(sub: argparse._SubParsersAction) -> None:
+    """Add the ``user`` command to the ``dramatiq-pg-broker`` parser (an entry point of
+    the group ``dramatiq_pg_broker.commands``)."""
     user = sub.add_parser("user", help="admin API users")
     user_sub = user.add_subparsers(dest="user_command", required=True)
 
@@ -180,6 +182,10 @@ def add_account_commands(sub: argparse._SubParsersAction) -> None:
     _password_options(set_password)
     set_password.set_defaults(func=run_user_set_password)
 
+
+def add_token_commands(sub: argparse._SubParsersAction) -> None:
+    """Add the ``token`` command to the ``dramatiq-pg-broker`` parser (an entry point of
+    the group ``dramatiq_pg_broker.commands``)."""
     token = sub.add_parser("token", help="admin API tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
     token_create = token_sub.add_parser("create", help="create an API token and print it once")

@@ -20,11 +20,11 @@ from sqlalchemy import Text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Engine
 
+from dramatiq_pg_broker.backends.results import describe_stored
 from dramatiq_pg_broker.db import Queries
 from dramatiq_pg_broker.errors import JobNotFound
 from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import queue_counts_of
-from dramatiq_pg_broker.results import describe_stored
 
 from .tables import Timestamp, job_events, job_owners, jobs_history, results, users
 

@@ -27,10 +27,10 @@ from .errors import (
     SchemaVersionError,
     TransactionError,
 )
+from .history.periodic import Schedule, periodic
 from .history.retention import RetentionPolicy
 from .jobs.rows import Attempt
 from .jobs.store import JobStore
-from .periodic import Schedule, periodic  # the module path stays (an alias of history.periodic)
 from .sending.async_sending import send_async, send_with_options_async
 from .version import __version__  # noqa: F401
 

@@ -45,7 +45,7 @@ class SchemaMissing(PgBrokerError):
 class SchemaVersionError(PgBrokerError):
     """This code and the database's schema do not fit together: the schema lacks migrations
     this code needs, or requires a newer release of the package (see
-    :mod:`dramatiq_pg_broker.handshake`)."""
+    :mod:`dramatiq_pg_broker.db.handshake`)."""
 
 
 class MigrationsPending(SchemaVersionError, SchemaMissing):

@@ -15,7 +15,7 @@ from dramatiq_pg_broker.control.workers import actor_declaration
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
 from dramatiq_pg_broker.events import STATUSES
 from dramatiq_pg_broker.jobs import JobStore
-from dramatiq_pg_broker.messages import (
+from dramatiq_pg_broker.sending.messages import (
     APPLICATION_SCOPE,
     MAX_DELAY_MS,
     UNLIMITED_ATTEMPTS,

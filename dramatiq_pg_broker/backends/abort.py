@@ -6,7 +6,7 @@ backend; its own production backend is Redis. This one needs only the database t
 (or the results backend) already uses::
 
     from dramatiq_abort import Abortable, abort
-    from dramatiq_pg_broker.abort import PostgresEventBackend
+    from dramatiq_pg_broker.backends.abort import PostgresEventBackend
 
     broker.add_middleware(Abortable(backend=PostgresEventBackend(broker=broker)))
     ...

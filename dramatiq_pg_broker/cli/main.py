@@ -13,15 +13,16 @@ Commands:
                      the operator's commands (:mod:`.cli_jobs`)
   queues list|pause|resume, workers, actors
                      operator control (:mod:`.cli_control`)
-  user ..., token ...  admin API accounts (:mod:`admin_api.cli`; needs the ``admin`` extra)
+  user ..., token ...  admin API accounts (the ``admin`` extra adds them: its entry points
+                     in the group ``dramatiq_pg_broker.commands``)
 
 Every command that touches jobs or accounts passes the schema handshake first: against a
 schema this code does not fit, it prints ``error: <why>`` and exits with status 2.
 ``migrate`` and ``status`` report on the schema instead of refusing it.
 
-Every group of commands is added explicitly in :func:`build_parser`, so the parser is the
-same whether this module runs as ``dramatiq-pg-broker``, ``python -m dramatiq_pg_broker``
-or ``python -m dramatiq_pg_broker.cli``.
+Every group of commands is added explicitly in :func:`build_parser` (the entry points'
+too), so the parser is the same whether this module runs as ``dramatiq-pg-broker``,
+``python -m dramatiq_pg_broker`` or ``python -m dramatiq_pg_broker.cli``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
 import psycopg
 
@@ -38,9 +40,9 @@ from ..config import Settings
 from ..errors import ConfigurationError, PgBrokerError
 from ..version import __version__
 
-#: The modules the ``admin`` extra installs; without them the account commands say how to
-#: get them instead of failing with an import error.
-ADMIN_EXTRA_MODULES = frozenset({"falcon", "bcrypt", "sqlalchemy", "gunicorn"})
+#: The entry point group of the commands another part of the distribution adds (see
+#: :func:`add_entry_point_commands`).
+COMMANDS_GROUP = "dramatiq_pg_broker.commands"
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -279,31 +281,38 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_embedded)
 
 
-def add_admin_commands(sub: argparse._SubParsersAction) -> None:
-    """The admin API's ``user`` and ``token`` commands, from :mod:`admin_api.cli`. It is
-    imported only here, when the parser is built (never by the broker itself); without the
-    ``admin`` extra each command answers with how to install it."""
-    try:
-        from admin_api.cli import add_account_commands
-    except ModuleNotFoundError as e:
-        if e.name is None or e.name.split(".")[0] not in ADMIN_EXTRA_MODULES | {"admin_api"}:
-            raise
+def add_entry_point_commands(sub: argparse._SubParsersAction) -> None:
+    """The commands other parts add, each an entry point of the group
+    :data:`COMMANDS_GROUP` named after its command (the admin extra's ``user`` and
+    ``token``: ``user = admin_api.cli:add_user_commands [admin]``), whose function adds it
+    to ``sub``. The broker never imports the admin side itself. When an extra the entry
+    point needs is not installed, its command is there anyway and says how to install it.
+    """
+    for entry in entry_points(group=COMMANDS_GROUP):  # in the order setup.cfg lists them
+        try:
+            add = entry.load()
+        except ModuleNotFoundError as e:
+            own = entry.module.split(".")[0]
+            if not entry.extras or e.name is None or e.name.startswith(f"{own}."):
+                raise  # not an extra's dependency: a bug worth its traceback
+            _add_missing(sub, entry)
+            continue
+        add(sub)
 
-        def missing(args: argparse.Namespace) -> int:
-            print(
-                f"error: the {args.command} commands manage admin API accounts and need the "
-                "admin extra: pip install 'dramatiq-pg-broker[admin]'",
-                file=sys.stderr,
-            )
-            return 2
 
-        helps = {"user": "admin API users", "token": "admin API tokens"}
-        for name, what in helps.items():
-            parser = sub.add_parser(name, help=f"{what} (needs the admin extra)")
-            parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-            parser.set_defaults(func=missing)
-        return
-    add_account_commands(sub)
+def _add_missing(sub: argparse._SubParsersAction, entry) -> None:
+    extras = ",".join(entry.extras)
+    install = f"pip install '{entry.dist.name if entry.dist else 'dramatiq-pg-broker'}[{extras}]'"
+
+    def missing(args: argparse.Namespace) -> int:
+        print(
+            f"error: the {entry.name} commands need the {extras} extra: {install}", file=sys.stderr
+        )
+        return 2
+
+    parser = sub.add_parser(entry.name, help=f"{entry.name} commands (needs the {extras} extra)")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=missing)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -328,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embedded_commands(sub)
     add_operator_commands(sub)
     add_control_commands(sub)
-    add_admin_commands(sub)
+    add_entry_point_commands(sub)
     return parser
 
 

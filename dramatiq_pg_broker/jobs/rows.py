@@ -227,7 +227,7 @@ class QueueCounts(AsDict):
       failed(int): in the dead-letter state.
       oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
         (since its ``available_at``), by the server's clock; None when none waits.
-      declared(bool): a worker declared the queue (see :mod:`dramatiq_pg_broker.queues`);
+      declared(bool): a worker declared the queue (see :mod:`dramatiq_pg_broker.control.queues`);
         False for a queue that only has jobs (sent to a queue no worker consumes), and
         where only the counts were read.
       paused(bool), paused_at(datetime), paused_by(str): whether an operator paused it,

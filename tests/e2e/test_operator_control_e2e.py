@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dramatiq_pg_broker import PostgresBroker
-from dramatiq_pg_broker import queues as queue_control
+from dramatiq_pg_broker.control import queues as queue_control
 from dramatiq_pg_broker.control.workers import list_workers
 from tests.integration.admin_support import CSRF, AdminEnv
 

@@ -18,7 +18,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import PostgresBroker, handshake
+from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.db import handshake
 from dramatiq_pg_broker.migrate import migrate
 
 from ..helpers import migrate_ahead

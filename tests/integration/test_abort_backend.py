@@ -14,7 +14,7 @@ import pytest
 from dramatiq_abort import Abort, Abortable, Event, abort, abort_requested
 from dramatiq_abort.middleware import AbortMode
 
-from dramatiq_pg_broker.abort import PostgresEventBackend
+from dramatiq_pg_broker.backends.abort import PostgresEventBackend
 
 from ..helpers import wait_for
 from .harness import Harness

@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import current_job
-from dramatiq_pg_broker import queues as queue_control
+from dramatiq_pg_broker.control import queues as queue_control
 from dramatiq_pg_broker.errors import InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import PAUSE_PAYLOAD, JobStore, NewJob, channel_name
 

@@ -15,9 +15,10 @@ from psycopg import sql
 
 import dramatiq_pg_broker
 from admin_api import create_app
-from dramatiq_pg_broker import PostgresBroker, handshake
+from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.cli import main
 from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import handshake
 from dramatiq_pg_broker.errors import CodeTooOld, MigrationsPending
 from dramatiq_pg_broker.migrate import discover, migrate
 

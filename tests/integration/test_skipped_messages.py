@@ -15,7 +15,7 @@ from dramatiq.results import ResultFailure, Results
 from dramatiq_abort import Abortable, abort
 from dramatiq_abort.middleware import AbortMode
 
-from dramatiq_pg_broker.abort import PostgresEventBackend
+from dramatiq_pg_broker.backends.abort import PostgresEventBackend
 from dramatiq_pg_broker.results import PostgresBackend
 
 from .harness import Harness

@@ -33,21 +33,19 @@ BASE = {
 #: The composition root and the package's entry points: they may import any room.
 ROOT = {"__init__", "__main__", "broker", "contrib"}
 
-#: Documented module paths of moved modules: each is the moved module under its old name.
+#: The module paths release 0.1.0 had (and documented) of modules that moved into a room
+#: since: each is the moved module under its old name. No other old path is kept: a module
+#: written after 0.1.0 has one name.
 ALIASES = {
-    "abort": "backends.abort",
     "current": "attempt.current",
     "embedded": "db.embedded",
-    "handshake": "db.handshake",
     "messages": "sending.messages",
     "migrate": "db.migrate",
     "periodic": "history.periodic",
-    "queues": "control.queues",
     "rate_limits": "backends.rate_limits",
     "results": "backends.results",
     "retention": "history.retention",
     "retries": "attempt.retries",
-    "workers": "control.workers",
 }
 
 #: The most modules one import circle may hold.
@@ -205,3 +203,29 @@ def test_an_old_module_path_is_the_moved_module():
         assert importlib.import_module(f"{NAME}.{old}") is moved, old
         source = (PACKAGE / f"{old}.py").read_text("utf-8")
         assert "sys.modules[__name__] = _module" in source, old
+
+
+def test_only_0_1_0s_module_paths_are_kept_and_nothing_of_ours_imports_them():
+    """An old path is kept for applications only: the package and the admin side import
+    the moved modules."""
+    kept = {p.stem for p in PACKAGE.glob("*.py") if "sys.modules[__name__]" in p.read_text()}
+    assert kept == set(ALIASES)
+    old = {f"{NAME}.{name}" for name in ALIASES}
+    offenders = [
+        (module, target)
+        for module, targets in import_graph().items()
+        for target in targets & old
+        if module not in old
+    ]
+    admin = PACKAGE.parent / "admin_api"
+    for path in admin.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+                targets = {node.module, *names}
+            elif isinstance(node, ast.Import):
+                targets = {alias.name for alias in node.names}
+            else:
+                continue
+            offenders += [(str(path.relative_to(admin)), t) for t in sorted(targets & old)]
+    assert offenders == [], offenders

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dramatiq_pg_broker
 
 PACKAGE = Path(dramatiq_pg_broker.__file__).parent
@@ -29,9 +31,9 @@ def test_importing_the_broker_loads_no_admin_module():
     assert json.loads(result.stdout) == []
 
 
-def test_only_the_cli_parser_names_the_admin_side():
-    """The one reference to ``admin_api`` in the broker package is the CLI's lazy import
-    of the account commands (made when the parser is built)."""
+def test_the_broker_package_never_names_the_admin_side():
+    """Not even the CLI: the admin extra adds its account commands through entry points
+    (``dramatiq_pg_broker.commands``)."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text("utf-8"))):
@@ -43,7 +45,7 @@ def test_only_the_cli_parser_names_the_admin_side():
             for name in names:
                 if name.split(".")[0] in ADMIN_ONLY:
                     offenders.append((path.relative_to(PACKAGE).as_posix(), name))
-    assert offenders == [("cli/main.py", "admin_api.cli")], offenders
+    assert offenders == [], offenders
 
 
 def test_cli_module_help_lists_the_account_commands():
@@ -61,15 +63,27 @@ def test_cli_module_help_lists_the_account_commands():
             assert command in result.stdout, (module, result.stdout)
 
 
-def test_without_the_admin_extra_each_account_command_keeps_its_own_help(monkeypatch):
-    """Without the admin extra, ``--help`` still tells ``user`` from ``token``."""
+def test_without_the_admin_extra_each_account_command_says_how_to_install_it(monkeypatch, capsys):
+    """Without the admin extra (its dependency bcrypt missing), ``user`` and ``token`` are
+    still commands, each saying which extra it needs; a module missing from the admin side
+    itself is a bug, and is raised."""
     import argparse
 
-    from dramatiq_pg_broker.cli import build_parser
+    from dramatiq_pg_broker.cli import build_parser, main
 
-    monkeypatch.setitem(sys.modules, "admin_api.cli", None)  # import raises ModuleNotFoundError
+    for name in ("admin_api.cli", "admin_api.accounts"):  # imported afresh: they need bcrypt
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "bcrypt", None)  # import raises ModuleNotFoundError
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {choice.dest: choice.help for choice in sub._choices_actions}
-    assert helps["user"] == "admin API users (needs the admin extra)"
-    assert helps["token"] == "admin API tokens (needs the admin extra)"
+    assert helps["user"] == "user commands (needs the admin extra)"
+    assert helps["token"] == "token commands (needs the admin extra)"
+    assert main(["token", "list", "--email", "a@b.c"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the token commands need the admin extra: pip install 'dramatiq-pg-broker[admin]'\n"
+    )
+    monkeypatch.delitem(sys.modules, "bcrypt")  # importable again
+    monkeypatch.setitem(sys.modules, "admin_api.accounts", None)
+    with pytest.raises(ModuleNotFoundError):
+        build_parser()

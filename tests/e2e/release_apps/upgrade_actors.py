@@ -10,17 +10,17 @@ ran it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
 import dramatiq
 from psycopg import sql
 
+import dramatiq_pg_broker
 from dramatiq_pg_broker import PostgresBroker, current_job
 
 #: Which release this interpreter runs: "new" has the schema handshake, "old" predates it.
-RELEASE = "new" if importlib.util.find_spec("dramatiq_pg_broker.handshake") else "old"
+RELEASE = "new" if hasattr(dramatiq_pg_broker, "SchemaVersionError") else "old"
 QUEUE = "upgrade"
 
 RUNS_DDL = """

@@ -22,6 +22,7 @@ from .operations import ANY_QUERY, MAX_BODY_BYTES, PATH_PARAMETERS, PUBLIC, Oper
 
 #: Where the component schemas are.
 REF = "#/components/schemas/{model}"
+JSON = "application/json"
 
 #: What an operation of each kind may answer besides its own statuses (see :func:`_answers`).
 ERRORS = {
@@ -42,7 +43,6 @@ _IF_NONE_MATCH = {
     "description": "The ETag of an earlier answer: when the answer has not changed since, it "
     "is a 304 with no body (how the dashboard polls an unfinished job).",
 }
-_ETAG = {"description": "A tag of this answer, to send back in If-None-Match."}
 
 
 class Schemas(GenerateJsonSchema):
@@ -107,8 +107,7 @@ def _operation(path: str, op: Operation) -> dict[str, Any]:
     if op.roles is PUBLIC:
         out["security"] = []
     else:
-        named = "any" if op.roles == set(ROLES) else ", ".join(r for r in ROLES if r in op.roles)
-        description += f"\n\nRoles: {named}{f' ({op.scope})' if op.scope else ''}."
+        description += f"\n\nRoles: {roles(op)}."
     if description.strip():
         out["description"] = description.strip()
     parameters = [
@@ -126,16 +125,20 @@ def _operation(path: str, op: Operation) -> dict[str, Any]:
     if parameters:
         out["parameters"] = parameters
     if op.body is not None:
-        content = {"application/json": {"schema": body_schema(op.body)}}
-        out["requestBody"] = {"required": True, "content": content}
+        schema = body_schema(op.body)
+        out["requestBody"] = {"required": op.body_required, "content": {JSON: {"schema": schema}}}
         if not op.body_required:
-            out["requestBody"] = {
-                "required": False,
-                "description": "Optional: send none, or an empty JSON object.",
-                "content": content,
-            }
+            out["requestBody"]["description"] = "Optional: send none, or an empty JSON object."
     out["responses"] = _answers(op)
     return out
+
+
+def roles(op: Operation) -> str:
+    """Who may call ``op``: "any", or its roles, with its ``scope``."""
+    if op.roles is PUBLIC:
+        return "anyone, without credentials"
+    named = "any" if op.roles == set(ROLES) else ", ".join(r for r in ROLES if r in op.roles)
+    return f"{named} ({op.scope})" if op.scope else named
 
 
 def _answers(op: Operation) -> dict[str, Any]:
@@ -145,15 +148,9 @@ def _answers(op: Operation) -> dict[str, Any]:
     answers = dict(op.responses)
     if op.etag:
         answers[304] = "Not modified: the answer still has the ETag sent in If-None-Match."
-    kinds = {
-        400: op.query != ANY_QUERY or op.body is not None,
-        401: op.roles is not PUBLIC,
-        403: op.roles is not PUBLIC,
-        503: op.roles is not PUBLIC or op.database,
-        411: op.body is not None,
-        413: op.body is not None,
-        415: op.body is not None,
-    }
+    protected, body = op.roles is not PUBLIC, op.body is not None
+    kinds = {400: op.query != ANY_QUERY or body, 401: protected, 403: protected}
+    kinds |= {503: protected or op.database, 411: body, 413: body, 415: body}
     for status, applies in kinds.items():
         if applies:
             answers.setdefault(status, ERRORS[status])
@@ -165,9 +162,10 @@ def _answers(op: Operation) -> dict[str, Any]:
         out[str(status)] = {"description": description}
         if model is not None:
             ref = {"$ref": REF.format(model=model.__name__)}
-            out[str(status)]["content"] = {"application/json": {"schema": ref}}
+            out[str(status)]["content"] = {JSON: {"schema": ref}}
         if op.etag and status == 200:
-            out["200"]["headers"] = {"ETag": {**_ETAG, "schema": {"type": "string"}}}
+            tag = "A tag of this answer, to send back in If-None-Match."
+            out["200"]["headers"] = {"ETag": {"description": tag, "schema": {"type": "string"}}}
     return out
 
 
@@ -177,9 +175,8 @@ def build() -> dict[str, Any]:
     for resource in API:
         for method, op in operations(resource).items():
             if op.documented:
-                paths.setdefault(resource.route, {})[method.lower()] = _operation(
-                    resource.route, op
-                )
+                operation = _operation(resource.route, op)
+                paths.setdefault(resource.route, {})[method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {

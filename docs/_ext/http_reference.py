@@ -3,6 +3,9 @@ API serves (:func:`admin_api.openapi.build`, the same function behind
 ``/api/openapi.json``), so each path, parameter, body field and status shown is the one
 the API documents; a test checks that every route is documented and that real responses
 match it.
+
+``{http-roles}``: who may call each operation, from the same declarations the API
+authorizes with (:mod:`admin_api.operations`), for the security guide.
 """
 
 from __future__ import annotations
@@ -115,6 +118,23 @@ class HttpReference(SphinxDirective):
         return part
 
 
+class HttpRoles(SphinxDirective):
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        from admin_api.app import API, PAGES
+        from admin_api.openapi import roles
+        from admin_api.operations import operations, routes
+
+        rows = [
+            [f"`{method} {' '.join(routes(resource))}`", roles(op)]
+            for resource in (*API, *PAGES)
+            for method, op in operations(resource).items()
+        ]
+        return [table(["operation", "who may call it"], rows, [55, 45])]
+
+
 def setup(app):
     app.add_directive("http-reference", HttpReference)
+    app.add_directive("http-roles", HttpRoles)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -10,6 +10,8 @@ the environment variables below.
 - ``ADMIN_API_WORKERS``: processes (default 2: the API is light, and each process keeps
   its own database pools).
 - ``ADMIN_API_THREADS``: threads per process (default 64; see below).
+- ``ADMIN_API_CONTROL_SOCKET``: a path for gunicorn's control socket (gunicorn 25.1 and
+  later, for its ``gunicornc`` tool); without it there is none (see below).
 
 Slow and idle clients. gunicorn's threaded worker gives each connection that has sent
 its first bytes a thread until the request is read, and waits up to 5 s in a thread for a
@@ -62,6 +64,16 @@ access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms "%(a)s"'
 # Only trust X-Forwarded-* from a proxy on this host.
 forwarded_allow_ips = "127.0.0.1"
 proc_name = "dramatiq-pg-admin-api"
+# gunicorn 25.1 and later open a control socket for gunicornc, by default at
+# $XDG_RUNTIME_DIR/gunicorn.ctl or $HOME/.gunicorn/gunicorn.ctl: outside the deployment,
+# and one path for every gunicorn of the user, so that a second server takes it from the
+# first. This configuration needs none: it is off unless ADMIN_API_CONTROL_SOCKET names a
+# path of this server's own. Older gunicorn ignores both names (a configuration file's
+# unknown names are skipped).
+_control_socket = os.environ.get("ADMIN_API_CONTROL_SOCKET", "")
+control_socket_disable = not _control_socket
+if _control_socket:
+    control_socket = _control_socket
 
 #: The ``error`` code of each status gunicorn may answer by itself.
 _CODES = {

@@ -9,6 +9,7 @@ import socket
 import statistics
 import time
 
+import gunicorn.config
 import pytest
 
 from .servers import HEALTH_REQUEST, free_port, raw_request, start_gunicorn, stop
@@ -88,3 +89,47 @@ def test_errors_gunicorn_answers_itself_are_json(api):
     status, headers, body = raw_request(port, b"NOT HTTP\r\n\r\n")
     assert status == 400 and json.loads(body)["error"] == "bad_request"
     assert headers["x-content-type-options"] == "nosniff"
+
+
+@pytest.mark.skipif(
+    "control_socket_disable" not in gunicorn.config.Config().settings,
+    reason="this gunicorn has no control socket (before 25.1)",
+)
+def test_the_shipped_configuration_opens_no_control_socket_unless_given_a_path(
+    pg_url, schema, tmp_path
+):
+    """gunicorn's control socket would be at $HOME/.gunicorn/gunicorn.ctl (or in
+    $XDG_RUNTIME_DIR), one path for every gunicorn of the user: the shipped configuration
+    opens none, or one at the path ADMIN_API_CONTROL_SOCKET gives. gunicorn logs which, at
+    debug level, once its workers are up."""
+    home = tmp_path / "home"
+    home.mkdir()
+    own = tmp_path / "api.ctl"
+    for settings, expected in (
+        ({}, "Control socket disabled"),
+        ({"ADMIN_API_CONTROL_SOCKET": str(own)}, f"Control socket listening at {own}"),
+    ):
+        port = free_port()
+        log = tmp_path / f"gunicorn-{port}.log"
+        process = start_gunicorn(
+            pg_url,
+            schema,
+            port,
+            log,
+            HOME=str(home),
+            XDG_RUNTIME_DIR="",
+            ADMIN_API_LOG_LEVEL="debug",
+            **settings,
+        )
+        try:
+            wait_for(
+                lambda log=log: "Control socket" in log.read_text(),
+                60,
+                "gunicorn to say whether it opened a control socket",
+                on_timeout=lambda log=log: log.read_text(),
+            )
+            assert expected in log.read_text()
+            assert own.is_socket() == bool(settings)
+        finally:
+            stop(process)
+        assert list(home.iterdir()) == [], settings

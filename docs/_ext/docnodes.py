@@ -9,10 +9,22 @@ import re
 from docutils import nodes
 
 _CODE = re.compile(r"`([^`]+)`")
+#: Markdown these helpers do not render: a link, emphasis.
+_MARKDOWN = re.compile(r"\[[^\]]+\]\([^)]*\)|\*\*[^*]+\*\*|(?<![\w*])\*[^*\s][^*]*\*(?![\w*])")
 
 
 def inline(text: str) -> list[nodes.Node]:
-    """Plain text with `backticks` as inline code: the only markup the descriptions use."""
+    """Plain text with `backticks` as inline code: the only markup the descriptions use.
+
+    Raises:
+      ValueError: the text has other Markdown (a link, emphasis), which would be shown
+        raw: a generated page must parse such text (``SphinxDirective.parse_text_to_nodes``,
+        as the settings table does) or the text must do without.
+    """
+    bare = _CODE.sub("", text)
+    found = _MARKDOWN.search(bare)
+    if found is not None:
+        raise ValueError(f"Markdown that would be shown raw: {found.group()!r} in {text!r}")
     parts: list[nodes.Node] = []
     position = 0
     for match in _CODE.finditer(text):

@@ -3,7 +3,9 @@
 The rows come from :func:`dramatiq_pg_broker.config.describe`: the :class:`Settings`
 fields' metadata (description, group, shown default) and the environment-only variables,
 so the reference cannot drift from the code; a unit test checks that every field has a
-description. One section per group, in the order of ``config.GROUPS``.
+description. A description is Markdown, parsed as the page is (its links are checked by
+the build, relative to this page: ``../guides/...``). One section per group, in the order
+of ``config.GROUPS``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class SettingsTable(SphinxDirective):
                 setting = [paragraph(f"`{row.variable}`")]
                 keyword = f"keyword `{row.name}=`" if row.name else "environment only"
                 setting.append(paragraph(f"{keyword}; default {row.default}"))
-                cells.append([setting, row.doc])
+                cells.append([setting, self.parse_text_to_nodes(row.doc)])
             part += table(["setting", "meaning"], cells, [42, 58])
             result.append(part)
         return result

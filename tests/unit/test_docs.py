@@ -43,3 +43,21 @@ def test_operator_control_imports_every_abort_name_it_uses():
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         if "AbortMode" in used:
             assert "AbortMode" in imported, block
+
+
+def test_generated_reference_text_with_markdown_it_would_show_raw_fails_the_build():
+    """The generated pages (settings, HTTP, CLI) build their nodes from plain text with
+    `backticks`: other Markdown (a link, emphasis) would be shown raw, so it is an error,
+    which fails the docs build; the settings table parses its descriptions instead."""
+    import sys
+
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from docnodes import inline
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    text = "`a=1`, `*b*` and `[x](y)`: 2 * 3 [sic]"
+    assert "".join(node.astext() for node in inline(text)) == text.replace("`", "")
+    for text in ("See [queue limits](../guides/queue-limits.md).", "**not** this", "an *x* y"):
+        with pytest.raises(ValueError, match="shown raw"):
+            inline(text)

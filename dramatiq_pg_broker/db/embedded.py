@@ -47,6 +47,14 @@ PROJECT_MARKERS = ("pyproject.toml", "setup.cfg", "setup.py", "manage.py", ".git
 #: The folder, in a project, that holds the embedded server's data and lock (git-ignored).
 PROJECT_FOLDER = ".pgdata"
 
+#: The embedded server's WAL, kept small. It serves a checkout's tests, demo and
+#: benchmarks, which write a lot (each test module's database is a copy of a migrated one,
+#: written to the WAL): with PostgreSQL's default ``max_wal_size`` of 1 GB the checkout's
+#: ``.pgdata`` held a gigabyte of WAL segments, recycled for reuse, after a test run. A
+#: checkpoint comes after at most ``max_wal_size`` of WAL, and no more than that is kept;
+#: ``wal_keep_size`` stays 0 (no standby). Set on every start (:func:`keep_wal_small`).
+WAL_SETTINGS = {"max_wal_size": "128MB", "min_wal_size": "32MB", "wal_keep_size": "0"}
+
 
 def project_dir() -> Path | None:
     """The project this Python belongs to: the folder holding the running virtual
@@ -110,8 +118,31 @@ def embedded_url() -> str:
                 # cleanup_mode=None: keep the server running after this process exits so
                 # that workers, the API and the demo share it.
                 server = pgserver.get_server(path, cleanup_mode=None)
+                keep_wal_small(server.get_uri())
                 _url = server.get_uri()
         return _url
+
+
+def keep_wal_small(url: str) -> None:
+    """Give the embedded server :data:`WAL_SETTINGS` (``ALTER SYSTEM``, then a reload: they
+    need no restart), unless it has them already: one query per process otherwise."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        current = dict(
+            conn.execute(
+                "SELECT name, current_setting(name) FROM unnest(%s::text[]) AS name",
+                (list(WAL_SETTINGS),),
+            ).fetchall()
+        )
+        changed = {name: value for name, value in WAL_SETTINGS.items() if current[name] != value}
+        for name, value in changed.items():
+            conn.execute(
+                sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value))
+            )
+        if changed:
+            conn.execute("SELECT pg_reload_conf()")
 
 
 @contextlib.contextmanager
@@ -179,6 +210,7 @@ def status() -> dict:
     if not (path / "postmaster.pid").exists():
         return info
     try:
+        import_pgserver()  # first, so that pgserver's lock stays beside the data directory
         from pgserver.utils import PostmasterInfo
 
         postmaster = PostmasterInfo.read_from_pgdata(path)

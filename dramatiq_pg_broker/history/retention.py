@@ -66,10 +66,11 @@ logger = logging.getLogger("dramatiq_pg_broker.retention")
 
 #: Modules of this package whose ``prune_expired(conn, schema, *, limit) -> int`` a run
 #: calls after the jobs (expired results, rate-limit keys, worker registrations, abort
-#: events). A module that does not exist, or whose table does not exist yet, is skipped;
-#: an error raised while importing one that exists (a missing dependency, a broken
-#: import) is raised.
-RECLAIMERS = ("results", "rate_limits", "workers", "abort")
+#: events), each a step named after its module's last name. A module that does not exist,
+#: or whose table does not exist yet, is skipped; an error raised while importing one that
+#: exists (a missing dependency, a broken import) is raised. Imported by name, as the
+#: broker's rooms above this one, which this room may not import, hold them.
+RECLAIMERS = ("backends.results", "backends.rate_limits", "control.workers", "backends.abort")
 
 #: After each batch a run rests as long as the batch took (a 50 % duty cycle), so a large
 #: backlog is worked off steadily without taking the server's I/O away from the workers.
@@ -102,7 +103,7 @@ class RetentionPolicy:
 
 #: The steps of a run, in order. Each runs on its own and reports ``ok``, ``skipped`` or
 #: ``failed`` (with its error): one failing never stops the others.
-STEPS = ("create", "drop", "default", *RECLAIMERS)
+STEPS = ("create", "drop", "default", *(module.rpartition(".")[2] for module in RECLAIMERS))
 
 
 @dataclasses.dataclass
@@ -145,9 +146,9 @@ class PruneReport:
 
 
 def _reclaimer(name: str) -> Callable[..., int] | None:
-    """The ``prune_expired`` of module ``name`` of this package; None when the module does
-    not exist. An error raised while importing one that exists (a missing dependency, a
-    broken import) is raised: the step fails with it."""
+    """The ``prune_expired`` of module ``name`` of this package (``backends.results``);
+    None when the module does not exist. An error raised while importing one that exists
+    (a missing dependency, a broken import) is raised: the step fails with it."""
     qualified = f"dramatiq_pg_broker.{name}"
     try:
         module = importlib.import_module(qualified)
@@ -277,16 +278,17 @@ class _Run(PartitionSteps):
         self.step("create", self.create)
         self.step("drop", self.drop)
         self.step("default", self.default)
-        for name in RECLAIMERS:
-            self.step(name, functools.partial(self.reclaim, name))
+        for module in RECLAIMERS:
+            self.step(module.rpartition(".")[2], functools.partial(self.reclaim, module))
         return self.report
 
     # -- reclaimers ------------------------------------------------------------------------
 
-    def reclaim(self, name: str) -> StepResult:
+    def reclaim(self, module: str) -> StepResult:
         if self.dry_run:
             return StepResult("skipped", "dry run: nothing reclaimed")
-        fn = _reclaimer(name)
+        fn = _reclaimer(module)
+        name = module.rpartition(".")[2]
         if fn is None:
             return StepResult("skipped", "module not installed")
         total = 0

@@ -8,6 +8,8 @@ the ``pgserver`` package; without them the tests that need a cluster are skipped
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import glob
 import os
 import pwd
@@ -49,7 +51,9 @@ def server_binaries(*tools: str) -> Path | None:
 
 
 #: Where the test processes of a machine reserve the ports of their clusters: one lock
-#: file per port, locked (``flock``) by the process whose cluster has that port.
+#: file per port, locked (``flock``) by the process whose cluster has that port, and
+#: removed by it when it gives the port back; the folder goes with its last file, so a
+#: green run leaves nothing here.
 RESERVATIONS = Path(tempfile.gettempdir()) / "dramatiq-pg-test-ports"
 
 #: This process's reservations: port -> its locked file.
@@ -66,22 +70,49 @@ def _reserve(port: int) -> bool:
         return False
     import fcntl
 
-    RESERVATIONS.mkdir(exist_ok=True)
-    handle = open(RESERVATIONS / f"{port}.lock", "a")  # noqa: SIM115 - held until release
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    path = RESERVATIONS / f"{port}.lock"
+    for _ in range(5):
+        RESERVATIONS.mkdir(exist_ok=True)
+        try:
+            handle = open(path, "a")  # noqa: SIM115 - held until release
+        except FileNotFoundError:  # the folder went with another process's last file
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            return False
+        # The holder before removes the file while it holds its lock (release): a lock
+        # taken since on the file it removed is on no file another process can open.
+        try:
+            current = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            _reserved[port] = handle
+            return True
         handle.close()
-        return False
-    _reserved[port] = handle
-    return True
+    return False
 
 
 def release(port: int) -> None:
-    """Give back a port taken by :func:`free_ports` (a lock ends with its process too)."""
+    """Give back a port taken by :func:`free_ports`: its lock file is removed, and the
+    folder with its last one (a process that ends without this releases its locks, but
+    leaves their files for the next process that takes those ports)."""
     handle = _reserved.pop(port, None)
-    if handle is not None:
-        handle.close()
+    if handle is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        (RESERVATIONS / f"{port}.lock").unlink()  # while the lock is held: see _reserve
+    handle.close()
+    with contextlib.suppress(OSError):  # another process's file in it: not the last
+        RESERVATIONS.rmdir()
+
+
+@atexit.register
+def _release_all() -> None:
+    for port in list(_reserved):
+        release(port)
 
 
 def free_ports(count: int, ports: Iterable[int] = PORTS) -> list[int] | None:

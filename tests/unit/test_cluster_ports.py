@@ -37,3 +37,23 @@ def test_a_port_held_by_one_process_is_not_free_for_another_until_released():
     finally:
         clusters.release(port)
     assert _free_in_another_process(port) == f"[{port}]"
+
+
+def test_a_released_port_leaves_no_file_and_the_last_one_no_folder(monkeypatch, tmp_path):
+    """A green run leaves nothing in the temporary folder: each port's lock file goes when
+    its port is given back, the folder with the last of them."""
+    folder = tmp_path / "ports"
+    monkeypatch.setattr(clusters, "RESERVATIONS", folder)
+    ports = clusters.free_ports(2)
+    assert ports is not None
+    try:
+        assert sorted(p.name for p in folder.iterdir()) == sorted(f"{p}.lock" for p in ports)
+        clusters.release(ports[0])
+        assert [p.name for p in folder.iterdir()] == [f"{ports[1]}.lock"]
+        # A file left by a process that ended without giving its port back is taken over.
+        (folder / f"{ports[0]}.lock").touch()
+        assert clusters.free_ports(1, [ports[0]]) == [ports[0]]
+        clusters.release(ports[0])
+    finally:
+        clusters.release(ports[1])
+    assert not folder.exists()

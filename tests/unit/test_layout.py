@@ -229,3 +229,16 @@ def test_only_0_1_0s_module_paths_are_kept_and_nothing_of_ours_imports_them():
                 continue
             offenders += [(str(path.relative_to(admin)), t) for t in sorted(targets & old)]
     assert offenders == [], offenders
+
+
+def test_the_modules_the_package_imports_by_name_exist():
+    """The retention run imports its reclaimers by name (a room below may not import
+    them): each is a module of the package under its one name, never an old path."""
+    import importlib.util
+
+    from dramatiq_pg_broker.history.retention import RECLAIMERS, STEPS
+
+    for name in RECLAIMERS:
+        assert importlib.util.find_spec(f"{NAME}.{name}") is not None, name
+        assert name.split(".")[0] in ROOMS, name
+    assert STEPS[-len(RECLAIMERS) :] == ("results", "rate_limits", "workers", "abort")

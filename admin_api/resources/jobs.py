@@ -415,10 +415,23 @@ class JobStats:
         resp.media = self.queries.stats()
 
 
+def action(summary: str, answers: dict, description: str = ""):
+    """The declaration of an operator's action on one job or queue: a POST for operators
+    and admins whose body is optional (:class:`ActionRequest`)."""
+    return operation(
+        roles=OPERATORS,
+        summary=summary,
+        description=description,
+        body=ActionRequest,
+        body_required=False,
+        responses=answers,
+    )
+
+
 class JobTransition:
     """An operator's transition of one job, through the broker's state machine (its
-    :class:`JobStore` method :attr:`change`); 409 for a job in another status. The
-    transition and its read-back share one transaction: see :meth:`transition`."""
+    :class:`JobStore` method :attr:`change`); 409 for a job in another status. Each
+    subclass declares its ``on_post``: :meth:`act` with its :func:`action`."""
 
     #: The :class:`JobStore` method: ``retry_failed``, ``cancel`` or ``abort``.
     change: str
@@ -427,7 +440,7 @@ class JobTransition:
         self.queries = queries
         self.store = store
 
-    def transition(self, req: falcon.Request, resp: falcon.Response, job_id: str) -> None:
+    def act(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
         # read, so the response shows what the operator did, not what happened next.
@@ -444,20 +457,14 @@ class RetryJob(JobTransition):
 
     route = "/api/jobs/{job_id}/retry"
     change = "retry_failed"
-
-    @operation(
-        roles=OPERATORS,
-        summary="Move a failed job back to the queue; attempts start from zero.",
-        body=ActionRequest,
-        body_required=False,
-        responses={
+    on_post = action(
+        "Move a failed job back to the queue; attempts start from zero.",
+        {
             200: (responses.Job, "The job, queued again."),
             404: NO_JOB,
             409: "The job is not failed.",
         },
-    )
-    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
-        self.transition(req, resp, job_id)
+    )(JobTransition.act)
 
 
 class CancelJob(JobTransition):
@@ -465,20 +472,10 @@ class CancelJob(JobTransition):
 
     route = "/api/jobs/{job_id}/cancel"
     change = "cancel"
-
-    @operation(
-        roles=OPERATORS,
-        summary="Cancel a queued job.",
-        body=ActionRequest,
-        body_required=False,
-        responses={
-            200: (responses.Job, "The job, cancelled."),
-            404: NO_JOB,
-            409: "The job is not queued.",
-        },
-    )
-    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
-        self.transition(req, resp, job_id)
+    on_post = action(
+        "Cancel a queued job.",
+        {200: (responses.Job, "The job, cancelled."), 404: NO_JOB, 409: "The job is not queued."},
+    )(JobTransition.act)
 
 
 class AbortJob(JobTransition):
@@ -487,21 +484,15 @@ class AbortJob(JobTransition):
 
     route = "/api/jobs/{job_id}/abort"
     change = "abort"
-
-    @operation(
-        roles=OPERATORS,
-        summary="Abort a job: a waiting one is cancelled at once; a running one is stopped by "
-        "its worker and ends cancelled, never retried.",
-        description="For a running job the answer comes before the worker stops it: the job "
-        "is still running, with abort_requested_at and abort_requested_by set; it ends "
-        "cancelled within about a second, with an aborted event naming who asked.",
-        body=ActionRequest,
-        body_required=False,
-        responses={
+    on_post = action(
+        "Abort a job: a waiting one is cancelled at once; a running one is stopped by its "
+        "worker and ends cancelled, never retried.",
+        {
             200: (responses.Job, "The job, cancelled or with the abort requested."),
             404: NO_JOB,
             409: "The job has finished (succeeded, failed or cancelled).",
         },
-    )
-    def on_post(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
-        self.transition(req, resp, job_id)
+        description="For a running job the answer comes before the worker stops it: the job "
+        "is still running, with abort_requested_at and abort_requested_by set; it ends "
+        "cancelled within about a second, with an aborted event naming who asked.",
+    )(JobTransition.act)

@@ -18,7 +18,7 @@ from .. import responses
 from ..auth import OPERATORS
 from ..operations import operation
 from ..validation import Body
-from .jobs import ActionRequest
+from .jobs import action
 
 #: The 404 of an operation on a queue.
 UNDECLARED = "No worker has declared this queue."
@@ -27,22 +27,23 @@ UNDECLARED = "No worker has declared this queue."
 class QueueAction:
     """Pause or resume one queue a worker declared (404 for another name, 400 for a name
     no queue can have). Pausing a paused queue, or resuming an active one, changes nothing
-    and answers 200 with its state.
+    and answers 200 with its state. Each subclass declares its ``on_post``: :meth:`act`
+    with its :func:`~.jobs.action`.
 
     Parameters:
       store(JobStore): whose pool and schema to use.
     """
 
     #: The function of :mod:`dramatiq_pg_broker.control.queues`: ``pause`` or ``resume``.
-    action: str
+    change: str
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
 
-    def act(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
-        action = getattr(queue_control, self.action)
+    def act(self, req: falcon.Request, resp: falcon.Response, queue_name: str, body) -> None:
+        change = getattr(queue_control, self.change)
         with self.store.pool.connection() as conn:
-            state = action(conn, self.store.schema, queue_name, by=req.context.user.email)
+            state = change(conn, self.store.schema, queue_name, by=req.context.user.email)
         resp.media = state.as_dict()
 
 
@@ -50,37 +51,25 @@ class PauseQueue(QueueAction):
     """``POST /api/queues/{name}/pause``."""
 
     route = "/api/queues/{queue_name}/pause"
-    action = "pause"
-
-    @operation(
-        roles=OPERATORS,
-        summary="Pause a queue: no worker on any host claims its jobs from now on; sends are "
-        "still accepted; the pause survives worker restarts.",
+    change = "pause"
+    on_post = action(
+        "Pause a queue: no worker on any host claims its jobs from now on; sends are still "
+        "accepted; the pause survives worker restarts.",
+        {200: (responses.QueueState, "The queue, paused."), 404: UNDECLARED},
         description="Its workers give back the messages they prefetched and had not started; "
         "running jobs finish. Pausing a paused queue changes nothing.",
-        body=ActionRequest,
-        body_required=False,
-        responses={200: (responses.QueueState, "The queue, paused."), 404: UNDECLARED},
-    )
-    def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str, body) -> None:
-        self.act(req, resp, queue_name)
+    )(QueueAction.act)
 
 
 class ResumeQueue(QueueAction):
     """``POST /api/queues/{name}/resume``."""
 
     route = "/api/queues/{queue_name}/resume"
-    action = "resume"
-
-    @operation(
-        roles=OPERATORS,
-        summary="Resume a paused queue: its workers claim its jobs at once.",
-        body=ActionRequest,
-        body_required=False,
-        responses={200: (responses.QueueState, "The queue, active."), 404: UNDECLARED},
-    )
-    def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str, body) -> None:
-        self.act(req, resp, queue_name)
+    change = "resume"
+    on_post = action(
+        "Resume a paused queue: its workers claim its jobs at once.",
+        {200: (responses.QueueState, "The queue, active."), 404: UNDECLARED},
+    )(QueueAction.act)
 
 
 class LimitRequest(Body):

@@ -40,10 +40,8 @@ def test_every_responder_the_app_serves_declares_its_operation(env):
         resource = env.app._router.find(route.path.replace("{", "").replace("}", ""))[0]
         for method in route.methods:
             if not method.internal:
-                assert hasattr(getattr(resource, method.function_name), "operation"), (
-                    route.path,
-                    method.method,
-                )
+                responder = getattr(resource, f"on_{method.method.lower()}")
+                assert hasattr(responder, "operation"), (route.path, method.method)
 
     class Undeclared:
         route = "/api/undeclared"

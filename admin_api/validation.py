@@ -8,8 +8,8 @@ validates the request with it, and the OpenAPI document (:mod:`admin_api.openapi
 the schema from it, so the document cannot drift from what the API accepts. What is this
 API's own is here: the sentences of its errors (pydantic's are translated, see
 :func:`_explain`), names refused rather than stripped, blank strings, date-times without
-an offset read as UTC, integers in ASCII digits, and what PostgreSQL cannot store
-(:func:`check_json_value`).
+an offset read as UTC, integers in ASCII digits. What PostgreSQL cannot store is refused
+as the body is read (:func:`admin_api.operations.check_json_value`).
 """
 
 from __future__ import annotations

@@ -27,10 +27,14 @@ from .errors import (
     SchemaVersionError,
     TransactionError,
 )
-from .history.periodic import Schedule, periodic
 from .history.retention import RetentionPolicy
 from .jobs.rows import Attempt
 from .jobs.store import JobStore
+
+# Through the old module path, on purpose: the decorator has the module's name, and the
+# first import of the module dramatiq_pg_broker.periodic would set this package's
+# attribute periodic to that module; loaded here first, the decorator below replaces it.
+from .periodic import Schedule, periodic
 from .sending.async_sending import send_async, send_with_options_async
 from .version import __version__  # noqa: F401
 

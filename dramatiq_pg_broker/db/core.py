@@ -12,7 +12,11 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 from dramatiq.errors import ConnectionClosed, ConnectionFailed
-from dramatiq.errors import ConnectionError as BrokerConnectionError
+
+try:  # Dramatiq 2.2 renamed ConnectionError (the old name warns, and goes in 3.0)
+    from dramatiq.errors import BrokerConnectionError
+except ImportError:  # pragma: no cover - Dramatiq before 2.2
+    from dramatiq.errors import ConnectionError as BrokerConnectionError
 from psycopg_pool import ConnectionPool, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 from psycopg_pool.pool import AddConnection

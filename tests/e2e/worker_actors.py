@@ -54,7 +54,7 @@ def record_patiently(phase: str, timeout: float = 120.0) -> None:
     while True:
         try:
             return record(phase)
-        except dramatiq.errors.ConnectionError:
+        except dramatiq.errors.BrokerError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)

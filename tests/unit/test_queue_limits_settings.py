@@ -8,11 +8,11 @@ import contextlib
 import time
 
 import pytest
-from dramatiq.errors import ConnectionError as BrokerConnectionError
 
 from dramatiq_pg_broker import Settings
 from dramatiq_pg_broker.control import limits as limits_module
 from dramatiq_pg_broker.control.limits import HUNGER_SECONDS, QueueLimits
+from dramatiq_pg_broker.db.core import BrokerConnectionError
 from dramatiq_pg_broker.errors import ConfigurationError
 
 

@@ -236,6 +236,10 @@ class Presence(Middleware):
             # (Never booted, or booted in the parent of this forked process.)
             return
         self._gone = True
+        if not self.schema_gate.is_open:
+            # Stopped while it waited for the schema (a migration pending): it never wrote
+            # its row, and the database would refuse this process anyway.
+            return
         try:
             with self.pool.connection() as conn:
                 conn.execute(_queries(self.settings.schema)["remove_worker"], {"id": self._id})

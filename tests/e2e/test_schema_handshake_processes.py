@@ -111,11 +111,17 @@ def test_a_worker_started_before_the_migration_waits_says_so_once_and_proceeds(
     assert "Traceback" not in "\n".join(lines)
 
 
-def test_a_waiting_worker_stops_at_once_on_sigterm(pg_url, behind, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_waiting_worker_stops_at_once_and_cleanly(pg_url, behind, tmp_path, signum):
+    """Stopped before the schema fits, the worker never registered: its shutdown writes
+    nothing (nor fails writing), and says only that it stopped."""
     with waiting_worker(pg_url, behind, tmp_path) as worker:
-        worker.signal(signal.SIGTERM)
+        worker.signal(signum)
         assert worker.wait(10) == 0, worker.log_tail()
-    assert any("Stopped while waiting for the schema" in line for line in log_lines(worker))
+    lines = log_lines(worker)
+    assert any("Stopped while waiting for the schema" in line for line in lines), lines
+    assert not [line for line in lines if "[ERROR]" in line or "[CRITICAL]" in line], lines
+    assert "Traceback" not in "\n".join(lines), "\n".join(lines)
 
 
 def test_a_worker_the_schema_no_longer_admits_stops_with_one_line(pg_url, empty_schema, tmp_path):

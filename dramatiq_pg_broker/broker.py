@@ -73,8 +73,10 @@ class PostgresBroker(dramatiq.Broker):
         place of Dramatiq's (it reschedules the same row), and Dramatiq's
         ``CurrentMessage`` added last, so that ``CurrentMessage.get_current_message()``
         works in actors without setting anything up (Dramatiq's own default list lacks
-        it, and Dramatiq users reach for it first). A middleware list you pass is kept as
-        it is.
+        it, and Dramatiq users reach for it first). An application that adds one of these
+        kinds itself (``CurrentMessage``, as Dramatiq 2's docs say; ``Retries`` or
+        ``TimeLimit`` with its own settings) replaces the default one: see
+        :meth:`add_middleware`. A middleware list you pass is kept as it is.
       schedules(list[Schedule]): periodic schedules the workers run (see
         :mod:`dramatiq_pg_broker.periodic`; ``@periodic`` above an actor adds to it).
       queue_limits(dict[str, int]): at most this many jobs of each named queue run at a
@@ -126,16 +128,20 @@ class PostgresBroker(dramatiq.Broker):
         if settings.log_level:
             logging.getLogger("dramatiq_pg_broker").setLevel(settings.log_level.upper())
 
-        if middleware is None:
+        #: The middleware the broker installed by default, each with the kind an
+        #: application's instance of which replaces it (see :meth:`add_middleware`).
+        self._defaults: dict[type[Middleware], Middleware] = {}
+        defaults = middleware is None
+        if defaults:
             middleware = [
                 Retries() if m is DramatiqRetries else m()
                 for m in dramatiq.middleware.default_middleware
             ]
             middleware.append(CurrentMessage())
         super().__init__(middleware=middleware)
-        for m in self.middleware:
-            if isinstance(m, Retries):
-                m.configure(settings)
+        if defaults:
+            kinds = [*dramatiq.middleware.default_middleware, CurrentMessage]
+            self._defaults = dict(zip(kinds, self.middleware, strict=True))
         self.queues: dict[str, None] = {}
         self.schedules: list[Schedule] = []
 
@@ -240,6 +246,38 @@ class PostgresBroker(dramatiq.Broker):
         self.add_middleware(AbortGuard(self.ledger))
         for schedule in schedules or ():
             self.add_schedule(schedule)
+
+    def add_middleware(
+        self,
+        middleware: Middleware,
+        *,
+        before: type[Middleware] | None = None,
+        after: type[Middleware] | None = None,
+    ) -> None:
+        """Dramatiq's ``add_middleware``, except that an instance of a kind the broker
+        installed by default (Dramatiq's defaults, with this package's ``Retries``, and
+        ``CurrentMessage``) replaces that default, silently, at its place unless
+        ``before`` or ``after`` says otherwise: one ``CurrentMessage`` (the one Dramatiq 2's
+        docs tell applications to add), and the application's settings for ``Retries``,
+        ``TimeLimit``, ``AgeLimit`` and the others, not two instances of which the stricter
+        wins, or which retry a failure or send a callback or a pipeline's next message
+        twice. Dramatiq warns of a second instance of any other middleware, as always (two
+        of a list passed to the constructor included: that list is kept as it is).
+        ``Retries`` of this package take the broker's settings for what they were not
+        given, wherever they come from."""
+        replaced = next((kind for kind in self._defaults if isinstance(middleware, kind)), None)
+        place = None
+        if replaced is not None:
+            default = self._defaults.pop(replaced)
+            place = self.middleware.index(default)
+            self.middleware.remove(default)
+            logger.debug("%r replaces the broker's default %r.", middleware, default)
+        super().add_middleware(middleware, before=before, after=after)
+        if place is not None and before is None and after is None:
+            self.middleware.remove(middleware)
+            self.middleware.insert(place, middleware)
+        if isinstance(middleware, Retries):
+            middleware.configure(self.settings)
 
     def add_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` in the workers (what ``@periodic`` above an actor does).

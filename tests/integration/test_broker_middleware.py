@@ -1,14 +1,27 @@
 """The broker's middleware list: Dramatiq's order (AgeLimit first, so middleware can be
-placed around it as with any Dramatiq broker), CurrentMessage among the defaults, and a
-failed attempt never recorded as a success, with or without a Retries middleware."""
+placed around it as with any Dramatiq broker), CurrentMessage among the defaults, an
+application's instance of a default kind replacing the default (one CurrentMessage, no
+warning; one Retries, one Callbacks), and a failed attempt never recorded as a success,
+with or without a Retries middleware."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 
 import dramatiq
-from dramatiq.middleware import AgeLimit, CurrentMessage, Middleware, TimeLimit
+import pytest
+from dramatiq.middleware import (
+    AgeLimit,
+    Callbacks,
+    CurrentMessage,
+    Middleware,
+    Pipelines,
+    ShutdownNotifications,
+    TimeLimit,
+)
+from dramatiq.middleware import Retries as StockRetries
 
 from dramatiq_pg_broker import Retries as PgRetries
 from dramatiq_pg_broker.current import JobContext
@@ -116,3 +129,131 @@ def test_an_actor_that_raised_is_failed_without_a_retries_middleware(h, queue):
     row = broker.store.get(sent.message_id)
     assert (row["status"], row["last_error"]) == ("failed", "ValueError: no retries here")
     assert (row["attempts"], row["failures"]) == (1, 1)
+
+
+# -- an application's middleware of a kind the broker installed by default ------------------
+
+TWICE = "You're adding a middleware of the same type twice"
+
+
+def twice_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if TWICE in r.getMessage()]
+
+
+def test_an_app_that_adds_current_message_keeps_one_and_no_warning(h, queue, caplog):
+    caplog.set_level(logging.WARNING)
+    broker = h.broker()
+    before = [type(m) for m in broker.middleware]
+    mine = CurrentMessage()
+    broker.add_middleware(mine)  # what Dramatiq 2's docs tell applications to do
+    assert twice_warnings(caplog) == []
+    kinds = [type(m) for m in broker.middleware]
+    assert kinds == before, "the app's CurrentMessage took the default's place"
+    assert [m for m in broker.middleware if isinstance(m, CurrentMessage)] == [mine]
+
+    seen: list = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def which():
+        seen.append(CurrentMessage.get_current_message().message_id)
+
+    sent = which.send()
+    h.start(broker, threads=1)
+    broker.join(queue, timeout=20_000)
+    assert seen == [sent.message_id]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: AgeLimit(max_age=60_000),
+        lambda: TimeLimit(time_limit=120_000),
+        ShutdownNotifications,
+        Callbacks,
+        Pipelines,
+        lambda: StockRetries(max_retries=1),
+        lambda: PgRetries(max_retries=1),
+    ],
+    ids=[
+        "AgeLimit",
+        "TimeLimit",
+        "ShutdownNotifications",
+        "Callbacks",
+        "Pipelines",
+        "Retries",
+        "PgRetries",
+    ],
+)
+def test_an_app_instance_of_a_default_kind_replaces_the_default_in_place(h, caplog, make):
+    caplog.set_level(logging.WARNING)
+    broker = h.broker()
+    mine = make()
+    kind = next(k for k in dramatiq.middleware.default_middleware if isinstance(mine, k))
+    place = next(i for i, m in enumerate(broker.middleware) if isinstance(m, kind))
+    broker.add_middleware(mine)
+    assert twice_warnings(caplog) == []
+    assert [m for m in broker.middleware if isinstance(m, kind)] == [mine]
+    assert broker.middleware[place] is mine, [type(m).__name__ for m in broker.middleware]
+
+
+def test_an_app_retries_retries_each_failure_once_with_its_settings(h, queue, caplog):
+    caplog.set_level(logging.WARNING)
+    broker = h.broker()
+    broker.add_middleware(StockRetries(max_retries=2, min_backoff=10, max_backoff=20))
+    assert twice_warnings(caplog) == []
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def hopeless():
+        h.record("hopeless")
+        raise RuntimeError("never")
+
+    sent = hopeless.send()
+    h.start(broker, threads=2)
+    broker.join(queue, timeout=30_000)
+    row = broker.store.get(sent.message_id)
+    assert (row["status"], row["attempts"], row["failures"]) == ("failed", 3, 3), row
+    assert h.ran("hopeless") == 3
+
+
+def test_an_app_callbacks_sends_each_callback_once(h, queue):
+    broker = h.broker()
+    broker.add_middleware(Callbacks())
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def done(message_data, result):
+        h.record("callback", message_data["message_id"])
+
+    @dramatiq.actor(broker=broker, queue_name=queue)
+    def work():
+        return 1
+
+    sent = work.send_with_options(on_success=done)
+    h.start(broker, threads=2)
+    wait_for(lambda: h.ran("callback", sent.message_id), 20, "the on_success callback")
+    broker.join(queue, timeout=20_000)
+    assert h.ran("callback", sent.message_id) == 1, h.runs
+
+
+def test_a_position_given_with_the_replacement_is_honoured(h):
+    broker = h.broker()
+    mine = CurrentMessage()
+    broker.add_middleware(mine, before=AgeLimit)
+    assert broker.middleware[0] is mine
+    assert sum(isinstance(m, CurrentMessage) for m in broker.middleware) == 1
+
+
+def test_a_second_instance_the_app_itself_added_still_warns(h, caplog):
+    """Only the broker's defaults are replaced: two instances the application added (a
+    list it passed, then add_middleware, or add_middleware twice) are Dramatiq's business."""
+    caplog.set_level(logging.WARNING)
+    broker = h.broker(middleware=[AgeLimit(), CurrentMessage()])
+    broker.add_middleware(CurrentMessage())
+    assert sum(isinstance(m, CurrentMessage) for m in broker.middleware) == 2
+    broker.add_middleware(Marker())
+    broker.add_middleware(Marker())
+    assert len(twice_warnings(caplog)) == 2, twice_warnings(caplog)
+    # And a replacement happens once: the app's own second one is a duplicate.
+    defaults = h.broker()
+    defaults.add_middleware(CurrentMessage())
+    defaults.add_middleware(CurrentMessage())
+    assert sum(isinstance(m, CurrentMessage) for m in defaults.middleware) == 2

@@ -1,10 +1,13 @@
 """PostgresConsumer: claims batches of job rows and hands them to Dramatiq.
 
 Claiming: a consumer holds at most its window of messages (Dramatiq's prefetch, grown
-while jobs are short, see :class:`ClaimWindow`) and claims in batches of at most half the
-window, as soon as its outstanding messages fall to half the window. So a busy worker
-pays one round trip per batch, not per message, and the next batch is claimed while the
-workers still run the last one: right after a batch is handed over, not once it is done.
+while jobs are short, see :class:`ClaimWindow`), fills it in batches of at most half the
+window, and claims again as soon as its outstanding messages fall to half the window. So a
+busy worker pays one round trip per batch, not per message, and the next batch is claimed
+while the workers still run the last one: right after a batch is handed over, not once it
+is done. Messages sent one at a time while the worker threads are busy are claimed as they
+come, up to the whole window, as Dramatiq's other brokers prefetch: Dramatiq then hands
+what the worker holds to its threads in priority order.
 A slot stays taken until the attempt's outcome is written, within the write-behind
 allowance (see :mod:`.inflight`).
 
@@ -137,6 +140,8 @@ class PostgresConsumer(Consumer):
         self._paused = False
         #: Whether the last claim brought fewer jobs than it asked for (the queue ran dry).
         self._short = False
+        #: Whether the window is being filled (see :meth:`_may_claim`).
+        self._filling = True
         #: Whether the last call handed over the last message of a short claim.
         self._handed_last = False
         #: Whether the queue was limited at the last claim (see :mod:`.limits`).
@@ -205,23 +210,37 @@ class PostgresConsumer(Consumer):
             # call, which costs a busy process a GIL hand-over).
             self._drain_notifications()
             self._last_drain = now
-        # Claim again once outstanding messages fall to half the window: batches, not
-        # trickles, and (a batch being at most half the window) the next batch is on its
-        # way while the workers run the last one.
-        if self.slots.held <= self.window // 2 and self._claim_due():
+        if self._may_claim() and self._claim_due():
             if self._claim():
                 return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        # (The window may have shrunk in _claim: compare with its half now.)
-        if self.slots.held > self.window // 2:
+        # (The window may have shrunk in _claim: look again now.)
+        if not self._may_claim():
             # Enough work in hand: wait for an outcome to free a slot, reading the
             # notifications (an abort) now and then meanwhile.
             self.slots.wait(min(remaining, NOTICE_INTERVAL))
         else:
             self._wait_for_work(remaining)
         return False
+
+    def _may_claim(self) -> bool:
+        """Whether this consumer has room to claim: it fills its window, in claims of at
+        most half of it, then claims again once its outstanding messages fall to half the
+        window. So a busy worker pays one round trip per batch, not per message, and the
+        next batch is on its way while the workers run the last one. Filled to the whole
+        window, as Dramatiq's other brokers fill their prefetch, whether the messages come
+        in a batch or one at a time (sent while the worker threads are busy, each claimed
+        as its send announces it): those a worker holds are handed to its threads in
+        priority order by Dramatiq, and none waits in the table behind lower-priority ones
+        the worker already holds."""
+        held, window = self.slots.held, self.window
+        if held <= window // 2:
+            self._filling = True
+        elif held >= window:
+            self._filling = False
+        return self._filling and held < window
 
     def _lost_connection(self, error: Exception) -> None:
         # The process's outage lines (see outage.py) tell the story once for every

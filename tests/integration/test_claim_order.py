@@ -1,14 +1,22 @@
-"""One claim returns its batch in claim order: priority, then availability, then age."""
+"""One claim returns its batch in claim order: priority, then availability, then age; and a
+worker whose threads are busy while messages of two priorities are sent one at a time
+prefetches them all and runs the higher priority first (Dramatiq's
+``test_actors_can_prioritize_work``)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import random
+import threading
 import uuid
+
+import dramatiq
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import JobStore, NewJob
+
+from ..helpers import wait_for
 
 
 def test_a_batch_comes_back_in_claim_order(pg_url, schema):
@@ -68,3 +76,33 @@ def test_next_available_at_is_the_earliest_across_priorities(pg_url, schema):
     # By the server's clock (the same machine's here, so within a few seconds of 50).
     assert 40 < seconds <= 50, seconds
     store.pool.close()
+
+
+def test_a_busy_worker_runs_what_it_prefetched_in_priority_order(h):
+    broker = h.broker()
+    busy, release = threading.Event(), threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, priority=0)
+    def blocker():
+        busy.set()
+        release.wait(30)
+
+    hi = h.recorder(broker, "hi", priority=0)
+    lo = h.recorder(broker, "lo", priority=10)
+    h.start(broker, threads=1, prefetch=21)
+    blocker.send()
+    assert busy.wait(30), "the blocker did not start"
+    for _ in range(10):
+        lo.send()
+        hi.send()
+    # Each send is claimed as it comes, up to the prefetch (the blocker's and 20 more): all
+    # twenty wait in the worker.
+    wait_for(
+        lambda: len(broker.ledger) == 21,
+        20,
+        "the worker to prefetch all 20 messages",
+        on_timeout=lambda: f"it holds {len(broker.ledger)} of 21",
+    )
+    release.set()
+    broker.join(h.queue, timeout=30_000)
+    assert h.runs == [("hi",)] * 10 + [("lo",)] * 10, h.runs

@@ -97,6 +97,33 @@ def test_a_consumer_claims_half_its_window_at_once_and_holds_no_more_than_it(
     assert (statuses.count("succeeded"), statuses.count("running")) == (2, 4)
 
 
+def test_messages_sent_one_at_a_time_fill_the_whole_window(memory_store, actor, consume):
+    """Sent while the worker threads are busy, each message is claimed as it comes, up to
+    the prefetch (as Dramatiq's other brokers prefetch), not only up to half of it."""
+    consumer = consume(prefetch=4)
+    assert next(consumer) is None
+    held = []
+    for n in range(4):
+        actor.send(n)
+        held += take(consumer, 1)
+    assert [took for _, took in memory_store.claims if took] == [1, 1, 1, 1]
+    actor.send(4)
+    assert next(consumer) is None, "a fifth message while the window is full"
+
+
+def test_a_full_batch_that_leaves_room_is_followed_by_another(memory_store, actor, consume):
+    consumer = consume(prefetch=8)
+    actor.send(0)
+    take(consumer, 1)
+    for n in range(1, 11):
+        actor.send(n)
+    take(consumer, 7)
+    assert [took for _, took in memory_store.claims if took] == [1, 4, 3], (
+        "a batch of half the window, then the rest of the window"
+    )
+    assert next(consumer) is None
+
+
 def test_a_consumer_claims_in_priority_then_send_order(memory_broker, actor, consume):
     sent = [actor.send_with_options(args=(n,), priority=p) for n, p in enumerate([5, 0, 5, 0])]
     consumer = consume(prefetch=8)

@@ -219,7 +219,7 @@ class PostgresBroker(dramatiq.Broker):
             decode_message=self.decode_message,
         )
         #: Who skipped a message and why: run before every middleware's after_skip_message
-        #: (see emit_after), so a skip ends cancelled and no result is stored as None.
+        #: (see emit_after), so a skip ends cancelled before a result is stored as None.
         self.skips = SkipRecorder(self.ledger)
 
         # The broker's own middleware, in this order.
@@ -291,9 +291,9 @@ class PostgresBroker(dramatiq.Broker):
 
     def emit_after(self, signal: str, *args: Any, **kwargs: Any) -> None:
         """Dramatiq's ``emit_after``; a skipped message first goes through
-        :class:`~dramatiq_pg_broker.skips.SkipRecorder`, whatever the middleware order: the
-        Results middleware (usually added last, so its after-hooks run first) must not
-        store None for it, and its ack is written as ``cancelled``."""
+        :class:`~dramatiq_pg_broker.skips.SkipRecorder`, whatever the middleware order: a
+        skip that did not fail is written ``cancelled`` before the Results middleware
+        (usually added last, so its after-hooks run first) stores None for it."""
         if signal == "skip_message":
             try:
                 self.skips.after_skip_message(self, *args, **kwargs)

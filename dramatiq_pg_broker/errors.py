@@ -170,12 +170,6 @@ class JobInterrupted(PgBrokerError):
     lease each time), so it failed without its actor raising."""
 
 
-class MessageSkipped(PgBrokerError):
-    """A middleware skipped the message before its actor ran (dramatiq-abort's cancel, say):
-    the job ended ``cancelled`` and has no result. What a results backend holds for it, so
-    that ``get_result`` raises instead of returning None."""
-
-
 class JobAborted(Interrupt):
     """An operator aborted the job this actor was running: the job ends cancelled, is never
     retried nor run again. Raised in the actor's thread by the worker, or by

@@ -15,7 +15,6 @@ import psycopg
 import pytest
 from dramatiq.encoder import PickleEncoder
 from dramatiq.message import Message
-from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.results import ResultFailure, ResultMissing, Results, ResultTimeout
 from psycopg import sql
 
@@ -153,32 +152,6 @@ def test_a_message_skipped_by_the_age_limit_stores_a_skip_failure(h, backend):
     with pytest.raises(ResultFailure) as e:
         backend.get_result(message, block=True, timeout=30_000)
     assert e.value.orig_exc_type == "SkipMessage"
-
-
-def test_a_skipped_message_that_did_not_fail_stores_message_skipped(pg_url, schema, backend):
-    """Dramatiq's Results stores None for it; on this broker nothing ran, the job ends
-    cancelled, and get_result raises (see test_skipped_messages.py)."""
-    harness = BrokerHarness("postgres", pg_url, schema)
-    try:
-
-        class Skip(Middleware):
-            def before_process_message(self, broker, message):
-                raise SkipMessage("custom skip")
-
-        harness.broker.add_middleware(Results(backend=backend))
-        harness.broker.add_middleware(Skip())
-
-        @dramatiq.actor(store_results=True, queue_name=harness.queue)
-        def do_work():
-            return 42
-
-        harness.start()
-        message = do_work.send()
-        with pytest.raises(ResultFailure) as e:
-            backend.get_result(message, block=True, timeout=30_000)
-        assert e.value.orig_exc_type == "MessageSkipped"
-    finally:
-        harness.close()
 
 
 # -- the backend on its own --------------------------------------------------------------------

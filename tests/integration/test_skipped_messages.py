@@ -2,16 +2,18 @@
 ``succeeded``, with a ``cancelled`` event saying who skipped it and why: dramatiq-abort's
 cancel of a queued or delayed job, any middleware's ``SkipMessage``. A skip that failed the
 message (the age limit, a middleware calling ``message.fail()``) stays a failure, naming
-the middleware. A results backend holds ``MessageSkipped``, not None."""
+the middleware. A results backend holds what Dramatiq stores on every broker, None, and
+the job already reads ``cancelled`` when that None can be read."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import dramatiq
 import pytest
 from dramatiq.middleware import Middleware, SkipMessage
-from dramatiq.results import ResultFailure, Results
+from dramatiq.results import Results
 from dramatiq_abort import Abortable, abort
 from dramatiq_abort.middleware import AbortMode
 
@@ -147,12 +149,24 @@ def test_a_failed_skip_stays_a_failure(h):
     assert not of_type(broker, message, "cancelled")
 
 
-def test_the_results_backend_holds_message_skipped_not_none(h, pg_url, schema):
+def test_a_skip_stores_none_as_dramatiq_and_the_job_reads_cancelled_by_then(h, pg_url, schema):
+    """Dramatiq's Results stores None for a skip that did not fail; None is also what an
+    actor that returns nothing leaves, so the job tells them apart, and already does when
+    the None can be read: no reader sees it ``running`` (or ``succeeded``) then."""
     broker = h.broker()
     backend = PostgresBackend(url=pg_url, schema=schema)
     try:
         broker.add_middleware(Results(backend=backend))
         broker.add_middleware(NotToday())
+        # The skip's outcome would otherwise wait for the writer's next batch: hold the
+        # writer's statement back a while, as a busy database would.
+        write = broker.store.cancel_skipped
+
+        def slow_write(*args, **kwargs):
+            time.sleep(0.3)
+            return write(*args, **kwargs)
+
+        broker.store.cancel_skipped = slow_write
 
         @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name="skipped", store_results=True)
         def skipped():
@@ -160,10 +174,41 @@ def test_the_results_backend_holds_message_skipped_not_none(h, pg_url, schema):
 
         message = skipped.send()
         h.start(broker)
-        with pytest.raises(ResultFailure) as e:
-            backend.get_result(message, block=True, timeout=30_000)
-        assert e.value.orig_exc_type == "MessageSkipped"
-        assert e.value.orig_exc_msg == f"skipped by {__name__}.NotToday: not today"
+        assert backend.get_result(message, block=True, timeout=30_000) is None
+        job = broker.store.get(message.message_id)
+        assert job["status"] == "cancelled", job
+        [event] = of_type(broker, message, "cancelled")
+        assert event["data"]["skipped_by"] == f"{__name__}.NotToday"
         assert finished(broker, h, message)["status"] == "cancelled"
+    finally:
+        backend.close()
+
+
+def test_a_dramatiq_abort_cancel_stores_none_and_ends_cancelled(h, pg_url, schema):
+    broker = abortable_broker(h)
+    backend = PostgresBackend(url=pg_url, schema=schema)
+    try:
+        broker.add_middleware(Results(backend=backend))
+        busy, release = threading.Event(), threading.Event()
+
+        @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0)
+        def blocker():
+            busy.set()
+            release.wait(30)
+
+        @dramatiq.actor(broker=broker, queue_name=h.queue, max_retries=0, store_results=True)
+        def work():
+            h.record("ran")
+            return 42
+
+        h.start(broker, threads=1)
+        blocker.send()
+        assert busy.wait(30), "the blocker did not start"
+        message = work.send()
+        abort(message.message_id, mode=AbortMode.CANCEL)
+        release.set()
+        assert backend.get_result(message, block=True, timeout=30_000) is None
+        assert broker.store.get(message.message_id)["status"] == "cancelled"
+        assert h.ran("ran") == 0
     finally:
         backend.close()

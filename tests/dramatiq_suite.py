@@ -30,6 +30,14 @@ and the file watcher; the cases of a test parametrized with a memcached or Redis
 and the three tests in :data:`NOT_RUN`, which put messages into or take them out of the
 ``StubBroker``'s in-memory queues.
 
+Two of the broker suite's tests time what the ``StubBroker`` does in memory, and can fail
+on a loaded machine: ``test_workers_process_messages_in_order`` expects the last of five
+messages, sent a millisecond earlier, to be in the worker already (here it takes a
+notification and a claim's round trip: 1.0 to 1.2 ms at the median, measured on a busy
+2-core machine), and the zero-backoff retry tests expect eleven attempts within 0.2 s of
+the actor's declaration, a fresh broker's first connections included (a retry took 2 to
+5 ms there; the first claim of a fresh broker up to 150 ms when the machine was loaded).
+
 **The backends suite** (``--backends``): every test of Dramatiq's parametrized with a result
 backend or a rate-limiter backend (results, composition, group callbacks, barriers, the
 concurrent, bucket and window limiters) runs once, with this package's

@@ -35,6 +35,27 @@ savepoint) rolls back with the actor's writes.
 The success statement locks the job's row until the application's transaction ends; the
 worker's heartbeat leaves that attempt alone meanwhile, so it never waits for the
 application (:meth:`.Ledger.completing`).
+
+Isolation levels. At READ COMMITTED (and READ UNCOMMITTED, which PostgreSQL runs as READ
+COMMITTED) each statement sees the rows as they are when it runs, and the success
+statement finds the row's latest version whatever the worker wrote before. At REPEATABLE
+READ and SERIALIZABLE the transaction keeps the snapshot of its first statement, and
+PostgreSQL refuses (a serialization failure) to delete a row written after it; the worker
+writes the job's row while the actor runs (its start, its lease renewals). So at these
+levels the block begins by pinning the row (:meth:`.Ledger.pin_completion`): the worker
+writes it once more, stops writing it, and the block's first statement locks it and checks
+that the transaction sees that last version (``lock_for_completion``). It does when the
+block's statement is the transaction's first read (the block began the transaction, or
+the application's transaction has read nothing yet); a transaction that read before the
+block has an older snapshot, and is refused at once with :class:`~.errors.TransactionError`
+naming its level: its success could never be written.
+
+A commit inside the block: psycopg (``conn.commit()`` inside ``conn.transaction()``) and
+Django (inside ``atomic()``) refuse it themselves. SQLAlchemy allows ``commit()`` anywhere,
+so while the block's body runs it listens for that commit (``before_commit`` of a
+``Session``, ``commit`` of a ``Connection``) and writes the job's success just before it:
+the application's commit commits the job's success with its writes, as the block's end
+would have. SQLAlchemy then refuses further statements inside the block's ``begin()``.
 """
 
 from __future__ import annotations
@@ -42,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -81,6 +103,12 @@ class _Level:
     guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = dataclasses.field(
         default=None, kw_only=True
     )
+    #: ``hooks(on_commit)``: while the block's body runs, ``on_commit()`` is called just
+    #: before the application commits the transaction from inside the block (SQLAlchemy).
+    #: None: the framework refuses such a commit itself (psycopg, Django).
+    hooks: Callable[[Callable[[], None]], contextlib.AbstractContextManager[Any]] | None = (
+        dataclasses.field(default=None, kw_only=True)
+    )
 
     def check(self) -> None:
         if self.active is not None and not self.active():
@@ -92,6 +120,9 @@ class _Level:
 
     def guarded(self) -> contextlib.AbstractContextManager[Any]:
         return self.guard() if self.guard is not None else contextlib.nullcontext()
+
+    def hooked(self, on_commit: Callable[[], None]) -> contextlib.AbstractContextManager[Any]:
+        return self.hooks(on_commit) if self.hooks is not None else contextlib.nullcontext()
 
 
 def _needs(name: str) -> Any:
@@ -157,12 +188,84 @@ def _psycopg_level(conn: psycopg.Connection | psycopg.AsyncConnection) -> _Level
     return _Level(conn.transaction(), status == TransactionStatus.IDLE, lambda: conn)
 
 
+def _sqlalchemy_hooks(obj: Any) -> Callable[[Callable[[], None]], Any]:
+    """``hooks(on_commit)`` for a SQLAlchemy session or connection (sync or asyncio): a
+    listener, for the block's body only, that calls ``on_commit()`` before the
+    application's commit reaches the database. A session's commit of a nested transaction
+    (a savepoint released) commits nothing and is let by; a connection's ``commit`` event
+    is its root transaction's only."""
+
+    @contextlib.contextmanager
+    def hooks(on_commit: Callable[[], None]) -> Iterator[None]:
+        event = importlib.import_module("sqlalchemy.event")
+        orm = importlib.import_module("sqlalchemy.orm")
+        # An asyncio session or connection fires the events of the synchronous one it
+        # wraps (started by now: the block's transaction has begun).
+        target = getattr(obj, "sync_session", None) or getattr(obj, "sync_connection", obj)
+        if isinstance(target, orm.Session):
+            name = "before_commit"
+
+            def listener(session: Any) -> None:
+                if not session.in_nested_transaction():
+                    on_commit()
+
+        else:
+            name = "commit"
+
+            def listener(connection: Any) -> None:
+                on_commit()
+
+        event.listen(target, name, listener)
+        try:
+            yield
+        finally:
+            event.remove(target, name, listener)
+
+    return hooks
+
+
 def _sqlalchemy_level(obj: Any, raw: Callable[[], Any]) -> _Level:
     """A SQLAlchemy session's or connection's level: a transaction of its own, or a nested
     one (a savepoint) inside the transaction it is in."""
     began = not obj.in_transaction()
     tx = obj.begin() if began else obj.begin_nested()
-    return _Level(tx, began, raw, active=lambda: tx.is_active)
+    return _Level(tx, began, raw, active=lambda: tx.is_active, hooks=_sqlalchemy_hooks(obj))
+
+
+def _adapted_view(obj: Any) -> Any:
+    """The DBAPI connection under a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``, as
+    the store writes on it from one of SQLAlchemy's synchronous event hooks: SQLAlchemy
+    runs them in its greenlet, where the adapter's cursor awaits each statement on the
+    event loop."""
+    sync_session = getattr(obj, "sync_session", None)
+    sa_conn = sync_session.connection() if sync_session is not None else obj.sync_connection
+    return _AdaptedConnection(sa_conn.connection.dbapi_connection)
+
+
+class _AdaptedConnection:
+    """``execute()`` as the store uses it, on SQLAlchemy's asyncio DBAPI adapter."""
+
+    def __init__(self, dbapi: Any) -> None:
+        self.dbapi = dbapi
+
+    def execute(self, query: Any, params: Any = None) -> Any:
+        cursor = self.dbapi.cursor()
+        cursor.execute(query, params)
+        return cursor
+
+
+#: The levels at which the block pins the job's row first (see the module docstring).
+_SNAPSHOT_LEVELS = ("repeatable read", "serializable")
+
+
+def _isolation(conn: Any, level: _Level, store: Any) -> str:
+    """The isolation level of the block's transaction (``read committed``, ...): the
+    connection's own setting for a transaction the block begins, else the server's word
+    (``SHOW``, which takes no snapshot)."""
+    configured = getattr(conn.raw, "isolation_level", None)
+    if level.began and configured is not None:
+        return configured.name.lower().replace("_", " ")
+    return store.transaction_isolation(conn)
 
 
 def _sync_level(obj: Any) -> _Level:
@@ -212,6 +315,13 @@ class CompletionBlock:
         self._given = conn
         self._sync: contextlib.AbstractContextManager[Any] | None = None
         self._async: contextlib.AbstractAsyncContextManager[Any] | None = None
+        #: The job's row was pinned when the block began (REPEATABLE READ, SERIALIZABLE).
+        self._pinned = False
+        #: The success is written in the transaction (by the block's end, or just before
+        #: the application's commit inside the block).
+        self._written = False
+        #: ... by the application's commit inside the block, which committed it then.
+        self._by_commit = False
 
     def __enter__(self) -> Any:
         self._sync = self._sync_block()
@@ -237,18 +347,21 @@ class CompletionBlock:
         level = _sync_level(self._given)
         with level.ctx:
             raw = level.raw()
-            job.parts.sender.check_database(identity(AppConnection(raw)))
-            yield self._given
+            view = AppConnection(raw)
+            job.parts.sender.check_database(identity(view))
+            self._open(view, level)
+
+            def write() -> str | None:
+                return job.parts.store.complete_in_transaction(job.message.attempt, view)
+
+            with level.hooked(lambda: self._before_commit(write)):
+                yield self._given
             # Reached only when the block's body raised nothing.
-            level.check()
-            with level.guarded():
-                self._complete(
-                    lambda: job.parts.store.complete_in_transaction(
-                        job.message.attempt, AppConnection(raw)
-                    )
-                )
-        if level.began:
-            job.parts.ledger.completion_committed(job.message.attempt)
+            if not self._written:
+                level.check()
+                with level.guarded():
+                    self._complete(write)
+        self._ended(level)
 
     @contextlib.asynccontextmanager
     async def _async_block(self) -> AsyncIterator[Any]:
@@ -258,15 +371,92 @@ class CompletionBlock:
             raw = level.raw() or (await resolve_async_connection(self._given))[0]
             sender = job.parts.sender
             await in_thread(sender.check_database, await async_identity(raw))
-            yield self._given
-            level.check()
             view = LoopConnection(raw, asyncio.get_running_loop())
-            await in_thread(
-                self._complete,
-                lambda: job.parts.store.complete_in_transaction(job.message.attempt, view),
+            await in_thread(self._open, view, level)
+            store = job.parts.store
+
+            def write_in_hook() -> str | None:
+                adapted = _adapted_view(self._given)
+                return store.complete_in_transaction(job.message.attempt, adapted)
+
+            with level.hooked(lambda: self._before_commit(write_in_hook)):
+                yield self._given
+            if not self._written:
+                level.check()
+                await in_thread(
+                    self._complete,
+                    lambda: store.complete_in_transaction(job.message.attempt, view),
+                )
+        await in_thread(self._ended, level)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def _open(self, conn: Any, level: _Level) -> None:
+        """Pin the job's row when the block's transaction keeps one snapshot (REPEATABLE
+        READ, SERIALIZABLE): see the module docstring.
+
+        Raises:
+          LostOwnership: the attempt is no longer this worker's, or its abort was
+            requested.
+          TransactionError: the transaction took its snapshot before the block, so the
+            job's success can never be written in it.
+        """
+        job = self._job
+        isolation = _isolation(conn, level, job.parts.store)
+        if isolation not in _SNAPSHOT_LEVELS:
+            return
+        attempt = job.message.attempt
+        ledger = job.parts.ledger
+        pinned = ledger.pin_completion(attempt)
+        if pinned is None:
+            raise self._lost("its success cannot be written, and the block does not begin")
+        try:
+            fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)
+        except BaseException:
+            ledger.completion_undone(attempt)
+            raise
+        if not owned:
+            ledger.completion_undone(attempt)
+            raise self._lost("its success cannot be written, and the block does not begin")
+        if not fresh:
+            ledger.completion_undone(attempt)
+            raise TransactionError(
+                f"this complete_in() block is inside a {isolation.upper()} transaction that "
+                "read the database before the block began: its snapshot is older than the "
+                "job's row, which the worker writes while the actor runs (its start, its "
+                "lease), and PostgreSQL refuses, at this isolation level, the write of the "
+                "job's success on a row changed since the snapshot. Begin the transaction "
+                "with the block (no transaction open, or one that has read nothing yet, "
+                "when the block starts), or run it at READ COMMITTED"
             )
-        if level.began:
-            job.parts.ledger.completion_committed(job.message.attempt)
+        self._pinned = True
+
+    def _before_commit(self, write: Callable[[], str | None]) -> None:
+        """The application commits the block's transaction from inside the block
+        (SQLAlchemy): the job's success is written first, and commits with it."""
+        if self._written:
+            return
+        self._complete(write)
+        self._by_commit = True
+
+    def _ended(self, level: _Level) -> None:
+        """The block ended without an exception: tell the ledger what it committed."""
+        ledger = self._job.parts.ledger
+        attempt = self._job.message.attempt
+        if self._by_commit:
+            # The application's commit inside the block: it went through (or raised, and
+            # the block did not get here); the transaction's id says which.
+            ledger.resolve_completion(attempt)
+        elif level.began:
+            ledger.completion_committed(attempt)
+
+    def _lost(self, what: str) -> LostOwnership:
+        attempt = self._job.message.attempt
+        return LostOwnership(
+            f"job {attempt.id} attempt {attempt.attempt} is no longer owned by this "
+            "worker (its lease expired and another worker took it, an operator aborted "
+            f"it, or it was completed already): {what}; this transaction must roll back"
+        )
 
     def _complete(self, write: Callable[[], str | None]) -> None:
         """Write the success in the block's transaction (``write``: the statement), with
@@ -279,23 +469,44 @@ class CompletionBlock:
         job = self._job
         attempt = job.message.attempt
         ledger = job.parts.ledger
-        if not ledger.completing(attempt):
-            raise LostOwnership(
-                f"job {attempt.id} attempt {attempt.attempt} is no longer owned by this "
-                "worker (its lease was lost, it was aborted, or it was completed already): "
-                "its success was not written, and this transaction must roll back"
-            )
+        if self._pinned:
+            # Pinned when the block began: the heartbeat left the row alone since.
+            if ledger.abort_requested(attempt):
+                ledger.completion_undone(attempt)
+                raise self._lost("its success was not written")
+        elif not ledger.completing(attempt):
+            raise self._lost("its success was not written")
         try:
             xid = write()
+        except psycopg.errors.SerializationFailure as e:
+            ledger.completion_undone(attempt)
+            if self._pinned and self._row_taken():
+                # Only an operator's abort writes a pinned row: the snapshot missed it.
+                raise self._lost("its success was not written") from e
+            raise
         except BaseException:
             ledger.completion_undone(attempt)
             raise
         if xid is None:
             ledger.completion_undone(attempt)
-            raise LostOwnership(
-                f"job {attempt.id} attempt {attempt.attempt} is no longer owned by this "
-                "worker (its lease expired and another worker took it, or an operator "
-                "aborted it): its success was not written, and this transaction must roll "
-                "back"
-            )
+            raise self._lost("its success was not written")
+        self._written = True
         ledger.completion_written(attempt, xid)
+
+    def _row_taken(self) -> bool:
+        """Whether the job's row, as it is now, is no longer this attempt's running one
+        with no abort requested (read on the broker's pool)."""
+        job = self._job
+        attempt = job.message.attempt
+        if job.parts.ledger.abort_requested(attempt):
+            return True
+        try:
+            row = job.parts.store.get(attempt.id)
+        except Exception:
+            return False
+        return not (
+            row["status"] == "running"
+            and row["locked_by"] == attempt.owner
+            and row["attempts"] == attempt.attempt
+            and row["abort_requested_at"] is None
+        )

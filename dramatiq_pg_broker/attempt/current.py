@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
+import logging
 import threading
 import warnings
 from collections.abc import Mapping
@@ -61,6 +63,8 @@ if TYPE_CHECKING:
     from ..jobs.store import JobStore
     from .completion import CompletionBlock
     from .inflight import Ledger
+
+logger = logging.getLogger("dramatiq_pg_broker.current")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +181,37 @@ def current_job() -> CurrentJob | None:
     return _current.get()
 
 
+def _succeeded_whatever_it_raises(fn: Any, ledger: Ledger) -> Any:
+    """``fn`` (an actor's function), such that an exception it raises after its job's
+    success committed in a ``complete_in()`` block is logged with the job's id and not
+    raised: the job has succeeded (its row says so), and every middleware is to see a
+    success, as its row does: a pipeline's next message is sent, ``on_success`` runs
+    and not ``on_failure``, and a results backend stores None (the actor returned no
+    value). Outside a job of this broker, or before such a commit, ``fn`` is unchanged."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            job = _current.get()
+            if job is None or not ledger.succeeded_in_transaction(job.message.attempt):
+                raise
+            logger.error(
+                "Job %s attempt %d raised %s after the transaction of its complete_in() "
+                "block committed: the job succeeded (its result is None), the exception is "
+                "not a failure.",
+                job.id,
+                job.attempt,
+                type(e).__name__,
+                exc_info=True,
+            )
+            return None
+
+    call.guards_completion = True  # type: ignore[attr-defined]
+    return call
+
+
 def running_attempt(ledger: Ledger, message: dramatiq.Message) -> RunningAttempt | None:
     """The attempt of ``message`` that this thread's actor runs and has not settled, if
     any: ``message`` is the proxy Dramatiq's worker handed to the middleware (the Retries
@@ -211,7 +246,10 @@ class JobContext(Middleware):
       there; it forgets it as soon as Dramatiq's after-hooks reach this middleware;
     - when an actor raises: the ledger remembers it, so no ack can record a success
       (without a Retries middleware, Dramatiq acks a message whose actor raised: the job
-      is recorded failed, not succeeded).
+      is recorded failed, not succeeded);
+    - when an actor is declared, its function is wrapped so that an exception raised
+      after its ``complete_in()`` block committed reaches no middleware: the job has
+      succeeded, and Dramatiq is told so (see :func:`_succeeded_whatever_it_raises`).
 
     The broker puts it right after ``AgeLimit`` (first without one), so a skipped message
     reaches no other middleware's ``before_process_message``.
@@ -231,6 +269,10 @@ class JobContext(Middleware):
     @property
     def actor_options(self) -> set[str]:
         return {"heartbeat", "interrupt_on_abort"}
+
+    def after_declare_actor(self, broker, actor) -> None:
+        if not getattr(actor.fn, "guards_completion", False):
+            actor.fn = _succeeded_whatever_it_raises(actor.fn, self.ledger)
 
     def before_worker_boot(self, broker, worker) -> None:
         self.ledger.open()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from dramatiq.middleware.threading import raise_thread_exception
 
@@ -45,6 +46,35 @@ class CompletionBook:
                 return False  # the renewal found the attempt lost
             return True
 
+    def pin_completion(self, attempt: Attempt) -> Any | None:
+        """A ``complete_in()`` block begins in a REPEATABLE READ or SERIALIZABLE
+        transaction: from now on, as after :meth:`completing`, the heartbeat leaves the
+        attempt alone, and its row is written once more first (its start and a renewed
+        lease, :meth:`~.JobStore.pin_completion`), so that a snapshot the transaction
+        takes from here on sees the row's latest version, which no one but an operator's
+        abort writes until the transaction ends. Returns the mark of that version, or
+        None (nothing pinned) if the attempt is not this process's running one any more,
+        or its abort was requested.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database is unreachable (nothing pinned).
+        """
+        if not self.completing(attempt):
+            return None
+        try:
+            pinned = self.store.pin_completion(attempt, self.settings.lease_seconds)
+        except BaseException:
+            self.completion_undone(attempt)
+            raise
+        if pinned is None or pinned[1]:
+            self.completion_undone(attempt)
+            return None
+        with self._lock:
+            entry = self._get(attempt, State.STARTED)
+            if entry is not None:
+                entry.start_recorded = True
+        return pinned[0]
+
     def completion_written(self, attempt: Attempt, xid: str) -> None:
         """The success is written in the application's transaction ``xid`` (not committed
         yet)."""
@@ -71,6 +101,20 @@ class CompletionBook:
                 entry.completion = None
                 entry.completion_xid = None
                 entry.renew = entry.renew_before
+
+    def succeeded_in_transaction(self, attempt: Attempt) -> bool:
+        """Whether the attempt's success committed with the application's transaction (a
+        ``complete_in()`` block): asked when its actor raised, before any middleware
+        learns of it. A transaction still pending is looked up first
+        (:meth:`resolve_completion`)."""
+        self.resolve_completion(attempt)
+        with self._lock:
+            entry = self._entries.get(attempt.id)
+            return (
+                entry is not None
+                and entry.attempt == attempt
+                and entry.completion is Completion.COMMITTED
+            )
 
     def resolve_completion(self, attempt: Attempt) -> None:
         """The actor returned (or raised): learn how the transaction that holds a pending
@@ -140,6 +184,21 @@ class CompletionBook:
                 return True
             entry.abort_requested = True
             attempt = entry.attempt
+            if entry.completion is Completion.PENDING:
+                # The application's transaction holds the row (a complete_in() block): an
+                # outcome written now would wait for it. The actor is stopped; how that
+                # transaction ends decides (resolve_completion): committed, the job
+                # succeeded; not, the actor's exception is written as the abort.
+                if entry.thread is not None and entry.interrupt:
+                    raise_thread_exception(entry.thread, JobAborted)
+                logger.warning(
+                    "Abort requested for job %s attempt %d while the transaction of its "
+                    "complete_in() block holds its row: it ends cancelled unless that "
+                    "transaction commits.",
+                    attempt.id,
+                    attempt.attempt,
+                )
+                return True
             if entry.state is State.STARTED and not entry.interrupt:
                 logger.warning(
                     "Abort requested for job %s attempt %d; its actor checks for it itself "

@@ -31,6 +31,42 @@ class Outcomes(StoreBase):
         rows = self._fetch("complete_in_transaction", {**params, "now": now}, conn)
         return str(rows[0][1]) if rows else None
 
+    def pin_completion(
+        self, attempt: Attempt, lease_seconds: float, *, conn=None, now=None
+    ) -> tuple[Any, bool] | None:
+        """Record the attempt's start and renew its lease, before a ``complete_in()``
+        block's REPEATABLE READ or SERIALIZABLE transaction takes its snapshot. Returns the
+        new ``locked_until`` (the mark :meth:`lock_for_completion` looks for) and whether an
+        abort was requested, or None if the attempt is no longer owned."""
+        params = {
+            "id": attempt.id,
+            "owner": attempt.owner,
+            "attempt": attempt.attempt,
+            "lease_ms": int(lease_seconds * 1000),
+            "now": now,
+        }
+        rows = self._fetch("pin_completion", params, conn)
+        return (rows[0][0], bool(rows[0][1])) if rows else None
+
+    def transaction_isolation(self, conn) -> str:
+        """The isolation level of the transaction open on ``conn`` (``read committed``,
+        ``repeatable read``, ...), without taking its snapshot."""
+        with self.pool.use(conn) as c:
+            return str(c.execute(self.queries["transaction_isolation"]).fetchone()[0])
+
+    def lock_for_completion(self, attempt: Attempt, pinned: Any, conn) -> tuple[bool, bool]:
+        """In the application's transaction on ``conn``: lock the job's row (FOR KEY SHARE)
+        and say whether the transaction sees the version :meth:`pin_completion` wrote
+        (``pinned``), and whether that version is the attempt's with no abort requested."""
+        params = {
+            "id": attempt.id,
+            "owner": attempt.owner,
+            "attempt": attempt.attempt,
+            "pinned": pinned,
+        }
+        rows = self._fetch("lock_for_completion", params, conn)
+        return (bool(rows[0][0]), bool(rows[0][1])) if rows else (False, False)
+
     def completion_status(self, attempt: Attempt, xid: str, *, conn=None) -> tuple[str, bool]:
         """How the transaction ``xid`` that ran :meth:`complete_in_transaction` for
         ``attempt`` ended (``committed``, ``aborted``, ``in progress``), and whether the

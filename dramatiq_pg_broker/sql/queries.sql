@@ -568,6 +568,44 @@ WITH owned AS MATERIALIZED (
 )
 SELECT id, pg_current_xact_id()::text FROM done
 
+-- transaction_isolation --
+-- The isolation level of the transaction open on the connection (read committed,
+-- repeatable read, ...). SHOW takes no snapshot: a transaction that has read nothing yet
+-- still takes its snapshot at its next statement.
+SHOW transaction_isolation
+
+-- pin_completion --
+-- A complete_in() block in a REPEATABLE READ or SERIALIZABLE transaction begins (see
+-- completion.py): the worker writes its attempt's row once more before the transaction's
+-- snapshot is taken, then leaves the row alone until the block's transaction ends (no
+-- renewal, no start record). The start is recorded (the attempt counts) and the lease
+-- renewed; the new locked_until marks this version of the row, which the block's
+-- transaction must see (lock_for_completion). Returns it and whether an abort was
+-- requested; no row: the attempt is no longer owned.
+UPDATE {schema}.jobs AS j
+SET started = true,
+    locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
+WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+RETURNING j.locked_until, j.abort_requested_at IS NOT NULL
+
+-- lock_for_completion --
+-- The first statement of a complete_in() block's use of a REPEATABLE READ or SERIALIZABLE
+-- transaction, right after pin_completion: locks the job's row until the transaction ends
+-- and says whether the transaction's snapshot sees the pinned version (%(pinned)s, its
+-- locked_until), and whether that version is the attempt's, with no abort requested. A
+-- snapshot taken by this statement sees it; one the transaction took before the block
+-- does not, and the success could never be written in it: at these levels a transaction
+-- cannot delete a row written after its snapshot (a serialization failure). FOR KEY SHARE,
+-- the weakest lock: the reaper (FOR UPDATE SKIP LOCKED) passes the row by while it is
+-- held, and an operator's abort (abort_job, FOR NO KEY UPDATE) is not kept waiting; its
+-- mark on the row then fails the block's success, as it must.
+SELECT j.locked_until = %(pinned)s::timestamptz,
+       j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+           AND j.abort_requested_at IS NULL
+FROM {schema}.jobs AS j
+WHERE j.id = %(id)s
+FOR KEY SHARE OF j
+
 -- completion_status --
 -- How the application's transaction that ran complete_in_transaction for an attempt ended,
 -- read by the worker once the actor returned: pg_xact_status of its id ('committed',
@@ -906,8 +944,12 @@ SELECT id FROM done
 -- ends it cancelled (abort_attempts). Returns the job's status and queue, nothing for a
 -- job that does not exist or has finished (the caller says which). A cancelled job moves
 -- to jobs_history, as in complete_jobs.
+-- FOR NO KEY UPDATE, not FOR UPDATE: the lock a complete_in() block's transaction holds on
+-- the row while it runs (lock_for_completion, FOR KEY SHARE) does not keep the request
+-- waiting. The success such a block wrote holds the row until its transaction ends; the
+-- caller bounds that wait (set_lock_timeout) and says who holds the row (job_row_holder).
 WITH target AS MATERIALIZED (
-    SELECT id, status FROM {schema}.jobs WHERE id = %(id)s FOR UPDATE
+    SELECT id, status FROM {schema}.jobs WHERE id = %(id)s FOR NO KEY UPDATE
 ), {move_to_history:
     using = target, on = j.id = target.id AND target.status = 'queued',
     status = 'cancelled',
@@ -933,6 +975,20 @@ WITH target AS MATERIALIZED (
     FROM changed
 )
 SELECT id, status, queue_name FROM changed
+
+-- job_row_holder --
+-- Who holds a job's row (an abort that could not lock it says so): the backend whose open
+-- transaction wrote or locked the row last (the row's xmax), its state, how long its
+-- transaction has been open, and its application_name. No row: none found (the lock is
+-- on the table, or the row's xmax is a MultiXact of several transactions).
+SELECT a.pid, a.state, extract(epoch FROM now() - a.xact_start)::float8, a.application_name
+FROM {schema}.jobs AS j
+JOIN pg_stat_activity AS a ON a.backend_xid = j.xmax
+WHERE j.id = %(id)s
+
+-- set_lock_timeout --
+-- The longest the statements of this transaction wait for a lock (milliseconds).
+SELECT set_config('lock_timeout', %(ms)s::text, true)
 
 -- notify_abort --
 -- Tell the consumers of a queue (on every host) that a job's abort was requested: the

@@ -23,6 +23,7 @@ from dramatiq_pg_broker.errors import (
     InvalidQueueLimit,
     InvalidQueueName,
     InvalidTransition,
+    JobBusy,
     JobNotFound,
     QueueNotDeclared,
     SchemaMissing,
@@ -169,6 +170,7 @@ def add_error_handlers(app: falcon.App) -> None:
     app.add_error_handler(Exception, _internal)
     app.add_error_handler(JobNotFound, _raise(404, "{ex}: check the job id."))
     app.add_error_handler(InvalidTransition, _raise(409, "{ex}."))
+    app.add_error_handler(JobBusy, _raise(409, "{ex}."))
     app.add_error_handler(QueueNotDeclared, _raise(404, "{ex}."))
     app.add_error_handler(InvalidQueueName, _raise(400, "{ex}."))
     app.add_error_handler(InvalidQueueLimit, _raise(400, "{ex}."))

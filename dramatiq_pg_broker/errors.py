@@ -116,6 +116,16 @@ class DuplicateJobId(InvalidTransition):
         )
 
 
+class JobBusy(PgBrokerError):
+    """The job's row is held by another transaction (the application's transaction of a
+    ``complete_in()`` block, which wrote the job's success, holds it until it commits or
+    rolls back): the request waited as long as it was allowed to and changed nothing."""
+
+    def __init__(self, job_id: object, holder: str) -> None:
+        self.job_id = job_id
+        super().__init__(holder)
+
+
 class InvalidMessage(PgBrokerError, ValueError):
     """A message cannot be sent as it is: an option is out of range, or the configured
     encoder cannot encode one of its values. Nothing was written."""

@@ -232,13 +232,15 @@ def _sqlalchemy_level(obj: Any, raw: Callable[[], Any]) -> _Level:
     return _Level(tx, began, raw, active=lambda: tx.is_active, hooks=_sqlalchemy_hooks(obj))
 
 
-def _adapted_view(obj: Any) -> Any:
+async def _adapted_view(obj: Any) -> _AdaptedConnection:
     """The DBAPI connection under a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``, as
     the store writes on it from one of SQLAlchemy's synchronous event hooks: SQLAlchemy
     runs them in its greenlet, where the adapter's cursor awaits each statement on the
-    event loop."""
-    sync_session = getattr(obj, "sync_session", None)
-    sa_conn = sync_session.connection() if sync_session is not None else obj.sync_connection
+    event loop. Looked up when the block begins (a session refuses it during a commit)."""
+    if hasattr(obj, "sync_session"):
+        sa_conn = (await obj.connection()).sync_connection
+    else:
+        sa_conn = obj.sync_connection
     return _AdaptedConnection(sa_conn.connection.dbapi_connection)
 
 
@@ -348,8 +350,7 @@ class CompletionBlock:
         with level.ctx:
             raw = level.raw()
             view = AppConnection(raw)
-            job.parts.sender.check_database(identity(view))
-            self._open(view, level)
+            self._open(view, level, lambda: job.parts.sender.check_database(identity(view)))
 
             def write() -> str | None:
                 return job.parts.store.complete_in_transaction(job.message.attempt, view)
@@ -370,13 +371,17 @@ class CompletionBlock:
         async with level.ctx:
             raw = level.raw() or (await resolve_async_connection(self._given))[0]
             sender = job.parts.sender
-            await in_thread(sender.check_database, await async_identity(raw))
             view = LoopConnection(raw, asyncio.get_running_loop())
-            await in_thread(self._open, view, level)
+            await in_thread(
+                self._open,
+                view,
+                level,
+                lambda: sender.check_database(view.run(async_identity(raw))),
+            )
             store = job.parts.store
+            adapted = await _adapted_view(self._given) if level.hooks is not None else None
 
             def write_in_hook() -> str | None:
-                adapted = _adapted_view(self._given)
                 return store.complete_in_transaction(job.message.attempt, adapted)
 
             with level.hooked(lambda: self._before_commit(write_in_hook)):
@@ -391,19 +396,23 @@ class CompletionBlock:
 
     # -- the steps -------------------------------------------------------------------------
 
-    def _open(self, conn: Any, level: _Level) -> None:
-        """Pin the job's row when the block's transaction keeps one snapshot (REPEATABLE
-        READ, SERIALIZABLE): see the module docstring.
+    def _open(self, conn: Any, level: _Level, check_database: Callable[[], None]) -> None:
+        """Check that the connection reaches the broker's database (``check_database``),
+        and pin the job's row when the block's transaction keeps one snapshot (REPEATABLE
+        READ, SERIALIZABLE): see the module docstring. The pin comes before the check's
+        query, which may be the transaction's first read.
 
         Raises:
           LostOwnership: the attempt is no longer this worker's, or its abort was
             requested.
-          TransactionError: the transaction took its snapshot before the block, so the
-            job's success can never be written in it.
+          TransactionError: the connection reaches another database, or the transaction
+            took its snapshot before the block, so the job's success can never be written
+            in it.
         """
         job = self._job
         isolation = _isolation(conn, level, job.parts.store)
         if isolation not in _SNAPSHOT_LEVELS:
+            check_database()
             return
         attempt = job.message.attempt
         ledger = job.parts.ledger
@@ -411,6 +420,7 @@ class CompletionBlock:
         if pinned is None:
             raise self._lost("its success cannot be written, and the block does not begin")
         try:
+            check_database()
             fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)
         except BaseException:
             ledger.completion_undone(attempt)

@@ -25,6 +25,7 @@ from ..config import Settings
 from ..db.core import ProcessPool
 from ..db.queries import Queries
 from ..errors import AmbiguousJobId, PgBrokerError
+from ..jobs.operator import ABORT_LOCK_WAIT
 from ..jobs.store import JobStore
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -368,9 +369,17 @@ def run_jobs_cancel(ctx: Context, args) -> int:
 
 @command
 def run_jobs_abort(ctx: Context, args) -> int:
-    job = ctx.store.abort(ctx.store.resolve_id(args.id), by=operator_name())
+    import time
+
+    # The whole answer within --wait (or about a second without it): the request's own
+    # wait for the job's row (held by a complete_in() block's transaction), then the wait
+    # for the job to end.
+    began = time.monotonic()
+    which = ctx.store.resolve_id(args.id)
+    lock_wait = args.wait if args.wait else ABORT_LOCK_WAIT
+    job = ctx.store.abort(which, by=operator_name(), lock_wait=lock_wait)
     if job["status"] == "running" and args.wait:
-        job = wait_until_finished(ctx, job["id"], args.wait)
+        job = wait_until_finished(ctx, job["id"], args.wait - (time.monotonic() - began))
     if args.json:
         print(to_json(job))
     elif job["status"] == "running":
@@ -577,7 +586,10 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
         type=non_negative_seconds,
         default=0.0,
         metavar="SECONDS",
-        help="wait up to SECONDS for a running job to stop (default: do not wait)",
+        help=(
+            "wait up to SECONDS for a running job to stop, the wait for its row included "
+            "(default: do not wait; the row is waited for about a second)"
+        ),
     )
     _json_flag(abort)
     abort.set_defaults(func=run_jobs_abort)

@@ -6,9 +6,15 @@ import datetime as dt
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import DuplicateJobId, InvalidTransition
+import psycopg
+
+from ..errors import DuplicateJobId, InvalidTransition, JobBusy
 from .base import StoreBase
 from .rows import abort_payload, clean_text
+
+#: How long an abort waits for the job's row by default (seconds): a running job's row is
+#: held for longer than a statement only by a complete_in() block's transaction.
+ABORT_LOCK_WAIT = 1.0
 
 
 class OperatorTransitions(StoreBase):
@@ -103,7 +109,15 @@ class OperatorTransitions(StoreBase):
             self._raise_for(job_id, "queued", "cancelled", conn)
         return self.get(job_id, conn=conn)
 
-    def abort(self, job_id: str, *, by: str | None = None, conn=None, now=None) -> dict:
+    def abort(
+        self,
+        job_id: str,
+        *,
+        by: str | None = None,
+        lock_wait: float = ABORT_LOCK_WAIT,
+        conn=None,
+        now=None,
+    ) -> dict:
         """An operator aborts a job.
 
         - queued (delayed included) -> cancelled at once, with an ``aborted`` event;
@@ -116,9 +130,16 @@ class OperatorTransitions(StoreBase):
           nor run again. A worker that
           died with it lets the reaper cancel it once its lease expires.
 
+        The request waits at most ``lock_wait`` seconds for the job's row. The one thing
+        that holds a running job's row for longer than a statement is the application's
+        transaction of a ``complete_in()`` block that wrote the job's success (it commits
+        the job's success, or rolls it back, when that transaction ends); past the wait,
+        the request changes nothing and says who holds the row (:class:`JobBusy`).
+
         Parameters:
           job_id(str): the job (the Dramatiq message id).
           by(str): who asks, as the events and the row record it (default ``unknown``).
+          lock_wait(float): the longest wait for the job's row, in seconds.
 
         Returns:
           dict: the job as :meth:`get` returns it, right after the request (``cancelled``,
@@ -127,16 +148,41 @@ class OperatorTransitions(StoreBase):
         Raises:
           JobNotFound: no job has this id.
           InvalidTransition: the job has finished (succeeded, failed or cancelled).
+          JobBusy: another transaction held the job's row for all of ``lock_wait``.
         """
         by = clean_text(by) or "unknown"
-        with self.pool.use(conn) as c, c.transaction():
-            rows = self._fetch("abort_job", {"id": job_id, "by": by, "now": now}, c)
-            if not rows:
-                self._raise_for(job_id, "queued or running", "aborted", c)
-            _, status, queue_name = rows[0]
-            if status == "running":
-                c.execute(
-                    self.queries["notify_abort"],
-                    {"channel": self.channel(queue_name), "payload": abort_payload(job_id)},
-                )
-            return self.get(job_id, conn=c)
+        ms = max(1, int(lock_wait * 1000))
+        with self.pool.use(conn) as c:
+            try:
+                with c.transaction():
+                    self._fetch("set_lock_timeout", {"ms": ms}, c)
+                    rows = self._fetch("abort_job", {"id": job_id, "by": by, "now": now}, c)
+                    if not rows:
+                        self._raise_for(job_id, "queued or running", "aborted", c)
+                    _, status, queue_name = rows[0]
+                    if status == "running":
+                        c.execute(
+                            self.queries["notify_abort"],
+                            {"channel": self.channel(queue_name), "payload": abort_payload(job_id)},
+                        )
+                    return self.get(job_id, conn=c)
+            except psycopg.errors.LockNotAvailable:
+                raise JobBusy(job_id, self._held(job_id, lock_wait, c)) from None
+
+    def _held(self, job_id: str, waited: float, conn) -> str:
+        """Say who holds job ``job_id``'s row (see :meth:`abort`)."""
+        holders = self._fetch("job_row_holder", {"id": job_id}, conn)
+        if not holders:
+            return (
+                f"job {job_id}'s row (or its table) was locked by another transaction for "
+                f"the {waited:g}s the request waited: nothing was changed; try again"
+            )
+        pid, state, seconds, application = holders[0]
+        return (
+            f"job {job_id}'s row is held by the transaction of backend {pid} ({state}, open "
+            f"for {seconds or 0:.1f}s, application {application or ''!r}) for the "
+            f"{waited:g}s the request waited: the transaction of the job's complete_in() "
+            "block, which wrote the job's success, holds it until it ends (if it commits, "
+            "the job has succeeded; if it rolls back, the job goes on as before and can be "
+            "aborted): nothing was changed"
+        )

@@ -977,14 +977,20 @@ WITH target AS MATERIALIZED (
 SELECT id, status, queue_name FROM changed
 
 -- job_row_holder --
--- Who holds a job's row (an abort that could not lock it says so): the backend whose open
--- transaction wrote or locked the row last (the row's xmax), its state, how long its
--- transaction has been open, and its application_name. No row: none found (the lock is
--- on the table, or the row's xmax is a MultiXact of several transactions).
+-- Who holds a job's row (an abort that could not lock it says so), its state, how long its
+-- transaction has been open, and its application_name. The row's xmax is the id of the
+-- transaction that wrote or locked it last, or of a savepoint in it, whose id comes after
+-- its transaction's and is not listed anywhere: the holder is the backend with the latest
+-- transaction id up to xmax among those holding a lock on the jobs table (the transaction
+-- of a complete_in() block holds one from its success on). No row: none found.
 SELECT a.pid, a.state, extract(epoch FROM now() - a.xact_start)::float8, a.application_name
 FROM {schema}.jobs AS j
-JOIN pg_stat_activity AS a ON a.backend_xid = j.xmax
-WHERE j.id = %(id)s
+JOIN pg_locks AS l ON l.locktype = 'relation' AND l.relation = j.tableoid AND l.granted
+JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE j.id = %(id)s AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
+  AND age(a.backend_xid) >= age(j.xmax)
+ORDER BY age(a.backend_xid)
+LIMIT 1
 
 -- set_lock_timeout --
 -- The longest the statements of this transaction wait for a lock (milliseconds).

@@ -49,15 +49,20 @@ class Effects:
         ).fetchall()
 
 
-@pytest.fixture
-def effects(conn, schema):
-    """The application's table, emptied (see :class:`Effects`)."""
+def empty_effects(conn, schema: str) -> Effects:
+    """The application's table, created if need be and emptied (see :class:`Effects`)."""
     found = Effects(conn, schema)
     conn.execute(
         sql.SQL("CREATE TABLE IF NOT EXISTS {} (job_id uuid, attempt int)").format(found.table)
     )
     conn.execute(sql.SQL("TRUNCATE {}").format(found.table))
     return found
+
+
+@pytest.fixture
+def effects(conn, schema):
+    """The application's table, emptied (see :class:`Effects`)."""
+    return empty_effects(conn, schema)
 
 
 def job_row(conn, schema: str, job_id: str) -> tuple:

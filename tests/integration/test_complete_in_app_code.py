@@ -86,11 +86,9 @@ def _sa(engine, text, level, shape, kind):
 
 
 SYNC = {
-    "psycopg": lambda ctx, level, shape: _psycopg(ctx["url"], ctx["insert"], level, shape),
-    "sa-session": lambda ctx, level, shape: _sa(ctx["engine"], ctx["text"], level, shape, "session"),
-    "sa-connection": lambda ctx, level, shape: _sa(
-        ctx["engine"], ctx["text"], level, shape, "connection"
-    ),
+    "psycopg": lambda ctx, *how: _psycopg(ctx["url"], ctx["insert"], *how),
+    "sa-session": lambda ctx, *how: _sa(ctx["engine"], ctx["text"], *how, "session"),
+    "sa-connection": lambda ctx, *how: _sa(ctx["engine"], ctx["text"], *how, "connection"),
 }
 
 
@@ -120,9 +118,7 @@ def test_every_isolation_level_gives_one_effect_or_an_immediate_refusal(
     ctx = {"url": pg_url, "insert": effects.insert, "text": effects.text, "engine": engine}
     broker = h.broker(lease_seconds=1)
 
-    @dramatiq.actor(
-        broker=broker, queue_name=h.queue, actor_name=f"level_{h.queue}", max_retries=0
-    )
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"level_{h.queue}", max_retries=0)
     def work():
         SYNC[kind](ctx, level, shape)
 

@@ -5,6 +5,7 @@ declares it on its own broker to send messages."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -52,3 +53,110 @@ def declare(broker: PostgresBroker) -> dramatiq.Actor:
         time.sleep(random.uniform(0, hold_ms) / 1000)
 
     return insert_once
+
+
+# -- application code as it is written (test_exactly_once_app_code) ---------------------------
+
+APP_QUEUE = "e2e_exactly_once_app"
+APP_EFFECTS = "app_code_effects"
+APP_STEPS = "app_code_steps"
+
+
+def create_app_tables(conn, schema: str) -> None:
+    """The effects of the app-code actors (job, kind), and what their pipelines and
+    callbacks did (kind, value); no constraint, so that a duplicate is counted."""
+    for ddl, table in (
+        ("CREATE TABLE {} (job_id uuid NOT NULL, kind text NOT NULL)", APP_EFFECTS),
+        ("CREATE TABLE {} (kind text NOT NULL, value text)", APP_STEPS),
+    ):
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(schema, table)))
+        conn.execute(sql.SQL(ddl).format(sql.Identifier(schema, table)))
+
+
+def declare_app_code(broker: PostgresBroker) -> dict[str, dramatiq.Actor]:
+    """The actors of test_exactly_once_app_code, declared on ``broker``; returns them by
+    name. The broker needs the Results middleware (the test reads a result)."""
+    schema = broker.settings.schema
+    insert = sql.SQL("INSERT INTO {} (job_id, kind) VALUES (%s, %s)").format(
+        sql.Identifier(schema, APP_EFFECTS)
+    )
+    step = sql.SQL("INSERT INTO {} (kind, value) VALUES (%s, %s)").format(
+        sql.Identifier(schema, APP_STEPS)
+    )
+    sa_url = "postgresql+psycopg://" + broker.settings.url.split("://", 1)[1]
+    options = {"broker": broker, "queue_name": APP_QUEUE, "max_retries": 2, "min_backoff": 100}
+
+    def record(kind: str, value: object) -> None:
+        with psycopg.connect(broker.settings.url, autocommit=True) as conn:
+            conn.execute(step, (kind, None if value is None else str(value)))
+
+    @dramatiq.actor(**options)
+    def commits_inside(kind: str) -> None:
+        """SQLAlchemy's habit: commit() inside the block."""
+        import sqlalchemy as sa
+        from sqlalchemy.orm import Session
+
+        job = current_job()
+        engine = sa.create_engine(sa_url, poolclass=sa.pool.NullPool)
+        text = sa.text(insert.as_string().replace("%s", ":a", 1).replace("%s", ":b", 1))
+        try:
+            with Session(engine) if kind == "session" else engine.connect() as obj:
+                with job.complete_in(obj):
+                    obj.execute(text, {"a": job.id, "b": f"commit-{kind}"})
+                    obj.commit()
+        finally:
+            engine.dispose()
+
+    @dramatiq.actor(**options)
+    def strict_block(level: str, joined: bool, hold: float) -> None:
+        """A block at REPEATABLE READ or SERIALIZABLE that outlasts the worker's writes to
+        the job's row (its start after 0.1 s, lease renewals)."""
+        job = current_job()
+        with psycopg.connect(broker.settings.url) as conn:
+            conn.isolation_level = psycopg.IsolationLevel[level]
+            with conn.transaction() if joined else contextlib.nullcontext():
+                with job.complete_in(conn):
+                    conn.execute(insert, (job.id, f"{level}-{'joins' if joined else 'begins'}"))
+                    time.sleep(hold)
+
+    @dramatiq.actor(**options, store_results=True)
+    def raises_after() -> str:
+        job = current_job()
+        with psycopg.connect(broker.settings.url) as conn, job.complete_in(conn):
+            conn.execute(insert, (job.id, "raises-after"))
+        raise RuntimeError("after the block")
+
+    @dramatiq.actor(**options)
+    def next_step(value: object) -> None:
+        record("next", value)
+
+    @dramatiq.actor(**options)
+    def on_ok(message: dict, result: object) -> None:
+        record("success", result)
+
+    @dramatiq.actor(**options)
+    def on_ko(message: dict, exception: dict) -> None:
+        record("failure", exception["type"])
+
+    @dramatiq.actor(**options)
+    def holds_after(hold: float) -> None:
+        """Its success written, it holds the application's transaction a while."""
+        job = current_job()
+        with psycopg.connect(broker.settings.url, application_name="holder") as conn:
+            with conn.transaction():
+                with job.complete_in(conn):
+                    conn.execute(insert, (job.id, "holds-after"))
+                time.sleep(hold)
+
+    return {
+        actor.actor_name: actor
+        for actor in (
+            commits_inside,
+            strict_block,
+            raises_after,
+            next_step,
+            on_ok,
+            on_ko,
+            holds_after,
+        )
+    }

@@ -490,9 +490,12 @@ class AbortJob(JobTransition):
         {
             200: (responses.Job, "The job, cancelled or with the abort requested."),
             404: NO_JOB,
-            409: "The job has finished (succeeded, failed or cancelled).",
+            409: "The job has finished (succeeded, failed or cancelled), or its row was held "
+            "for a second by the application's transaction of its complete_in() block (the "
+            "message names it; nothing was changed).",
         },
         description="For a running job the answer comes before the worker stops it: the job "
         "is still running, with abort_requested_at and abort_requested_by set; it ends "
-        "cancelled within about a second, with an aborted event naming who asked.",
+        "cancelled within about a second, with an aborted event naming who asked. The request "
+        "waits at most a second for the job's row.",
     )(JobTransition.act)

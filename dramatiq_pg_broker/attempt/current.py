@@ -144,6 +144,12 @@ class CurrentJob:
         commits it at its end; inside one, the block is a savepoint and the job succeeds
         when the application commits. The connection must reach the broker's database.
 
+        A SQLAlchemy ``commit()`` inside the block commits the job's success with it
+        (psycopg and Django refuse such a commit themselves). Every isolation level
+        works; at REPEATABLE READ and SERIALIZABLE, a transaction that read before the
+        block is refused at once (``TransactionError``). An exception the actor raises
+        after the block committed is logged, and Dramatiq sees a success (result None).
+
         Parameters:
           conn: the application's connection, session or Django connection.
 
@@ -152,7 +158,8 @@ class CurrentJob:
             lease expired and another worker took the job, or an operator aborted it):
             nothing is committed, the block's transaction or savepoint rolls back.
           TransactionError: ``conn`` is of a kind the block cannot use, reaches another
-            database, or its transaction ended inside the block.
+            database, its transaction ended inside the block (a rollback), or it is a
+            REPEATABLE READ or SERIALIZABLE transaction that read before the block.
         """
         from .completion import CompletionBlock
 

@@ -10,9 +10,11 @@ view through Django's test client.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import dramatiq
@@ -418,3 +420,57 @@ def test_complete_in_commits_the_success_with_the_actor_s_django_writes(
         e for e in broker.store.events_of(message.message_id) if e["type"] == "succeeded"
     ]
     assert succeeded["data"] == {"in_transaction": True}
+
+
+@pytest.mark.parametrize("inside_atomic", [False, True], ids=["begins", "joins-atomic"])
+def test_complete_in_at_repeatable_read_outlasts_the_worker_s_writes(
+    django_project, migrated, conn, inside_atomic
+):
+    """A Django connection at REPEATABLE READ whose block lasts past the worker's start
+    record (0.1 s in): one attempt, one row. Inside ``atomic()`` the block's statement is
+    the transaction's first read."""
+    from django.db import connection, transaction
+    from psycopg import IsolationLevel
+
+    from dramatiq_pg_broker import current_job
+
+    schema = migrated["DRAMATIQ_PG_SCHEMA"]
+    table = f"cin_django_rr_{uuid.uuid4().hex[:8]}"
+    conn.execute(f'CREATE TABLE "{schema}"."{table}" (job_id uuid, attempt int)')
+    broker = django_project
+    queue = f"cin_rr_{uuid.uuid4().hex[:8]}"
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=queue, max_retries=0)
+    def work():
+        job = current_job()
+        connection.ensure_connection()
+        connection.connection.isolation_level = IsolationLevel.REPEATABLE_READ
+        try:
+            with transaction.atomic() if inside_atomic else contextlib.nullcontext():
+                with job.complete_in(connection):
+                    with connection.cursor() as cursor:
+                        cursor.execute(
+                            f'INSERT INTO "{table}" VALUES (%s, %s)', (job.id, job.attempt)
+                        )
+                    time.sleep(0.4)
+        finally:
+            connection.connection.isolation_level = None
+
+    message = work.send()
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        wait_for(
+            lambda: status_of(broker.store, message.message_id) in ("succeeded", "failed"),
+            30,
+            "the job to finish",
+        )
+    finally:
+        worker.stop(timeout=10_000)
+        broker.middleware[:] = [
+            m for m in broker.middleware if getattr(m, "worker", None) is not worker
+        ]
+    job = broker.store.get(message.message_id)
+    assert (job["status"], job["attempts"]) == ("succeeded", 1), job["last_error"]
+    rows = conn.execute(f'SELECT job_id::text, attempt FROM "{schema}"."{table}"').fetchall()
+    assert rows == [(message.message_id, 1)], rows

@@ -4,8 +4,10 @@ and job lists that carry bounded previews instead of whole messages."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
@@ -219,3 +221,25 @@ def test_a_list_row_carries_bounded_previews_and_the_job_page_the_whole(adhoc):
     row = adhoc.get("/api/jobs?queue=big_errors").json["results"][0]
     assert len(row["error_preview"]) == PREVIEW_CHARS
     assert adhoc.get(f"/api/jobs/{failed}").json["last_error"] == "E" * 5000
+
+
+def test_abort_of_a_running_job_whose_row_is_held_answers_409_within_about_a_second(env, pg_url):
+    """A transaction holds the job's row (as a complete_in() block's does once it wrote
+    the job's success): the abort waits about a second, changes nothing and names it."""
+    job_id = env.running()
+    holder = psycopg.connect(pg_url, application_name="app-holder")
+    try:
+        holder.execute(
+            f'SELECT 1 FROM "{env.settings.schema}".jobs WHERE id = %s FOR UPDATE', (job_id,)
+        )
+        began = time.monotonic()
+        refused = post(env, f"/api/jobs/{job_id}/abort")
+        took = time.monotonic() - began
+    finally:
+        holder.close()
+    assert refused.status_code == 409, refused.text
+    assert 1.0 <= took < 3.0, f"answered after {took:.2f}s"
+    message = refused.json["message"]
+    assert "held by the transaction of backend" in message and "'app-holder'" in message
+    assert "nothing was changed" in message
+    assert env.store.get(job_id)["abort_requested_at"] is None

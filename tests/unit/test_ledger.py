@@ -349,3 +349,32 @@ def test_a_block_of_an_attempt_whose_abort_was_requested_is_refused(
     ledger.running_in(attempt, threading.get_ident(), interrupt=False)
     assert ledger.abort(attempt.id)
     assert not ledger.completing(attempt)
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["committed", "rolled-back"])
+def test_an_abort_while_a_block_s_transaction_holds_the_row_leaves_the_outcome_to_it(
+    memory_broker, memory_store, claim, committed
+):
+    """The block's success is written in the application's transaction, which holds the
+    row: the abort writes nothing then (the outcome writer would wait for that
+    transaction); how the transaction ended decides, once the actor returned."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    assert ledger.completing(attempt)
+    ledger.completion_written(attempt, "1234")
+    memory_store.request_abort(attempt.id)
+    assert ledger.abort(attempt.id)
+    assert memory_broker.outcomes.flush(timeout=5)
+    assert memory_store.called("abort_attempts") == [], "written while the row was held"
+    if committed:
+        ledger.completion_committed(attempt)
+        assert ledger.succeeded_in_transaction(attempt)
+    else:
+        ledger.completion_undone(attempt)
+        assert not ledger.succeeded_in_transaction(attempt)
+    assert ledger.settle(attempt, "fail", "JobAborted")
+    assert memory_broker.outcomes.flush(timeout=5)
+    expected = [] if committed else [[attempt.id]]
+    assert memory_store.called("abort_attempts") == expected
+    assert len(ledger) == 0

@@ -425,10 +425,9 @@ class CompletionBlock:
         except BaseException:
             ledger.completion_undone(attempt)
             raise
-        if not owned:
-            ledger.completion_undone(attempt)
-            raise self._lost("its success cannot be written, and the block does not begin")
         if not fresh:
+            # (What an older snapshot says of the row's owner is of no use: the pin, just
+            # before, found the attempt this worker's.)
             ledger.completion_undone(attempt)
             raise TransactionError(
                 f"this complete_in() block is inside a {isolation.upper()} transaction that "
@@ -439,6 +438,10 @@ class CompletionBlock:
                 "with the block (no transaction open, or one that has read nothing yet, "
                 "when the block starts), or run it at READ COMMITTED"
             )
+        if not owned:
+            # An operator's abort came between the pin and the transaction's snapshot.
+            ledger.completion_undone(attempt)
+            raise self._lost("its success cannot be written, and the block does not begin")
         self._pinned = True
 
     def _before_commit(self, write: Callable[[], str | None]) -> None:

@@ -6,6 +6,7 @@ declares it on its own broker to send messages."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -18,6 +19,9 @@ from dramatiq_pg_broker import PostgresBroker, current_job
 
 QUEUE = "e2e_exactly_once"
 TABLE = "exactly_once_effects"
+#: The isolation level of the actor's transactions (psycopg's name, e.g. REPEATABLE_READ);
+#: the connection's default when unset.
+ISOLATION_ENV = "EXACTLY_ONCE_ISOLATION"
 
 #: The application's connection of each worker thread (not in autocommit mode: the block
 #: begins a transaction on it and commits it).
@@ -43,6 +47,9 @@ def declare(broker: PostgresBroker) -> dramatiq.Actor:
         conn = getattr(_local, "conn", None)
         if conn is None or conn.closed:
             conn = _local.conn = psycopg.connect(broker.settings.url)
+            level = os.environ.get(ISOLATION_ENV)
+            if level:
+                conn.isolation_level = psycopg.IsolationLevel[level]
         job = current_job()
         with job.complete_in(conn):
             conn.execute(insert, (job.id, n))

@@ -19,7 +19,7 @@ from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
 
-from .exactly_once_actors import QUEUE, TABLE, create_table, declare
+from .exactly_once_actors import ISOLATION_ENV, QUEUE, TABLE, create_table, declare
 from .workers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -32,9 +32,19 @@ KILLS = 8
 HOLD_MS = 40
 
 
+@pytest.mark.parametrize("level", ["READ_COMMITTED", "REPEATABLE_READ"])
 def test_kill_9_at_random_moments_leaves_exactly_one_effect_per_job(
-    pg_url, schema, conn, start_worker
+    pg_url, schema, conn, start_worker, level
 ):
+    """At REPEATABLE READ each block pins the job's row first and holds it FOR KEY SHARE
+    until its commit, its lease not renewed meanwhile: a kill must still leave one effect
+    per job, and the reaper must give back what the kills left."""
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(schema, TABLE)))
+    conn.execute(
+        sql.SQL("TRUNCATE {0}.jobs, {0}.jobs_history, {0}.job_keys CASCADE").format(
+            sql.Identifier(schema)
+        )
+    )
     create_table(conn, schema)
     broker = PostgresBroker(url=pg_url, schema=schema)
     actor = declare(broker)
@@ -59,6 +69,7 @@ def test_kill_9_at_random_moments_leaves_exactly_one_effect_per_job(
             app="tests.e2e.exactly_once_app",
             threads=4,
             DRAMATIQ_PG_MAX_INTERRUPTIONS="100",
+            **{ISOLATION_ENV: level},
         )
 
     began = time.monotonic()

@@ -91,6 +91,13 @@ _current: contextvars.ContextVar[CurrentJob | None] = contextvars.ContextVar(
 )
 
 
+#: Whether this context is inside an actor's function (see
+#: :func:`_succeeded_whatever_it_raises`).
+_in_actor: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dramatiq_pg_broker_in_actor", default=False
+)
+
+
 class CurrentJob:
     """The job row behind the message an actor is running."""
 
@@ -198,6 +205,11 @@ def _succeeded_whatever_it_raises(fn: Any, ledger: Ledger) -> Any:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if _in_actor.get():
+            # An actor called as a function from inside another actor: only what the
+            # worker called is the job's.
+            return fn(*args, **kwargs)
+        token = _in_actor.set(True)
         try:
             return fn(*args, **kwargs)
         except BaseException as e:
@@ -214,6 +226,8 @@ def _succeeded_whatever_it_raises(fn: Any, ledger: Ledger) -> Any:
                 exc_info=True,
             )
             return None
+        finally:
+            _in_actor.reset(token)
 
     call.guards_completion = True  # type: ignore[attr-defined]
     return call

@@ -412,3 +412,31 @@ def test_an_abort_during_a_repeatable_read_block_is_recorded_at_once_and_cancels
     wait_status(store, conn, schema, message.message_id, "cancelled", timeout=10)
     assert effects() == []
     assert job_row(conn, schema, message.message_id)[0] == "cancelled"
+
+
+def test_an_actor_called_as_a_function_after_the_block_raises_as_it_would(
+    h, conn, schema, store, effects, pg_url
+):
+    """Only the actor the worker runs is the job's: another actor called as a plain
+    function after the block committed raises to its caller as usual."""
+    broker = h.broker()
+    caught: list[BaseException] = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"inner_{h.queue}")
+    def inner():
+        raise LookupError("inner")
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"outer_{h.queue}")
+    def outer():
+        job = current_job()
+        with psycopg.connect(pg_url) as app, job.complete_in(app):
+            app.execute(effects.insert, (job.id, job.attempt))
+        try:
+            inner()
+        except LookupError as e:
+            caught.append(e)
+
+    message = outer.send()
+    h.start(broker)
+    wait_status(store, conn, schema, message.message_id, "succeeded")
+    assert len(caught) == 1 and effects() == [(message.message_id, 1)]

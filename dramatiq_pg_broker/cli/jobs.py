@@ -1,12 +1,15 @@
-"""The operator's commands: ``jobs list|show|retry|cancel|abort``, ``stats``, ``prune`` and
-``schedules`` (``queues`` and ``workers`` are in :mod:`.cli_control`).
+"""The operator's commands: ``jobs list|show|retry|requeue|cancel|abort``, ``prune`` and
+``schedules`` (``stats``, ``queues`` and ``workers`` are in :mod:`.cli_control`).
 
 Reads use the named statements of ``sql/operator.sql``; every change goes through the
 :class:`~dramatiq_pg_broker.jobs.JobStore` transitions (the same functions, and so the same
-events, as the admin API's). Output is aligned columns with relative times for a terminal;
-``--json`` prints the same data for scripts. Names and errors are printed with control and
-bidirectional characters escaped (:func:`printable`). Bad arguments print one line and
-exit 2.
+events, as the admin API's). A job is shown in its state (:mod:`..jobs.states`: ready,
+delayed, paused, running, lease expired, succeeded, failed, cancelled), the same words the
+admin API, the dashboard and the metrics use. Output is aligned columns with relative
+times for a terminal; ``--json`` prints the same data for scripts. Names and errors are
+printed with control and bidirectional characters escaped (:func:`printable`). Bad
+arguments print one line and exit 2. A queue name no worker declared is used as given,
+with a warning on stderr (:func:`warn_undeclared`).
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..config import Settings
+from ..control import queues as queue_control
 from ..db.core import ProcessPool
 from ..db.queries import Queries
 from ..errors import AmbiguousJobId, PgBrokerError
-from ..jobs.operator import ABORT_LOCK_WAIT
+from ..jobs import states
+from ..jobs.operator import ABORT_LOCK_WAIT, taken
+from ..jobs.rows import ReapResult
 from ..jobs.store import JobStore
 
-STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 #: How every command that takes a job id describes it.
 ID_HELP = "the job's id, or at least its first 8 hex characters (a unique prefix)"
 
@@ -175,7 +180,10 @@ def command(fn):
         try:
             return fn(ctx, args)
         except AmbiguousJobId as e:
-            print_candidates(e)
+            if getattr(args, "json", False):
+                print(to_json({"error": str(e), "candidates": e.candidates}), file=sys.stderr)
+            else:
+                print_candidates(e)
             return 2
         finally:
             ctx.close()
@@ -238,6 +246,46 @@ def listing(
     return run
 
 
+def warn_undeclared(ctx: Context, name: str | None) -> None:
+    """The one rule for a queue name a command is given to read or retry jobs of: used as
+    given, with a warning on stderr when no worker declared it (a misspelt name then says
+    so, instead of an empty answer). The commands that would change a queue's state refuse
+    such a name instead (``queues pause``, ``queues limit``: see their ``--force``)."""
+    from .main import warn
+
+    if name is None:
+        return
+    with ctx.pool.connection() as conn:
+        declared = queue_control.is_declared(conn, ctx.settings.schema, name)
+    if not declared:
+        warn(queue_control.not_declared(name))
+
+
+def state_cell(row: dict[str, Any], now: dt.datetime) -> str:
+    """A job's state for a table: its label, and when it runs (delayed) or when its lease
+    ended (lease expired)."""
+    state = row["state"]
+    label = states.STATES[state].label if state in states.STATES else state
+    if state == states.DELAYED:
+        return f"{label} ({relative(row['available_at'], now)})"
+    if state == states.LEASE_EXPIRED:
+        return f"{label} ({relative(row['locked_until'], now)})"
+    return label
+
+
+def with_state(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of ``list_jobs`` (or ``get_job``, with ``queue_paused`` and ``server_now``)
+    with its ``state``; the columns that only served to find it are dropped."""
+    row["state"] = states.state_of(
+        row["status"],
+        available_at=row["available_at"],
+        locked_until=row["locked_until"],
+        paused=row.pop("queue_paused", False),
+        now=row.pop("server_now"),
+    )
+    return row
+
+
 def operator_name() -> str:
     try:
         return f"cli:{getpass.getuser()}"
@@ -250,19 +298,27 @@ def operator_name() -> str:
 
 @command
 def run_jobs_list(ctx: Context, args) -> int:
+    warn_undeclared(ctx, args.queue)
     rows = ctx._fetch(
         "list_jobs",
-        {"status": args.status, "queue": args.queue, "actor": args.actor, "limit": args.limit},
+        {
+            **states.filter_params(args.status),
+            "queue": args.queue,
+            "actor": args.actor,
+            "limit": args.limit,
+            "now": None,
+        },
     )
+    rows = [with_state(row) for row in rows]
     return print_rows(
         args,
         rows,
-        ["ID", "QUEUE", "ACTOR", "STATUS", "ATTEMPTS", "CREATED", "UPDATED", "ERROR"],
+        ["ID", "QUEUE", "ACTOR", "STATE", "ATTEMPTS", "CREATED", "UPDATED", "ERROR"],
         lambda r, now: [
             r["id"],
             r["queue_name"],
             r["actor_name"],
-            r["status"],
+            state_cell(r, now),
             f"{r['attempts']}/{r['max_attempts']}",
             relative(r["created_at"], now),
             relative(r["updated_at"], now),
@@ -276,13 +332,25 @@ def run_jobs_list(ctx: Context, args) -> int:
 def run_jobs_show(ctx: Context, args) -> int:
     job = ctx.store.get(ctx.store.resolve_id(args.id))
     events = ctx.store.events_of(job["id"])
+    facts = ctx._fetch("job_state_facts", {"queue_name": job["queue_name"]})[0]
+    job = with_state({**job, **facts})
     if args.json:
         job.pop("message_bytes", None)
         print(to_json({"job": job, "events": events}))
         return 0
     now = dt.datetime.now(dt.timezone.utc)
+    state = states.STATES.get(job["state"])
+    if state is not None:
+        when = ""
+        if job["state"] == states.DELAYED:
+            when = f" until {job['available_at'].isoformat(timespec='seconds')}"
+        elif job["state"] == states.LEASE_EXPIRED:
+            when = f" at {job['locked_until'].isoformat(timespec='seconds')}"
+        advice = " (`jobs requeue` puts it back now)" if state.name == states.LEASE_EXPIRED else ""
+        job["state"] = f"{state.label}{when}: {state.description}{advice}"
     fields = [
-        "id", "queue_name", "actor_name", "status", "priority", "attempts", "max_attempts",
+        "id", "queue_name", "actor_name", "state", "status", "priority", "attempts",
+        "max_attempts",
         "idempotency_key", "locked_by", "locked_until", "available_at", "created_at",
         "started_at", "finished_at", "updated_at", "last_error",
     ]  # fmt: skip
@@ -327,6 +395,7 @@ def run_jobs_retry(ctx: Context, args) -> int:
         raise BadArgument("--queue goes with --all-failed, not with a job id")
     by = operator_name()
     if args.all_failed:
+        warn_undeclared(ctx, args.queue)
         # Batch by batch, each committed before the next: neither the process's memory nor
         # a transaction grows with the number of failed jobs (the JSON list is streamed).
         retried = 0
@@ -358,6 +427,50 @@ def run_jobs_retry(ctx: Context, args) -> int:
     job = ctx.store.retry_failed(ctx.store.resolve_id(args.id), by=by)
     print(to_json(job) if args.json else f"job {job['id']} is {job['status']} again")
     return 0
+
+
+@command
+def run_jobs_requeue(ctx: Context, args) -> int:
+    if args.queue and not args.all_expired:
+        raise BadArgument("--queue goes with --all-expired, not with a job id")
+    by = operator_name()
+    if args.all_expired:
+        warn_undeclared(ctx, args.queue)
+        result = ctx.store.requeue_expired(settings=ctx.settings, queue_name=args.queue, by=by)
+    else:
+        result = ctx.store.requeue_expired(
+            ctx.store.resolve_id(args.id), settings=ctx.settings, by=by
+        )
+    if args.json:
+        print(
+            to_json(
+                {
+                    "requeued": result.requeued + result.released,
+                    "failed": result.failed,
+                    "cancelled": result.aborted,
+                }
+            )
+        )
+        return 0
+    print(describe_requeue(result, args.queue))
+    return 0
+
+
+def describe_requeue(result: ReapResult, queue: str | None) -> str:
+    """What an operator's requeue did, in one sentence (or two)."""
+    where = f" of queue {printable(queue)}" if queue else ""
+    if not taken(result):
+        return f"no job{where} has an expired lease: nothing to requeue"
+    back = len(result.requeued) + len(result.released)
+    lines = [f"requeued {back} job(s){where} whose lease expired: runnable now"]
+    if result.failed:
+        lines.append(
+            f"failed {len(result.failed)} job(s) whose interruptions reached the limit "
+            "(max_interruptions), as the reaper does: `jobs retry` runs them again"
+        )
+    if result.aborted:
+        lines.append(f"cancelled {len(result.aborted)} job(s) whose abort was requested")
+    return "\n".join(lines)
 
 
 @command
@@ -413,42 +526,6 @@ def non_negative_seconds(value: str) -> float:
     if not 0 <= number <= 3600:
         raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds from 0 to 3600")
     return number
-
-
-@command
-def run_stats(ctx: Context, args) -> int:
-    rows = [
-        {"queue_name": queue_name, **counts.as_dict()}
-        for queue_name, counts in ctx.store.queue_counts().items()
-    ]
-    if args.json:
-        print(to_json(rows))
-        return 0
-    if not rows:
-        # The counts read the unfinished and failed jobs only: succeeded and cancelled ones
-        # are history, and "no jobs" would be false when every job succeeded.
-        print(
-            "no job is queued, running, delayed or failed (finished jobs are not counted: "
-            "`jobs list --status succeeded` lists them)"
-        )
-        return 0
-    print(
-        table(
-            ["QUEUE", "QUEUED", "RUNNING", "DELAYED", "FAILED", "OLDEST WAITING"],
-            (
-                [
-                    r["queue_name"],
-                    r["queued"],
-                    r["running"],
-                    r["delayed"],
-                    r["failed"],
-                    duration(r["oldest_waiting_seconds"]),
-                ]
-                for r in rows
-            ),
-        )
-    )
-    return 0
 
 
 @command
@@ -551,14 +628,20 @@ def _plain_command(
 
 
 def add_operator_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``jobs``, ``stats``, ``prune`` and ``schedules`` to the CLI."""
-    jobs = sub.add_parser("jobs", help="list, show, retry, cancel and abort jobs")
+    """Add ``jobs``, ``prune`` and ``schedules`` to the CLI."""
+    jobs = sub.add_parser("jobs", help="list, show, retry, requeue, cancel and abort jobs")
     jobs_sub = jobs.add_subparsers(
-        dest="jobs_command", metavar="{list,show,retry,cancel,abort}", required=True
+        dest="jobs_command", metavar="{list,show,retry,requeue,cancel,abort}", required=True
     )
 
     listing = jobs_sub.add_parser("list", help="the newest jobs first")
-    listing.add_argument("--status", choices=STATUSES)
+    listing.add_argument(
+        "--status",
+        "--state",
+        dest="status",
+        choices=states.FILTERS,
+        help="only jobs in this state (queued: every waiting job, ready, delayed or paused)",
+    )
     listing.add_argument("--queue")
     listing.add_argument("--actor")
     listing.add_argument("--limit", type=positive_int, default=50, help="default 50")
@@ -575,7 +658,18 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     _json_flag(retry)
     retry.set_defaults(func=run_jobs_retry)
 
-    _plain_command(jobs_sub, "cancel", run_jobs_cancel, "cancel a queued job", job_id=True)
+    requeue = jobs_sub.add_parser(
+        "requeue",
+        help="put jobs whose lease expired (their worker died) back in their queue now",
+    )
+    which = requeue.add_mutually_exclusive_group(required=True)
+    which.add_argument("id", nargs="?", help=ID_HELP)
+    which.add_argument("--all-expired", action="store_true", help="every job whose lease expired")
+    requeue.add_argument("--queue", help="with --all-expired: only this queue's")
+    _json_flag(requeue)
+    requeue.set_defaults(func=run_jobs_requeue)
+
+    _plain_command(jobs_sub, "cancel", run_jobs_cancel, "cancel a waiting job", job_id=True)
 
     abort = jobs_sub.add_parser(
         "abort", help="cancel a waiting job, or stop a running one (it ends cancelled)"
@@ -593,8 +687,6 @@ def add_operator_commands(sub: argparse._SubParsersAction) -> None:
     )
     _json_flag(abort)
     abort.set_defaults(func=run_jobs_abort)
-
-    _plain_command(sub, "stats", run_stats, "per queue: queued, running, delayed, failed")
 
     prune = sub.add_parser(
         "prune",

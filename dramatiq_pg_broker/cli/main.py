@@ -20,6 +20,13 @@ Every command that touches jobs or accounts passes the schema handshake first: a
 schema this code does not fit, it prints ``error: <why>`` and exits with status 2.
 ``migrate`` and ``status`` report on the schema instead of refusing it.
 
+Every command that needs the database reaches it first, once, waiting at most
+:data:`CONNECT_SECONDS`: a database that does not exist, a server that refuses or does not
+answer, a role or password it refuses, each prints one line (``error: cannot connect to
+the database: <why>``) and exits with status 2, within those seconds. With ``--json``, an
+error is one JSON object on stderr (``{"error": "..."}``). ``--url`` and ``--schema`` may
+be given before the command or after it; ``--json`` is accepted by every command.
+
 Every group of commands is added explicitly in :func:`build_parser` (the entry points'
 too), so the parser is the same whether this module runs as ``dramatiq-pg-broker``,
 ``python -m dramatiq_pg_broker`` or ``python -m dramatiq_pg_broker.cli``.
@@ -28,6 +35,8 @@ too), so the parser is the same whether this module runs as ``dramatiq-pg-broker
 from __future__ import annotations
 
 import argparse
+import contextvars
+import json
 import logging
 import os
 import sys
@@ -37,12 +46,76 @@ from importlib.metadata import entry_points
 import psycopg
 
 from ..config import Settings
+from ..db.core import BrokerConnectionError
 from ..errors import ConfigurationError, PgBrokerError
 from ..version import __version__
 
 #: The entry point group of the commands another part of the distribution adds (see
 #: :func:`add_entry_point_commands`).
 COMMANDS_GROUP = "dramatiq_pg_broker.commands"
+
+#: The longest a command waits to reach the database (libpq's ``connect_timeout``): past
+#: it, the command says why and exits 2, instead of retrying as a worker does.
+CONNECT_SECONDS = 5
+
+#: The options every command accepts where it is named, as well as before it.
+EVERYWHERE = (
+    ("--url", "database URL (default: DRAMATIQ_PG_URL, else embedded)"),
+    ("--schema", "schema name (default: DRAMATIQ_PG_SCHEMA or dramatiq)"),
+)
+
+#: Whether the command line asked for JSON: its errors are JSON too (argparse's own
+#: included, which come before the arguments are parsed).
+_json_errors: contextvars.ContextVar[bool] = contextvars.ContextVar("json_errors", default=False)
+
+
+class DatabaseUnreachable(PgBrokerError):
+    """The command cannot reach the database."""
+
+
+def fail(message: str) -> int:
+    """Print an error as the command line asked (one line of text, or a JSON object with
+    ``--json``) on stderr; return the exit status, 2."""
+    if _json_errors.get():
+        print(json.dumps({"error": message}), file=sys.stderr)
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def warn(message: str) -> None:
+    """Print a warning on stderr (a JSON object with ``--json``); the command goes on."""
+    if _json_errors.get():
+        print(json.dumps({"warning": message}), file=sys.stderr)
+    else:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def one_line_error(error: BaseException) -> str:
+    """A driver's error as one line: libpq's messages run over several."""
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+def connect(args: argparse.Namespace, **kwargs) -> psycopg.Connection:
+    """An autocommit connection to the command's database, reached within
+    :data:`CONNECT_SECONDS`.
+
+    Raises:
+      DatabaseUnreachable: the server cannot be reached, or refuses the connection (no such
+        database, role or password), with libpq's reason.
+    """
+    url = database_url(args)
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_SECONDS, **kwargs)
+    except psycopg.OperationalError as e:
+        raise DatabaseUnreachable(f"cannot connect to the database: {one_line_error(e)}") from e
+
+
+def reach_database(args: argparse.Namespace) -> None:
+    """Reach the database once before a command runs (see the module docstring), so that
+    a command fails fast and says why, where the pool it then uses would retry for its
+    whole timeout, quietly, as a worker's does."""
+    connect(args).close()
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -87,7 +160,7 @@ def _schema_state(args: argparse.Namespace):
     from ..db.handshake import read_state, this_code
 
     settings = settings_from(args)
-    with psycopg.connect(database_url(args), autocommit=True) as conn:
+    with connect(args) as conn:
         return this_code(), read_state(conn, settings.schema)
 
 
@@ -115,6 +188,19 @@ def _kind(migration) -> str:
     return f" ({migration.compatibility}: {migration.reason})"
 
 
+def _json_flag(parser: argparse.ArgumentParser) -> None:
+    from .jobs import _json_flag as add_json_flag
+
+    add_json_flag(parser)
+
+
+def print_json(data) -> None:
+    """``data`` as indented JSON (times in ISO 8601) on stdout."""
+    from .jobs import to_json
+
+    print(to_json(data))
+
+
 def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     def run_migrate(args: argparse.Namespace) -> int:
         from ..db.migrate import migrate
@@ -122,18 +208,27 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         if args.check:
             return check_migrations(args)
         settings = settings_from(args)
+        applied_now: list[dict] = []
 
         def report(migration, took: float | None) -> None:
             # One line per migration: its name as it starts, its time once applied.
-            if took is None:
-                print(f"applying {migration.version:04d}_{migration.name} ... ", end="", flush=True)
+            label = f"{migration.version:04d}_{migration.name}"
+            if args.json:
+                if took is not None:
+                    applied_now.append({"migration": label, "seconds": round(took, 3)})
+            elif took is None:
+                print(f"applying {label} ... ", end="", flush=True)
             else:
                 print(f"done in {took:.1f} s", flush=True)
 
         applied = migrate(database_url(args), settings.schema, force=args.force, report=report)
+        code, state = _schema_state(args)
+        if args.json:
+            verdict = _verdict(code, state)
+            print_json({"schema": settings.schema, "applied": applied_now, "verdict": verdict})
+            return 0
         if not applied:
             print(f"schema {settings.schema!r} is up to date")
-        code, state = _schema_state(args)
         if not state.admits(code) or state.unknown(code):
             print(_verdict(code, state))
         return 0
@@ -159,19 +254,39 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
             raise CodeTooOld(too_old_message(state, code))
         by_version = {m.version: m for m in discover()}
         pending = [by_version[s.version] for s in states if s.state == "pending"]
+        refusal = None
+        breaking = next((m for m in pending if m.breaking), None)
+        if breaking is not None:
+            with connect(args) as conn:
+                seen = live_work(conn, settings.schema)
+            if seen:
+                refusal = (
+                    f"`migrate` would refuse {breaking.filename} now, seeing live work of "
+                    f"processes that cannot check the schema: {seen.describe()}"
+                )
+        if args.json:
+            print_json(
+                {
+                    "schema": settings.schema,
+                    "pending": [
+                        {
+                            "migration": m.filename,
+                            "compatibility": m.compatibility,
+                            "reason": m.reason,
+                        }
+                        for m in pending
+                    ],
+                    "would_refuse": refusal,
+                    "verdict": _verdict(code, state),
+                }
+            )
+            return 1 if pending else 0
         if pending:
             print(f"{len(pending)} migration(s) pending in schema {settings.schema!r}:")
             for migration in pending:
                 print(f"  {migration.filename}{_kind(migration)}")
-            breaking = next((m for m in pending if m.breaking), None)
-            if breaking is not None:
-                with psycopg.connect(database_url(args), autocommit=True) as conn:
-                    seen = live_work(conn, settings.schema)
-                if seen:
-                    print(
-                        f"`migrate` would refuse {breaking.filename} now, seeing live work of "
-                        f"processes that cannot check the schema: {seen.describe()}"
-                    )
+            if refusal:
+                print(refusal)
             return 1
         print(f"schema {settings.schema!r} is up to date: {_verdict(code, state)}")
         return 0
@@ -183,6 +298,40 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         states = status(database_url(args), settings.schema)
         code, state = _schema_state(args)
         kinds = {m.version: m for m in state.applied}
+        counts = {
+            name: sum(1 for s in states if s.state == name)
+            for name in ("pending", "changed", "unknown")
+        }
+        counts["applied"] = len(states) - counts["pending"] - counts["unknown"]
+        partitions = _partitions(args, settings)
+        if args.json:
+            rows = []
+            for s in states:
+                applied = kinds.get(s.version)
+                rows.append(
+                    {
+                        "migration": f"{s.version:04d}_{s.name}",
+                        "state": s.state,
+                        "applied_at": s.applied_at,
+                        "compatibility": applied.compatibility if applied else None,
+                        "applied_by": applied.code_version
+                        if applied is not None and not s.known
+                        else None,
+                    }
+                )
+            print_json(
+                {
+                    "schema": settings.schema,
+                    "code": code.describe(),
+                    "migrations": rows,
+                    **counts,
+                    "min_code_level": state.min_code_level if state.raised_by else None,
+                    "min_code_level_set_by": state.raised_by.label if state.raised_by else None,
+                    "verdict": _verdict(code, state),
+                    "partitions": partitions,
+                }
+            )
+            return 1 if counts["changed"] else 0
         print(f"schema {settings.schema!r}; this code: {code.describe()}")
         for s in states:
             when = s.applied_at.isoformat(timespec="seconds") if s.applied_at else ""
@@ -193,12 +342,11 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
                 if not s.known and applied.code_version:
                     line += f", applied by {applied.code_version}"
             print(line.rstrip())
-        pending = sum(1 for s in states if s.state == "pending")
-        changed = sum(1 for s in states if s.state == "changed")
-        unknown = sum(1 for s in states if s.state == "unknown")
-        summary = f"{len(states) - pending - unknown} applied, {pending} pending, {changed} changed"
-        if unknown:
-            summary += f", {unknown} unknown to this code"
+        summary = (
+            f"{counts['applied']} applied, {counts['pending']} pending, {counts['changed']} changed"
+        )
+        if counts["unknown"]:
+            summary += f", {counts['unknown']} unknown to this code"
         print(summary)
         if state.raised_by is not None:
             print(
@@ -208,8 +356,8 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         else:
             print("minimum code level: none (no breaking migration applied)")
         print(_verdict(code, state))
-        _print_partitions(args, settings)
-        return 1 if changed else 0
+        _print_partitions(partitions)
+        return 1 if counts["changed"] else 0
 
     migrate_parser = sub.add_parser("migrate", help="apply pending migrations")
     migrate_parser.add_argument(
@@ -223,33 +371,48 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         help="apply a breaking migration even while processes that cannot check the schema "
         "show live work (leases, recent sends or claims); without it, migrate refuses",
     )
+    _json_flag(migrate_parser)
     migrate_parser.set_defaults(func=run_migrate)
-    sub.add_parser(
+    status_parser = sub.add_parser(
         "status", help="list applied and pending migrations, and whether this code fits"
-    ).set_defaults(func=run_status)
+    )
+    _json_flag(status_parser)
+    status_parser.set_defaults(func=run_status)
 
 
-def _print_partitions(args: argparse.Namespace, settings: Settings) -> None:
-    """``status``: how many days ahead history's partitions exist, and the rows of the
-    DEFAULT partitions (which maintenance keeps empty); nothing before migration 0013."""
+def _partitions(args: argparse.Namespace, settings: Settings) -> dict | None:
+    """``status``: how many days ahead history's partitions exist (through which day), the
+    rows of the DEFAULT partitions (which maintenance keeps empty) and the tables not
+    attached yet; None before migration 0013."""
     from ..history.retention import partition_status
 
     try:
-        with psycopg.connect(database_url(args), autocommit=True) as conn:
+        with connect(args) as conn:
             found = partition_status(conn, settings.schema)
     except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction):
-        return  # migrations 0012-0013 not applied yet
-    if found.days_ahead < 0:
+        return None  # migrations 0012-0013 not applied yet
+    return {
+        "days_ahead": found.days_ahead,
+        "through": found.through,
+        "default_rows": dict(found.default_rows),
+        "pending": list(found.pending),
+    }
+
+
+def _print_partitions(found: dict | None) -> None:
+    if found is None:
+        return
+    if found["days_ahead"] < 0:
         print("history partitions: today's partitions are missing (run prune)")
     else:
         print(
-            f"history partitions: {found.days_ahead} day(s) ahead "
-            f"(through {found.through:%Y-%m-%d})"
+            f"history partitions: {found['days_ahead']} day(s) ahead "
+            f"(through {found['through']:%Y-%m-%d})"
         )
-    rows = ", ".join(f"{name} {count}" for name, count in found.default_rows.items())
+    rows = ", ".join(f"{name} {count}" for name, count in found["default_rows"].items())
     print(f"DEFAULT partitions (kept empty by prune): {rows}")
-    if found.pending:
-        print(f"partitions not attached yet: {', '.join(found.pending)}")
+    if found["pending"]:
+        print(f"partitions not attached yet: {', '.join(found['pending'])}")
 
 
 def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
@@ -257,9 +420,16 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
         from ..db import embedded
 
         if args.action == "url":
-            print(embedded.embedded_url())
+            url = embedded.embedded_url()
+            if args.json:
+                print_json({"url": url})
+            else:
+                print(url)
         elif args.action == "status":
             info = embedded.status()
+            if args.json:
+                print_json(info)
+                return 0
             state = f"running (pid {info['pid']})" if info["running"] else "not running"
             print(f"data directory  {info['data_dir']}")
             print(f"chosen by       {info['why']}")
@@ -268,7 +438,11 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
                 print(f"url             {info['url']}")
         else:
             path = embedded.data_dir()
-            print(f"stopped ({path})" if embedded.stop() else f"not running ({path})")
+            stopped = embedded.stop()
+            if args.json:
+                print_json({"stopped": stopped, "data_dir": str(path)})
+            else:
+                print(f"stopped ({path})" if stopped else f"not running ({path})")
         return 0
 
     parser = sub.add_parser("embedded", help="the local PostgreSQL used without DRAMATIQ_PG_URL")
@@ -278,7 +452,9 @@ def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
         help="url: print its URL, starting it if it is not running; status: which server "
         "(its data directory, and why that one) and whether it runs; stop: stop it",
     )
-    parser.set_defaults(func=run_embedded)
+    _json_flag(parser)
+    # It starts or stops the server itself: nothing to reach first.
+    parser.set_defaults(func=run_embedded, needs_database=False)
 
 
 def add_entry_point_commands(sub: argparse._SubParsersAction) -> None:
@@ -305,21 +481,36 @@ def _add_missing(sub: argparse._SubParsersAction, entry) -> None:
     install = f"pip install '{entry.dist.name if entry.dist else 'dramatiq-pg-broker'}[{extras}]'"
 
     def missing(args: argparse.Namespace) -> int:
-        print(
-            f"error: the {entry.name} commands need the {extras} extra: {install}", file=sys.stderr
-        )
-        return 2
+        return fail(f"the {entry.name} commands need the {extras} extra: {install}")
 
     parser = sub.add_parser(entry.name, help=f"{entry.name} commands (needs the {extras} extra)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    parser.set_defaults(func=missing)
+    # It says what to install: nothing to reach first.
+    parser.set_defaults(func=missing, needs_database=False)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad arguments print one line (no usage block) and exit 2."""
+    """Bad arguments print one line (no usage block), JSON with ``--json``, and exit 2."""
 
     def error(self, message: str):
+        if _json_errors.get():
+            self.exit(2, json.dumps({"error": f"{self.prog}: {message}"}) + "\n")
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _everywhere(parser: argparse.ArgumentParser) -> None:
+    """Let every command (and group of commands) take the :data:`EVERYWHERE` options where
+    it is named: ``jobs list --url URL`` as well as ``--url URL jobs list``. Their
+    defaults are suppressed there, so that a value given before the command stands."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for sub in {id(p): p for p in action.choices.values()}.values():
+            given = {option for a in sub._actions for option in a.option_strings}
+            for option, _ in EVERYWHERE:
+                if option not in given:
+                    sub.add_argument(option, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            _everywhere(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,24 +521,39 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--url", help="database URL (default: DRAMATIQ_PG_URL, else embedded)")
-    parser.add_argument("--schema", help="schema name (default: DRAMATIQ_PG_SCHEMA or dramatiq)")
+    for option, help_text in EVERYWHERE:
+        parser.add_argument(option, help=help_text)
     sub = parser.add_subparsers(dest="command", required=True)
     add_migration_commands(sub)
     add_embedded_commands(sub)
     add_operator_commands(sub)
     add_control_commands(sub)
     add_entry_point_commands(sub)
+    _everywhere(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # A command says itself why it cannot reach the database (one line, exit 2): the
+    # outage lines a worker logs while it retries would only repeat it.
+    logging.getLogger("dramatiq_pg_broker.outage").setLevel(logging.ERROR)
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    #: The command line as given, to repeat it in advice (see settings_from).
-    args.argv = argv
+    token = _json_errors.set("--json" in argv)
     try:
+        args = build_parser().parse_args(argv)
+        #: The command line as given, to repeat it in advice (see settings_from).
+        args.argv = argv
+        _json_errors.set(bool(getattr(args, "json", False)))
+        return _run(args)
+    finally:
+        _json_errors.reset(token)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if getattr(args, "needs_database", True):
+            reach_database(args)
         return args.func(args)
     except BrokenPipeError:
         # The reader went away (`... | head`): not an error of ours. Python's own advice:
@@ -355,21 +561,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except PgBrokerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
+    except BrokerConnectionError as e:
+        # The database went away while the command ran (the pool gave up waiting).
+        cause = e.__cause__ or e
+        return fail(f"lost the database: {one_line_error(cause)}")
     except psycopg.OperationalError as e:
-        print(f"error: cannot connect to the database: {e}".strip(), file=sys.stderr)
-        return 2
+        return fail(f"cannot connect to the database: {one_line_error(e)}")
     except psycopg.ProgrammingError as e:
         if "connection" not in str(e).lower():
             raise
         # libpq's message quotes part of the string, which may be the password.
-        print(
-            "error: the database URL is not a connection string libpq can parse: check "
-            "--url or DRAMATIQ_PG_URL",
-            file=sys.stderr,
+        return fail(
+            "the database URL is not a connection string libpq can parse: check "
+            "--url or DRAMATIQ_PG_URL"
         )
-        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -66,6 +66,7 @@ from ..errors import QueueNotDeclared
 from ..jobs.rows import AsDict, channel_name, clean_text
 from ..queue_rules import check_limit, check_queue_name
 from .queues import get as get_queue
+from .queues import not_declared
 
 if TYPE_CHECKING:
     from ..db.core import ProcessPool
@@ -163,8 +164,7 @@ def set_limit(
     with conn.transaction():
         if not force and get_queue(conn, schema, name) is None:
             raise QueueNotDeclared(
-                f"no worker has declared queue {name!r}: check the name, or limit it ahead "
-                "of its workers with --force"
+                f"{not_declared(name)}, or limit it ahead of its workers with --force"
             )
         if limit is None:
             conn.execute(queries["clear_queue_limit"], {"name": name})
@@ -204,6 +204,21 @@ def apply_declared(
     ]
     for name in changed:
         conn.execute(queries["notify_limit"], {"channel": channel_name(schema, name)})
+    for name, limit in all_limits(conn, schema).items():
+        if name in limits and limit.source == "operator" and limit.limit != limits[name]:
+            # Said where it is decided: the limits line each process logs names values only.
+            logger.warning(
+                "Queue %s keeps the limit %d an operator set (%s, %s), not this worker's "
+                "queue_limits %d: an operator's limit wins over code. "
+                "`dramatiq-pg-broker queues limit %s --clear` lifts it (the next worker to "
+                "boot sets its own).",
+                name,
+                limit.limit,
+                limit.set_by,
+                limit.set_at.isoformat(timespec="seconds"),
+                limits[name],
+                name,
+            )
     return changed
 
 

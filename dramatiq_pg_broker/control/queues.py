@@ -22,7 +22,6 @@ import dataclasses
 import datetime as dt
 import functools
 from collections.abc import Iterable
-from typing import Any
 
 import psycopg
 
@@ -51,6 +50,19 @@ class QueueState(AsDict):
 _queries = functools.partial(statements_for, filename="queues.sql")
 
 
+def not_declared(name: str) -> str:
+    """What every command says of a queue name that no worker declared (the CLI warns
+    with it where it reads or retries jobs, and refuses with it where it would change the
+    queue's state)."""
+    shown = name if len(name) <= 60 else name[:60] + "..."
+    return f"no worker has declared queue {shown!r}: check the name"
+
+
+def is_declared(conn: psycopg.Connection, schema: str, name: str) -> bool:
+    """Whether a worker declared the queue (or an operator paused it ahead of them)."""
+    return get(conn, schema, name) is not None
+
+
 def declare(conn: psycopg.Connection, schema: str, names: Iterable[str]) -> None:
     """Make queues known (a worker does it at boot); a known queue keeps its state."""
     names = sorted(set(names))
@@ -68,13 +80,6 @@ def get(conn: psycopg.Connection, schema: str, name: str) -> QueueState | None:
 def states(conn: psycopg.Connection, schema: str) -> list[QueueState]:
     """Every known queue's state, by name."""
     return [QueueState(*row) for row in conn.execute(_queries(schema)["queue_states"])]
-
-
-def list_queues(conn: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
-    """Every known queue with its state and its waiting, delayed and running jobs."""
-    cur = conn.execute(_queries(schema)["list_queues"])
-    names = [d.name for d in cur.description]
-    return [dict(zip(names, row)) for row in cur.fetchall()]
 
 
 def pause(
@@ -109,8 +114,7 @@ def pause(
         state = get(conn, schema, name)
         if state is None:
             raise QueueNotDeclared(
-                f"no worker has declared queue {name!r}: check the name, or pause it ahead "
-                "of its workers with --force"
+                f"{not_declared(name)}, or pause it ahead of its workers with --force"
             )
         if changed is not None:
             conn.execute(
@@ -136,7 +140,7 @@ def resume(conn: psycopg.Connection, schema: str, name: str, *, by: str) -> Queu
         ).fetchone()
         state = get(conn, schema, name)
         if state is None:
-            raise QueueNotDeclared(f"no worker has declared queue {name!r}: check the name")
+            raise QueueNotDeclared(not_declared(name))
         if changed is not None:
             conn.execute(
                 queries["wake_queue"], {"channel": channel_name(schema, name), "payload": ""}

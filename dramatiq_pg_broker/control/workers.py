@@ -63,6 +63,13 @@ def list_workers(conn: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
     return [dict(zip(names, row)) for row in cur.fetchall()]
 
 
+def live_workers(conn: psycopg.Connection, schema: str) -> dict[str, int]:
+    """How many live worker processes consume each queue (a queue none consumes now is
+    left out)."""
+    rows = conn.execute(_queries(schema)["live_workers_by_queue"]).fetchall()
+    return {queue_name: int(n) for queue_name, n in rows}
+
+
 def list_actors(conn: psycopg.Connection, schema: str) -> list[dict[str, Any]]:
     """Every declared actor with its queue and the number of live workers declaring it."""
     cur = conn.execute(_queries(schema)["list_actors"])

@@ -10,13 +10,12 @@ from .rows import (
     ClaimedJob,
     EnqueueResult,
     NewJob,
-    QueueCounts,
     ReapResult,
     Renewal,
     abort_payload,
     channel_name,
     id_prefix_range,
-    queue_counts_of,
     send_values,
 )
+from .states import STATES, JobState, QueueCounts, queue_counts_of, state_of
 from .store import JobStore

@@ -24,6 +24,7 @@ from .rows import (
     Renewal,
     _claim_of,
     _ms,
+    clean_text,
 )
 
 #: The statements of limits.sql for a schema (loaded once per process, shared).
@@ -206,6 +207,9 @@ class Claims(StoreBase):
         backoff_ms: Sequence[int],
         max_interruptions: int,
         lease_seconds: float,
+        ids: Sequence[str] | None = None,
+        queue_name: str | None = None,
+        by: str | None = None,
         conn=None,
         now=None,
     ) -> ReapResult:
@@ -216,6 +220,11 @@ class Claims(StoreBase):
         later ones), or failed once its interruptions reach ``max_interruptions``. A job
         whose abort was requested is cancelled instead (``aborted``). A lease only counts
         as expired once the server has been up for ``lease_seconds``.
+
+        The reaper gives neither ``ids`` nor ``queue_name`` nor ``by``; an operator's
+        requeue (:meth:`~.operator.OperatorTransitions.requeue_expired`) gives them: only
+        those jobs (or that queue's), and an event naming who asked, written whatever
+        ``events`` says.
         """
         if not backoff_ms:
             raise ValueError("backoff_ms needs at least one delay")
@@ -227,6 +236,9 @@ class Claims(StoreBase):
                 "max_interruptions": max_interruptions,
                 "lease_expired": LEASE_EXPIRED,
                 "lease_ms": _ms(lease_seconds),
+                "ids": None if ids is None else list(ids),
+                "queue_name": queue_name,
+                "by": clean_text(by),
                 "now": now,
             },
             conn,

@@ -1,4 +1,5 @@
-"""The operator's transitions: retry failed jobs, cancel, abort."""
+"""The operator's transitions: retry failed jobs, cancel, abort, requeue jobs whose lease
+expired."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 
 import psycopg
 
+from ..config import Settings
 from ..errors import DuplicateJobId, InvalidTransition, JobBusy
 from .base import StoreBase
-from .rows import abort_payload, clean_text
+from .rows import ReapResult, abort_payload, clean_text
 
 #: How long an abort waits for the job's row by default (seconds): a running job's row is
 #: held for longer than a statement only by a complete_in() block's transaction.
@@ -186,3 +188,91 @@ class OperatorTransitions(StoreBase):
             "the job has succeeded; if it rolls back, the job goes on as before and can be "
             "aborted): nothing was changed"
         )
+
+    def requeue_expired(
+        self,
+        job_id: str | None = None,
+        *,
+        settings: Settings,
+        queue_name: str | None = None,
+        by: str | None = None,
+        conn=None,
+        now=None,
+    ) -> ReapResult:
+        """Put jobs whose lease expired back in their queue now, as an operator: the one
+        job ``job_id``, or every such job (of ``queue_name`` when given).
+
+        It is the reaper's own transition (:meth:`~.claims.Claims.reap`, the statement
+        ``reap_expired``) on the chosen rows, runnable at once instead of after a backoff:
+        only a row whose lease has expired is taken (a worker that is alive renews its
+        lease first, so this cannot race it), an unstarted claim goes back uncharged, an
+        interrupted attempt counts as an interruption, a job whose interruptions reach
+        ``settings.max_interruptions`` fails and one whose abort was requested is
+        cancelled, as the reaper would. No failure hook of Dramatiq runs here (this
+        process has no actors; a worker's reaper runs them for the jobs it fails). Each
+        job's event (``timeout_requeued``, ``released``, ``failed`` or ``aborted``) names
+        ``by`` and, in its data, the worker that lost it.
+
+        Parameters:
+          job_id(str): the job; None: every job whose lease expired.
+          settings(Settings): its ``max_interruptions``, its ``lease_seconds`` (a lease
+            counts as expired only once the server has been up a whole lease) and its
+            ``reaper_batch`` (rows per statement when no job is named).
+          queue_name(str): without ``job_id``: only this queue's jobs.
+          by(str): who asks, as the events record it.
+
+        Returns:
+          ReapResult: what was done with each job taken.
+
+        Raises:
+          JobNotFound: no job has the id ``job_id``.
+          InvalidTransition: the job's lease has not expired (it runs, or it is not
+            running at all).
+        """
+        by = clean_text(by) or "unknown"
+        params = {
+            "backoff_ms": [0],
+            "max_interruptions": settings.max_interruptions,
+            "lease_seconds": settings.lease_seconds,
+            "by": by,
+            "now": now,
+        }
+        if job_id is not None:
+            result = self.reap(batch=1, ids=[job_id], conn=conn, **params)
+            if not taken(result):
+                self._raise_not_expired(job_id, conn, now)
+            return result
+        total = ReapResult([], [], [], [], [])
+        while True:
+            batch = settings.reaper_batch
+            result = self.reap(batch=batch, queue_name=queue_name, conn=conn, **params)
+            total = ReapResult(*(a + b for a, b in zip(total, result)))
+            if taken(result) < batch:
+                return total
+
+    def _raise_not_expired(self, job_id: str, conn, now) -> None:
+        """Say why :meth:`requeue_expired` took nothing of ``job_id``."""
+        job = self.get(job_id, conn=conn)
+        if job["status"] != "running":
+            raise InvalidTransition(job_id, job["status"], "requeued", "lease-expired")
+        clock = now if now is not None else self.server_now(conn=conn)
+        until = job["locked_until"]
+        if until is not None and until < clock:
+            raise InvalidTransition(
+                job_id,
+                f"running, its lease ended at {until.isoformat(timespec='seconds')} but the "
+                "database server started less than a lease ago (its worker may still renew "
+                "it)",
+                "requeued yet",
+                "lease-expired",
+            )
+        shown = "" if until is None else f" until {until.isoformat(timespec='seconds')}"
+        raise InvalidTransition(
+            job_id, f"running (its worker holds its lease{shown})", "requeued", "lease-expired"
+        )
+
+
+def taken(result: ReapResult) -> int:
+    """How many jobs a run of the reaper's statement took (requeued, released, failed or
+    cancelled)."""
+    return len(result.requeued) + len(result.released) + len(result.failed) + len(result.aborted)

@@ -7,7 +7,8 @@ from typing import Any
 
 from ..errors import AmbiguousJobId, JobNotFound
 from .base import StoreBase
-from .rows import MAX_ID_CANDIDATES, QueueCounts, id_prefix_range, queue_counts_of
+from .rows import MAX_ID_CANDIDATES, id_prefix_range
+from .states import QueueCounts, queue_counts_of
 
 
 class Reads(StoreBase):
@@ -83,14 +84,15 @@ class Reads(StoreBase):
             0
         ][0]
 
-    def queue_counts(self, *, conn=None, now=None) -> dict[str, QueueCounts]:
-        """Per queue, its waiting (runnable and delayed), running and failed jobs, and how
-        long the oldest runnable one has waited: the one count the CLI's ``stats``, the
-        admin API and its metrics all show. It reads the partial indexes on waiting,
-        running and dead rows, never the finished rows of a big table, so it costs what
-        the backlog costs, plus a count of the failed partitions of history. A queue with
-        no unfinished or failed job does not appear."""
-        params = {"now": now, "failed": True}
+    def queue_counts(self, *, conn=None, now=None, failed: bool = True) -> dict[str, QueueCounts]:
+        """Per queue, its jobs in each unfinished state and its failed jobs (see
+        :mod:`.states`), how long the oldest runnable one has waited and when the next
+        delayed one becomes runnable: the one count the CLI's ``stats``, the admin API and
+        its metrics all show. It reads the partial indexes on waiting and running rows and
+        the failed partitions of history (not with ``failed`` False), never the finished
+        rows of a big table, so it costs what the backlog costs. A queue with no
+        unfinished or failed job does not appear."""
+        params = {"now": now, "failed": failed}
         return queue_counts_of(self._fetch("count_by_queue", params, conn))
 
     def flush(self, queue_name: str, *, conn=None) -> int:

@@ -8,7 +8,6 @@ import datetime as dt
 import hashlib
 import math
 import uuid
-from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from psycopg.types.json import Jsonb
@@ -214,52 +213,6 @@ class AsDict:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class QueueCounts(AsDict):
-    """One queue's unfinished and failed jobs (see :meth:`JobStore.queue_counts`).
-
-    Attributes:
-      queued(int): waiting and runnable now (``available_at`` has passed).
-      delayed(int): waiting for a later ``available_at`` (a delay, an eta, a retry backoff).
-      running(int): claimed by a worker.
-      failed(int): in the dead-letter state.
-      oldest_waiting_seconds(float): how long the oldest runnable job has been runnable
-        (since its ``available_at``), by the server's clock; None when none waits.
-      declared(bool): a worker declared the queue (see :mod:`dramatiq_pg_broker.control.queues`);
-        False for a queue that only has jobs (sent to a queue no worker consumes), and
-        where only the counts were read.
-      paused(bool), paused_at(datetime), paused_by(str): whether an operator paused it,
-        when and who (where the queue's state was read).
-      limit(int): at most this many of its jobs run at once, across every worker (None:
-        no limit, or only the counts were read; see :mod:`dramatiq_pg_broker.limits`).
-    """
-
-    queued: int = 0
-    delayed: int = 0
-    running: int = 0
-    failed: int = 0
-    oldest_waiting_seconds: float | None = None
-    declared: bool = False
-    paused: bool = False
-    paused_at: dt.datetime | None = None
-    paused_by: str | None = None
-    limit: int | None = None
-
-
-def queue_counts_of(rows: Iterable[Sequence[Any]]) -> dict[str, QueueCounts]:
-    """The rows of the ``count_by_queue`` statement, as counts per queue."""
-    return {
-        queue_name: QueueCounts(
-            queued=int(queued),
-            delayed=int(delayed),
-            running=int(running),
-            failed=int(failed),
-            oldest_waiting_seconds=None if oldest is None else round(max(0.0, oldest), 3),
-        )
-        for queue_name, queued, delayed, running, failed, oldest in rows
-    }
 
 
 def _claim_of(rows: list[tuple]) -> Claim:

@@ -11,7 +11,8 @@ worker claimed the job), never an exception.
     queued  -> running      claim
     running -> succeeded    complete
     running -> running      start (the claimed message's actor is about to run)
-    running -> queued       reschedule (retry), reap (lease expired), release (shutdown)
+    running -> queued       reschedule (retry), reap (lease expired), release (shutdown),
+                            requeue_expired (operator: the reap of chosen expired leases)
     running -> failed       fail, or reap with interruptions exhausted
     failed  -> queued       retry_failed (operator)
     queued  -> cancelled    cancel (operator), abort (operator)

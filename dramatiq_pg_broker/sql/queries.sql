@@ -764,6 +764,11 @@ AND pg_postmaster_start_time() + %(lease_ms)s * interval '1 millisecond'
 -- Bounded by %(batch)s and SKIP LOCKED, so many processes can run it at once, each taking
 -- different rows, and an idle run costs one index probe. The error of an expired lease
 -- begins with %(lease_expired)s (jobs.py LEASE_EXPIRED), which the monitoring looks for.
+-- An operator runs the same statement (requeue_expired) with %(by)s, their name, on the
+-- jobs %(ids)s or of the queue %(queue_name)s (NULL: any), with a backoff of 0: the same
+-- guard (only rows whose lease has expired; a live worker renews its lease first), the
+-- same outcomes, and an event that is always written, naming the operator (its actor)
+-- and the worker that lost the job (data.worker).
 WITH expired AS MATERIALIZED (
     SELECT id, locked_by, started,
            -- The attempt ends the job (cancelled or failed): it moves to jobs_history.
@@ -771,6 +776,8 @@ WITH expired AS MATERIALIZED (
                OR (started AND interruptions + 1 >= %(max_interruptions)s) AS ends
     FROM {schema}.jobs
     WHERE status = 'running' AND {lease_ran_out}
+      AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
+      AND (%(queue_name)s::text IS NULL OR queue_name = %(queue_name)s)
     ORDER BY locked_until
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
@@ -842,14 +849,19 @@ WITH expired AS MATERIALIZED (
                 WHEN started THEN 'timeout_requeued'
                 ELSE 'released' END,
            attempts,
-           CASE WHEN status = 'cancelled' THEN abort_requested_by ELSE previous_owner END,
+           CASE WHEN status = 'cancelled' THEN abort_requested_by
+                ELSE coalesce(%(by)s::text, previous_owner) END,
            CASE WHEN status = 'cancelled'
                 THEN jsonb_build_object('worker', previous_owner, 'reason', 'lease expired')
                 WHEN started
                 THEN jsonb_build_object('error', last_error, 'available_at', available_at,
                                         'interruptions', interruptions)
+                WHEN %(by)s::text IS NOT NULL THEN jsonb_build_object()
            END
-    FROM changed WHERE %(events)s OR status = 'cancelled'
+           || CASE WHEN %(by)s::text IS NOT NULL AND status <> 'cancelled'
+                   THEN jsonb_build_object('worker', previous_owner, 'requeued_by', %(by)s::text)
+                   ELSE jsonb_build_object() END
+    FROM changed WHERE %(events)s OR status = 'cancelled' OR %(by)s::text IS NOT NULL
 )
 SELECT id, status, queue_name, started, actor_name, message, message_bytes, failures,
        interruptions, last_error
@@ -1091,45 +1103,44 @@ FROM {schema}.jobs_history
 WHERE queue_name = %(queue_name)s AND status = 'failed' AND finished_at >= %(since)s
 
 -- count_by_queue --
--- Per queue: waiting jobs runnable now and delayed, running jobs, failed jobs, and how long
--- the oldest runnable job has been runnable (seconds, by the server's clock; NULL when none
--- is). Three aggregates added up: the waiting and running parts each read a partial index
--- of the jobs table (claim order, lease expiry), the failed part the failed partitions of
--- jobs_history, so the succeeded rows are never read; the waiting jobs, usually the most numerous, are
--- counted from the claim-order index alone (it holds queue_name and available_at). The
--- CLI's stats, the admin API and its metrics all read this one count. With
--- %(failed)s false the failed part is not run (its count is 0): a history of millions of
+-- Per queue, its unfinished and failed jobs grouped by the facts that put a job in its
+-- state (jobs/states.py): stored status, whether available_at has passed (waiting jobs),
+-- whether the lease is current (running jobs), whether an operator paused the queue; with
+-- each group's count, its earliest available_at (how long the oldest runnable job has
+-- waited; when the next delayed one becomes runnable) and the server's clock. No state is
+-- named here: queue_counts_of (states.py) names each group's. Three aggregates: the
+-- waiting and running parts each read a partial index of the jobs table (claim order,
+-- lease expiry), the failed part the failed partitions of jobs_history, so the succeeded
+-- rows are never read; the waiting jobs, usually the most numerous, are counted from the
+-- claim-order index alone (it holds queue_name and available_at). The pause is read once
+-- per group. The CLI's stats and queue list, the admin API and its metrics all read this
+-- one count. With %(failed)s false the failed part is not run: a history of millions of
 -- failed jobs costs a count of them all, which the admin API's stats leave out.
 WITH parts AS (
-    SELECT queue_name,
-           count(*) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
-               AS queued,
-           count(*) FILTER (WHERE available_at > coalesce(%(now)s::timestamptz, now()))
-               AS delayed,
-           0::bigint AS running,
-           0::bigint AS failed,
-           min(available_at) FILTER (WHERE available_at <= coalesce(%(now)s::timestamptz, now()))
-               AS oldest_at
+    SELECT queue_name, 'queued'::text AS status,
+           available_at <= coalesce(%(now)s::timestamptz, now()) AS due,
+           NULL::boolean AS lease_current, count(*) AS n, min(available_at) AS first_at
     FROM {schema}.jobs
     WHERE status = 'queued'
-    GROUP BY queue_name
+    GROUP BY queue_name, due
     UNION ALL
-    SELECT queue_name, 0, 0, count(*), 0, NULL
+    SELECT queue_name, 'running', NULL,
+           locked_until >= coalesce(%(now)s::timestamptz, now()) AS lease_current, count(*),
+           NULL
     FROM {schema}.jobs
     WHERE status = 'running'
-    GROUP BY queue_name
+    GROUP BY queue_name, lease_current
     UNION ALL
-    SELECT queue_name, 0, 0, 0, count(*), NULL
+    SELECT queue_name, 'failed', NULL, NULL, count(*), NULL
     FROM {schema}.jobs_history
     WHERE status = 'failed' AND %(failed)s::boolean
     GROUP BY queue_name
 )
-SELECT queue_name, sum(queued)::bigint, sum(delayed)::bigint, sum(running)::bigint,
-       sum(failed)::bigint,
-       extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - min(oldest_at))::float8
-FROM parts
-GROUP BY queue_name
-ORDER BY queue_name
+SELECT p.queue_name, p.status, p.due, coalesce(q.paused, false), p.lease_current, p.n,
+       p.first_at, coalesce(%(now)s::timestamptz, now())
+FROM parts AS p
+LEFT JOIN {schema}.queues AS q ON q.queue_name = p.queue_name
+ORDER BY p.queue_name
 
 -- flush_queue --
 -- Drop the waiting and running jobs of a queue (Dramatiq's flush), with their events,

@@ -1,6 +1,6 @@
 -- Named statements of queue control (dramatiq_pg_broker.queues): declaring queues, pausing
--- and resuming them. Same layout as queries.sql. The claim statement (queries.sql,
--- claim_jobs) reads the pause; nothing here touches a job.
+-- and resuming them, and a queue's recent throughput. Same layout as queries.sql. The claim
+-- statement (queries.sql, claim_jobs) reads the pause; nothing here changes a job.
 
 -- declare_queues --
 -- The queues a booting worker consumes become known (a new row is not paused); a queue
@@ -44,27 +44,25 @@ SELECT queue_name, paused, paused_at, paused_by, resumed_at, resumed_by, declare
 FROM {schema}.queues
 WHERE queue_name = %(name)s
 
--- list_queues --
--- Every known queue with its state, its limit (NULL: none; see limits.sql) and its
--- unfinished jobs: waiting (runnable now and delayed) and running, each counted from its
--- partial index.
-SELECT q.queue_name, q.paused, q.paused_at, q.paused_by, q.resumed_at, q.resumed_by,
-       q.declared_at, l.max_running AS "limit", l.source AS limit_source,
-       l.set_by AS limit_set_by, l.set_at AS limit_set_at,
-       (SELECT count(*) FROM {schema}.jobs AS j
-        WHERE j.queue_name = q.queue_name AND j.status = 'queued' AND j.available_at <= now())
-           AS queued,
-       (SELECT count(*) FROM {schema}.jobs AS j
-        WHERE j.queue_name = q.queue_name AND j.status = 'queued' AND j.available_at > now())
-           AS delayed,
-       (SELECT count(*) FROM {schema}.jobs AS j
-        WHERE j.queue_name = q.queue_name AND j.status = 'running') AS running
-FROM {schema}.queues AS q
-LEFT JOIN {schema}.queue_limits AS l ON l.queue_name = q.queue_name
-ORDER BY q.queue_name
-
 -- queue_states --
 -- Every known queue's pause state (the dashboard's overview and the metrics).
 SELECT queue_name, paused, paused_at, paused_by, resumed_at, resumed_by, declared_at
 FROM {schema}.queues
 ORDER BY queue_name
+
+-- finished_per_minute --
+-- A queue's jobs that finished (succeeded or failed) in each minute since %(since)s: its
+-- throughput and its recent failures (a queue's page). The partitions of history by day of
+-- finish before %(since)s are pruned; at most the %(limit)s most recent rows are counted
+-- (the caller says so when the window held more).
+SELECT date_trunc('minute', finished_at) AS minute, status, count(*)
+FROM (
+    SELECT finished_at, status
+    FROM {schema}.jobs_history
+    WHERE status IN ('succeeded', 'failed') AND queue_name = %(queue_name)s
+      AND finished_at >= %(since)s
+    ORDER BY finished_at DESC
+    LIMIT %(limit)s
+) AS recent
+GROUP BY 1, 2
+ORDER BY 1, 2

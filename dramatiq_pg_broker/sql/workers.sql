@@ -39,6 +39,14 @@ FROM {schema}.workers
 WHERE expires_at > now()
 ORDER BY started_at, id
 
+-- live_workers_by_queue --
+-- How many live worker processes consume each queue now (a queue none consumes is not
+-- listed): its jobs wait for one.
+SELECT queue_name, count(*)
+FROM {schema}.workers AS w, unnest(w.queues) AS queue_name
+WHERE w.expires_at > now()
+GROUP BY queue_name
+
 -- list_actors --
 -- Every declared actor with its queue, and how many live workers declare it now.
 SELECT a.actor_name, a.queue_name, a.declared_at, a.seen_at,

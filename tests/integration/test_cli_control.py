@@ -55,10 +55,12 @@ def test_queues_pause_list_and_resume(store, run):
     assert code == 0 and "was already paused" in out
     code, out, _ = run("queues", "list")
     row = next(line.split() for line in out.splitlines() if line.startswith(queue))
-    assert row[1] == "paused" and row[-3:] == ["1", "0", "0"]
+    # Its waiting job is counted as paused, not as ready.
+    assert row[1] == "paused" and row[2:9] == ["-", "0", "0", "1", "0", "0", "0"]
     code, out, _ = run("queues", "list", "--json")
     listed = {q["queue_name"]: q for q in json.loads(out)}
-    assert listed[queue]["paused"] and listed[queue]["queued"] == 1
+    assert listed[queue]["paused"] and listed[queue]["jobs"]["paused"] == 1
+    assert listed[queue]["jobs"]["ready"] == 0 and listed[queue]["queued"] == 1
     code, out, _ = run("queues", "resume", queue, "--json")
     assert code == 0 and json.loads(out)["paused"] is False
 

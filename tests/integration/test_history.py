@@ -161,7 +161,7 @@ def test_the_queue_counts_read_dead_letters_from_history(broker, task, queue):
         finish(broker, queue, message.message_id, "failed" if n else "succeeded")
     task.send(9)
     counts = broker.store.queue_counts()[queue]
-    assert (counts.queued, counts.failed) == (1, 2)
+    assert (counts.ready, counts.failed) == (1, 2)
     since = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     assert broker.store.count_failed_since(queue, since) == 2
 

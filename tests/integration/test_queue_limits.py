@@ -333,7 +333,8 @@ def test_queues_limit_sets_lists_and_clears_a_limit(store, run):
     code, out, _ = run("queues", "list")
     header = out.splitlines()[0].split()
     row = next(line.split() for line in out.splitlines() if line.startswith(queue))
-    assert header[4] == "LIMIT" and row[4] == "3" and row[-3:] == ["1", "0", "0"]
+    # The queue has no live worker: "no worker", its job ready.
+    assert header[2] == "LIMIT" and row[1:5] == ["no", "worker", "3", "1"]
     code, out, _ = run("queues", "list", "--json")
     listed = {q["queue_name"]: q for q in json.loads(out)}
     assert listed[queue]["limit"] == 3 and listed[queue]["limit_source"] == "operator"
@@ -346,7 +347,7 @@ def test_queues_limit_sets_lists_and_clears_a_limit(store, run):
     assert {q["queue_name"]: q for q in json.loads(out)}[queue]["limit"] is None
     code, out, _ = run("queues", "list")
     row = next(line.split() for line in out.splitlines() if line.startswith(queue))
-    assert row[4] == "-"
+    assert row[3] == "-"
 
 
 def test_queues_limit_refuses_what_is_not_a_limit_in_one_line(store, run):

@@ -16,6 +16,11 @@ The ``queue`` label takes only the names of queues a worker declared (the queues
 so its values are bounded by the deployment, not by what anyone sends: jobs of queues no
 worker declared are counted together under ``queue="(undeclared)"`` (a name no Dramatiq
 queue can have). ``dramatiq_pg_queue_paused`` is 1 for each paused queue, 0 otherwise.
+
+The job gauges use the states of :mod:`dramatiq_pg_broker.jobs.states`, the words of the
+CLI, the API and the dashboard: ``dramatiq_pg_jobs_ready``, ``_delayed``, ``_paused``,
+``_running``, ``_lease_expired`` and ``_failed``. ``dramatiq_pg_jobs_queued`` (ready +
+paused: runnable now) is the gauge of earlier releases, kept for their alerts.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dramatiq_pg_broker import events as event_types
+from dramatiq_pg_broker.jobs import STATES, QueueCounts
+from dramatiq_pg_broker.jobs.states import FAILED, UNFINISHED
 
-from .monitoring import EVENT_SETTLE_SECONDS, Monitor, QueueCounts
+from .monitoring import EVENT_SETTLE_SECONDS, Monitor, QueueOverview
 
 #: Every metric's name starts with this.
 PREFIX = "dramatiq_pg"
@@ -79,33 +86,40 @@ class QueueCollector(Collector):
             lease_expiries = self._lease_expiries
 
         queues = _labelled(queues)
-        gauges = {
-            "queued": "Jobs waiting and runnable now.",
-            "delayed": "Jobs waiting for a later available_at (delay, eta or retry backoff).",
-            "running": "Jobs claimed by a worker.",
-            "failed": "Jobs in the dead-letter state (failed for good until retried).",
-        }
-        for field, help_text in gauges.items():
-            family = GaugeMetricFamily(f"{PREFIX}_jobs_{field}", help_text, labels=["queue"])
-            for queue, counts in queues.items():
-                family.add_metric([queue], getattr(counts, field))
+        for state in (*UNFINISHED, FAILED):
+            family = GaugeMetricFamily(
+                f"{PREFIX}_jobs_{state}",
+                f"Jobs {STATES[state].label}: {STATES[state].description}.",
+                labels=["queue"],
+            )
+            for queue, (counts, _) in queues.items():
+                family.add_metric([queue], getattr(counts, state))
             yield family
+        queued = GaugeMetricFamily(
+            f"{PREFIX}_jobs_queued",
+            "Jobs runnable now, ready or paused (the gauge of earlier releases: "
+            "dramatiq_pg_jobs_ready and dramatiq_pg_jobs_paused tell them apart).",
+            labels=["queue"],
+        )
+        for queue, (counts, _) in queues.items():
+            queued.add_metric([queue], counts.ready + counts.paused)
+        yield queued
         oldest = GaugeMetricFamily(
             f"{PREFIX}_oldest_waiting_seconds",
             "How long the oldest runnable job of the queue has been waiting (0: none waits).",
             labels=["queue"],
         )
-        for queue, counts in queues.items():
-            oldest.add_metric([queue], counts.oldest_waiting_seconds)
+        for queue, (counts, _) in queues.items():
+            oldest.add_metric([queue], counts.oldest_waiting_seconds or 0.0)
         yield oldest
         paused = GaugeMetricFamily(
             f"{PREFIX}_queue_paused",
             "1 while an operator has paused the queue (no worker claims its jobs), else 0.",
             labels=["queue"],
         )
-        for queue, counts in queues.items():
+        for queue, (_, paused_now) in queues.items():
             if queue != UNDECLARED:
-                paused.add_metric([queue], 1 if counts.paused else 0)
+                paused.add_metric([queue], 1 if paused_now else 0)
         yield paused
 
         finished = CounterMetricFamily(
@@ -147,20 +161,16 @@ class QueueCollector(Collector):
         )
 
 
-def _labelled(queues: dict[str, QueueCounts]) -> dict[str, QueueCounts]:
-    """The declared queues by name, and the jobs of all the others added up under
-    :data:`UNDECLARED` (when there are any)."""
-    labelled = {name: counts for name, counts in queues.items() if counts.declared}
-    others = [counts for counts in queues.values() if not counts.declared]
+def _labelled(queues: dict[str, QueueOverview]) -> dict[str, tuple[QueueCounts, bool]]:
+    """The declared queues by name, each with its counts and whether it is paused, and the
+    jobs of all the others added up under :data:`UNDECLARED` (when there are any)."""
+    labelled = {name: (q.jobs, q.paused) for name, q in queues.items() if q.declared}
+    others = [q.jobs for q in queues.values() if not q.declared]
     if others:
-        labelled[UNDECLARED] = QueueCounts(
-            queued=sum(c.queued for c in others),
-            delayed=sum(c.delayed for c in others),
-            running=sum(c.running for c in others),
-            failed=sum(c.failed for c in others),
-            oldest_waiting_seconds=max(c.oldest_waiting_seconds for c in others),
-            declared=False,
-        )
+        total = QueueCounts()
+        for counts in others:
+            total = total.add(counts)
+        labelled[UNDECLARED] = (total, False)
     return labelled
 
 

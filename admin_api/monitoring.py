@@ -17,15 +17,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from dramatiq_pg_broker import events as event_types
-from dramatiq_pg_broker.db import Queries
-from dramatiq_pg_broker.jobs import LEASE_EXPIRED, QueueCounts, queue_counts_of
+from dramatiq_pg_broker.control import overview
+from dramatiq_pg_broker.control.overview import QueueOverview
+from dramatiq_pg_broker.jobs import LEASE_EXPIRED
 
 from .tables import Timestamp, job_events
-from .tables import queue_limits as queue_limits_table
-from .tables import queues as queues_table
-from .tables import workers as workers_table
 
-__all__ = ["Monitor", "NewEvents", "QueueCounts"]
+__all__ = ["Monitor", "NewEvents", "QueueOverview"]
 
 #: The most recent events the throughput chart reads (newest first, along the primary key).
 #: A busier hour than this shows only its most recent part, and says so (``truncated``).
@@ -71,34 +69,32 @@ class Monitor:
     def __init__(self, engine: Engine, schema: str) -> None:
         self.schema = schema
         self.engine = engine.execution_options(schema_translate_map={None: schema})
-        #: The per-queue count the CLI and the job store read too.
-        self.queues_statement = Queries(schema)["count_by_queue"]
 
-    def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueCounts]:
-        """Counts per queue, in one statement (the job store's ``count_by_queue``, see
-        :meth:`~dramatiq_pg_broker.jobs.JobStore.queue_counts`), and the state of every
-        declared queue: a declared queue appears even with no job; a queue with jobs that no
-        worker declared appears with ``declared`` False. ``oldest_waiting_seconds`` is 0
-        when no job of the queue is runnable."""
+    def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueOverview]:
+        """Every queue as the broker's overview reads it (see
+        :mod:`dramatiq_pg_broker.control.overview`, the CLI's ``stats`` read): its jobs in
+        each state, its pause, its limit, its live workers."""
         with self.engine.connect() as conn:
             return self._queues(conn, now)
 
-    def live_workers(self) -> dict[str, int]:
-        """How many live worker processes (their rows not expired) consume each queue: a
-        declared queue none consumes now waits like an undeclared one."""
-        name = sa.func.unnest(workers_table.c.queues).label("queue_name")
-        live = sa.select(name).where(workers_table.c.expires_at > sa.func.now()).subquery("live")
-        query = sa.select(live.c.queue_name, sa.func.count()).group_by(live.c.queue_name)
+    def queue(self, name: str) -> QueueOverview | None:
+        """One queue as :meth:`queues` shows it (None: no such queue)."""
         with self.engine.connect() as conn:
-            return {queue: int(n) for queue, n in conn.execute(query).all()}
+            return overview.queue(_driver(conn), self.schema, name)
+
+    def queue_throughput(self, name: str, *, minutes: int = 60) -> dict[str, Any]:
+        """A queue's finished jobs per minute (see
+        :func:`dramatiq_pg_broker.control.overview.throughput`)."""
+        with self.engine.connect() as conn:
+            return overview.throughput(_driver(conn), self.schema, name, minutes=minutes)
 
     def scrape(self, cursor: int | None, *, settle: float = EVENT_SETTLE_SECONDS):
-        """What a metrics scrape reads, on one connection: the per-queue counts and the
-        events after ``cursor`` (with no cursor yet, only the newest event's id, where
-        counting starts).
+        """What a metrics scrape reads, on one connection: every queue and the events
+        after ``cursor`` (with no cursor yet, only the newest event's id, where counting
+        starts).
 
         Returns:
-          tuple: the counts per queue (dict of :class:`QueueCounts`) and :class:`NewEvents`.
+          tuple: the queues (dict of :class:`QueueOverview`) and :class:`NewEvents`.
         """
         with self.engine.connect() as conn:
             queues = self._queues(conn, None)
@@ -107,36 +103,8 @@ class Monitor:
                 return queues, NewEvents(counts={}, lease_expiries=0, cursor=newest)
             return queues, self._new_events(conn, cursor, settle)
 
-    def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueCounts]:
-        rows = conn.exec_driver_sql(self.queues_statement, {"now": now, "failed": True})
-        found = {
-            queue_name: dataclasses.replace(
-                counts, oldest_waiting_seconds=counts.oldest_waiting_seconds or 0.0
-            )
-            for queue_name, counts in queue_counts_of(rows).items()
-        }
-        declared = conn.execute(
-            sa.select(
-                queues_table.c.queue_name,
-                queues_table.c.paused,
-                queues_table.c.paused_at,
-                queues_table.c.paused_by,
-            )
-        ).all()
-        for row in declared:
-            counts = found.setdefault(row.queue_name, QueueCounts(oldest_waiting_seconds=0.0))
-            counts.declared = True
-            counts.paused = bool(row.paused)
-            counts.paused_at = row.paused_at
-            counts.paused_by = row.paused_by
-        limits = conn.execute(
-            sa.select(queue_limits_table.c.queue_name, queue_limits_table.c.max_running)
-        ).all()
-        for row in limits:
-            # A limit set ahead of its workers (--force) shows with the queue's counts.
-            counts = found.setdefault(row.queue_name, QueueCounts(oldest_waiting_seconds=0.0))
-            counts.limit = row.max_running
-        return dict(sorted(found.items()))
+    def _queues(self, conn, now: dt.datetime | None) -> dict[str, QueueOverview]:
+        return overview.overview(_driver(conn), self.schema, now=now)
 
     def throughput(self, *, minutes: int = 60, now: dt.datetime | None = None) -> dict[str, Any]:
         """Succeeded, failed and retried attempts per minute over the last ``minutes``.
@@ -283,3 +251,8 @@ class Monitor:
     def _now(self) -> dt.datetime:
         with self.engine.connect() as conn:
             return conn.execute(sa.select(sa.func.now())).scalar_one()
+
+
+def _driver(conn) -> Any:
+    """The psycopg connection under a SQLAlchemy one: the broker's reads take it."""
+    return conn.connection.driver_connection

@@ -24,9 +24,10 @@ from dramatiq_pg_broker.backends.results import describe_stored
 from dramatiq_pg_broker.db import Queries
 from dramatiq_pg_broker.errors import JobNotFound
 from dramatiq_pg_broker.events import STATUSES
-from dramatiq_pg_broker.jobs import queue_counts_of
+from dramatiq_pg_broker.jobs import queue_counts_of, state_of
+from dramatiq_pg_broker.jobs.states import FINISHED, UNFINISHED, filter_params
 
-from .tables import Timestamp, job_events, job_owners, jobs_history, results, users
+from .tables import Timestamp, job_events, job_owners, jobs_history, queues, results, users
 
 # Every read of jobs goes through the view of unfinished and finished jobs (0012): a
 # reader never needs to know where a job lives. Conditions, order and limit reach both
@@ -93,15 +94,11 @@ LIST_COLUMNS = tuple(name for name in JOB_COLUMNS if name not in ("last_error", 
 PREVIEW_CHARS = 200
 
 
-#: The list's status filter that is not a status of its own: queued jobs whose
-#: ``available_at`` is still ahead (a delay, an eta, a retry backoff), what the overview
-#: counts as "delayed".
-DELAYED = "delayed"
-
-
 @dataclasses.dataclass(frozen=True)
 class JobFilters:
-    """Filters of the job list; None means "any". ``status`` may also be :data:`DELAYED`."""
+    """Filters of the job list; None means "any". ``status`` is a state of
+    :data:`dramatiq_pg_broker.jobs.states.FILTERS`: a state, or ``queued`` (every waiting
+    job)."""
 
     status: str | None = None
     queue: str | None = None
@@ -147,6 +144,23 @@ class Cursor:
     event_id: int
 
 
+#: What names a job's state besides its row (see :func:`with_state`): its queue's pause and
+#: the server's clock, read with the row.
+_STATE_FACTS = (
+    sa.func.coalesce(queues.c.paused, False).label("queue_paused"),
+    sa.func.now().label("server_now"),
+)
+
+
+def _with_owner_and_queue(source) -> Any:
+    """``source`` (the jobs) joined to their owners and their queue's row."""
+    return (
+        source.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id)
+        .outerjoin(users, users.c.id == job_owners.c.user_id)
+        .outerjoin(queues, queues.c.queue_name == jobs.c.queue_name)
+    )
+
+
 def _job_select() -> sa.Select:
     owner = users.c.email.label("owner")
     return sa.select(
@@ -154,11 +168,8 @@ def _job_select() -> sa.Select:
         jobs.c.message,
         (jobs.c.message.is_(None)).label("opaque"),
         owner,
-    ).select_from(
-        jobs.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id).outerjoin(
-            users, users.c.id == job_owners.c.user_id
-        )
-    )
+        *_STATE_FACTS,
+    ).select_from(_with_owner_and_queue(jobs))
 
 
 def _summary_select() -> sa.Select:
@@ -178,11 +189,22 @@ def _summary_select() -> sa.Select:
         sa.func.left(jobs.c.last_error, PREVIEW_CHARS + 1).label("error_preview"),
         (jobs.c.message.is_(None)).label("opaque"),
         owner,
-    ).select_from(
-        jobs.outerjoin(job_owners, job_owners.c.job_id == jobs.c.id).outerjoin(
-            users, users.c.id == job_owners.c.user_id
-        )
+        *_STATE_FACTS,
+    ).select_from(_with_owner_and_queue(jobs))
+
+
+def with_state(data: dict[str, Any], row: sa.Row) -> dict[str, Any]:
+    """``data`` (a job as the API shows it) with its ``state``
+    (:func:`dramatiq_pg_broker.jobs.state_of`), named from the row's facts."""
+    facts = row._mapping
+    data["state"] = state_of(
+        data["status"],
+        available_at=data["available_at"],
+        locked_until=data["locked_until"],
+        paused=facts["queue_paused"],
+        now=facts["server_now"],
     )
+    return data
 
 
 def preview(text: str | None) -> str | None:
@@ -204,15 +226,27 @@ def summary_dict(row: sa.Row) -> dict[str, Any]:
     data["error_preview"] = preview(row._mapping["error_preview"])
     data["message_encoding"] = "binary" if opaque else "json"
     data["owner"] = row._mapping["owner"]
-    return data
+    return with_state(data, row)
 
 
-def _status_conditions(table: sa.Table, status: str) -> list[Any]:
-    """The conditions of the status filter on ``table``: a status, or :data:`DELAYED`
-    (queued, ``available_at`` after now, by the server's clock as the overview counts)."""
-    if status == DELAYED:
-        return [table.c.status == "queued", table.c.available_at > sa.func.now()]
-    return [table.c.status == status]
+def _status_conditions(table: sa.Table, name: str) -> list[Any]:
+    """The conditions of the list's state filter on ``table``: the facts
+    :func:`dramatiq_pg_broker.jobs.states.filter_params` gives for the state, each compared
+    when given (by the server's clock, as the counts are), so that no state is defined
+    here."""
+    facts = filter_params(name)
+    now = sa.func.now()
+    conditions: list[Any] = [table.c.status == facts["status"]]
+    if facts["due"] is not None:
+        due = table.c.available_at <= now
+        conditions.append(due if facts["due"] else sa.not_(due))
+    if facts["lease_current"] is not None:
+        current = table.c.locked_until >= now
+        conditions.append(current if facts["lease_current"] else sa.not_(current))
+    if facts["paused"] is not None:
+        paused = sa.exists().where(queues.c.queue_name == table.c.queue_name, queues.c.paused)
+        conditions.append(paused if facts["paused"] else sa.not_(paused))
+    return conditions
 
 
 def _capped_count(conn, rows: sa.Select, cap: int | None = None) -> int:
@@ -281,7 +315,7 @@ def job_dict(row: sa.Row) -> dict[str, Any]:
     data["message"] = None if opaque else row._mapping["message"]
     data["message_encoding"] = "binary" if opaque else "json"
     data["owner"] = row._mapping["owner"]
-    return data
+    return with_state(data, row)
 
 
 def event_dict(row: sa.Row) -> dict[str, Any]:
@@ -819,12 +853,15 @@ class JobQueries:
             by_queue: dict[str, dict[str, int]] = {}
             # by_queue holds no failed count: the statement leaves out its failed part.
             per_queue = conn.exec_driver_sql(self._count_by_queue, {"now": now, "failed": False})
+            by_state = dict.fromkeys(UNFINISHED, 0)
             for queue_name, counts in queue_counts_of(per_queue).items():
-                waiting = counts.queued + counts.delayed
+                for state in UNFINISHED:
+                    by_state[state] += getattr(counts, state)
+                waiting, running = counts.waiting, counts.running + counts.lease_expired
                 by_status["queued"] += waiting
-                by_status["running"] += counts.running
-                if waiting or counts.running:
-                    by_queue[queue_name] = {"queued": waiting, "running": counts.running}
+                by_status["running"] += running
+                if waiting or running:
+                    by_queue[queue_name] = {"queued": waiting, "running": running}
             estimated = False
             for status in ("succeeded", "failed", "cancelled"):
                 parent = f'"{self.schema}".jobs_history_{status}'
@@ -857,6 +894,7 @@ class JobQueries:
             "total": total,
             "estimated": bool(estimated),
             "by_status": by_status,
+            "by_state": {**by_state, **{status: by_status[status] for status in FINISHED}},
             "by_queue": dict(sorted(by_queue.items())),
             "expired_leases": expired_count,
             "retries_pending": retries_count,

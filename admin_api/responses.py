@@ -22,9 +22,11 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 
+from dramatiq_pg_broker.control.overview import STATES as QUEUE_STATES
 from dramatiq_pg_broker.control.queues import QueueState as QueueStateRecord
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 from dramatiq_pg_broker.events import STATUSES
+from dramatiq_pg_broker.jobs.states import FAILED, STATES, UNFINISHED
 
 from . import accounts
 from .queries import JOB_COLUMNS, LIST_COLUMNS, PREVIEW_CHARS
@@ -88,6 +90,15 @@ Job = create_model(
         **{name: (_column_type(jobs.c[name]), ...) for name in JOB_COLUMNS},
         # ... and what the table does not say.
         "status": (Literal[STATUSES], ...),
+        "state": (
+            Literal[tuple(STATES)],
+            Field(
+                description="Where the job is, in the words of the CLI, the dashboard and the "
+                "metrics: ready, delayed, paused (its queue is), running, lease_expired (its "
+                "worker stopped renewing its lease: waiting for a worker to take it back), "
+                "succeeded, failed, cancelled."
+            ),
+        ),
         "message": (
             dict | None,
             Field(
@@ -115,7 +126,7 @@ JobSummary = create_model(
     # A list row has the job's own fields but its arguments, result and last error.
     **{
         name: (Job.model_fields[name].annotation, Job.model_fields[name])
-        for name in (*LIST_COLUMNS, "message_encoding", "owner")
+        for name in (*LIST_COLUMNS, "state", "message_encoding", "owner")
     },
     args_preview=(
         str | None,
@@ -205,6 +216,13 @@ StatusCounts = create_model(
 )
 
 
+StateCounts = create_model(
+    "StateCounts",
+    __doc__="Jobs per state (the finished ones as by_status counts them).",
+    **{name: (int, Field(description=state.description)) for name, state in STATES.items()},
+)
+
+
 class QueueLoad(BaseModel):
     """A queue's unfinished jobs."""
 
@@ -231,6 +249,7 @@ class Stats(BaseModel):
         "estimates (that status's history is big)."
     )
     by_status: StatusCounts
+    by_state: StateCounts
     by_queue: dict[str, QueueLoad] = Field(description="Unfinished jobs per queue.")
     expired_leases: int = Field(
         description="Running jobs whose lease expired (the reaper will requeue them)."
@@ -310,16 +329,42 @@ class Caller(BaseModel):
     via: Literal["session", "token"]
 
 
+JobStateCounts = create_model(
+    "JobStateCounts",
+    __doc__="A queue's jobs in each state (the CLI's, the dashboard's and the metrics' words).",
+    **{
+        name: (int, Field(ge=0, description=f"{STATES[name].label}: {STATES[name].description}."))
+        for name in (*UNFINISHED, FAILED)
+    },
+)
+
+
+class WaitingReason(BaseModel):
+    """Something that holds a queue's jobs back."""
+
+    reason: Literal["paused", "undeclared", "no_worker", "limit", "lease_expired", "delayed"]
+    text: str = Field(description="The same, as a sentence.")
+
+
 class QueueOverview(BaseModel):
-    """A queue's jobs by state, its oldest wait, its workers, its pause and its limit."""
+    """A queue: its state, its jobs in each state, its pause, its limit and who set it, its
+    live workers, and why its jobs wait."""
 
     queue_name: str
-    queued: int = Field(ge=0, description="Waiting and runnable now.")
-    delayed: int = Field(ge=0, description="Waiting for a later available_at.")
-    running: int = Field(ge=0, description="Claimed by a worker.")
-    failed: int = Field(ge=0, description="In the dead-letter state.")
-    oldest_waiting_seconds: float = Field(
-        description="How long the oldest runnable job has waited (0: none)."
+    state: Literal[QUEUE_STATES] = Field(
+        description="paused; undeclared (no worker declared it); no_worker (declared, but no "
+        "live worker process consumes it now); or active."
+    )
+    jobs: JobStateCounts
+    oldest_waiting_seconds: float | None = Field(
+        description="How long the oldest runnable job (ready or paused) has waited (null: none)."
+    )
+    next_delayed_at: Time | None = Field(
+        description="When the earliest delayed job becomes runnable (null: none is delayed)."
+    )
+    waiting_because: list[WaitingReason] = Field(
+        description="Why its jobs wait, most blocking first (empty: nothing holds them back "
+        "but the work ahead of them)."
     )
     declared: bool = Field(
         description="A worker declared the queue (false: jobs wait in a queue no worker consumes)."
@@ -332,10 +377,59 @@ class QueueOverview(BaseModel):
     paused: bool = Field(description="An operator paused the queue.")
     paused_at: Time | None
     paused_by: str | None
+    resumed_at: Time | None
+    resumed_by: str | None
     limit: int | None = Field(
         description="At most this many of its jobs run at once, across every worker "
         "(null: no limit)."
     )
+    limit_source: Literal["code", "operator"] | None = Field(
+        description="Who set the limit: code (a worker's queue_limits setting) or operator "
+        "(the CLI, the API, the dashboard), whose limit wins over code's; null: no limit."
+    )
+    limit_set_by: str | None
+    limit_set_at: Time | None
+    queued: int = Field(
+        ge=0, deprecated=True, description="Earlier releases' count: ready + paused (runnable now)."
+    )
+    delayed: int = Field(
+        ge=0, deprecated=True, description="Earlier releases' count: jobs.delayed."
+    )
+    running: int = Field(
+        ge=0,
+        deprecated=True,
+        description="Earlier releases' count: running + lease_expired (claimed).",
+    )
+    failed: int = Field(ge=0, deprecated=True, description="Earlier releases' count: jobs.failed.")
+
+
+class QueueThroughputBucket(BaseModel):
+    """One minute's finished jobs of a queue."""
+
+    at: Time
+    succeeded: int = Field(ge=0)
+    failed: int = Field(ge=0)
+
+
+class QueueThroughput(BaseModel):
+    """A queue's finished jobs per minute, oldest first, and their totals."""
+
+    since: Time
+    until: Time
+    minutes: int
+    succeeded: int = Field(ge=0, description="Jobs of the queue that succeeded in the window.")
+    failed: int = Field(ge=0, description="Jobs of the queue that failed for good in the window.")
+    buckets: list[QueueThroughputBucket]
+    truncated: bool = Field(
+        description="More jobs finished in the window than one read counts: only the most "
+        "recent were."
+    )
+
+
+class QueueDetail(QueueOverview):
+    """One queue, with its last hour's throughput."""
+
+    throughput: QueueThroughput
 
 
 class QueueLimit(BaseModel):

@@ -114,10 +114,11 @@ class StaticFile:
 
 
 class Queues:
-    """``GET /api/queues``: per queue, queued / delayed / running / failed jobs, how long
-    the oldest runnable one has waited, whether a worker declared it, how many live worker
-    processes consume it now and whether it is paused (see :meth:`Monitor.queues` and
-    :meth:`Monitor.live_workers`)."""
+    """``GET /api/queues``: every queue as the broker's overview reads it (the CLI's
+    ``stats``): its state, its jobs in each state (ready, delayed, paused, running,
+    lease_expired, failed), how long the oldest runnable one has waited, its pause, its
+    limit and who set it, the live worker processes that consume it, and why its jobs wait
+    (see :mod:`dramatiq_pg_broker.control.overview`)."""
 
     route = "/api/queues"
 
@@ -126,20 +127,14 @@ class Queues:
 
     @operation(
         roles=OBSERVERS,
-        summary="Per queue: queued, delayed, running and failed jobs, the age of the oldest "
-        "runnable job, whether it is paused and its limit. Every declared queue is listed; "
-        "another queue only while it has such jobs.",
+        summary="Per queue: its state, its jobs in each state (ready, delayed, paused, "
+        "running, lease_expired, failed), the age of the oldest runnable job, its pause, its "
+        "limit and who set it, its live workers and why its jobs wait. Every declared queue "
+        "is listed; another queue while it has such jobs or a limit.",
         responses={200: (responses.QueueList, "The queues, by name.")},
     )
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        queues = self.monitor.queues()
-        live = self.monitor.live_workers()
-        resp.media = {
-            "results": [
-                {"queue_name": name, **c.as_dict(), "live_workers": live.get(name, 0)}
-                for name, c in queues.items()
-            ]
-        }
+        resp.media = {"results": [queue.as_dict() for queue in self.monitor.queues().values()]}
 
 
 #: The longest window of ``GET /api/throughput``, in minutes.

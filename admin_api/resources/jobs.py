@@ -13,8 +13,7 @@ from dramatiq_pg_broker import queue_rules
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.control.workers import actor_declaration
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
-from dramatiq_pg_broker.events import STATUSES
-from dramatiq_pg_broker.jobs import JobStore
+from dramatiq_pg_broker.jobs import JobStore, states
 from dramatiq_pg_broker.sending.messages import (
     APPLICATION_SCOPE,
     MAX_DELAY_MS,
@@ -30,7 +29,7 @@ from ..auth import CREATORS, OBSERVERS, OPERATORS, READERS, owner_scope
 from ..errors import ApiError, bad_request
 from ..operations import operation
 from ..pagination import decode_job_cursor, job_links, link_to
-from ..queries import DELAYED, JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
+from ..queries import JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
 from ..validation import (
     Body,
     DateTime,
@@ -116,9 +115,9 @@ class ActionRequest(Body):
     unknown fields."""
 
 
-#: The list's status filter: a status, or ``delayed`` (queued, not runnable before a later
-#: ``available_at``: the overview's "Delayed").
-LIST_STATUSES = (*STATUSES, DELAYED)
+#: The list's state filter: a state (:mod:`dramatiq_pg_broker.jobs.states`), or ``queued``,
+#: the stored status (every waiting job), which it took before the states existed.
+LIST_STATUSES = states.FILTERS
 
 
 class JobListParams(Params):
@@ -129,8 +128,10 @@ class JobListParams(Params):
     cursor: str = Field(None, description="A position from a next or previous link.")
     status: Literal[LIST_STATUSES] = Field(
         None,
-        description="Exact status, or delayed: queued jobs whose available_at is still ahead "
-        "(a delay, an eta, a retry backoff; the overview's Delayed count).",
+        description="A state: ready, delayed, paused (runnable, its queue paused), running, "
+        "lease_expired (its worker stopped renewing its lease), succeeded, failed, "
+        "cancelled; or queued, the stored status: every waiting job (ready, delayed and "
+        "paused), as earlier releases meant it. Every job's state field is one of these.",
     )
     queue: QueryName = Field(None, max_length=MAX_FILTER_LENGTH, description="Exact queue name.")
     actor: QueryName = Field(

@@ -110,7 +110,7 @@ def test_deep_pages_are_cursor_pages_and_counts_are_capped(env, monkeypatch):
         ("limit=ten", "limit must be an integer"),
         ("offset=-1", "offset must be an integer from 0"),
         ("offset=99999999999999999999999", "offset must be an integer"),
-        ("status=paused", "status must be one of queued, running"),
+        ("status=stopped", "status must be one of ready, delayed, paused, running"),
         ("created_after=yesterday", "created_after must be an ISO 8601 date-time"),
         ("stauts=failed", "unknown query parameter(s) 'stauts'"),
         ("status=failed&status=queued", "give the query parameter status once"),

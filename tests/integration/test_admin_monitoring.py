@@ -17,6 +17,7 @@ from admin_api.metrics import Metrics
 from admin_api.monitoring import Monitor
 from admin_api.resources import dashboard as dashboard_resource
 from dramatiq_pg_broker import Attempt
+from dramatiq_pg_broker.control import queues
 
 from .admin_support import CSRF
 
@@ -24,25 +25,31 @@ REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "docs" / "guides" / "prometheus-alerts.yml"
 
 
+#: A queue's counts, in the vocabulary of the CLI, the API, the dashboard and the metrics.
+FIELDS = ("ready", "delayed", "paused", "running", "lease_expired", "failed")
+
+
 def table_counts(pg_url: str, schema: str) -> dict[str, dict[str, int]]:
-    """Per queue, straight from the jobs table (every declared queue, with zeros when it
-    has no unfinished or failed job): what the gauges must say."""
+    """Per queue, straight from the tables (every declared queue, with zeros when it has no
+    unfinished or failed job): what the gauges must say. Written here on its own, from the
+    definitions of the states, as a second opinion on the code's."""
     query = sql.SQL(
-        """SELECT queue_name,
-                  count(*) FILTER (WHERE status = 'queued' AND available_at <= now()),
+        """SELECT j.queue_name,
+                  count(*) FILTER (WHERE status = 'queued' AND available_at <= now()
+                                   AND NOT coalesce(q.paused, false)),
                   count(*) FILTER (WHERE status = 'queued' AND available_at > now()),
-                  count(*) FILTER (WHERE status = 'running'),
+                  count(*) FILTER (WHERE status = 'queued' AND available_at <= now()
+                                   AND coalesce(q.paused, false)),
+                  count(*) FILTER (WHERE status = 'running' AND locked_until >= now()),
+                  count(*) FILTER (WHERE status = 'running' AND locked_until < now()),
                   count(*) FILTER (WHERE status = 'failed')
-           FROM {}.all_jobs WHERE status IN ('queued', 'running', 'failed') GROUP BY queue_name"""
-    ).format(sql.Identifier(schema))
+           FROM {schema}.all_jobs AS j LEFT JOIN {schema}.queues AS q USING (queue_name)
+           WHERE status IN ('queued', 'running', 'failed') GROUP BY j.queue_name"""
+    ).format(schema=sql.Identifier(schema))
     declared = sql.SQL("SELECT queue_name FROM {}.queues").format(sql.Identifier(schema))
     with psycopg.connect(pg_url) as conn:
-        counts = {name: dict.fromkeys(("queued", "delayed", "running", "failed"), 0)
-                  for (name,) in conn.execute(declared)}  # fmt: skip
-        counts.update(
-            (row[0], dict(zip(("queued", "delayed", "running", "failed"), row[1:])))
-            for row in conn.execute(query)
-        )
+        counts = {name: dict.fromkeys(FIELDS, 0) for (name,) in conn.execute(declared)}
+        counts.update((row[0], dict(zip(FIELDS, row[1:]))) for row in conn.execute(query))
         return counts
 
 
@@ -70,23 +77,22 @@ def test_queues_count_each_state_of_a_queue(env, pg_url, schema):
     result = env.get("/api/queues", "viewer")
     assert result.status_code == 200, result.text
     by_name = {row["queue_name"]: row for row in result.json["results"]}
+    assert by_name[queue]["jobs"] == {
+        "ready": 2, "delayed": 1, "paused": 0, "running": 0, "lease_expired": 0, "failed": 0,
+    }  # fmt: skip
+    # The counts of earlier releases stay, with their meaning.
     assert {k: by_name[queue][k] for k in ("queued", "delayed", "running", "failed")} == {
         "queued": 2, "delayed": 1, "running": 0, "failed": 0,
     }  # fmt: skip
     assert 0 <= by_name[queue]["oldest_waiting_seconds"] < 60
-    assert by_name[queue + "_r"]["running"] == 1
-    assert by_name[queue + "_f"]["failed"] == 2
+    assert by_name[queue + "_r"]["jobs"]["running"] == 1
+    assert by_name[queue + "_f"]["jobs"]["failed"] == 2
     # A declared queue with only finished jobs is listed, with nothing waiting.
-    assert {k: by_name[queue + "_s"][k] for k in ("queued", "running", "failed")} == {
-        "queued": 0, "running": 0, "failed": 0,
-    }  # fmt: skip
+    assert by_name[queue + "_s"]["jobs"] == dict.fromkeys(FIELDS, 0)
     assert by_name[queue]["declared"] is True and by_name[queue]["paused"] is False
     # Every queue, every field, agrees with the table.
     expected = table_counts(pg_url, schema)
-    assert {
-        name: {k: row[k] for k in ("queued", "delayed", "running", "failed")}
-        for name, row in by_name.items()
-    } == expected
+    assert {name: row["jobs"] for name, row in by_name.items()} == expected
 
 
 def test_the_cli_the_api_and_the_metrics_show_one_count_per_queue(env, pg_url, schema, capsys):
@@ -96,21 +102,41 @@ def test_the_cli_the_api_and_the_metrics_show_one_count_per_queue(env, pg_url, s
     # A queue's claim takes its first runnable job: claim before adding the others.
     env.failed(queue=queue)
     env.running(queue=queue)
+    expired = env.enqueue(queue=queue)
+    env.claim(expired, lease_seconds=0.001)
     env.enqueue(queue=queue)
     env.enqueue(queue=queue, delay_ms=3_600_000)
-    fields = ("queued", "delayed", "running", "failed")
-    expected = table_counts(pg_url, schema)[queue]
-    assert expected == {"queued": 1, "delayed": 1, "running": 1, "failed": 1}
+    held = "mon_one_count_paused"
+    env.enqueue(queue=held)
+    with env.store.pool.connection() as conn:
+        queues.pause(conn, schema, held, by="tests", force=True)
+    expected = {name: table_counts(pg_url, schema)[name] for name in (queue, held)}
+    assert expected == {
+        queue: {"ready": 1, "delayed": 1, "paused": 0, "running": 1, "lease_expired": 1,
+                "failed": 1},
+        held: {"ready": 0, "delayed": 0, "paused": 1, "running": 0, "lease_expired": 0,
+               "failed": 0},
+    }  # fmt: skip
 
-    store = env.store.queue_counts()[queue]
-    assert {k: getattr(store, k) for k in fields} == expected, "the job store's count"
-    monitor = Monitor(env.engine, schema).queues()[queue]
-    assert {k: getattr(monitor, k) for k in fields} == expected, "the dashboard's and metrics'"
+    counts = env.store.queue_counts()
+    assert {name: counts[name].as_dict() for name in expected} == expected, "the job store's"
+    monitor = Monitor(env.engine, schema).queues()
+    assert {name: monitor[name].jobs.as_dict() for name in expected} == expected, "the API's"
     assert cli.main(["--url", pg_url, "--schema", schema, "stats", "--json"]) == 0
     rows = {row["queue_name"]: row for row in json.loads(capsys.readouterr().out)}
-    assert {k: rows[queue][k] for k in fields} == expected, "the CLI's stats"
+    assert {name: rows[name]["jobs"] for name in expected} == expected, "the CLI's stats"
+    metrics = scrape(Metrics(Monitor(env.engine, schema)))
+    assert {
+        name: {f: metrics[f"dramatiq_pg_jobs_{f}"][(("queue", name),)] for f in FIELDS}
+        for name in expected
+    } == expected, "the metrics'"
     by_queue = env.get("/api/jobs/stats", "viewer").json["by_queue"][queue]
-    assert by_queue == {"queued": 2, "running": 1}, "the stats' per-queue counts"
+    assert by_queue == {"queued": 2, "running": 2}, "the stats' per-queue counts"
+    # Each state's list holds as many of the queue's jobs as its count says.
+    for state in FIELDS:
+        page = env.get("/api/jobs", "viewer", params={"status": state, "queue": queue}).json
+        assert page["count"] == expected[queue][state], state
+        assert {job["state"] for job in page["results"]} <= {state}
 
 
 def test_oldest_waiting_age_counts_from_when_the_job_became_runnable(env):
@@ -118,12 +144,12 @@ def test_oldest_waiting_age_counts_from_when_the_job_became_runnable(env):
     env.enqueue(queue=queue)
     monitor = Monitor(env.engine, env.settings.schema)
     later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=10)
-    counts = monitor.queues(now=later)[queue]
+    counts = monitor.queues(now=later)[queue].jobs
     assert 590 < counts.oldest_waiting_seconds < 700
     # A job delayed beyond "now" is not waiting yet.
     env.enqueue(queue="mon_age_delayed", delay_ms=3_600_000)
-    delayed = monitor.queues(now=later)["mon_age_delayed"]
-    assert (delayed.queued, delayed.delayed, delayed.oldest_waiting_seconds) == (0, 1, 0.0)
+    delayed = monitor.queues(now=later)["mon_age_delayed"].jobs
+    assert (delayed.ready, delayed.delayed, delayed.oldest_waiting_seconds) == (0, 1, None)
 
 
 def test_only_observers_read_the_overview_endpoints(env):
@@ -210,11 +236,16 @@ def test_metrics_gauges_and_counters_match_the_table(env, pg_url, schema):
     assert 0 < second["dramatiq_pg_metrics_query_seconds"][()] < 5
 
     expected = table_counts(pg_url, schema)
-    for field in ("queued", "delayed", "running", "failed"):
+    for field in FIELDS:
         gauge = second[f"dramatiq_pg_jobs_{field}"]
         assert {labels[0][1]: value for labels, value in gauge.items()} == {
             name: counts[field] for name, counts in expected.items()
         }, field
+    # The gauge of earlier releases: runnable now, ready or paused.
+    queued = second["dramatiq_pg_jobs_queued"]
+    assert {labels[0][1]: value for labels, value in queued.items()} == {
+        name: counts["ready"] + counts["paused"] for name, counts in expected.items()
+    }
     assert set(second["dramatiq_pg_oldest_waiting_seconds"]) == {
         (("queue", name),) for name in expected
     }

@@ -23,6 +23,16 @@ def test_stats_count_every_state(env, pg_url, schema):
         "total": 0,
         "estimated": False,
         "by_status": {"queued": 0, "running": 0, "succeeded": 0, "failed": 0, "cancelled": 0},
+        "by_state": {
+            "ready": 0,
+            "delayed": 0,
+            "paused": 0,
+            "running": 0,
+            "lease_expired": 0,
+            "succeeded": 0,
+            "failed": 0,
+            "cancelled": 0,
+        },
         "by_queue": {},
         "expired_leases": 0,
         "retries_pending": 0,
@@ -56,6 +66,10 @@ def test_stats_count_every_state(env, pg_url, schema):
         "failed": 2,
         "cancelled": 1,
     }
+    assert stats["by_state"] == {
+        "ready": 2, "delayed": 1, "paused": 0, "running": 1, "lease_expired": 1,
+        "succeeded": 1, "failed": 2, "cancelled": 1,
+    }  # fmt: skip
     assert stats["total"] == 9 and stats["estimated"] is False
     assert stats["by_queue"] == {
         "alpha": {"queued": 2, "running": 0},

@@ -37,10 +37,17 @@ from .resources.jobs import (
     JobEvents,
     JobList,
     JobStats,
+    RequeueJob,
     RetryJob,
 )
 from .resources.metrics import MetricsPage
-from .resources.queues import PauseQueue, QueueLimit, ResumeQueue
+from .resources.queues import (
+    PauseQueue,
+    QueueDetail,
+    QueueLimit,
+    RequeueExpired,
+    ResumeQueue,
+)
 from .resources.schedules import ScheduleList
 from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
@@ -71,9 +78,12 @@ API = (
     RetryJob,
     CancelJob,
     AbortJob,
+    RequeueJob,
+    QueueDetail,
     PauseQueue,
     ResumeQueue,
     QueueLimit,
+    RequeueExpired,
     WorkerList,
     ActorList,
     EventFeed,

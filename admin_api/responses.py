@@ -426,6 +426,17 @@ class QueueThroughput(BaseModel):
     )
 
 
+class RequeuedJobs(BaseModel):
+    """What an operator's requeue of a queue's expired leases did, by job id."""
+
+    queue_name: str
+    requeued: list[uuid.UUID] = Field(description="Back in the queue, runnable now.")
+    failed: list[uuid.UUID] = Field(
+        description="Failed: their interruptions reached max_interruptions, as the reaper does."
+    )
+    cancelled: list[uuid.UUID] = Field(description="Cancelled: their abort had been requested.")
+
+
 class QueueDetail(QueueOverview):
     """One queue, with its last hour's throughput."""
 

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from dramatiq_pg_broker import queue_rules
 from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.control import queues as queue_control
 from dramatiq_pg_broker.control.workers import actor_declaration
 from dramatiq_pg_broker.errors import InvalidMessage, JobNotFound
 from dramatiq_pg_broker.jobs import JobStore, states
@@ -431,7 +432,7 @@ def action(summary: str, answers: dict, description: str = ""):
 
 class JobTransition:
     """An operator's transition of one job, through the broker's state machine (its
-    :class:`JobStore` method :attr:`change`); 409 for a job in another status. Each
+    :class:`JobStore` method :attr:`change`); 409 for a job in another state. Each
     subclass declares its ``on_post``: :meth:`act` with its :func:`action`."""
 
     #: The :class:`JobStore` method: ``retry_failed``, ``cancel`` or ``abort``.
@@ -441,15 +442,28 @@ class JobTransition:
         self.queries = queries
         self.store = store
 
+    def transition(self, job_id: str, by: str, conn) -> dict:
+        """Run the transition on ``conn``; the job's row as it left it."""
+        return getattr(self.store, self.change)(job_id, by=by, conn=conn)
+
     def act(self, req: falcon.Request, resp: falcon.Response, job_id: str, body) -> None:
         # The transition and its read-back share one transaction: a worker woken by the
         # transition's NOTIFY (delivered at commit) cannot claim the job before it is
-        # read, so the response shows what the operator did, not what happened next.
-        change = getattr(self.store, self.change)
+        # read, so the response shows what the operator did, not what happened next (its
+        # state too: named from the row as the transition left it).
         with self.store.pool.connection() as conn, conn.transaction():
-            row = change(job_id, by=req.context.user.email, conn=conn)
+            row = self.transition(job_id, req.context.user.email, conn)
+            queue = queue_control.get(conn, self.store.schema, row["queue_name"])
+            now = self.store.server_now(conn=conn)
         job = self.queries.get_job(job_id)
         job.update({name: row[name] for name in JOB_COLUMNS if name != "id"})
+        job["state"] = states.state_of(
+            row["status"],
+            available_at=row["available_at"],
+            locked_until=row["locked_until"],
+            paused=queue is not None and queue.paused,
+            now=now,
+        )
         resp.media = job
 
 
@@ -499,4 +513,44 @@ class AbortJob(JobTransition):
         "is still running, with abort_requested_at and abort_requested_by set; it ends "
         "cancelled within about a second, with an aborted event naming who asked. The request "
         "waits at most a second for the job's row.",
+    )(JobTransition.act)
+
+
+class RequeueJob(JobTransition):
+    """``POST /api/jobs/{id}/requeue``: a job whose lease expired (its worker died, hung or
+    lost the database) back in its queue now, through the reaper's own transition
+    (:meth:`dramatiq_pg_broker.jobs.JobStore.requeue_expired`); a job whose worker holds
+    its lease is never taken (409).
+
+    Parameters:
+      settings(Settings): the interruption bound and the lease the reaper goes by.
+    """
+
+    route = "/api/jobs/{job_id}/requeue"
+
+    def __init__(self, queries: JobQueries, store: JobStore, settings: Settings) -> None:
+        super().__init__(queries, store)
+        self.settings = settings
+
+    def transition(self, job_id: str, by: str, conn) -> dict:
+        # It answers what the reaper's statement did: the row is read back.
+        self.store.requeue_expired(job_id, settings=self.settings, by=by, conn=conn)
+        return self.store.get(job_id, conn=conn)
+
+    on_post = action(
+        "Put a job whose lease expired (its worker died, hung or lost the database) back in "
+        "its queue now, as the reaper would take it back.",
+        {
+            200: (
+                responses.Job,
+                "The job, runnable again (or failed or cancelled, as the reaper ends a job "
+                "whose interruptions reached their bound or whose abort was requested).",
+            ),
+            404: NO_JOB,
+            409: "The job's lease has not expired (its worker holds it), or it is not running.",
+        },
+        description="Only a job whose lease has expired is taken: a worker that is alive "
+        "renews its lease first, so this never races it. An unstarted claim goes back "
+        "uncharged; an interrupted attempt counts as an interruption. The event "
+        "(timeout_requeued or released) names the operator, and the worker in its data.",
     )(JobTransition.act)

@@ -1,27 +1,69 @@
-"""``POST /api/queues/{name}/pause`` and ``POST /api/queues/{name}/resume``: an operator
-stops every worker claiming a queue's jobs, and lets them again (see
-:mod:`dramatiq_pg_broker.control.queues`). ``PUT /api/queues/{name}/limit``: at most N of its
-jobs run at a time across every worker, or no limit (see :mod:`dramatiq_pg_broker.control.limits`).
-The queue list with its pause state and limit is ``GET /api/queues`` (:mod:`.dashboard`)."""
+"""One queue. ``GET /api/queues/{name}``: the queue as the CLI's ``queues show`` shows it
+(see :mod:`dramatiq_pg_broker.control.overview`). ``POST /api/queues/{name}/pause`` and
+``POST /api/queues/{name}/resume``: an operator stops every worker claiming a queue's jobs,
+and lets them again (see :mod:`dramatiq_pg_broker.control.queues`).
+``PUT /api/queues/{name}/limit``: at most N of its jobs run at a time across every worker,
+or no limit (see :mod:`dramatiq_pg_broker.control.limits`).
+``POST /api/queues/{name}/requeue-expired``: its jobs whose lease expired go back to the
+queue now. The queue list is ``GET /api/queues`` (:mod:`.dashboard`)."""
 
 from __future__ import annotations
 
 import falcon
 from pydantic import Field
 
+from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.control import limits as queue_limits
 from dramatiq_pg_broker.control import queues as queue_control
+from dramatiq_pg_broker.errors import QueueNotDeclared
 from dramatiq_pg_broker.jobs import JobStore
-from dramatiq_pg_broker.queue_rules import MAX_LIMIT
+from dramatiq_pg_broker.queue_rules import MAX_LIMIT, check_queue_name
 
 from .. import responses
-from ..auth import OPERATORS
+from ..auth import OBSERVERS, OPERATORS
+from ..monitoring import Monitor
 from ..operations import operation
 from ..validation import Body
 from .jobs import action
 
 #: The 404 of an operation on a queue.
 UNDECLARED = "No worker has declared this queue."
+
+
+class QueueDetail:
+    """``GET /api/queues/{name}``: one queue as ``GET /api/queues`` lists it, with its last
+    hour's throughput (succeeded and failed per minute). 404 for a queue that is unknown
+    (no worker declared it, and it has no unfinished or failed job nor a limit).
+
+    Parameters:
+      monitor(Monitor): the monitoring reads.
+    """
+
+    route = "/api/queues/{queue_name}"
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    @operation(
+        roles=OBSERVERS,
+        summary="One queue: its state, its jobs in each state, its pause and its limit (and "
+        "who set them), its live workers, why its jobs wait, and the last hour's succeeded "
+        "and failed jobs per minute.",
+        responses={
+            200: (responses.QueueDetail, "The queue."),
+            404: "No worker declared the queue, and it has no unfinished or failed job nor a "
+            "limit.",
+        },
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response, queue_name: str) -> None:
+        check_queue_name(queue_name)
+        queue = self.monitor.queue(queue_name)
+        if queue is None:
+            raise QueueNotDeclared(
+                f"{queue_control.not_declared(queue_name)} (and it has no unfinished or failed "
+                "job, nor a limit)"
+            )
+        resp.media = {**queue.as_dict(), "throughput": self.monitor.queue_throughput(queue_name)}
 
 
 class QueueAction:
@@ -132,3 +174,43 @@ def limit_view(queue_name: str, limit: queue_limits.QueueLimit | None) -> dict:
             "set_at": None,
         }
     return limit.as_dict()
+
+
+class RequeueExpired:
+    """``POST /api/queues/{name}/requeue-expired``: every job of a queue a worker declared
+    whose lease expired goes back to the queue now, through the reaper's own transition
+    (:meth:`dramatiq_pg_broker.jobs.JobStore.requeue_expired`); a job whose worker still
+    holds its lease is never taken. Answers the ids requeued, failed (interruptions at
+    their bound) and cancelled (abort requested). 404 for a queue no worker declared.
+
+    Parameters:
+      store(JobStore): the state machine.
+      settings(Settings): the interruption bound and the lease the reaper goes by.
+    """
+
+    route = "/api/queues/{queue_name}/requeue-expired"
+
+    def __init__(self, store: JobStore, settings: Settings) -> None:
+        self.store = store
+        self.settings = settings
+
+    @action(
+        "Put every job of the queue whose lease expired back in the queue now.",
+        {200: (responses.RequeuedJobs, "What was done with each job taken."), 404: UNDECLARED},
+        description="The reaper's own transition, as for one job "
+        "(POST /api/jobs/{job_id}/requeue); a job whose worker holds its lease is never taken.",
+    )
+    def on_post(self, req: falcon.Request, resp: falcon.Response, queue_name: str, body) -> None:
+        check_queue_name(queue_name)
+        with self.store.pool.connection() as conn:
+            if not queue_control.is_declared(conn, self.store.schema, queue_name):
+                raise QueueNotDeclared(queue_control.not_declared(queue_name))
+        result = self.store.requeue_expired(
+            settings=self.settings, queue_name=queue_name, by=req.context.user.email
+        )
+        resp.media = {
+            "queue_name": queue_name,
+            "requeued": result.requeued + result.released,
+            "failed": result.failed,
+            "cancelled": result.aborted,
+        }

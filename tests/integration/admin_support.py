@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import re
+import time
 import uuid
 from typing import Any
 from urllib.parse import urlsplit
@@ -164,6 +165,13 @@ class AdminEnv:
         self.claim(job_id)
         return job_id
 
+    def lease_expired(self, **kwargs: Any) -> str:
+        """A job whose worker stopped renewing its lease (claimed for a millisecond)."""
+        job_id = self.enqueue(**kwargs)
+        self.claim(job_id, lease_seconds=0.001)
+        time.sleep(0.002)
+        return job_id
+
     def failed(self, **kwargs: Any) -> str:
         job_id = self.enqueue(**kwargs)
         assert self.store.fail([self.claim(job_id)], ["boom"]) == {job_id}
@@ -275,8 +283,10 @@ class Walk:
                 "jobs/{job_id}/retry",
                 "jobs/{job_id}/cancel",
                 "jobs/{job_id}/abort",
+                "jobs/{job_id}/requeue",
                 "queues/{queue_name}/pause",
                 "queues/{queue_name}/resume",
+                "queues/{queue_name}/requeue-expired",
             )
         },
     }
@@ -295,6 +305,7 @@ class Walk:
         job_id = {
             "/api/jobs/{job_id}/retry": env.failed,
             "/api/jobs/{job_id}/cancel": env.enqueue,
+            "/api/jobs/{job_id}/requeue": env.lease_expired,
         }.get(template, lambda: env.create_job()["id"])
         values = {
             "{queue_name}": self.queue,

@@ -26,7 +26,15 @@ from .metrics import Metrics
 from .monitoring import Monitor
 from .operations import operations, routes
 from .queries import JobQueries
-from .resources.dashboard import DashboardPage, Queues, Root, StaticFile, Throughput
+from .resources.dashboard import (
+    DashboardPage,
+    Favicon,
+    NotFoundPage,
+    Queues,
+    Root,
+    StaticFile,
+    Throughput,
+)
 from .resources.docs import DocsPage, OpenApiDocument
 from .resources.events import EventFeed
 from .resources.health import Health
@@ -101,7 +109,7 @@ API = (
 )
 #: What the app serves besides the API (HTML and Prometheus text): declared the same way,
 #: left out of the document.
-PAGES = (Root, DashboardPage, StaticFile, MetricsPage)
+PAGES = (Root, DashboardPage, StaticFile, NotFoundPage, Favicon, MetricsPage)
 
 
 @dataclasses.dataclass(frozen=True)

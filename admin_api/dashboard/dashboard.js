@@ -11,8 +11,23 @@ const CHARTS_EVERY_MS = 15000; // the overview's charts
 const JOB_EVERY_MS = 2000; // a job page while its job is unfinished (a finished one stops)
 const WORKERS_EVERY_MS = 15000; // the overview's worker list
 const LIST_EVERY_MS = 5000; // the job list
-// The list's filters: the statuses, and "delayed" (queued, available later).
-const FILTER_STATUSES = ["queued", "delayed", "running", "succeeded", "failed", "cancelled"];
+const QUEUE_EVERY_MS = 5000; // a queue's page
+// Where a job is: the API's states (dramatiq_pg_broker/jobs/states.py), the words the CLI
+// and the metrics use too, each with its label and what it means.
+const STATES = {
+  ready: ["ready", "Waiting, runnable now: the next free worker thread of its queue takes it"],
+  delayed: ["delayed", "Waiting for a later time: a delay, an eta or a retry's backoff"],
+  paused: ["paused", "Runnable, but an operator paused its queue: no worker claims it until resumed"],
+  running: ["running", "Claimed by a worker that keeps its lease"],
+  lease_expired: ["lease expired", "Its worker stopped renewing its lease (it died, hung or lost the database): waiting for a worker to take it back"],
+  succeeded: ["succeeded", "Finished: its actor returned"],
+  failed: ["failed", "Finished: failed for good (a dead letter) until retried"],
+  cancelled: ["cancelled", "Finished: cancelled, never to run"],
+};
+// A queue's counts, in that order.
+const COUNT_STATES = ["ready", "delayed", "paused", "running", "lease_expired", "failed"];
+// The list's filters: the states, and "queued" (every waiting job: ready, delayed, paused).
+const FILTERS = [...Object.keys(STATES), "queued"];
 const FINISHED = ["succeeded", "failed", "cancelled"];
 const OPERATORS = ["operator", "admin"];
 const OBSERVERS = ["viewer", "operator", "admin"];
@@ -173,19 +188,26 @@ function formatAge(seconds) {
   return Math.floor(s / 86400) + " d " + Math.floor((s % 86400) / 3600) + " h";
 }
 
+// "in 5 min" for a time ahead (a delayed job's), "now" once it has come.
+function until(iso) {
+  if (!iso) return "—";
+  const seconds = (new Date(iso).getTime() - Date.now()) / 1000;
+  return seconds <= 0 ? "now" : "in " + formatAge(seconds);
+}
+
 function ago(iso) {
   if (!iso) return "—";
   return formatAge((Date.now() - new Date(iso).getTime()) / 1000) + " ago";
 }
 
-function badge(status) {
-  return el("span", { class: "badge s-" + status, "data-status": status, text: status });
+// A job's state as a badge (its stored status in data-status).
+function badge(job) {
+  const [label, help] = STATES[job.state] || [job.status, ""];
+  return el("span", { class: "badge s-" + job.state, "data-status": job.status, "data-state": job.state, title: help, text: label });
 }
 
-// A queued job not runnable before a later time (a delay, an eta, a retry backoff): what the
-// overview counts as "Delayed" and the list's status filter calls "delayed".
-function isDelayed(job) {
-  return job.status === "queued" && !!job.available_at && new Date(job.available_at).getTime() > Date.now();
+function stateLabel(state) {
+  return (STATES[state] || [state])[0];
 }
 
 // A time that never wraps inside itself.
@@ -258,25 +280,32 @@ async function start() {
 
 function route() {
   const path = location.pathname.replace(/\/+$/, "");
-  const jobMatch = path.match(/\/dashboard\/jobs\/([^/]+)$/);
+  const jobMatch = path.match(/^\/dashboard\/jobs\/([^/]+)$/);
+  const queueMatch = path.match(/^\/dashboard\/queues\/([^/]+)$/);
   let section = "overview";
   let run;
-  if (jobMatch) {
-    section = "jobs";
-    let jobId = null;
+  const named = (match, what, page) => {
     try {
-      jobId = decodeURIComponent(jobMatch[1]);
+      const name = decodeURIComponent(match[1]);
+      return () => page(name);
     } catch (error) {
       // A malformed percent-escape (/dashboard/jobs/%E0%A4%A): say so instead of a blank page.
-      run = async () => badAddress("This address does not name a job: its escaped characters are malformed.");
+      return async () => badAddress(`This address does not name a ${what}: its escaped characters are malformed.`);
     }
-    if (jobId !== null) run = () => jobPage(jobId);
-  } else if (path.endsWith("/dashboard/jobs") || !OBSERVERS.includes(me.role)) {
+  };
+  if (jobMatch) {
+    section = "jobs";
+    run = named(jobMatch, "job", jobPage);
+  } else if (queueMatch && OBSERVERS.includes(me.role)) {
+    run = named(queueMatch, "queue", queuePage);
+  } else if (path === "/dashboard/jobs" || !OBSERVERS.includes(me.role)) {
     // Members see their own jobs only; the overview counts everyone's.
     section = "jobs";
     run = jobsPage;
-  } else {
+  } else if (path === "/dashboard" || path === "") {
     run = overviewPage;
+  } else {
+    run = async () => badAddress("There is no dashboard page at this address.");
   }
   for (const link of document.querySelectorAll("#nav a[data-section]")) {
     if (link.dataset.section === section) link.setAttribute("aria-current", "page");
@@ -290,24 +319,26 @@ function badAddress(message) {
   setView("Not found",
     el("h1", { text: "Not found" }),
     el("p", { id: "bad-address", role: "alert", text: message }),
-    el("p", {}, el("a", { href: "/dashboard/jobs", text: "← All jobs" })));
+    el("p", { class: "actions" },
+      OBSERVERS.includes(me.role) ? el("a", { href: "/dashboard", text: "← Overview" }) : null,
+      el("a", { href: "/dashboard/jobs", text: "All jobs" })));
 }
 
 // -- overview ----------------------------------------------------------------------------
 
-const COUNT_FIELDS = [
-  ["queued", "Queued", "Waiting and runnable now"],
-  ["delayed", "Delayed", "Waiting for a later time: a delay, an eta or a retry backoff"],
-  ["running", "Running", "Claimed by a worker"],
-  ["failed", "Failed", "Dead letters: failed for good until retried"],
-];
+// The header cell of a state's count: its label, what it means on hover.
+function countHeader(state) {
+  const [label, help] = STATES[state];
+  return el("th", { scope: "col", class: "num", title: help, text: label[0].toUpperCase() + label.slice(1) });
+}
 
 async function overviewPage() {
   const cards = el("div", { class: "cards", id: "totals", "aria-live": "polite" });
+  const lost = el("div", { id: "lost", class: "lost", role: "status", hidden: true });
   const table = el("table", { class: "data", id: "queues", "aria-labelledby": "h-queues" },
     el("thead", {}, el("tr", {},
       el("th", { scope: "col", text: "Queue" }),
-      COUNT_FIELDS.map(([, label, help]) => el("th", { scope: "col", class: "num", title: help, text: label })),
+      COUNT_STATES.map(countHeader),
       el("th", { scope: "col", class: "num", title: "How long the oldest runnable job has waited", text: "Oldest waiting" }),
       el("th", { scope: "col", class: "num", title: "At most this many of its jobs run at once, across every worker", text: "Limit" }),
       el("th", { scope: "col", title: "A paused queue is claimed by no worker; sends are still accepted", text: "State" }))),
@@ -324,6 +355,7 @@ async function overviewPage() {
   setView("Overview",
     el("h1", { text: "Overview" }),
     cards,
+    lost,
     el("h2", { id: "h-queues", text: "Queues" }),
     table,
     updated,
@@ -334,13 +366,13 @@ async function overviewPage() {
 
   async function refreshCounts() {
     const { results } = await api("GET", "/api/queues");
-    const totals = { queued: 0, delayed: 0, running: 0, failed: 0 };
-    for (const queue of results) for (const key of Object.keys(totals)) totals[key] += queue[key];
+    const totals = Object.fromEntries(COUNT_STATES.map((state) => [state, 0]));
+    for (const queue of results) for (const state of COUNT_STATES) totals[state] += queue.jobs[state];
     // The queues the workers declared first, by name; then those that only have jobs (sent
     // to a queue no worker consumes), the most jobs first, at most UNDECLARED_SHOWN of them:
     // a typo'd queue name in an app must not crowd the real queues off the page.
     const declared = results.filter((queue) => queue.declared);
-    const jobsOf = (queue) => queue.queued + queue.delayed + queue.running + queue.failed;
+    const jobsOf = (queue) => COUNT_STATES.reduce((sum, state) => sum + queue.jobs[state], 0);
     const undeclared = results.filter((queue) => !queue.declared)
       .sort((a, b) => jobsOf(b) - jobsOf(a) || (a.queue_name < b.queue_name ? -1 : 1));
     const shown = [...declared, ...undeclared.slice(0, UNDECLARED_SHOWN)];
@@ -348,35 +380,53 @@ async function overviewPage() {
       // A name longer than the list's filter takes is not a link: the list could not show
       // it, and the address would be longer than a request line may be.
       const linkable = queue.queue_name.length <= MAX_FILTER_LENGTH;
-      const listOf = (filters) => "/dashboard/jobs?" + new URLSearchParams({ ...filters, queue: queue.queue_name });
-      const link = (status, n) => n > 0 && linkable
-        ? el("a", { href: listOf({ status }), text: String(n) })
+      const link = (state, n) => n > 0 && linkable
+        ? el("a", { href: jobsOf_(queue.queue_name, state), text: String(n) })
         : String(n);
       const name = nameCell(queue.queue_name);
       return el("tr", { "data-queue": queue.queue_name, "data-paused": queue.paused ? "true" : "false", "data-declared": queue.declared ? "true" : "false" },
-        el("th", { scope: "row" }, linkable ? el("a", { href: listOf({}) }, name) : name),
-        COUNT_FIELDS.map(([key]) => el("td", { class: "num", "data-field": key }, link(key, queue[key]))),
+        el("th", { scope: "row" }, linkable ? el("a", { href: queueAddress(queue.queue_name), title: "The queue's page" }, name) : name),
+        COUNT_STATES.map((state) => el("td", { class: "num" + (state === "lease_expired" && queue.jobs[state] ? " stale" : ""), "data-field": state },
+          link(state, queue.jobs[state]))),
         el("td", { class: "num" + (queue.oldest_waiting_seconds > 300 ? " stale" : ""), "data-field": "oldest_waiting_seconds" },
-          queue.queued ? formatAge(queue.oldest_waiting_seconds) : "—"),
-        el("td", { class: "num", "data-field": "limit",
-          title: queue.limit == null ? "No limit" : `At most ${queue.limit} running at once, across every worker` },
+          queue.oldest_waiting_seconds ? formatAge(queue.oldest_waiting_seconds) : "—"),
+        el("td", { class: "num", "data-field": "limit", title: limitText(queue) },
           queue.limit == null ? "—" : String(queue.limit)),
         el("td", { "data-field": "state" }, queueState(queue)));
     });
     const hidden = undeclared.slice(UNDECLARED_SHOWN);
     if (hidden.length) {
       const jobs = hidden.reduce((sum, queue) => sum + jobsOf(queue), 0);
-      rows.push(el("tr", { id: "queues-more" }, el("td", { colspan: 8, class: "muted",
+      rows.push(el("tr", { id: "queues-more" }, el("td", { colspan: 10, class: "muted",
         text: `and ${hidden.length} more queue${hidden.length === 1 ? "" : "s"} no worker declared ` +
           `(${jobs} job${jobs === 1 ? "" : "s"}; counted in the totals above).` })));
     }
     if (!rows.length) {
-      rows.push(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No queues: workers declare theirs when they boot." })));
+      rows.push(el("tr", {}, el("td", { colspan: 10, class: "muted", text: "No queues: workers declare theirs when they boot." })));
     }
     table.tBodies[0].replaceChildren(...rows);
-    cards.replaceChildren(...COUNT_FIELDS.map(([key, label, help]) =>
-      el("div", { class: "card", title: help, "data-total": key },
-        el("div", { class: "n", text: String(totals[key]) }), el("div", { class: "l", text: label }))));
+    cards.replaceChildren(...COUNT_STATES.map((state) =>
+      el("div", { class: "card" + (state === "lease_expired" && totals[state] ? " alarm" : ""), title: STATES[state][1], "data-total": state },
+        el("div", { class: "n", text: String(totals[state]) }),
+        el("div", { class: "l", text: stateLabel(state)[0].toUpperCase() + stateLabel(state).slice(1) }))));
+    // Jobs whose worker died: said in words, with the way to put them back at once.
+    const expired = results.filter((queue) => queue.jobs.lease_expired > 0);
+    lost.hidden = !expired.length;
+    if (expired.length) {
+      const n = totals.lease_expired;
+      lost.replaceChildren(
+        el("p", {}, `${n} job${n === 1 ? "" : "s"} lost ${n === 1 ? "its" : "their"} worker (lease expired), `,
+          // Any live worker's reaper takes them back; with none running, nothing does.
+          results.some((queue) => queue.live_workers > 0)
+            ? "waiting for a worker to take them back: "
+            : "and no worker process is running to take them back: ",
+          ...expired.map((queue, i) => [i ? ", " : "", el("a", { href: queueAddress(queue.queue_name) }, nameCell(queue.queue_name)),
+            ` (${queue.jobs.lease_expired})`]).flat(), "."),
+        OPERATORS.includes(me.role)
+          ? el("button", { type: "button", class: "small primary", id: "requeue-all-expired", text: "Requeue them now",
+            onclick: () => requeueExpired(expired.map((queue) => queue.queue_name), n, refreshCounts) })
+          : null);
+    }
     updated.textContent = "Updated " + new Date().toLocaleTimeString() + "; refreshed every " + COUNTS_EVERY_MS / 1000 + " s.";
   }
 
@@ -419,10 +469,40 @@ const UNDECLARED_SHOWN = 10;
 // The longest queue or actor filter the job list takes (the API's MAX_FILTER_LENGTH).
 const MAX_FILTER_LENGTH = 255;
 
-function queueState(queue) {
+function queueAddress(name) {
+  return "/dashboard/queues/" + encodeURIComponent(name);
+}
+
+// The job list of one queue, in one state (or all of its jobs).
+function jobsOf_(queueName, state) {
+  const filters = state ? { status: state, queue: queueName } : { queue: queueName };
+  return "/dashboard/jobs?" + new URLSearchParams(filters);
+}
+
+function limitText(queue) {
+  if (queue.limit == null) return "No limit";
+  const who = queue.limit_source === "operator" ? `an operator (${visible(queue.limit_set_by)})` : "code (a worker's queue_limits)";
+  return `At most ${queue.limit} running at once, across every worker; set by ${who} at ${formatTime(queue.limit_set_at)}`;
+}
+
+// Put back the jobs whose lease expired, of these queues, after asking.
+async function requeueExpired(names, n, then) {
+  if (!(await confirmed("Requeue jobs",
+    `Put ${n} job${n === 1 ? "" : "s"} whose worker stopped renewing ${n === 1 ? "its" : "their"} lease back in ${n === 1 ? "its" : "their"} queue now? ` +
+    "Only jobs whose lease has expired are taken: a worker that is alive keeps its jobs."))) return;
+  try {
+    for (const name of names) await api("POST", `/api/queues/${encodeURIComponent(name)}/requeue-expired`);
+    notice("");
+  } catch (error) {
+    failed(error);
+  }
+  await then();
+}
+
+function queueState(queue, withButton = true) {
   // Active (green) only with a live worker process consuming it: a queue no worker consumes
   // now, declared before or never, is red, since its jobs wait.
-  const idle = !queue.declared || !queue.live_workers;
+  const idle = queue.state === "no_worker" || queue.state === "undeclared";
   const label = queue.paused ? "paused" : idle ? "no worker" : "active";
   const workers = `${queue.live_workers} live worker process${queue.live_workers === 1 ? "" : "es"}`;
   const state = el("span", {
@@ -434,7 +514,7 @@ function queueState(queue) {
       : `${workers} claim its jobs`,
     text: label,
   });
-  if (!queue.declared || !OPERATORS.includes(me.role)) return state;
+  if (!withButton || !queue.declared || !OPERATORS.includes(me.role)) return state;
   const verb = queue.paused ? "resume" : "pause";
   const button = el("button", {
     type: "button", class: "small" + (queue.paused ? " primary" : ""), "data-action": verb,
@@ -456,6 +536,123 @@ function queueState(queue) {
     },
   });
   return el("span", { class: "toggle" }, state, button);
+}
+
+// -- one queue ---------------------------------------------------------------------------
+
+async function queuePage(name) {
+  const path = "/api/queues/" + encodeURIComponent(name);
+  let queue;
+  try {
+    queue = await api("GET", path);
+  } catch (error) {
+    if (error instanceof ApiError && (error.status === 404 || error.status === 400)) {
+      notice("");
+      return badAddress(error.message);
+    }
+    throw error;
+  }
+  const heading = el("h1", {});
+  const why = el("section", { id: "why", "aria-labelledby": "h-why" });
+  const actions = el("div", { class: "actions", id: "queue-actions" });
+  const fields = el("dl", { class: "fields", id: "queue-fields" });
+  const cards = el("div", { class: "cards", id: "queue-counts", "aria-live": "polite" });
+  const chart = el("figure", { id: "chart-queue" }, el("figcaption", { text: "Finished per minute, last hour" }));
+  setView("Queue " + visible(name),
+    el("p", {}, el("a", { href: "/dashboard", text: "← Overview" })),
+    heading, cards, why, actions,
+    el("div", { class: "columns" },
+      el("section", { "aria-labelledby": "h-queue-fields" }, el("h2", { id: "h-queue-fields", text: "Settings" }), fields),
+      el("section", { "aria-labelledby": "h-queue-chart" }, el("h2", { id: "h-queue-chart", text: "Last hour" }), chart)));
+
+  // The limit form keeps what the operator is typing across refreshes.
+  const limitInput = el("input", { id: "limit-value", type: "number", min: 1, max: 1000000, step: 1, size: 8,
+    "aria-label": "Limit: the most jobs of the queue running at once" });
+
+  function render(queue) {
+    heading.replaceChildren("Queue ", el("span", { class: "mono", text: visible(queue.queue_name) }), " ", queueState(queue, false));
+    cards.replaceChildren(...COUNT_STATES.map((state) => {
+      const n = queue.jobs[state];
+      const label = stateLabel(state)[0].toUpperCase() + stateLabel(state).slice(1);
+      return el("div", { class: "card" + (state === "lease_expired" && n ? " alarm" : ""), title: STATES[state][1], "data-total": state },
+        el("div", { class: "n" }, n ? el("a", { href: jobsOf_(queue.queue_name, state), text: String(n) }) : "0"),
+        el("div", { class: "l", text: label }));
+    }));
+    const reasons = queue.waiting_because;
+    why.replaceChildren(el("h2", { id: "h-why", text: "Why its jobs wait" }),
+      reasons.length
+        ? el("ul", { id: "why-list" }, reasons.map((reason) => el("li", { "data-reason": reason.reason, text: visible(reason.text) })))
+        : el("p", { class: "muted", id: "why-none", text: "Nothing holds its jobs back but the work ahead of them." }));
+    const field = (label, value) => [el("dt", { text: label }), el("dd", { "data-field": label }, value ?? "—")];
+    fields.replaceChildren(...[
+      field("state", queue.paused
+        ? el("span", {}, `paused by ${visible(queue.paused_by)} since `, timeText(queue.paused_at))
+        : queue.resumed_at ? el("span", {}, `active; resumed by ${visible(queue.resumed_by)} at `, timeText(queue.resumed_at)) : queue.state.replace("_", " ")),
+      field("limit", queue.limit == null ? "none: workers claim its jobs as they can run them"
+        : el("span", { id: "limit-shown" }, `${queue.limit} running at once, set by `,
+          el("strong", { "data-source": queue.limit_source, text: queue.limit_source === "operator" ? "an operator" : "code" }),
+          queue.limit_source === "operator" ? ` (${visible(queue.limit_set_by)})` : ` (${visible(queue.limit_set_by)}: its queue_limits setting)`,
+          " at ", timeText(queue.limit_set_at))),
+      field("live workers", String(queue.live_workers)),
+      field("oldest waiting", queue.oldest_waiting_seconds ? formatAge(queue.oldest_waiting_seconds) : "—"),
+      field("next delayed", queue.next_delayed_at ? timeText(queue.next_delayed_at) : "—"),
+      field("declared", queue.declared ? "yes" : "no: no worker declared it")].flat());
+    const flow = queue.throughput;
+    drawBars(chart, flow, [["succeeded", "Succeeded", "#1a7f37"], ["failed", "Failed", "#b42318"]]);
+
+    if (!OPERATORS.includes(me.role)) return;
+    const act = (id, label, classes, onclick) => el("button", { type: "button", id, class: classes, text: label, onclick });
+    const run = async (button, method, suffix, body) => {
+      button.disabled = true;
+      try {
+        await api(method, path + suffix, body);
+        notice("");
+      } catch (error) {
+        failed(error);
+      }
+      await refresh();
+    };
+    const buttons = [];
+    if (queue.declared) {
+      const pause = act(queue.paused ? "resume" : "pause", queue.paused ? "Resume" : "Pause", queue.paused ? "primary" : "", async () => {
+        if (!queue.paused && !(await confirmed("Pause queue",
+          `Pause queue ${visible(queue.queue_name)}? No worker on any host claims its jobs until it is resumed; ` +
+          "messages already prefetched go back to the queue, running jobs finish, sends are still accepted."))) return;
+        await run(pause, "POST", queue.paused ? "/resume" : "/pause");
+      });
+      buttons.push(pause);
+      const form = el("form", { class: "toggle", id: "limit-form", onsubmit: async (event) => {
+        event.preventDefault();
+        const value = Number(limitInput.value);
+        if (!Number.isInteger(value) || value < 1) return notice("A limit is a whole number of at least 1 (Clear lifts it).");
+        await run(form.querySelector("button"), "PUT", "/limit", { limit: value });
+        limitInput.value = "";
+      } }, el("label", { for: "limit-value", text: "Limit" }), limitInput,
+      el("button", { type: "submit", id: "limit-set", text: queue.limit == null ? "Set limit" : "Change limit" }));
+      buttons.push(form);
+      if (queue.limit != null) {
+        const clear = act("limit-clear", "Clear limit", "", async () => {
+          if (!(await confirmed("Clear the limit", `Lift the limit of queue ${visible(queue.queue_name)}? Workers claim its jobs as they can run them.`))) return;
+          await run(clear, "PUT", "/limit", { limit: null });
+        });
+        buttons.push(clear);
+      }
+    }
+    if (queue.jobs.lease_expired) {
+      const n = queue.jobs.lease_expired;
+      buttons.push(act("requeue-expired", `Requeue ${n} lease-expired job${n === 1 ? "" : "s"}`, "primary",
+        () => requeueExpired([queue.queue_name], n, refresh)));
+    }
+    // Leave the form alone while its field is being typed in.
+    if (!actions.contains(document.activeElement)) actions.replaceChildren(...buttons);
+  }
+
+  async function refresh() {
+    render(await api("GET", path));
+  }
+
+  render(queue);
+  schedule(refresh, QUEUE_EVERY_MS);
 }
 
 // A stacked bar per minute, drawn as SVG; the figure's caption and an aria-label carry the
@@ -505,10 +702,11 @@ const PAGE_SIZE = 25;
 async function jobsPage() {
   const params = new URLSearchParams(location.search);
   const form = el("form", { class: "filters", id: "filters", method: "get", action: "/dashboard/jobs", role: "search", "aria-label": "Filter jobs" },
-    el("div", {}, el("label", { for: "filter-status", text: "Status" }),
+    el("div", {}, el("label", { for: "filter-status", text: "State" }),
       el("select", { id: "filter-status", name: "status" },
         el("option", { value: "", text: "any" }),
-        FILTER_STATUSES.map((s) => el("option", { value: s, selected: params.get("status") === s, text: s })))),
+        FILTERS.map((s) => el("option", { value: s, selected: params.get("status") === s, title: s === "queued" ? "Every waiting job: ready, delayed or paused" : STATES[s][1],
+          text: s === "queued" ? "waiting (ready, delayed, paused)" : stateLabel(s) })))),
     el("div", {}, el("label", { for: "filter-queue", text: "Queue" }),
       el("input", { id: "filter-queue", name: "queue", value: params.get("queue") || "", size: 14 })),
     el("div", {}, el("label", { for: "filter-actor", text: "Actor contains" }),
@@ -527,9 +725,13 @@ async function jobsPage() {
   window.addEventListener("pageshow", () => {
     for (const input of form.querySelectorAll("input, select")) input.disabled = false;
   });
+  // Delayed jobs are listed with when they run.
+  const delayedList = params.get("status") === "delayed";
+  const columns = [["job", "Job"], ["status", "State"], ["queue", "Queue"], ["actor", "Actor"], ["args", "Arguments"],
+    ["attempts", "Attempts"], ...(delayedList ? [["runs", "Runs at"]] : []), ["created", "Created"], ["error", "Last error"]];
   const table = el("table", { class: "data", id: "jobs" },
-    el("colgroup", {}, ["job", "status", "queue", "actor", "args", "attempts", "created", "error"].map((name) => el("col", { class: "c-" + name }))),
-    el("thead", {}, el("tr", {}, ["Job", "Status", "Queue", "Actor", "Arguments", "Attempts", "Created", "Last error"].map((h) => el("th", { scope: "col", text: h })))),
+    el("colgroup", {}, columns.map(([name]) => el("col", { class: "c-" + name }))),
+    el("thead", {}, el("tr", {}, columns.map(([, h]) => el("th", { scope: "col", text: h })))),
     el("tbody"));
   const summary = el("p", { class: "muted", id: "jobs-count", "aria-live": "polite" });
   const pager = el("nav", { class: "pager", "aria-label": "Pages" });
@@ -555,23 +757,25 @@ async function jobsPage() {
 
   async function refresh() {
     const page = await api("GET", "/api/jobs?" + query);
-    const rows = page.results.map((job) => el("tr", { "data-job": job.id, "data-status": job.status },
+    const rows = page.results.map((job) => el("tr", { "data-job": job.id, "data-status": job.status, "data-state": job.state },
       el("td", { class: "mono" }, el("a", { href: "/dashboard/jobs/" + job.id, text: job.id.slice(0, 8), "aria-label": "Job " + job.id })),
-      el("td", { "data-field": "status" }, badge(job.status),
-        isDelayed(job) ? el("div", { class: "muted small delayed", title: "Runnable from " + formatTime(job.available_at), text: "delayed" }) : null),
+      el("td", { "data-field": "status" }, badge(job)),
       el("td", {}, nameCell(job.queue_name)),
       el("td", {}, nameCell(job.actor_name, "mono")),
       el("td", { "data-field": "args" }, job.message_encoding === "binary"
         ? el("span", { class: "muted", text: "(binary)" }) : nameCell(job.args_preview, "mono preview")),
       el("td", { class: "num", text: job.attempts + " / " + job.max_attempts }),
+      delayedList ? el("td", { class: "created", "data-field": "runs-at" },
+        el("span", { title: formatTime(job.available_at), text: until(job.available_at) })) : null,
       el("td", { class: "created", "data-field": "created" }, el("span", { title: formatTime(job.created_at), text: ago(job.created_at) })),
       el("td", { "data-field": "error" }, nameCell((job.error_preview || "").split("\n")[0], "mono preview"))));
-    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No job matches." })));
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: columns.length, class: "muted", text: "No job matches." })));
     table.tBodies[0].replaceChildren(...rows);
-    const first = page.count ? offset + 1 : 0;
     // Above 10,000 matches the API stops counting (count_exact is false).
     const total = page.count_exact === false ? `more than ${page.count.toLocaleString("en")}` : page.count;
-    summary.textContent = `${first}–${offset + page.results.length} of ${total} jobs`;
+    summary.textContent = !page.results.length
+      ? (page.count ? `No job on this page: ${total} match, on the pages before it.` : "No job matches.")
+      : `${offset + 1}–${offset + page.results.length} of ${total} job${page.count === 1 ? "" : "s"}`;
     const pageLink = (label, to, rel) => {
       const next = new URLSearchParams(params);
       if (to > 0) next.set("offset", to); else next.delete("offset");
@@ -626,10 +830,9 @@ function renderJob(job, events) {
   const field = (label, value) => [el("dt", { text: label }), el("dd", { "data-field": label }, value ?? "—")];
   const fields = el("dl", { class: "fields", id: "job-fields" },
     field("id", el("span", { class: "mono", text: job.id })),
-    field("status", isDelayed(job)
-      ? el("span", { id: "job-status" }, badge(job.status), " ", el("span", { id: "delayed-until" }, "(delayed until ", timeText(job.available_at), ")"))
-      : el("span", { id: "job-status" }, badge(job.status))),
-    field("queue", visible(job.queue_name)),
+    field("state", el("span", { id: "job-status" }, badge(job), " ", stateNote(job))),
+    field("queue", OBSERVERS.includes(me.role)
+      ? el("a", { href: queueAddress(job.queue_name) }, nameCell(job.queue_name)) : visible(job.queue_name)),
     field("actor", el("span", { class: "mono", text: visible(job.actor_name) })),
     field("attempts", job.attempts + " of " + job.max_attempts),
     field("priority", String(job.priority)),
@@ -653,6 +856,11 @@ function renderJob(job, events) {
     if (job.status === "queued") {
       actions.append(el("button", { type: "button", class: "danger", id: "cancel", text: "Cancel job",
         onclick: () => transition(job, "cancel", "Cancel this job? It will not run; a cancelled job cannot be retried.") }));
+    }
+    if (job.state === "lease_expired") {
+      actions.append(el("button", { type: "button", class: "primary", id: "requeue", text: "Requeue now",
+        onclick: () => transition(job, "requeue", "Put this job back in its queue now? Its worker stopped renewing its lease; " +
+          "it is taken only if its lease has still expired, as a worker's reaper would take it (an interrupted attempt counts as one).") }));
     }
     if (job.status === "running" && !job.abort_requested_at) {
       actions.append(el("button", { type: "button", class: "danger", id: "abort", text: "Abort",
@@ -679,15 +887,25 @@ function renderJob(job, events) {
   const back = el("p", {}, el("a", { href: "/dashboard/jobs", text: "← All jobs" }));
   setView("Job " + job.id.slice(0, 8),
     back,
-    el("h1", {}, "Job ", el("span", { class: "mono", text: job.id.slice(0, 8) }), " ", badge(job.status),
-      isDelayed(job) ? el("span", { class: "muted h1-note", text: " delayed" }) : null),
+    el("h1", {}, "Job ", el("span", { class: "mono", text: job.id.slice(0, 8) }), " ", badge(job)),
     actions,
     el("div", { class: "columns" },
       el("section", { "aria-labelledby": "h-fields" }, el("h2", { id: "h-fields", text: "Fields" }), fields, payload),
       el("section", { "aria-labelledby": "h-timeline" }, el("h2", { id: "h-timeline", text: "Timeline" }), timeline(job, events))));
 }
 
-const TRANSITION_TITLES = { retry: "Retry job", cancel: "Cancel job", abort: "Abort job" };
+const TRANSITION_TITLES = { retry: "Retry job", cancel: "Cancel job", abort: "Abort job", requeue: "Requeue job" };
+
+// What a job's state means for it now, in words: when a delayed job runs, since when a
+// job whose worker died waits.
+function stateNote(job) {
+  if (job.state === "delayed") return el("span", { id: "delayed-until" }, "until ", timeText(job.available_at));
+  if (job.state === "lease_expired") {
+    return el("span", { id: "lease-expired" }, "at ", timeText(job.locked_until), ", waiting for a worker to take it back");
+  }
+  if (job.state === "paused") return el("span", { id: "queue-paused" }, "its queue is paused");
+  return el("span", { class: "muted", text: (STATES[job.state] || ["", ""])[1] });
+}
 
 // The confirmation dialog: resolves true when the operator confirms.
 async function confirmed(title, question) {

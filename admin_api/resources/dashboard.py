@@ -11,7 +11,14 @@ and cross-site checks. Nothing is loaded from other sites; there is no build ste
   processes), refreshed every few seconds.
 - ``/dashboard/jobs``: the job list with the API's filters, in the page's query string,
   with previews of each job's arguments and last error.
-- ``/dashboard/jobs/{job_id}``: one job, its timeline, Retry, Cancel and Abort.
+- ``/dashboard/jobs/{job_id}``: one job, its timeline, Retry, Cancel, Abort and, for a job
+  whose worker died (lease expired), Requeue.
+- ``/dashboard/queues/{name}``: one queue: its jobs in each state, why they wait, its
+  pause and limit with who set them, the last hour; Pause, Resume, set or clear the
+  limit, requeue the jobs whose worker died.
+
+Any other address under ``/dashboard/`` answers 404 with the same shell, whose script says
+the page does not exist (a page, not the API's JSON error); ``/favicon.ico`` is the icon.
 
 Names, arguments and errors are shown as text with control and bidirectional characters
 escaped (see ``visible()`` in ``dashboard.js``), long names cut with the whole on hover.
@@ -84,18 +91,46 @@ class Root:
 
 
 class DashboardPage:
-    """``/dashboard``, ``/dashboard/jobs`` and ``/dashboard/jobs/{job_id}``: one shell;
-    the script reads the path."""
+    """``/dashboard``, ``/dashboard/jobs``, ``/dashboard/jobs/{job_id}`` and
+    ``/dashboard/queues/{name}``: one shell; the script reads the path. As
+    :class:`NotFoundPage`, any other address under ``/dashboard/``, answered 404."""
 
-    routes = ("/dashboard", "/dashboard/jobs", "/dashboard/jobs/{job_id}")
+    routes = (
+        "/dashboard",
+        "/dashboard/jobs",
+        "/dashboard/jobs/{job_id}",
+        "/dashboard/queues/{queue_name}",
+    )
+    status = falcon.HTTP_200
 
     @page
-    def on_get(self, req: falcon.Request, resp: falcon.Response, job_id: str | None = None):
+    def on_get(self, req: falcon.Request, resp: falcon.Response, **_: str) -> None:
+        resp.status = self.status
         resp.content_type = falcon.MEDIA_HTML
         resp.set_header("Content-Security-Policy", CONTENT_SECURITY_POLICY)
         resp.set_header("X-Content-Type-Options", "nosniff")
         resp.set_header("Cache-Control", "no-cache")
         resp.data = PAGE
+
+
+class NotFoundPage(DashboardPage):
+    """A mistyped dashboard address: the shell, whose script says there is no such page,
+    with a 404."""
+
+    routes = ("/dashboard/{rest:path}",)
+    status = falcon.HTTP_404
+
+
+class Favicon:
+    """``/favicon.ico``: the dashboard's icon, for the tools that ask there."""
+
+    route = "/favicon.ico"
+
+    @page
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resp.content_type, resp.data = FILES["icon.svg"]
+        resp.set_header("X-Content-Type-Options", "nosniff")
+        resp.set_header("Cache-Control", "max-age=86400")
 
 
 class StaticFile:

@@ -96,8 +96,16 @@ class Process:
         )
 
     def tail(self, chars: int = 3000) -> str:
-        self._out.flush()
+        if not self._out.closed:
+            self._out.flush()
         return f"--- {self.log.name}\n{self.log.read_text(errors='replace')[-chars:]}"
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, as a crashed host would: no shutdown runs, the
+        jobs it holds keep their rows (running, with a lease nobody renews)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -146,14 +154,35 @@ class Stack:
         )
         self.wait_for("the API answering /api/health", lambda: self.get("/api/health")[0] == 200)
 
-    def start_worker(self, module: str = "tests.e2e.dashboard_actors") -> Process:
+    def start_worker(
+        self,
+        module: str = "tests.e2e.dashboard_actors",
+        *,
+        queues: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Process:
+        """A ``dramatiq`` worker (one process, two threads) of ``module``, consuming only
+        ``queues`` when given, with ``env`` added to the stack's environment."""
+        args = ["-m", "dramatiq", module, "--processes", "1", "--threads", "2"]
+        if queues:
+            args += ["--queues", *queues]
         worker = Process(
-            ["-m", "dramatiq", module, "--processes", "1", "--threads", "2"],
-            self.env,
+            args,
+            {**self.env, **(env or {})},
             self.logs / f"worker{len(self.processes)}.log",
         )
         self.processes.append(worker)
         return worker
+
+    def workers(self) -> list[Process]:
+        """The worker processes still running."""
+        return [
+            p for p in self.processes if p.log.name.startswith("worker") and p.proc.poll() is None
+        ]
+
+    def stop_workers(self) -> None:
+        for process in self.workers():
+            process.stop()
 
     def stop(self) -> None:
         for process in reversed(self.processes):

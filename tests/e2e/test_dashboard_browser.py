@@ -166,7 +166,7 @@ def test_an_operator_sees_counts_change_and_retries_a_failed_job(
         )
 
     log_in(browser, stack, "operator")
-    wait(browser, stack, "6 queued jobs on the overview", lambda d: queue_cell(d, "queued") == "6")
+    wait(browser, stack, "6 ready jobs on the overview", lambda d: queue_cell(d, "ready") == "6")
     assert queue_cell(browser, "delayed") == "0"
     later = 'tr[data-queue="dash_later"] td[data-field="delayed"]'
     assert text_of(browser, f"#queues {later}") == "4"
@@ -179,7 +179,7 @@ def test_an_operator_sees_counts_change_and_retries_a_failed_job(
         browser,
         stack,
         "the queue drained and one job failed",
-        lambda d: queue_cell(d, "queued") == "0" and queue_cell(d, "failed") == "1",
+        lambda d: queue_cell(d, "ready") == "0" and queue_cell(d, "failed") == "1",
     )
     assert browser.execute_script("return window.performance.timeOrigin") == marker
     wait(
@@ -373,7 +373,7 @@ def test_a_member_sees_only_its_own_jobs(stack, accounts, browser):
 
 
 def ensure_worker(stack) -> None:
-    if not any(p.log.name.startswith("worker") for p in stack.processes):
+    if not stack.workers():
         stack.start_worker()
 
 
@@ -664,14 +664,20 @@ def test_delayed_jobs_are_listed_by_the_delayed_filter_and_said_so(stack, accoun
     selected = css(browser, "#filter-status option:checked")[0]
     assert selected.get_attribute("value") == "delayed"
     assert all(
-        text_of(browser, f'#jobs tr[data-job="{job_id}"] .delayed') == "delayed"
-        for job_id in delayed
+        text_of(browser, f'#jobs tr[data-job="{job_id}"] .badge') == "delayed" for job_id in delayed
     )
+    # The list of delayed jobs says when each runs.
+    assert [th.text for th in css(browser, "#jobs thead th")][6] == "Runs at"
+    runs_at = [
+        text_of(browser, f'#jobs tr[data-job="{job_id}"] td[data-field="runs-at"]')
+        for job_id in delayed
+    ]
+    assert all(text.startswith("in 59 min") for text in runs_at), runs_at
 
     browser.get(f"{stack.base}/dashboard/jobs/{delayed[0]}")
     wait(browser, stack, "the delayed job's page", lambda d: css(d, "#delayed-until"))
-    words = text_of(browser, '#job-fields dd[data-field="status"]')
-    assert words.startswith("queued (delayed until ") and words.endswith(")"), words
+    words = text_of(browser, '#job-fields dd[data-field="state"]')
+    assert words.startswith("delayed until "), words
 
 
 def test_the_job_list_fits_a_laptop_without_wrapping_created(stack, accounts, browser):
@@ -724,3 +730,275 @@ def test_an_unknown_or_malformed_job_id_gives_a_not_found_page(stack, accounts, 
     )
     css(browser, '#view a[href="/dashboard/jobs"]')[0].click()
     wait(browser, stack, "back on the list", lambda d: css(d, "#filters"))
+
+
+# -- jobs whose worker died, a queue's page, the details --------------------------------
+
+
+#: The actors of these tests, apart from the other tests' worker.
+OPS_ACTORS = "tests.e2e.dashboard_ops_actors"
+
+
+def confirm(driver, stack) -> None:
+    wait(driver, stack, "the confirmation", dialog_open)
+    css(driver, "#confirm-yes")[0].click()
+
+
+def api_state(stack, token: str, job_id: str) -> str:
+    return stack.api("GET", f"/api/jobs/{job_id}", token)["state"]
+
+
+def test_a_dead_workers_jobs_say_lease_expired_and_an_operator_requeues_them(
+    stack, accounts, browser
+):
+    """A real worker is killed (SIGKILL) while two jobs run: once their lease runs out the
+    overview counts them as lease expired, not running, beside "No worker process is
+    running"; the job's page says since when it waits for a worker; Requeue puts it back
+    in its queue, and the overview's button puts back the other."""
+    token = accounts.tokens["operator"]
+    # No other worker: its reaper would take the jobs back before the test looks.
+    stack.stop_workers()
+    accounts.declare({"dash.doomed": "dash_dead"})
+    jobs = [
+        stack.api("POST", "/api/jobs", token, {"actor_name": "dash.doomed", "args": [600]})["id"]
+        for _ in range(2)
+    ]
+    # A short lease, so that the test waits seconds, not the default half-minute.
+    worker = stack.start_worker(
+        OPS_ACTORS, queues=["dash_dead"], env={"DRAMATIQ_PG_LEASE_SECONDS": "3"}
+    )
+
+    def started(job_id: str) -> bool:
+        job = stack.api("GET", f"/api/jobs/{job_id}", token)
+        return job["state"] == "running" and job["started_at"] is not None
+
+    stack.wait_for("both jobs started", lambda: all(started(job_id) for job_id in jobs))
+    worker.kill()
+    stack.wait_for(
+        "both leases expired",
+        lambda: all(api_state(stack, token, job_id) == "lease_expired" for job_id in jobs),
+        timeout=30,
+    )
+
+    log_in(browser, stack, "operator")
+    cell = '#queues tr[data-queue="dash_dead"] td[data-field="{}"]'
+    wait(
+        browser,
+        stack,
+        "the overview counting two jobs as lease expired",
+        lambda d: text_of(d, cell.format("lease_expired")) == "2",
+    )
+    assert text_of(browser, cell.format("running")) == "0"
+    assert text_of(browser, '#totals [data-total="lease_expired"] .n') == "2"
+    # (A worker of an earlier test that was stopped by force keeps its row for its lease.)
+    wait(
+        browser,
+        stack,
+        "no live worker",
+        lambda d: "No worker process is running." in (text_of(d, "#workers") or ""),
+        timeout=90,
+    )
+    lost = text_of(browser, "#lost")
+    assert lost.startswith(
+        "2 jobs lost their worker (lease expired), and no worker process is running to take "
+        "them back: dash_dead (2)."
+    ), lost
+    browser.execute_script("window.scrollTo(0, 0)")
+    screenshot(browser, "dashboard-dead-worker.png")
+
+    # The job's page: since when, and Requeue.
+    browser.get(f"{stack.base}/dashboard/jobs/{jobs[0]}")
+    wait(browser, stack, "the job's Requeue button", lambda d: css(d, "#requeue"))
+    assert text_of(browser, 'h1 .badge[data-state="lease_expired"]') == "lease expired"
+    words = text_of(browser, '#job-fields dd[data-field="state"]')
+    assert words.startswith("lease expired at ") and words.endswith(
+        ", waiting for a worker to take it back"
+    ), words
+    css(browser, "#requeue")[0].click()
+    confirm(browser, stack)
+    wait(
+        browser,
+        stack,
+        "the job back in its queue, its timeline saying who",
+        lambda d: (
+            css(d, 'h1 .badge[data-state="ready"]')
+            and css(d, '#events li[data-type="timeout_requeued"]')
+        ),
+    )
+    event = stack.api("GET", f"/api/jobs/{jobs[0]}/events", token)["results"][-1]
+    assert event["type"] == "timeout_requeued" and event["actor"] == "operator@example.com"
+    assert event["data"]["worker"] and event["data"]["requeued_by"] == "operator@example.com"
+
+    # The overview's button takes the other.
+    browser.get(f"{stack.base}/dashboard")
+    wait(browser, stack, "the overview's Requeue button", lambda d: css(d, "#requeue-all-expired"))
+    css(browser, "#requeue-all-expired")[0].click()
+    confirm(browser, stack)
+    wait(
+        browser,
+        stack,
+        "no job left with an expired lease",
+        lambda d: (
+            text_of(d, cell.format("lease_expired")) == "0"
+            and text_of(d, cell.format("ready")) == "2"
+        ),
+    )
+    assert not css(browser, "#lost")[0].is_displayed()
+    # Nobody runs them now: cancel them, so that no later worker of the module does.
+    for job_id in jobs:
+        stack.api("POST", f"/api/jobs/{job_id}/cancel", token)
+
+
+def test_a_queue_page_shows_who_set_its_limit_and_why_its_jobs_wait(stack, accounts, browser):
+    token = accounts.tokens["operator"]
+    queue = "dash_page"
+    accounts.declare(
+        {"dash.page_quick": queue, "dash.page_fail": queue, "dash.hang": queue}, queues=[queue]
+    )
+
+    def send(actor: str, *args, **options) -> str:
+        body = {"actor_name": actor, "args": list(args), **options}
+        return stack.api("POST", "/api/jobs", token, body)["id"]
+
+    for _ in range(3):
+        send("dash.page_quick")
+    send("dash.page_fail")
+    # Code limits the queue to 3: the page says so.
+    worker = stack.start_worker(
+        OPS_ACTORS, queues=[queue], env={"DRAMATIQ_PG_QUEUE_LIMITS": f"{queue}=3"}
+    )
+    log_in(browser, stack, "operator", f"/dashboard/queues/{queue}")
+    limit = '#queue-fields dd[data-field="limit"]'
+    wait(
+        browser,
+        stack,
+        "the limit code set",
+        lambda d: (text_of(d, limit) or "").startswith("3 running at once, set by code"),
+    )
+    wait(
+        browser,
+        stack,
+        "the finished jobs counted",
+        lambda d: (
+            "Succeeded: 3" in (text_of(d, "#chart-queue .legend") or "")
+            and "Failed: 1" in (text_of(d, "#chart-queue .legend") or "")
+        ),
+    )
+    assert text_of(browser, '#queue-counts [data-total="failed"] .n') == "1"
+
+    # An operator lowers it to 2, on the page.
+    css(browser, "#limit-value")[0].send_keys("2")
+    css(browser, "#limit-set")[0].click()
+    wait(
+        browser,
+        stack,
+        "the operator's limit",
+        lambda d: (text_of(d, limit) or "").startswith(
+            "2 running at once, set by an operator (operator@example.com) at "
+        ),
+    )
+    hanging = [send("dash.hang", 600) for _ in range(4)]
+    for _ in range(2):
+        send("dash.page_quick", delay=3_600_000)
+    wait(
+        browser,
+        stack,
+        "the queue at its limit, saying so",
+        lambda d: (
+            text_of(d, '#queue-counts [data-total="running"] .n') == "2"
+            and text_of(d, '#queue-counts [data-total="ready"] .n') == "2"
+            and "at its limit: 2 of 2 running" in (text_of(d, "#why") or "")
+        ),
+    )
+    assert "2 job(s) delayed, the next runnable at " in text_of(browser, "#why")
+    browser.execute_script("window.scrollTo(0, 0)")
+    screenshot(browser, "dashboard-queue.png")
+
+    # Pause, from the page: who and since when, and its ready jobs are paused ones.
+    css(browser, "#pause")[0].click()
+    confirm(browser, stack)
+    wait(
+        browser,
+        stack,
+        "the queue paused",
+        lambda d: (
+            (text_of(d, '#why li[data-reason="paused"]') or "").startswith(
+                "paused by operator@example.com since "
+            )
+            and text_of(d, '#queue-counts [data-total="paused"] .n') == "2"
+        ),
+    )
+    assert text_of(browser, '#queue-fields dd[data-field="state"]').startswith(
+        "paused by operator@example.com since "
+    )
+    css(browser, "#resume")[0].click()
+    wait(browser, stack, "the queue active again", lambda d: css(d, "#pause"))
+    css(browser, "#limit-clear")[0].click()
+    confirm(browser, stack)
+    wait(
+        browser,
+        stack,
+        "no limit",
+        lambda d: (text_of(d, limit) or "").startswith("none"),
+    )
+    # The hanging jobs are aborted, so that the worker stops at once.
+    for job_id in hanging:
+        stack.api("POST", f"/api/jobs/{job_id}/abort", token)
+    stack.wait_for(
+        "the hanging jobs cancelled",
+        lambda: all(api_state(stack, token, job_id) == "cancelled" for job_id in hanging),
+    )
+    worker.stop()
+
+
+def test_the_details_an_operator_meets(stack, accounts, browser):
+    # The login page shows no navigation.
+    browser.delete_all_cookies()
+    browser.get(stack.base + "/dashboard")
+    wait(browser, stack, "the login form", lambda d: css(d, "#login-email")[0].is_displayed())
+    assert not css(browser, "#nav")[0].is_displayed()
+    # The icon is where tools look for it.
+    status, body = stack.get("/favicon.ico")
+    assert status == 200 and body.startswith(b"<svg")
+
+    # A mistyped address is a page that says so (and a 404), not the API's JSON.
+    log_in(browser, stack, "operator", "/dashboard/jobz")
+    wait(browser, stack, "the not-found page", lambda d: text_of(d, "#view h1") == "Not found")
+    assert "no dashboard page at this address" in text_of(browser, "#bad-address")
+    assert stack.get("/dashboard/jobz")[0] == 404
+    browser.get(f"{stack.base}/dashboard/queues/no_such_queue")
+    wait(browser, stack, "the unknown queue's page", lambda d: css(d, "#bad-address"))
+    assert "no worker has declared queue 'no_such_queue'" in text_of(browser, "#bad-address")
+
+    # An empty list says so in words.
+    browser.get(f"{stack.base}/dashboard/jobs?queue=no_such_queue")
+    wait(browser, stack, "the empty list", lambda d: text_of(d, "#jobs-count") == "No job matches.")
+
+
+def test_a_wide_screen_gives_the_room_to_errors(stack, accounts, tmp_path):
+    queue = "dash_wide_error"
+    job_id = accounts.failed(queue=queue)
+    error = "RuntimeError: " + "a long error message that goes on " * 12
+    from psycopg import sql
+
+    with accounts.store.pool.connection() as conn:
+        conn.execute(
+            sql.SQL("UPDATE {}.jobs_history SET last_error = %s WHERE id = %s").format(
+                sql.Identifier(accounts.settings.schema)
+            ),
+            (error, job_id),
+        )
+    with tempfile.TemporaryDirectory(prefix="dpb-chromium-") as temp:
+        driver = new_driver(Path(temp), width=1920, height=1000)
+        try:
+            log_in(driver, stack, "operator", f"/dashboard/jobs?queue={queue}")
+            wait(driver, stack, "the list", lambda d: css(d, f'#jobs tr[data-job="{job_id}"]'))
+            main, error_cell = driver.execute_script(
+                """const main = document.getElementById('main').getBoundingClientRect();
+                   const cell = document.querySelector('#jobs td[data-field="error"]');
+                   return [main.right - main.left, cell.getBoundingClientRect().width];"""
+            )
+            assert main >= 1750, f"the content is {main} px wide on a 1920 px screen"
+            assert error_cell > 450, f"the last error gets {error_cell} px"
+        finally:
+            driver.quit()

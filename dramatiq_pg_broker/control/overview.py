@@ -101,20 +101,9 @@ class QueueOverview:
             )
         elif not self.live_workers:
             found.append(("no_worker", "no live worker process consumes this queue"))
-        taken = jobs.running + jobs.lease_expired
-        if self.limit is not None and taken >= self.limit.limit and jobs.waiting:
-            held = (
-                f", {jobs.lease_expired} of them with an expired lease (they count until taken "
-                "back)"
-                if jobs.lease_expired
-                else ""
-            )
-            found.append(
-                (
-                    "limit",
-                    f"at its limit: {taken} of {self.limit.limit} running{held}",
-                )
-            )
+        # A job whose lease ran out holds no place under the limit (limited_queue_room).
+        if self.limit is not None and jobs.running >= self.limit.limit and jobs.waiting:
+            found.append(("limit", f"at its limit: {jobs.running} of {self.limit.limit} running"))
         if jobs.lease_expired:
             found.append(
                 (

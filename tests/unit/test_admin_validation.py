@@ -98,7 +98,7 @@ def _query(model, query: str):
     [
         (JobListParams, "limit=0", "limit must be an integer from 1 to 100, not '0'"),
         (JobListParams, "limit=%2B5", "limit must be an integer from 1 to 100, not '+5'"),
-        (JobListParams, "status=paused", "status must be one of queued, running"),
+        (JobListParams, "status=stopped", "status must be one of ready, delayed, paused"),
         (JobListParams, "queue=a%0A", "queue must not contain control characters"),
         (JobListParams, "limit=1&limit=2", "give the query parameter limit once"),
         (JobListParams, "page=2", "unknown query parameter(s) 'page'; this endpoint takes limit"),

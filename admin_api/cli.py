@@ -13,6 +13,9 @@ setup.cfg; the broker never imports this module):
   token create --email EMAIL --name NAME prints the token once; only its hash is kept
   token list --email EMAIL               the user's tokens (never their values)
   token revoke --id ID                   revoke one token for good
+
+Every command takes ``--json`` (as every ``dramatiq-pg-broker`` command does): it prints
+the user or token (``token create``: with its ``secret``, shown once) as JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from dramatiq_pg_broker.cli import settings_from
+from dramatiq_pg_broker.cli.jobs import to_json
 from dramatiq_pg_broker.db import ProcessPool
 
 from .accounts import ROLES, AccountStore, EmailTaken, User, UserNotFound
@@ -60,22 +64,40 @@ def run_user_create(args: argparse.Namespace) -> int:
         if args.exists_ok:
             existing = store.find_user(args.email)
             if existing is not None:
-                print(f"user {existing.email} already exists (role {existing.role}); unchanged")
-                return 0
+                return said(
+                    args,
+                    {**existing.as_dict(), "created": False},
+                    f"user {existing.email} already exists (role {existing.role}); unchanged",
+                )
         try:
             user = store.create_user(args.email, password, args.role)
         except EmailTaken:
             if not args.exists_ok:
                 raise
-            print(f"user {args.email} already exists; unchanged")
-            return 0
-    print(f"created user {user.email} (id {user.id}, role {user.role})")
+            existing = store.find_user(args.email)
+            return said(
+                args,
+                {**(existing.as_dict() if existing else {"email": args.email}), "created": False},
+                f"user {args.email} already exists; unchanged",
+            )
+    return said(
+        args,
+        {**user.as_dict(), "created": True},
+        f"created user {user.email} (id {user.id}, role {user.role})",
+    )
+
+
+def said(args: argparse.Namespace, data, text: str) -> int:
+    """Print ``data`` as JSON with ``--json``, else ``text``; exit 0."""
+    print(to_json(data) if args.json else text)
     return 0
 
 
 def run_user_list(args: argparse.Namespace) -> int:
     with account_store(args) as store:
         users = store.list_users()
+    if args.json:
+        return said(args, [user.as_dict() for user in users], "")
     if not users:
         print("no users yet: create one with `dramatiq-pg-broker user create`")
         return 0
@@ -91,24 +113,29 @@ def run_user_active(args: argparse.Namespace) -> int:
     with account_store(args) as store:
         user = store.update_user(_user(store, args.email).id, active=args.active)
     if args.active:
-        print(f"activated user {user.email}; tokens revoked earlier stay revoked")
+        text = f"activated user {user.email}; tokens revoked earlier stay revoked"
     else:
-        print(f"deactivated user {user.email}: their sessions ended and their tokens are revoked")
-    return 0
+        text = f"deactivated user {user.email}: their sessions ended and their tokens are revoked"
+    return said(args, user.as_dict(), text)
 
 
 def run_user_set_password(args: argparse.Namespace) -> int:
     password = _password(args)
     with account_store(args) as store:
         user = store.update_user(_user(store, args.email).id, password=password)
-    print(f"password of {user.email} changed: their sessions ended and their tokens are revoked")
-    return 0
+    return said(
+        args,
+        user.as_dict(),
+        f"password of {user.email} changed: their sessions ended and their tokens are revoked",
+    )
 
 
 def run_token_create(args: argparse.Namespace) -> int:
     with account_store(args) as store:
         user = _user(store, args.email)
         new = store.create_token(user.id, args.name)
+    if args.json:
+        return said(args, {**new.token.as_dict(), "email": user.email, "secret": new.secret}, "")
     print(
         f"# token {new.token.id} ({new.token.name!r}) for {user.email}; it is shown only this once",
         file=sys.stderr,
@@ -121,6 +148,8 @@ def run_token_list(args: argparse.Namespace) -> int:
     with account_store(args) as store:
         user = _user(store, args.email)
         tokens = store.list_tokens(user.id)
+    if args.json:
+        return said(args, [token.as_dict() for token in tokens], "")
     if not tokens:
         print(f"{user.email} has no API tokens")
         return 0
@@ -136,8 +165,7 @@ def run_token_list(args: argparse.Namespace) -> int:
 def run_token_revoke(args: argparse.Namespace) -> int:
     with account_store(args) as store:
         token = store.revoke_token(args.id)
-    print(f"revoked token {token.id} ({token.name!r})")
-    return 0
+    return said(args, token.as_dict(), f"revoked token {token.id} ({token.name!r})")
 
 
 def _password_options(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +209,7 @@ def add_user_commands(sub: argparse._SubParsersAction) -> None:
     set_password.add_argument("--email", required=True)
     _password_options(set_password)
     set_password.set_defaults(func=run_user_set_password)
+    _json_flags(user_sub)
 
 
 def add_token_commands(sub: argparse._SubParsersAction) -> None:
@@ -200,3 +229,11 @@ def add_token_commands(sub: argparse._SubParsersAction) -> None:
     token_revoke = token_sub.add_parser("revoke", help="revoke an API token for good")
     token_revoke.add_argument("--id", required=True, type=int, help="the token's id (token list)")
     token_revoke.set_defaults(func=run_token_revoke)
+    _json_flags(token_sub)
+
+
+def _json_flags(group: argparse._SubParsersAction) -> None:
+    """``--json`` on each command of ``group``, as on every ``dramatiq-pg-broker``
+    command."""
+    for parser in group.choices.values():
+        parser.add_argument("--json", action="store_true", help="print JSON for scripts")

@@ -29,8 +29,11 @@ def page_fail() -> None:
 
 @dramatiq.actor(actor_name="dash.hang", queue_name="dash_page", max_retries=3)
 def hang(seconds: float) -> None:
-    """Runs ``seconds``, or until aborted: keeps the queue at its limit."""
-    time.sleep(seconds)
+    """Runs ``seconds``, or until aborted (in short sleeps: an abort interrupts Python code,
+    not a call blocked in the kernel): keeps the queue at its limit."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 @dramatiq.actor(actor_name="dash.doomed", queue_name="dash_dead", max_retries=3)

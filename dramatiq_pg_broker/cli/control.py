@@ -131,7 +131,9 @@ def run_queues_show(ctx: Context, args) -> int:
         )
     )
     if queue.jobs.oldest_waiting_seconds:
-        lines.append(("oldest", f"runnable for {duration(queue.jobs.oldest_waiting_seconds)}"))
+        waited = duration(queue.jobs.oldest_waiting_seconds)
+        waited = "under a second" if waited == "now" else waited
+        lines.append(("oldest", f"the oldest runnable job has waited {waited}"))
     for line_name, value in lines:
         print(f"{line_name.ljust(width)}  {value}")
     reasons = queue.waiting_because()

@@ -467,3 +467,17 @@ def test_the_account_commands_speak_json(run):
     assert json.loads(out)["revoked"] is True
     code, out, _ = run("user", "deactivate", "--email", email, "--json")
     assert json.loads(out)["active"] is False
+
+
+def test_a_worker_says_when_an_operators_limit_overrides_its_code(store, caplog):
+    queue = declared_queue(store)
+    with store.pool.connection() as conn:
+        limits.set_limit(conn, store.schema, queue, 4, by="ops@example.com")
+        with caplog.at_level("WARNING", logger="dramatiq_pg_broker.limits"):
+            assert limits.apply_declared(conn, store.schema, {queue: 2}, by="worker w") == []
+    (record,) = [r for r in caplog.records if queue in r.getMessage()]
+    said = record.getMessage()
+    assert f"Queue {queue} keeps the limit 4 an operator set (ops@example.com, " in said
+    assert "not this worker's queue_limits 2" in said
+    with store.pool.connection() as conn:
+        assert limits.get(conn, store.schema, queue).limit == 4

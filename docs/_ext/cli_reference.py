@@ -64,7 +64,9 @@ class CliReference(SphinxDirective):
         result: list[nodes.Node] = []
         top = section(self.state.document, "Global options")
         top += paragraph(
-            "Given before the command: `dramatiq-pg-broker --url URL --schema NAME jobs list`."
+            "Given before the command or after it: `dramatiq-pg-broker --url URL jobs list` "
+            "or `dramatiq-pg-broker jobs list --url URL`. Every command also takes `--json`: "
+            "its output, and its errors on stderr, as JSON."
         )
         top += nodes.literal_block(text=parser.format_usage().strip(), language="text")
         top += _arguments(parser)

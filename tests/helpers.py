@@ -98,6 +98,21 @@ def wait_for(
         time.sleep(interval)
 
 
+def server_up_for(url: str, seconds: float) -> None:
+    """Wait until the server at ``url`` has been up for
+    ``seconds``: a lease that ran out counts as expired only then (the reaper's guard, in
+    ``lease_ran_out``), and a test's server may have started just before the test (the
+    embedded one, started by the run)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT extract(epoch FROM pg_postmaster_start_time() + make_interval(secs => %s)"
+            " - now())",
+            (seconds,),
+        ).fetchone()[0]
+    if left > 0:  # a known time to wait, not a guess: the server's own clock says it
+        time.sleep(float(left) + 0.1)
+
+
 class StatementCounter:
     """Counts ``psycopg.Cursor.execute`` calls while installed (a context manager): all of
     them in ``count``, and per statement text in ``of``. Every statement the package sends

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from dramatiq_pg_broker.config import Settings
+from tests.helpers import server_up_for
 from tests.integration.admin_support import PASSWORD, AdminEnv
 
 from .browser import Stack, new_driver, require_browser
@@ -749,7 +751,7 @@ def api_state(stack, token: str, job_id: str) -> str:
 
 
 def test_a_dead_workers_jobs_say_lease_expired_and_an_operator_requeues_them(
-    stack, accounts, browser
+    stack, accounts, browser, pg_url
 ):
     """A real worker is killed (SIGKILL) while two jobs run: once their lease runs out the
     overview counts them as lease expired, not running, beside "No worker process is
@@ -806,7 +808,9 @@ def test_a_dead_workers_jobs_say_lease_expired_and_an_operator_requeues_them(
     browser.execute_script("window.scrollTo(0, 0)")
     screenshot(browser, "dashboard-dead-worker.png")
 
-    # The job's page: since when, and Requeue.
+    # The job's page: since when, and Requeue (the API's requeue takes a lease that ran
+    # out once the server has been up a whole lease: the run may have just started it).
+    server_up_for(pg_url, Settings().lease_seconds)
     browser.get(f"{stack.base}/dashboard/jobs/{jobs[0]}")
     wait(browser, stack, "the job's Requeue button", lambda d: css(d, "#requeue"))
     assert text_of(browser, 'h1 .badge[data-state="lease_expired"]') == "lease expired"

@@ -29,6 +29,7 @@ from dramatiq_pg_broker.errors import InvalidTransition
 from dramatiq_pg_broker.jobs import Attempt, NewJob, states
 
 from ..e2e.workers import REPO
+from ..helpers import server_up_for
 from .harness import declared_queue
 
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -319,7 +320,16 @@ def test_jobs_show_says_a_lease_expired_and_what_to_do(every_state, run):
 # -- requeue ------------------------------------------------------------------------------
 
 
-def test_jobs_requeue_puts_a_job_whose_worker_died_back_at_once(every_state, run, store):
+@pytest.fixture
+def lease_guard_passed(pg_url):
+    """The CLI's requeue takes a lease that ran out only once the server has been up for a
+    whole lease (its default, 30 s): the run may have started the server just now."""
+    server_up_for(pg_url, Settings().lease_seconds)
+
+
+def test_jobs_requeue_puts_a_job_whose_worker_died_back_at_once(
+    every_state, run, store, lease_guard_passed
+):
     job_id = every_state["lease_expired"]
     code, out, _ = run("jobs", "requeue", job_id[:8])
     assert code == 0 and out.startswith("requeued 1 job(s) whose lease expired"), out
@@ -345,7 +355,9 @@ def test_a_requeue_never_takes_a_job_whose_worker_holds_its_lease(every_state, r
         store.requeue_expired(every_state["ready"], settings=Settings(), by="tests")
 
 
-def test_requeue_all_expired_of_one_queue_counts_an_interrupted_attempt(store, run):
+def test_requeue_all_expired_of_one_queue_counts_an_interrupted_attempt(
+    store, run, lease_guard_passed
+):
     queue = declared_queue(store)
     other = declared_queue(store)
     an_hour_ago = NOW - dt.timedelta(hours=1)

@@ -536,8 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # A command says itself why it cannot reach the database (one line, exit 2): the
-    # outage lines a worker logs while it retries would only repeat it.
-    logging.getLogger("dramatiq_pg_broker.outage").setLevel(logging.ERROR)
+    # outage lines a worker logs while it retries would only repeat it. Restored after the
+    # command: a program (or a test) calling main() keeps its own logging as it was.
+    outage_log = logging.getLogger("dramatiq_pg_broker.outage")
+    level = outage_log.level
+    outage_log.setLevel(logging.ERROR)
     argv = list(sys.argv[1:] if argv is None else argv)
     token = _json_errors.set("--json" in argv)
     try:
@@ -548,6 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     finally:
         _json_errors.reset(token)
+        outage_log.setLevel(level)
 
 
 def _run(args: argparse.Namespace) -> int:

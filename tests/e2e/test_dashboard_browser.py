@@ -7,11 +7,13 @@ the way.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -565,62 +567,78 @@ def undeclared_job(accounts, queue: str) -> str:
     return job_id
 
 
-def add_worker_row(accounts, worker_id: str, queues: list[str]) -> None:
-    """A live worker process consuming ``queues``, as the registry holds one."""
+@contextlib.contextmanager
+def worker_row(accounts, worker_id: str, queues: list[str]) -> Iterator[None]:
+    """A live worker process consuming ``queues``, as the registry holds one, for the
+    block: a later test of the module looks for "no worker process is running"."""
     from psycopg import sql
 
+    schema = sql.Identifier(accounts.settings.schema)
     with accounts.pool.connection() as conn:
         conn.execute(
             sql.SQL(
                 "INSERT INTO {}.workers (id, host, pid, queues, actors, version, expires_at,"
                 " in_flight) VALUES (%s, 'far-host', 4242, %s, '{{}}', '0',"
                 " now() + interval '10 minutes', 0)"
-            ).format(sql.Identifier(accounts.settings.schema)),
+            ).format(schema),
             (worker_id, queues),
         )
+    try:
+        yield
+    finally:
+        with accounts.pool.connection() as conn:
+            conn.execute(
+                sql.SQL("DELETE FROM {}.workers WHERE id = %s").format(schema), (worker_id,)
+            )
 
 
 def test_the_overview_shows_idle_queues_red_and_declared_queues_first(stack, accounts, browser):
     idle, busy = "dash_idle", "dash_busy"
     accounts.declare(queues=[idle, busy])
-    add_worker_row(accounts, "far-host:4242:abc", [busy, "dash_other", "dash_third"])
-    undeclared = [f"a_typo_{i:02d}" for i in range(12)]
-    for i, queue in enumerate(undeclared):
-        for _ in range(1 + i % 2):
-            undeclared_job(accounts, queue)
-    long_queue = "z" + "q" * 9_999
-    undeclared_job(accounts, long_queue)
+    with worker_row(accounts, "far-host:4242:abc", [busy, "dash_other", "dash_third"]):
+        undeclared = [f"a_typo_{i:02d}" for i in range(12)]
+        for i, queue in enumerate(undeclared):
+            for _ in range(1 + i % 2):
+                undeclared_job(accounts, queue)
+        long_queue = "z" + "q" * 9_999
+        undeclared_job(accounts, long_queue)
 
-    log_in(browser, stack, "operator")
-    rows = wait(
-        browser,
-        stack,
-        "the overview with the idle queue",
-        lambda d: css(d, f'#queues tr[data-queue="{idle}"]') and css(d, "#queues tr[data-queue]"),
-    )
-    flags = [row.get_attribute("data-declared") for row in rows]
-    first_undeclared = flags.index("false")
-    assert set(flags[:first_undeclared]) == {"true"} and set(flags[first_undeclared:]) == {"false"}
-    assert len(flags) - first_undeclared == 10, "undeclared queues are capped at ten"
-    listed = stack.api("GET", "/api/queues", accounts.tokens["viewer"])["results"]
-    hidden = sum(not queue["declared"] for queue in listed) - 10
-    assert hidden >= 3
-    assert f"and {hidden} more queues no worker declared" in text_of(browser, "#queues-more")
+        log_in(browser, stack, "operator")
+        rows = wait(
+            browser,
+            stack,
+            "the overview with the idle queue",
+            lambda d: (
+                css(d, f'#queues tr[data-queue="{idle}"]') and css(d, "#queues tr[data-queue]")
+            ),
+        )
+        flags = [row.get_attribute("data-declared") for row in rows]
+        first_undeclared = flags.index("false")
+        assert set(flags[:first_undeclared]) == {"true"}
+        assert set(flags[first_undeclared:]) == {"false"}
+        assert len(flags) - first_undeclared == 10, "undeclared queues are capped at ten"
+        listed = stack.api("GET", "/api/queues", accounts.tokens["viewer"])["results"]
+        hidden = sum(not queue["declared"] for queue in listed) - 10
+        assert hidden >= 3
+        assert f"and {hidden} more queues no worker declared" in text_of(browser, "#queues-more")
 
-    def state(queue):
-        return css(browser, f'#queues tr[data-queue="{queue}"] td[data-field="state"] .state')[0]
+        def state(queue):
+            cell = f'#queues tr[data-queue="{queue}"] td[data-field="state"] .state'
+            return css(browser, cell)[0]
 
-    assert state(idle).text == "no worker"
-    assert state(idle).value_of_css_property("color") == "rgba(180, 35, 24, 1)", "red"
-    assert state(busy).text == "active"
-    assert state(busy).value_of_css_property("color") == "rgba(26, 127, 55, 1)", "green"
-    # The three queues of the worker, one per line.
-    cells = css(browser, '#workers tr[data-worker="far-host:4242:abc"] td[data-field="queues"] div')
-    assert [c.text for c in cells] == [busy, "dash_other", "dash_third"]
-    assert len({c.location["y"] for c in cells}) == 3
-    assert browser.execute_script(
-        "return document.documentElement.scrollWidth <= window.innerWidth"
-    )
+        assert state(idle).text == "no worker"
+        assert state(idle).value_of_css_property("color") == "rgba(180, 35, 24, 1)", "red"
+        assert state(busy).text == "active"
+        assert state(busy).value_of_css_property("color") == "rgba(26, 127, 55, 1)", "green"
+        # The three queues of the worker, one per line.
+        cells = css(
+            browser, '#workers tr[data-worker="far-host:4242:abc"] td[data-field="queues"] div'
+        )
+        assert [c.text for c in cells] == [busy, "dash_other", "dash_third"]
+        assert len({c.location["y"] for c in cells}) == 3
+        assert browser.execute_script(
+            "return document.documentElement.scrollWidth <= window.innerWidth"
+        )
 
 
 def test_a_very_long_queue_name_is_no_link(stack, accounts, browser):

@@ -36,10 +36,13 @@ class Executions:
 
     def __init__(self, monkeypatch) -> None:
         self.count = 0
+        #: When the last one was sent (time.monotonic()).
+        self.last = time.monotonic()
         original = psycopg.Cursor.execute
 
         def execute(cursor, *args, **kwargs):
             self.count += 1
+            self.last = time.monotonic()
             return original(cursor, *args, **kwargs)
 
         monkeypatch.setattr(psycopg.Cursor, "execute", execute)
@@ -81,13 +84,21 @@ def test_a_wait_sleeps_on_notify_and_wakes_at_once(backend, monkeypatch):
         got.append(backend.wait_many(["late", "other"], timeout=10_000))
         got.append(time.monotonic())
 
+    executions = Executions(monkeypatch)
     thread = threading.Thread(target=wait)
     thread.start()
     waiting.wait(5)
-    time.sleep(0.3)  # the waiter has looked once, and sleeps on LISTEN by now
-    executions = Executions(monkeypatch)
+    # The waiter looks once and subscribes (on a loaded machine that may take a while),
+    # then sends nothing: wait for its first statements and a quiet spell after them.
+    wait_for(
+        lambda: executions.count and time.monotonic() - executions.last > 0.3,
+        10,
+        "the waiter's first look, then quiet",
+    )
+    before = executions.count
     time.sleep(0.7)  # the span observed: a polling waiter would query in it
-    assert executions.count == 0, f"the waiter sent {executions.count} statement(s) asleep"
+    asleep = executions.count - before
+    assert asleep == 0, f"the waiter sent {asleep} statement(s) asleep"
     sent = time.monotonic()
     backend.notify([Event("late", {"n": 1})], 10_000)
     thread.join(10)

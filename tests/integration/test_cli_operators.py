@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -493,3 +494,14 @@ def test_a_worker_says_when_an_operators_limit_overrides_its_code(store, caplog)
     assert "not this worker's queue_limits 2" in said
     with store.pool.connection() as conn:
         assert limits.get(conn, store.schema, queue).limit == 4
+
+
+def test_a_command_leaves_the_callers_logging_as_it_was(run):
+    """A command quiets the outage lines while it runs (it says itself why the database
+    cannot be reached), and gives the logger back as it found it: a program or a test that
+    calls ``main()`` still hears of the next outage."""
+    log = logging.getLogger("dramatiq_pg_broker.outage")
+    log.setLevel(logging.NOTSET)
+    code, _, _ = run("stats")
+    assert code == 0
+    assert log.level == logging.NOTSET and log.getEffectiveLevel() <= logging.WARNING

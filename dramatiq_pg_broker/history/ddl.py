@@ -3,16 +3,19 @@ and the names of partitions (see :mod:`.retention`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
+
+from ..db.core import connect
 
 logger = logging.getLogger("dramatiq_pg_broker.retention")
 
@@ -68,8 +71,18 @@ DDL_TRIES = 3
 RETRY_PAUSE = (0.05, 0.25)
 
 
+#: The first key of the advisory lock that gives one run at a time its turn at the partition
+#: steps of a schema (the second is ``hashtext(schema)``): see :class:`Turn`.
+TURN_NAMESPACE = 0x64717074  # "dqpt"
+
+
 class LockBusy(Exception):
     """A maintenance statement did not get its lock in :data:`DDL_TRIES` tries."""
+
+
+class TurnLost(Exception):
+    """The connection that held the run's turn at the partition steps ended (see
+    :class:`Turn`): the run leaves the rest of them to the next run."""
 
 
 class LockHeld(Exception):
@@ -134,8 +147,71 @@ def _partition_name(parent: str, day: dt.date) -> str:
     return f"{parent}_{day:%Y%m%d}"
 
 
+class Turn:
+    """One run's turn at the partition steps (create, drop, default) of a schema: a
+    transaction-level advisory lock, taken without waiting, in a transaction kept open on
+    a connection of its own for as long as the steps run (:meth:`take`).
+
+    Runs started at once (the workers' scheduled run, a cron's ``prune``, an operator's)
+    never wait for each other: the one that gets the turn does the partition work, the
+    others skip those steps, saying who has it, and go on with the rest (their reclaimers
+    take different rows). Two runs attaching, detaching or moving the same day at once
+    would trip over each other's tables and constraints half-way. The transaction holds
+    no snapshot and no transaction id (READ COMMITTED, one SELECT), so it keeps nothing
+    from vacuum, and it works behind PgBouncer in transaction mode (a transaction keeps
+    its server session). A session the server ends (a restart, an
+    ``idle_in_transaction_session_timeout``) releases the turn: :meth:`check` tells the
+    run before each DDL statement, and the run stops its partition work there
+    (:class:`TurnLost`).
+    """
+
+    def __init__(self, conn: psycopg.Connection, row: tuple) -> None:
+        self._conn = conn
+        #: Whether this run has the turn; if not, the server process id of the holder's
+        #: connection and since when its transaction runs (None: it ended meanwhile).
+        self.ours: bool = row[0]
+        self.holder: int | None = row[1]
+        self.since: dt.datetime | None = row[2]
+
+    @classmethod
+    @contextlib.contextmanager
+    def take(cls, url: str, schema: str, query: str) -> Iterator[Turn]:
+        """Try to take the turn of ``schema`` on a new connection to ``url`` (``query``:
+        the ``take_turn`` statement of retention.sql); the turn is released, and the
+        connection closed, on leaving the block.
+
+        Raises:
+          dramatiq.errors.ConnectionError: the database cannot be reached.
+        """
+        conn = connect(url)
+        try:
+            conn.execute("BEGIN")
+            row = conn.execute(query, {"namespace": TURN_NAMESPACE, "schema": schema}).fetchone()
+            yield cls(conn, row)
+        finally:
+            # Closing the connection ends its transaction, and with it the turn.
+            conn.close()
+
+    def describe_holder(self) -> str:
+        """Why this run skips the partition steps, in one line."""
+        who = f"server process {self.holder}" if self.holder else "another run"
+        when = f", its transaction since {self.since:%H:%M:%S %Z}" if self.since else ""
+        return f"another maintenance run has the partition steps' turn ({who}{when})"
+
+    def check(self) -> None:
+        """Raise :class:`TurnLost` when the connection holding the turn has ended."""
+        try:
+            self._conn.execute("SELECT 1")
+        except psycopg.Error as e:
+            raise TurnLost(str(e).strip() or type(e).__name__) from e
+
+
 class LockedDDL:
     """A run's DDL under short lock timeouts (a part of :class:`.retention._Run`)."""
+
+    #: The run's turn at the partition steps (:class:`Turn`), checked before each DDL
+    #: statement; None outside them.
+    turn: Turn | None = None
 
     def ddl(self, statement, params: dict | None = None, *, locks: Sequence[Lock] = ()):
         """Run one maintenance statement alone in its transaction (see :meth:`locked`);
@@ -165,6 +241,8 @@ class LockedDDL:
           LockBusy: not granted in :data:`DDL_TRIES` tries.
         """
         for attempt in range(DDL_TRIES):
+            if self.turn is not None:
+                self.turn.check()
             try:
                 with self.pool.connection() as conn:
                     started = time.monotonic()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from ..errors import SchemaMissing
 from .ddl import (
     ACCESS_EXCLUSIVE,
     DDL_TRIES,
@@ -263,8 +264,11 @@ class PartitionSteps(LockedDDL):
                     )
                     busy.append(partition)
                     continue
-                except psycopg.errors.UndefinedTable:
-                    continue  # another process dropped it meanwhile
+                except (psycopg.errors.UndefinedTable, SchemaMissing):
+                    # Dropped or detached meanwhile (a dry run beside a run, or a run
+                    # whose turn was lost): the pool reports a missing table as the
+                    # schema's (SchemaMissing), its cause says which.
+                    continue
                 if parent == "job_events":
                     self.report.expired_events += rows
                 else:

@@ -59,7 +59,7 @@ from ..config import Settings
 from ..db.core import ProcessPool
 from ..db.queries import Queries
 from ..errors import SchemaMissing
-from .ddl import FINISHED, PARENTS, StepResult, _for, _partition_name
+from .ddl import FINISHED, PARENTS, StepResult, Turn, TurnLost, _for, _partition_name
 from .partitions import PartitionSteps
 
 logger = logging.getLogger("dramatiq_pg_broker.retention")
@@ -101,9 +101,13 @@ class RetentionPolicy:
         return {s: getattr(self, s) for s in FINISHED if getattr(self, s) is not None}
 
 
+#: The steps that change history's partitions: one run at a time takes them (see
+#: :class:`.ddl.Turn`); a run started while another has them skips them.
+PARTITION_STEPS = ("create", "drop", "default")
+
 #: The steps of a run, in order. Each runs on its own and reports ``ok``, ``skipped`` or
 #: ``failed`` (with its error): one failing never stops the others.
-STEPS = ("create", "drop", "default", *(module.rpartition(".")[2] for module in RECLAIMERS))
+STEPS = (*PARTITION_STEPS, *(module.rpartition(".")[2] for module in RECLAIMERS))
 
 
 @dataclasses.dataclass
@@ -211,6 +215,16 @@ class _Run(PartitionSteps):
         started = time.monotonic()
         try:
             result = fn() or StepResult()
+        except TurnLost as e:
+            logger.warning(
+                "Maintenance step %s stopped: the connection holding the partition steps' "
+                "turn ended (%s); the next run goes on.",
+                name,
+                e,
+            )
+            self.turn = None
+            result = StepResult("skipped", f"the partition steps' turn was lost ({e})")
+            self.report.complete = False
         except Exception as e:
             error = str(e).strip() or type(e).__name__
             if isinstance(e, BrokerConnectionError):
@@ -275,12 +289,43 @@ class _Run(PartitionSteps):
                 self.step(name, functools.partial(_raise, e))
             return self.report
         self.clock = now
-        self.step("create", self.create)
-        self.step("drop", self.drop)
-        self.step("default", self.default)
+        self.partition_steps()
         for module in RECLAIMERS:
             self.step(module.rpartition(".")[2], functools.partial(self.reclaim, module))
         return self.report
+
+    def partition_steps(self) -> None:
+        """The steps that change history's partitions, if this run gets the turn (see
+        :class:`.ddl.Turn`); a dry run changes nothing and needs none."""
+        steps = {"create": self.create, "drop": self.drop, "default": self.default}
+        if self.dry_run:
+            for name, fn in steps.items():
+                self.step(name, fn)
+            return
+        try:
+            with Turn.take(self.pool.url, self.schema, self.queries["take_turn"]) as turn:
+                if not turn.ours:
+                    detail = turn.describe_holder()
+                    logger.info("Partition steps skipped: %s.", detail)
+                    for name in steps:
+                        self.report.steps[name] = StepResult("skipped", detail)
+                    return
+                self.turn = turn
+                try:
+                    for name, fn in steps.items():
+                        if self.turn is None:
+                            self.report.steps[name] = StepResult(
+                                "skipped", "the partition steps' turn was lost"
+                            )
+                        else:
+                            self.step(name, fn)
+                finally:
+                    self.turn = None
+        except Exception as e:
+            # The turn could not be taken (the database is unreachable): each step reports it.
+            for name in steps:
+                if name not in self.report.steps:
+                    self.step(name, functools.partial(_raise, e))
 
     # -- reclaimers ------------------------------------------------------------------------
 

@@ -293,3 +293,27 @@ ALTER TABLE {schema}.{{partition}} VALIDATE CONSTRAINT {{constraint}}
 -- Once the days are attached (or not), the constraint goes (ACCESS EXCLUSIVE on the
 -- partition for a moment).
 ALTER TABLE {schema}.{{partition}} DROP CONSTRAINT IF EXISTS {{constraint}}
+
+-- take_turn --
+-- The run's turn at the partition steps of the schema %(schema)s (history/ddl.py, Turn): a
+-- transaction-level advisory lock on (%(namespace)s, hashtext(schema)), taken without
+-- waiting, in the transaction the caller keeps open while the steps run. Returns whether
+-- it was taken and, when not, the server process that holds it and since when its
+-- transaction runs (NULL: it ended meanwhile).
+WITH taken AS (
+    SELECT pg_try_advisory_xact_lock(%(namespace)s, hashtext(%(schema)s)) AS ours
+)
+SELECT taken.ours, holder.pid, holder.xact_start
+FROM taken
+LEFT JOIN LATERAL (
+    SELECT l.pid, a.xact_start
+    FROM pg_locks AS l
+    LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE NOT taken.ours
+      AND l.locktype = 'advisory' AND l.granted
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid::bigint = %(namespace)s
+      AND l.objid::bigint = (hashtext(%(schema)s)::bigint & 4294967295)
+      AND l.objsubid = 2
+    LIMIT 1
+) AS holder ON true

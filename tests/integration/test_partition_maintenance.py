@@ -5,6 +5,8 @@ its own (issue 30, items 4-6)."""
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -611,3 +613,167 @@ def test_a_constraint_left_on_a_default_partition_is_dropped_by_the_next_run(sto
     report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
     assert report.steps["create"].state == "ok", report.steps["create"]
     assert sql_one(store, constraints, (store.schema,)) == (0,)
+
+
+def prune_processes(pg_url: str, schema: str, count: int) -> list[subprocess.Popen]:
+    """``count`` real ``dramatiq-pg-broker prune`` processes, started at once."""
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dramatiq_pg_broker",
+                "--url",
+                pg_url,
+                "--schema",
+                schema,
+                "prune",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+
+
+def give_every_step_work(store: JobStore, now: dt.datetime) -> dict[str, list[str]]:
+    """Work for each partition step of a run: expired days in partitions of their own
+    (drop: history's and, at 40 days, the events'), recent days in DEFAULT (default: moved
+    into their days) and an expired day there (default: deleted), the days ahead missing
+    (create). Returns the jobs that must go and those that must stay."""
+    gone, kept = [], []
+    expired_days = [10, 11, 12, 13, 40]
+    with store.pool.connection() as conn:
+        for days in expired_days:
+            create_partitions(conn, store.schema, now - dt.timedelta(days=days), 0)
+    for days in expired_days:
+        gone += [finish(store, now - dt.timedelta(days=days), key=f"k{uuid.uuid4()}")]
+        gone += [finish(store, now - dt.timedelta(days=days))]
+    for days in (2, 3):  # no partition: DEFAULT, moved into their days
+        kept += [finish(store, now - dt.timedelta(days=days)) for _ in range(3)]
+    gone += [finish(store, now - dt.timedelta(days=9))]  # no partition, expired: deleted
+    remove_partitions(store, [now + dt.timedelta(days=n) for n in range(1, 8)])
+    return {"gone": gone, "kept": kept}
+
+
+@pytest.mark.slow
+def test_any_number_of_prune_processes_at_once_each_exit_0_and_leave_nothing_behind(
+    store, pg_url, schema
+):
+    """Several real ``prune`` processes started together (a cron beside the workers'
+    scheduled run, an operator's run beside both), with every partition step having work:
+    each exits 0, one of them does each step's work, the others skip the partition steps
+    saying who has them, and nothing is left half-done: no table prepared or detached and
+    not attached or dropped, no constraint left on a DEFAULT partition, every day ahead
+    attached, every expired day gone, every row of a kept day in its partition. Before the
+    partition steps took turns, runs dropped each other's tables and constraints half-way
+    (``relation ... does not exist``, ``... is not a partition of ...``, exit 1)."""
+    now = server_now(store)
+    for round_ in range(3):
+        jobs = give_every_step_work(store, now)
+        processes = prune_processes(pg_url, schema, 4)
+        results = [(p.wait(timeout=120), *p.communicate()) for p in processes]
+        for code, out, err in results:
+            assert code == 0, f"round {round_}: a prune exited {code}:\n{out}\n{err}"
+            steps = {line.split()[0]: line for line in out.splitlines() if line.split()}
+            for name in ("create", "drop", "default"):
+                assert steps[name].split()[1] == "ok" or "turn" in steps[name], (
+                    f"round {round_}: step {name}: {steps[name]}"
+                )
+        assert sql_one(store, "SELECT count(*) FROM {s}.history_partitions_pending") == (0,)
+        assert sql_one(
+            store,
+            "SELECT count(*) FROM pg_constraint WHERE conname LIKE '%%default_not_%%'"
+            " AND connamespace = %s::regnamespace",
+            (schema,),
+        ) == (0,)
+        with store.pool.connection() as conn:
+            attached = {
+                name
+                for (name,) in conn.execute(f"SELECT partition FROM {schema}.history_partitions")
+            }
+            for offset in range(0, 8):
+                for parent in ("jobs_history_succeeded", "job_events"):
+                    name = f"{parent}_{day(now + dt.timedelta(days=offset))}"
+                    assert name in attached, f"round {round_}: {name} is not attached"
+            for days in (10, 40):
+                name = f"jobs_history_succeeded_{day(now - dt.timedelta(days=days))}"
+                assert name not in attached, f"round {round_}: {name} is still there"
+            assert f"job_events_{day(now - dt.timedelta(days=40))}" not in attached
+            assert conn.execute(
+                f"SELECT count(*) FROM {schema}.jobs_history_succeeded_default"
+            ).fetchone() == (0,)
+            assert conn.execute(
+                f"SELECT count(*) FROM {schema}.all_jobs WHERE id = ANY(%s::uuid[])",
+                (jobs["gone"],),
+            ).fetchone() == (0,)
+            assert conn.execute(
+                f"SELECT count(*) FROM {schema}.jobs_history_succeeded WHERE id = ANY(%s::uuid[])",
+                (jobs["kept"],),
+            ).fetchone() == (len(jobs["kept"]),)
+
+
+def test_a_run_started_while_another_has_the_turn_skips_the_partition_steps(store):
+    """A run that finds the partition steps' turn taken skips them at once, saying which
+    server process has it, and still runs the reclaimers."""
+    from dramatiq_pg_broker.db.queries import Queries
+    from dramatiq_pg_broker.history.ddl import Turn
+
+    now = server_now(store)
+    remove_partitions(store, [now + dt.timedelta(days=6)])
+    query = Queries(store.schema, "retention.sql")["take_turn"]
+    with Turn.take(store.pool.url, store.schema, query) as held:
+        assert held.ours
+        started = time.monotonic()
+        report = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+        assert time.monotonic() - started < HOT_PATH_BOUND * 10
+    for name in ("create", "drop", "default"):
+        step = report.steps[name]
+        assert step.state == "skipped", (name, step)
+        assert "turn" in step.detail and "server process" in step.detail, step.detail
+    for name in ("results", "rate_limits", "workers", "abort"):
+        assert report.steps[name].state == "ok", (name, report.steps[name])
+    after = prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now)
+    assert after.steps["create"].state == "ok", after.steps["create"]
+    assert after.created == 4
+
+
+def test_a_run_whose_turn_ends_leaves_the_rest_of_the_partition_work_to_the_next(store):
+    """The server ends the session holding the turn (a restart, an
+    idle_in_transaction_session_timeout): the run notices before its next DDL statement,
+    reports the step skipped and the later partition steps too, and runs the reclaimers."""
+    from dramatiq_pg_broker.history import ddl, retention
+
+    now = server_now(store)
+    remove_partitions(store, [now + dt.timedelta(days=n) for n in (5, 6)])
+    run = retention._Run(
+        store.pool,
+        store.schema,
+        RetentionPolicy(),
+        batch=100,
+        dry_run=False,
+        budget_seconds=None,
+        stop=None,
+        rest=False,
+        partitions_ahead=7,
+    )
+    create = run.create
+
+    def create_after_the_turn_ended():
+        with store.pool.connection() as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+                " AND classid::bigint = %s AND pid <> pg_backend_pid()",
+                (ddl.TURN_NAMESPACE,),
+            )
+        return create()
+
+    run.create = create_after_the_turn_ended
+    report = run.run(now)
+    assert report.steps["create"].state == "skipped", report.steps["create"]
+    assert "turn was lost" in report.steps["create"].detail
+    assert report.steps["drop"].state == report.steps["default"].state == "skipped"
+    assert report.steps["results"].state == "ok"
+    assert not report.complete
+    assert prune(store.pool, store.schema, RetentionPolicy(), rest=False, now=now).created == 8

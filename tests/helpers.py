@@ -37,19 +37,32 @@ def migrate_ahead(url: str, schema: str, directory: Path, kind: str) -> str:
     (``compatible``, ``breaking``) that this code does not ship, written into
     ``directory``/migrations: a later release's schema, as this code sees it. Returns the
     added migration's name."""
+    from dramatiq_pg_broker.migrate import migrate
+
+    folder, name = migrations_ahead(directory, kind, "CREATE TABLE future_probe (id integer);\n")
+    migrate(url, schema, directory=folder)
+    return name
+
+
+def migrations_ahead(
+    directory: Path, kind: str, body: str, *, transaction: str | None = None
+) -> tuple[Path, str]:
+    """This code's migrations copied into ``directory``/migrations, plus one more that this
+    code does not ship: of ``kind`` (``compatible``, ``breaking``), with the statements
+    ``body`` (and a ``-- transaction:`` line when given). Returns the folder and the added
+    migration's name."""
     from dramatiq_pg_broker.db import handshake
-    from dramatiq_pg_broker.migrate import migrate, migrations_dir
+    from dramatiq_pg_broker.migrate import migrations_dir
 
     folder = directory / "migrations"
     shutil.copytree(migrations_dir(), folder)
     version = handshake.this_code().level + 1
     name = f"{version:04d}_future_{kind}"
-    (folder / f"{name}.sql").write_text(
-        f"-- compatibility: {kind}\n-- A later release's change, made up by the test.\n"
-        "CREATE TABLE future_probe (id integer);\n"
-    )
-    migrate(url, schema, directory=folder)
-    return name
+    header = f"-- compatibility: {kind}\n-- A later release's change, made up by the test.\n"
+    if transaction is not None:
+        header += f"-- transaction: {transaction}\n"
+    (folder / f"{name}.sql").write_text(header + body)
+    return folder, name
 
 
 def idle_in_transaction(conn: psycopg.Connection, application_name: str) -> list[str]:

@@ -210,18 +210,37 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         settings = settings_from(args)
         applied_now: list[dict] = []
 
+        line_open = False
+
         def report(migration, took: float | None) -> None:
             # One line per migration: its name as it starts, its time once applied.
+            nonlocal line_open
             label = f"{migration.version:04d}_{migration.name}"
             if args.json:
                 if took is not None:
                     applied_now.append({"migration": label, "seconds": round(took, 3)})
             elif took is None:
                 print(f"applying {label} ... ", end="", flush=True)
+                line_open = True
             else:
                 print(f"done in {took:.1f} s", flush=True)
+                line_open = False
 
-        applied = migrate(database_url(args), settings.schema, force=args.force, report=report)
+        def say(line: str) -> None:
+            # A wait for a lock, on a line of its own (the migration's line starts again
+            # when its transaction is tried again); on stderr beside --json's document.
+            nonlocal line_open
+            if args.json:
+                print(line, file=sys.stderr, flush=True)
+                return
+            if line_open:
+                print("waiting", flush=True)
+                line_open = False
+            print(line, flush=True)
+
+        applied = migrate(
+            database_url(args), settings.schema, force=args.force, report=report, say=say
+        )
         code, state = _schema_state(args)
         if args.json:
             verdict = _verdict(code, state)

@@ -43,7 +43,9 @@ import datetime as dt
 import hashlib
 import logging
 import os
+import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,11 +54,23 @@ import psycopg
 from psycopg import sql
 
 from ..errors import LiveWorkFound, MigrationChecksumError, MigrationError
+from .locks import BRIEF_HOLDER_MS, LOCK_TIMEOUT_MS
+from .queries import Queries
 
 logger = logging.getLogger("dramatiq_pg_broker.migrate")
 
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 _HEADER_RE = re.compile(r"^-- compatibility: *(\S*)\s*$")
+_TRANSACTION_RE = re.compile(r"^-- transaction: *(\S*)\s*$")
+#: The statements a migration outside a transaction may hold (one of them): those that
+#: PostgreSQL refuses in a transaction and whose locks no send or claim waits for (SHARE
+#: UPDATE EXCLUSIVE on the table). The index's name is the last group.
+_ALONE_RE = re.compile(
+    r"^\s*(CREATE\s+(?:UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+(?:IF\s+NOT\s+EXISTS\s+)?"
+    r"|DROP\s+INDEX\s+CONCURRENTLY\s+(?:IF\s+EXISTS\s+)?)"
+    r"(\w+)\b[^;]*;?\s*$",
+    re.IGNORECASE | re.DOTALL,
+)
 
 #: The first migration under the compatibility contract (see the module docstring).
 CONTRACT_FROM = 10
@@ -84,6 +98,9 @@ class Migration:
     compatibility: str | None = None
     #: Why, as the header's second line says.
     reason: str | None = None
+    #: False for a migration whose header says ``-- transaction: none`` (see
+    #: :func:`parse_transaction`).
+    transactional: bool = True
 
     @property
     def filename(self) -> str:
@@ -155,6 +172,41 @@ def parse_header(filename: str, text: str) -> tuple[str | None, str | None]:
     return kind, reason
 
 
+def parse_transaction(filename: str, text: str) -> bool:
+    """Whether a migration runs in a transaction: yes, unless the line after its header's
+    reason says ``-- transaction: none``. Such a migration holds one statement that
+    PostgreSQL refuses in a transaction block, of the kinds whose locks no send or claim
+    waits for: ``CREATE [UNIQUE] INDEX CONCURRENTLY`` or ``DROP INDEX CONCURRENTLY`` (see
+    :func:`migrate_locked` for how it is run).
+
+    Raises:
+      MigrationError: the line names another value, or the file holds anything else than
+        one such statement.
+    """
+    lines = text.splitlines()
+    match = _TRANSACTION_RE.match(lines[2]) if len(lines) > 2 else None
+    if match is None:
+        return True
+    if match.group(1) != "none":
+        raise MigrationError(
+            f"migration {filename} says `transaction: {match.group(1)}`: the only value is "
+            "`none` (leave the line out for a migration that runs in a transaction)"
+        )
+    if _alone_statement(text) is None:
+        raise MigrationError(
+            f"migration {filename} runs outside a transaction, so it must hold exactly one "
+            "CREATE [UNIQUE] INDEX CONCURRENTLY or DROP INDEX CONCURRENTLY statement (their "
+            "locks hold up no send or claim); put anything else in a migration of its own"
+        )
+    return False
+
+
+def _alone_statement(text: str) -> re.Match | None:
+    """The one statement of a migration outside a transaction (comments left out)."""
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
+    return _ALONE_RE.match(body)
+
+
 def discover(directory: Path | None = None) -> list[Migration]:
     """List the migration files in version order.
 
@@ -181,7 +233,8 @@ def discover(directory: Path | None = None) -> list[Migration]:
                 f"migration files {found[version].filename} and {path.name} share version {version}"
             )
         data = path.read_bytes()
-        compatibility, reason = parse_header(path.name, data.decode("utf-8"))
+        text = data.decode("utf-8")
+        compatibility, reason = parse_header(path.name, text)
         if compatibility is None and version >= CONTRACT_FROM:
             raise MigrationError(
                 f"migration {path.name} has no compatibility header: from "
@@ -196,6 +249,7 @@ def discover(directory: Path | None = None) -> list[Migration]:
             checksum=hashlib.sha256(data).hexdigest(),
             compatibility=compatibility,
             reason=reason,
+            transactional=compatibility is None or parse_transaction(path.name, text),
         )
     return [found[v] for v in sorted(found)]
 
@@ -396,8 +450,10 @@ def migrate(
     target: int | None = None,
     force: bool = False,
     report: Callable[[Migration, float | None], None] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> list[Migration]:
-    """Apply every pending migration, in order, and return the ones applied.
+    """Apply every pending migration, in order, and return the ones applied (see
+    :func:`migrate_locked` for the transactions, and how they wait for their locks).
 
     Parameters:
       url(str): the database URL.
@@ -407,7 +463,11 @@ def migrate(
       force(bool): apply a breaking migration even while :func:`live_work` sees work of
         processes that cannot check the schema (it is logged).
       report: called with each migration and None as it starts, then with the seconds it
-        took once applied; without it, each applied migration is logged (INFO).
+        took once its statements ran (a migration applied with others counts once their
+        transaction commits: a transaction tried again reports its migrations again);
+        without it, each applied migration is logged (INFO).
+      say: called with a line when a migration waits for a lock (whom for), and when it
+        got it after waiting; without it, logged (WARNING).
 
     Raises:
       LiveWorkFound: a pending migration is breaking and live work was seen (not forced).
@@ -422,7 +482,9 @@ def migrate(
         # takes no advisory locks.
         conn.execute("SELECT pg_advisory_lock(%s, %s)", (_LOCK_NAMESPACE, _lock_key(schema)))
         try:
-            return migrate_locked(conn, schema, migrations, force=force, report=report)
+            return migrate_locked(
+                conn, schema, migrations, force=force, report=report, say=say, url=url
+            )
         finally:
             if not conn.closed:
                 conn.execute(
@@ -437,9 +499,32 @@ def migrate_locked(
     *,
     force: bool = False,
     report: Callable[[Migration, float | None], None] | None = None,
+    say: Callable[[str], None] | None = None,
+    url: str | None = None,
 ) -> list[Migration]:
     """:func:`migrate`'s work, on ``conn`` (autocommit), which holds the schema's
-    migration lock (:func:`lock_key`)."""
+    migration lock (:func:`lock_key`).
+
+    How the pending migrations are applied (:func:`units`): each one before the first
+    breaking one in a transaction of its own, every one from the first breaking one on in
+    one transaction, so that no process ever sees the schema between a breaking migration
+    and those that complete it. Every statement of a transaction waits at most
+    :data:`~.locks.LOCK_TIMEOUT_MS` for a lock (``lock_timeout``): a send or a claim then
+    never queues longer behind a migration's lock request, whatever reader holds the
+    table. A statement that times out (or is chosen as a deadlock's victim) rolls the whole
+    transaction back, with every migration in it, and the transaction is run again from
+    its start once the long holders of the schema's locks it met have let go (or after a
+    pause): until it gets its locks, however long that takes, saying whom it waits for
+    (:class:`_Waits`). A migration outside a transaction (:func:`parse_transaction`) runs
+    alone, as it is, without the lock timeout (its locks hold up no send or claim), saying
+    whom it waits for while it waits; an index it failed to build is dropped.
+
+    Parameters:
+      say: called with a line when the run waits for a lock, and when it got it after
+        waiting; without it, those lines are logged (WARNING).
+      url: the database URL, for the second connection that watches a migration outside
+        a transaction while it waits (without it, such a migration waits silently).
+    """
     done: list[Migration] = []
     _ensure_table(conn, schema)
     applied = _applied(conn, schema)
@@ -456,33 +541,309 @@ def migrate_locked(
                 breaking.filename,
                 seen.describe(),
             )
+    tell = say or _log_line
+    for unit in units(pending):
+        if unit[0].transactional:
+            took = _apply_together(conn, schema, unit, report, tell)
+        else:
+            took = [_apply_alone(conn, schema, unit[0], report, tell, url)]
+        for migration, seconds in zip(unit, took):
+            if report is None:
+                logger.info(
+                    "Applied migration %s to schema %s in %.1f s.",
+                    migration.filename,
+                    schema,
+                    seconds,
+                )
+        if len(unit) > 1:
+            logger.debug(
+                "Migrations %s to %s committed together: no process saw the schema between them.",
+                unit[0].filename,
+                unit[-1].filename,
+            )
+        done.extend(unit)
+    return done
+
+
+def units(pending: list[Migration]) -> list[list[Migration]]:
+    """How :func:`migrate_locked` applies ``pending``, one transaction per list: each
+    migration before the first breaking one alone, every one from the first breaking one on
+    together (a migration outside a transaction among them runs alone, between two such
+    transactions).
+
+    A breaking migration's refusals of older code may come in a later migration of the
+    same release (0022 completes what 0012 left open: the claims and sends of 0.1.0):
+    committed apart, the schema would stand between them for as long as the migrations
+    in between take, and an older process still connected could claim there.
+    """
+    result: list[list[Migration]] = []
+    together = False
+    group: list[Migration] = []
     for migration in pending:
-        if report is not None:
-            report(migration, None)
-        started = time.monotonic()
+        if not migration.transactional:
+            if group:
+                result.append(group)
+                group = []
+            result.append([migration])
+            continue
+        together = together or migration.breaking
+        if together:
+            group.append(migration)
+        else:
+            result.append([migration])
+    if group:
+        result.append(group)
+    return result
+
+
+def _log_line(line: str) -> None:
+    logger.warning("%s.", line)
+
+
+def _apply_together(
+    conn: psycopg.Connection,
+    schema: str,
+    unit: list[Migration],
+    report: Callable[[Migration, float | None], None] | None,
+    say: Callable[[str], None],
+) -> list[float]:
+    """Apply ``unit`` in one transaction under the short lock timeout, again from its start
+    until it gets its locks; the seconds each migration took in the try that committed."""
+    waits = _Waits(conn, schema, unit, say)
+    while True:
+        took: list[float] = []
+        current = unit[0]
         try:
             with conn.transaction():
                 conn.execute(
+                    "SELECT set_config('lock_timeout', %s, true)", (f"{LOCK_TIMEOUT_MS}ms",)
+                )
+                conn.execute(
                     sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema))
                 )
-                conn.execute(migration.read())
-                _record(conn, schema, migration)
+                for current in unit:
+                    if report is not None:
+                        report(current, None)
+                    started = time.monotonic()
+                    conn.execute(current.read())
+                    _record(conn, schema, current)
+                    took.append(time.monotonic() - started)
+                    if report is not None:
+                        report(current, took[-1])
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as e:
+            # Rolled back, every migration of the unit with it: nothing of it stays.
+            waits.lost(current, e)
+            continue
         except psycopg.Error as e:
             raise MigrationError(
-                f"migration {migration.filename} failed and was rolled back: {e}"
+                f"migration {current.filename} failed and was rolled back: {e}"
             ) from e
-        took = time.monotonic() - started
-        if report is not None:
-            report(migration, took)
-        else:
-            logger.info(
-                "Applied migration %s to schema %s in %.1f s.",
-                migration.filename,
-                schema,
-                took,
+        waits.done()
+        return took
+
+
+def _apply_alone(
+    conn: psycopg.Connection,
+    schema: str,
+    migration: Migration,
+    report: Callable[[Migration, float | None], None] | None,
+    say: Callable[[str], None],
+    url: str | None,
+) -> float:
+    """Apply a migration outside a transaction: its one statement as it is (no lock
+    timeout: it waits for every transaction older than it whatever lock_timeout says, and
+    holds up no send or claim), watched by :class:`_Watch` while it runs, then recorded.
+    An invalid index of the name it builds (left by a build that failed, here or in an
+    earlier run) is dropped first, and after a failure.
+
+    Raises:
+      MigrationError: the statement failed (the migration is not recorded: the next run
+        tries it again).
+    """
+    text = migration.read()
+    match = _alone_statement(text)
+    assert match is not None  # parse_transaction checked it
+    builds = match.group(1).upper().lstrip().startswith("CREATE")
+    index = match.group(2)
+    if builds:
+        _drop_if_invalid(conn, schema, index)
+    if report is not None:
+        report(migration, None)
+    started = time.monotonic()
+    with _Watch(url, conn, migration, say):
+        try:
+            conn.execute(sql.SQL("SET search_path TO {}, public").format(sql.Identifier(schema)))
+            conn.execute(text)
+        except psycopg.Error as e:
+            if builds and not conn.closed:
+                _drop_if_invalid(conn, schema, index)
+            raise MigrationError(f"migration {migration.filename} failed: {e}") from e
+        finally:
+            if not conn.closed:
+                conn.execute("RESET search_path")
+    _record(conn, schema, migration)
+    took = time.monotonic() - started
+    if report is not None:
+        report(migration, took)
+    return took
+
+
+def _drop_if_invalid(conn: psycopg.Connection, schema: str, index: str) -> None:
+    queries = Queries(schema, "migrate.sql")
+    invalid = {row[0] for row in conn.execute(queries["invalid_indexes"], {"schema": schema})}
+    if index in invalid:
+        logger.warning("Dropping the invalid index %s.%s a failed build left.", schema, index)
+        conn.execute(
+            sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(sql.Identifier(schema, index))
+        )
+
+
+#: Seconds between two lines saying that a migration still waits for a lock.
+WAIT_REPORT_SECONDS = 10.0
+#: The longest pause between two tries of a transaction that lost its lock while a long
+#: holder stays (each try makes sends and claims queue for at most the lock timeout).
+RETRY_EVERY_SECONDS = 2.0
+#: The pause between two tries when no long holder was seen (brief holders: the hot path).
+RETRY_PAUSE = (0.02, 0.1)
+#: How often a run waiting for long holders to let go looks at them.
+HOLDERS_POLL_SECONDS = 0.1
+
+
+def _holder(row: tuple) -> str:
+    """One lock holder (a row of ``lock_holders`` or ``blocking_sessions``), in words."""
+    pid, relation, mode, state, kind, seconds, query = row
+    if pid is None:
+        return f"a prepared transaction holding {mode} on {relation}"
+    what = state or "no session"
+    if kind and kind != "client backend":
+        what = kind
+    age = f" for {seconds:.1f} s" if seconds is not None else ""
+    holds = f", holding {mode} on {relation}" if relation else ""
+    last = f"; its last statement: {query}" if query else ""
+    return f"server process {pid} ({what}{age}{holds}{last})"
+
+
+class _Waits:
+    """What a transaction of migrations does each time it loses its lock: find the long
+    holders of the schema's locks, say whom it waits for (at once when a long holder is
+    there, then every :data:`WAIT_REPORT_SECONDS`), and wait until they let go (at most
+    :data:`RETRY_EVERY_SECONDS`) before the next try."""
+
+    def __init__(
+        self,
+        conn: psycopg.Connection,
+        schema: str,
+        unit: list[Migration],
+        say: Callable[[str], None],
+    ) -> None:
+        self.conn = conn
+        self.schema = schema
+        self.unit = unit
+        self.say = say
+        self.queries = Queries(schema, "migrate.sql")
+        self.started: float | None = None
+        self.said: float | None = None
+        self.tries = 0
+
+    def holders(self) -> list[tuple]:
+        return self.conn.execute(
+            self.queries["lock_holders"], {"schema": self.schema, "brief_ms": BRIEF_HOLDER_MS}
+        ).fetchall()
+
+    def lost(self, migration: Migration, error: psycopg.Error) -> None:
+        now = time.monotonic()
+        self.started = self.started or now
+        self.tries += 1
+        holders = self.holders()
+        if holders and (self.said is None or now - self.said >= WAIT_REPORT_SECONDS):
+            self.said = now
+            verb = "waits" if self.tries == 1 else f"still waits ({now - self.started:.0f} s)"
+            self.say(
+                f"migration {migration.filename} {verb} for a lock "
+                f"({type(error).__name__}; sends and claims go on meanwhile): "
+                + "; ".join(_holder(row) for row in holders[:3])
+                + (f" and {len(holders) - 3} more" if len(holders) > 3 else "")
+                + "; it tries again once they let go"
             )
-        done.append(migration)
-    return done
+        if not holders:
+            time.sleep(random.uniform(*RETRY_PAUSE))
+            return
+        pids = {row[0] for row in holders}
+        deadline = time.monotonic() + RETRY_EVERY_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(HOLDERS_POLL_SECONDS)
+            if not pids & {row[0] for row in self.holders()}:
+                return
+
+    def done(self) -> None:
+        if self.said is not None and self.started is not None:
+            self.say(
+                f"migration {self.unit[0].filename} got its locks after waiting "
+                f"{time.monotonic() - self.started:.1f} s ({self.tries + 1} tries)"
+            )
+
+
+class _Watch:
+    """While a migration outside a transaction runs on ``conn``, a thread with a
+    connection of its own looks every :data:`HOLDERS_POLL_SECONDS` at whom it waits for,
+    and says so once it has waited a second, then every :data:`WAIT_REPORT_SECONDS`.
+    Without a URL it does nothing."""
+
+    def __init__(
+        self,
+        url: str | None,
+        conn: psycopg.Connection,
+        migration: Migration,
+        say: Callable[[str], None],
+    ) -> None:
+        self.url = url
+        self.pid = conn.info.backend_pid
+        self.migration = migration
+        self.say = say
+        self.schema_queries = Queries("_", "migrate.sql")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Watch:
+        if self.url is not None:
+            self._thread = threading.Thread(
+                target=self._run, name="dramatiq-pg-migration-watch", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        try:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                blocked_since: float | None = None
+                said: float | None = None
+                while not self._stop.wait(HOLDERS_POLL_SECONDS):
+                    rows = conn.execute(
+                        self.schema_queries["blocking_sessions"], {"pid": self.pid}
+                    ).fetchall()
+                    now = time.monotonic()
+                    if not rows:
+                        blocked_since = None
+                        continue
+                    blocked_since = blocked_since or now
+                    due = now - blocked_since >= 1.0 and (
+                        said is None or now - said >= WAIT_REPORT_SECONDS
+                    )
+                    if due:
+                        said = now
+                        self.say(
+                            f"migration {self.migration.filename} waits "
+                            f"({now - blocked_since:.0f} s) for "
+                            + "; ".join(_holder(row) for row in rows[:3])
+                            + " (it runs outside a transaction: sends and claims go on)"
+                        )
+        except psycopg.Error as e:
+            logger.debug("Could not watch migration %s: %s", self.migration.filename, e)
 
 
 def _record(conn: psycopg.Connection, schema: str, migration: Migration) -> None:

@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 
 from ..db.core import connect
+from ..db.locks import BRIEF_HOLDER_MS, LOCK_TIMEOUT_MS
 
 logger = logging.getLogger("dramatiq_pg_broker.retention")
 
@@ -29,17 +30,10 @@ PARENTS = {
 }
 
 #: How long a DDL statement of maintenance (attach, detach, drop) waits for its lock once
-#: only brief holders hold it (see :data:`BRIEF_HOLDER_MS`). The hot path queues behind a
-#: waiting ACCESS EXCLUSIVE request, so this bounds what a send, claim or outcome can wait
-#: for maintenance; it is also far below deadlock_timeout (1 s), so in a lock cycle with
-#: the hot path maintenance gives up before PostgreSQL would pick a victim.
-LOCK_TIMEOUT = "50ms"
-
-#: A session holding a lock a maintenance statement needs counts as brief (the statement
-#: queues behind it, under :data:`LOCK_TIMEOUT`) while it runs a statement in a transaction
-#: begun less than this many milliseconds ago; any other holder makes the try give up
-#: without queueing (see the ``lock_holders`` statement).
-BRIEF_HOLDER_MS = 50
+#: only brief holders hold it (``BRIEF_HOLDER_MS``: a holder that may keep it long makes
+#: the try give up without queueing, see the ``lock_holders`` statement): the bound of
+#: :mod:`..db.locks`, shared with migrations.
+LOCK_TIMEOUT = f"{LOCK_TIMEOUT_MS}ms"
 
 #: The lock modes maintenance statements take, with the modes that conflict with each
 #: (PostgreSQL's table of conflicting table-level locks).

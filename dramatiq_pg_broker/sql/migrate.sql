@@ -39,3 +39,50 @@ FROM {schema}.jobs
 WHERE started_at > now() - %(window)s * interval '1 second'
   AND (locked_by IS NULL
        OR split_part(locked_by, ':', 1) || ':' || split_part(locked_by, ':', 2) <> ALL(%(safe)s))
+
+-- lock_holders --
+-- Who may keep a migration waiting for a lock: every other session holding a lock on a
+-- relation of the schema %(schema)s that is idle in its transaction, in a transaction begun
+-- %(brief_ms)s ms ago or more, not a client (autovacuum), or a prepared transaction (no
+-- session); one row each (its first relation by name), with the lock's mode, the
+-- session's state, its transaction's age in seconds and the start of its last statement.
+-- A session seen idle has just ended the transaction that held the lock: not a holder.
+SELECT DISTINCT ON (l.pid) l.pid, c.relname::text, l.mode, a.state, a.backend_type,
+       extract(epoch FROM clock_timestamp() - a.xact_start)::float8,
+       left(regexp_replace(a.query, '\s+', ' ', 'g'), 80)
+FROM pg_locks AS l
+JOIN pg_class AS c ON c.oid = l.relation
+LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'relation'
+  AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND c.relnamespace = to_regnamespace(%(schema)s)
+  AND l.pid IS DISTINCT FROM pg_backend_pid()
+  AND a.state IS DISTINCT FROM 'idle'
+  AND (a.pid IS NULL OR a.state IS DISTINCT FROM 'active'
+       OR a.backend_type IS DISTINCT FROM 'client backend'
+       OR a.xact_start < clock_timestamp() - %(brief_ms)s * interval '1 millisecond')
+ORDER BY l.pid, c.relname
+
+-- blocking_sessions --
+-- Whoever the session %(pid)s (a migration run outside a transaction) waits for now, with
+-- the same columns as lock_holders (the relation: one it holds a lock on, if any).
+SELECT b.pid, c.relname::text, l.mode, a.state, a.backend_type,
+       extract(epoch FROM clock_timestamp() - a.xact_start)::float8,
+       left(regexp_replace(a.query, '\s+', ' ', 'g'), 80)
+FROM unnest(pg_blocking_pids(%(pid)s)) AS b(pid)
+LEFT JOIN pg_stat_activity AS a ON a.pid = b.pid
+LEFT JOIN LATERAL (
+    SELECT l.relation, l.mode FROM pg_locks AS l
+    WHERE l.pid = b.pid AND l.locktype = 'relation' AND l.granted
+    ORDER BY l.relation LIMIT 1
+) AS l ON true
+LEFT JOIN pg_class AS c ON c.oid = l.relation
+
+-- invalid_indexes --
+-- The invalid indexes of the schema %(schema)s (a CREATE INDEX CONCURRENTLY that failed
+-- leaves one), by name.
+SELECT c.relname::text
+FROM pg_index AS i
+JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE c.relnamespace = to_regnamespace(%(schema)s) AND NOT i.indisvalid

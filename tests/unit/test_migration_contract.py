@@ -16,9 +16,12 @@ from dramatiq_pg_broker.migrate import (
     BREAKING,
     COMPATIBLE,
     CONTRACT_FROM,
+    Migration,
     discover,
     migrations_dir,
     parse_header,
+    parse_transaction,
+    units,
 )
 
 REPO = Path(dramatiq_pg_broker.__file__).resolve().parent.parent
@@ -86,6 +89,56 @@ def test_a_malformed_header_is_refused_saying_what_is_wrong(tmp_path, text, erro
     folder = _folder_with(tmp_path, "0999_bad_header.sql", text)
     with pytest.raises(MigrationError, match=error):
         discover(folder)
+
+
+@pytest.mark.parametrize(
+    ("statement", "error"),
+    [
+        ("ALTER TABLE jobs ADD COLUMN x int;", "must hold exactly one CREATE"),
+        ("CREATE INDEX x ON jobs (id);", "must hold exactly one CREATE"),
+        (
+            "CREATE INDEX CONCURRENTLY a ON jobs (id);\nCREATE INDEX CONCURRENTLY b ON jobs (id);",
+            "must hold exactly one CREATE",
+        ),
+    ],
+)
+def test_a_migration_outside_a_transaction_holds_one_concurrent_index_statement(
+    tmp_path, statement, error
+):
+    text = f"-- compatibility: compatible\n-- An index.\n-- transaction: none\n{statement}\n"
+    folder = _folder_with(tmp_path, "0999_alone.sql", text)
+    with pytest.raises(MigrationError, match=error):
+        discover(folder)
+
+
+def test_the_transaction_line_is_parsed():
+    header = "-- compatibility: compatible\n-- An index.\n"
+    assert parse_transaction("0999_x.sql", header + "SELECT 1;\n")
+    for statement in (
+        "CREATE INDEX CONCURRENTLY jobs_x_idx ON jobs (queue_name);",
+        "-- why\ncreate unique index concurrently if not exists jobs_x_idx\n  ON jobs (id)\n",
+        "DROP INDEX CONCURRENTLY IF EXISTS jobs_x_idx;",
+    ):
+        text = header + "-- transaction: none\n" + statement
+        assert not parse_transaction("0999_x.sql", text), statement
+    with pytest.raises(MigrationError, match="the only value is `none`"):
+        parse_transaction("0999_x.sql", header + "-- transaction: off\nSELECT 1;\n")
+
+
+def _m(version: int, kind: str | None = "compatible", transactional: bool = True) -> Migration:
+    return Migration(
+        version, f"m{version}", Path(f"{version:04d}_m.sql"), "", kind, "why", transactional
+    )
+
+
+def test_from_the_first_breaking_migration_on_a_run_commits_in_one_transaction():
+    """Each migration before the first breaking one alone, every one from it on together;
+    one outside a transaction runs alone between two such transactions."""
+    runs = units([_m(10), _m(11), _m(12, "breaking"), _m(13), _m(14, "breaking"), _m(15)])
+    assert [[m.version for m in unit] for unit in runs] == [[10], [11], [12, 13, 14, 15]]
+    runs = units([_m(1, None), _m(12, "breaking"), _m(13, transactional=False), _m(14)])
+    assert [[m.version for m in unit] for unit in runs] == [[1], [12], [13], [14]]
+    assert [[m.version for m in unit] for unit in units([_m(20), _m(21)])] == [[20], [21]]
 
 
 def test_released_migrations_need_no_header():

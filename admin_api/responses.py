@@ -289,6 +289,10 @@ class Worker(BaseModel):
     queues: list[str]
     actors: list[str]
     version: str | None
+    schema_level: int | None = Field(
+        description="The highest migration the process's code ships (null: a build before "
+        "migration 0022)."
+    )
     started_at: Time
     heartbeat_at: Time
     expires_at: Time = Field(description="Without a heartbeat by then, the process counts as gone.")

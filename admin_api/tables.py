@@ -193,4 +193,6 @@ workers = Table(
     Column("heartbeat_at", Timestamp, nullable=False),
     Column("expires_at", Timestamp, nullable=False),
     Column("in_flight", Integer, nullable=False),
+    # The highest migration the worker's code ships (migration 0022).
+    Column("schema_level", Integer),
 )

@@ -62,8 +62,8 @@ RETURNING j.id, j.message
 SEND = """
 WITH inserted AS (
     INSERT INTO {schema}.{table} (id, queue_name, actor_name, message, priority,
-                                  available_at, max_attempts, created_at, updated_at)
-    VALUES (%s, %s, 'stamp', %s::jsonb, 0, now(), 1, now(), now())
+                                  available_at, max_attempts, created_at, updated_at, status)
+    VALUES (%s, %s, 'stamp', %s::jsonb, 0, now(), 1, now(), now(), 'queued')
     RETURNING id
 )
 SELECT pg_notify(%s, '') FROM inserted

@@ -192,8 +192,8 @@ def raw_insert_rate(
     with psycopg.connect(url, autocommit=autocommit) as conn:
         stmt = _q(
             "INSERT INTO {schema}.raw_jobs (id, queue_name, actor_name, message, priority, "
-            "available_at, max_attempts, created_at, updated_at) "
-            "VALUES (%s, %s, 'noop', %s::jsonb, 0, now(), 1, now(), now())",
+            "available_at, max_attempts, created_at, updated_at, status) "
+            "VALUES (%s, %s, 'noop', %s::jsonb, 0, now(), 1, now(), now(), 'queued')",
             schema,
         ).as_string(conn)
         message = (

@@ -34,9 +34,10 @@ class RegistryList:
 
 
 class WorkerList(RegistryList):
-    """Every live worker process: host, process id, queues, actors, version, when it
-    started, its last heartbeat, and the attempts it holds (in flight). A process that
-    stopped refreshing for a lease is not listed."""
+    """Every live worker process: host, process id, queues, actors, version, schema level
+    (the highest migration its code ships), when it started, its last heartbeat, and the
+    attempts it holds (in flight). A process that stopped refreshing for a lease is not
+    listed."""
 
     route = "/api/workers"
 

@@ -20,10 +20,17 @@ WINDOW_SHRINK_CLAIMS = 4
 
 
 def new_owner_id() -> str:
-    """A lease owner id: ``host:pid:thread:random``, unique per consumer instance."""
+    """A lease owner id: ``host:pid:thread:random:Llevel``, unique per consumer instance,
+    ending with this code's schema level (the highest migration it ships, four digits:
+    ``:L0022``). The jobs table refuses claims whose owner ends the way every release before
+    migration 0022 wrote it, with the 8 hex digits of ``random`` (see that migration), and
+    ``migrate`` reads the level of each lease's owner before a breaking migration (see
+    :func:`..db.migrate.live_work`)."""
+    from ..db.handshake import this_code
+
     return (
         f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}:"
-        f"{uuid.uuid4().hex[:8]}"
+        f"{uuid.uuid4().hex[:8]}:L{this_code().level:04d}"
     )
 
 

@@ -210,11 +210,12 @@ def run_queues_limit(ctx: Context, args) -> int:
 
 run_workers = listing(
     list_workers,
-    ["HOST", "PID", "VERSION", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
+    ["HOST", "PID", "VERSION", "LEVEL", "STARTED", "HEARTBEAT", "IN FLIGHT", "QUEUES"],
     lambda r, now: [
         printable(r["host"]),
         r["pid"],
         printable(r["version"]) or "-",
+        f"{r['schema_level']:04d}" if r["schema_level"] is not None else "-",
         relative(r["started_at"], now),
         relative(r["heartbeat_at"], now),
         r["in_flight"],

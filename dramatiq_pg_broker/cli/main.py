@@ -276,12 +276,14 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
         refusal = None
         breaking = next((m for m in pending if m.breaking), None)
         if breaking is not None:
+            # The code still running must ship every breaking migration pending.
+            level = [m for m in pending if m.breaking][-1].version
             with connect(args) as conn:
-                seen = live_work(conn, settings.schema)
+                seen = live_work(conn, settings.schema, level=level)
             if seen:
                 refusal = (
                     f"`migrate` would refuse {breaking.filename} now, seeing live work of "
-                    f"processes that cannot check the schema: {seen.describe()}"
+                    f"processes whose code does not ship it: {seen.describe()}"
                 )
         if args.json:
             print_json(
@@ -387,7 +389,7 @@ def add_migration_commands(sub: argparse._SubParsersAction) -> None:
     migrate_parser.add_argument(
         "--force",
         action="store_true",
-        help="apply a breaking migration even while processes that cannot check the schema "
+        help="apply a breaking migration even while processes whose code does not ship it "
         "show live work (leases, recent sends or claims); without it, migrate refuses",
     )
     _json_flag(migrate_parser)

@@ -1,7 +1,9 @@
 """The worker registry: the worker processes running now, and the actors workers declared.
 
 Every worker process writes one row of ``<schema>.workers`` when it boots (host, process
-id, the queues it consumes and their actors, the package version, when it started), and
+id, the queues it consumes and their actors, the package version and the schema level its
+code ships, the highest migration: what ``migrate`` compares before a breaking migration,
+and when it started), and
 refreshes it with the lease heartbeat it already runs (:mod:`.leases`): the time of the
 beat, the attempts it holds (in flight). The row expires a lease after the last beat
 (``lease_seconds``): a process that died or lost the database is gone from every list
@@ -194,6 +196,7 @@ class Presence(Middleware):
             # The worker's schema handshake has not passed (handshake.SchemaGate): its boot
             # does not wait on the database, and the heartbeat registers it once it passed.
             return
+        from ..db.handshake import this_code
         from ..version import __version__
 
         settings = self.settings
@@ -206,6 +209,7 @@ class Presence(Middleware):
             "queues": self._queues,
             "actors": [name for name, queue in self._actors if queue in consumed],
             "version": __version__,
+            "schema_level": this_code().level,
             "started_at": self._started_at,
             "ttl_ms": int(settings.lease_seconds * 1000),
             "in_flight": len(self.ledger),

@@ -2,9 +2,13 @@
 
 Files live in the top-level ``migrations/`` folder, shipped inside the package as
 ``dramatiq_pg_broker/migrations`` (``DRAMATIQ_PG_MIGRATIONS_DIR`` overrides it), and are
-named ``NNNN_description.sql``. Each file runs in its own transaction with ``search_path``
-set to the broker's schema, and is recorded in ``<schema>.schema_migrations`` with the
-SHA-256 of its bytes.
+named ``NNNN_description.sql``. Each file runs with ``search_path`` set to the broker's
+schema and is recorded in ``<schema>.schema_migrations`` with the SHA-256 of its bytes, in
+the same transaction: its own, or, from the first pending breaking migration on, one for
+all of the run (:func:`units`). Every statement waits at most 50 ms for a lock, and a
+transaction that timed out is tried again until it gets them (:func:`migrate_locked`);
+a migration whose header says ``-- transaction: none`` (one concurrent index build or
+drop) runs alone, outside a transaction (:func:`parse_transaction`).
 
 - Running :func:`migrate` twice is a no-op.
 - Two migrators started at once are serialised by an advisory lock held only while
@@ -12,10 +16,11 @@ SHA-256 of its bytes.
 - A released file whose checksum changed is refused, naming the file: a change to the
   schema is a new file, never an edit.
 - A run that would apply a *breaking* migration first looks for live work of processes
-  that cannot check the schema (:func:`live_work`: live leases, sends and claims of the
-  last :data:`LIVE_WORK_SECONDS`, except those of registered workers of this release or a
-  later one) and refuses with :class:`~.errors.LiveWorkFound`, saying what it saw, unless
-  forced. A fresh database has none.
+  whose code does not ship it (:func:`live_work`: live leases, sends and claims of the
+  last :data:`LIVE_WORK_SECONDS`, except those of code of that schema level or a later
+  one, by the level a claim's owner carries or a registered worker recorded) and refuses
+  with :class:`~.errors.LiveWorkFound`, saying what it saw, unless forced. A fresh
+  database has none.
 
 The compatibility contract: every file from :data:`CONTRACT_FROM` (0010) on starts with a
 header, a first line ``-- compatibility: compatible`` or ``-- compatibility: breaking`` and
@@ -313,12 +318,13 @@ def _check_checksums(
 
 @dataclasses.dataclass(frozen=True)
 class LiveWork:
-    """What :func:`live_work` saw of processes that cannot check the schema."""
+    """What :func:`live_work` saw of processes whose code does not ship the breaking
+    migration :attr:`level`."""
 
     #: Live leases (running jobs whose lease has not expired) of such processes.
     leases: int = 0
-    #: Their owners (``host:pid``), and whether each is a registered worker (of an
-    #: earlier release) rather than an unregistered process.
+    #: Their owners (``host:pid``), and whether each is a registered worker (of a lower
+    #: schema level) rather than an unregistered process.
     owners: tuple[tuple[str, bool], ...] = ()
     #: Seconds since the oldest of those leases' attempts started, and until the last of
     #: them expires.
@@ -331,6 +337,8 @@ class LiveWork:
     claims: int = 0
     latest_claim_age: float | None = None
     window: float = LIVE_WORK_SECONDS
+    #: The schema level the work was held to: the breaking migration about to be applied.
+    level: int | None = None
 
     def __bool__(self) -> bool:
         return bool(self.leases or self.sends or self.claims)
@@ -349,7 +357,7 @@ class LiveWork:
                 )
             if registered:
                 whose.append(
-                    f"{len(registered)} registered worker(s) of an earlier release "
+                    f"{len(registered)} registered worker(s) of a lower schema level "
                     f"({_few(registered)})"
                 )
             parts.append(
@@ -364,11 +372,13 @@ class LiveWork:
             )
         if self.claims:
             parts.append(
-                f"{self.claims} claim(s) in the last {self.window:g} s not made by a "
-                f"registered worker of this release (the latest "
-                f"{_seconds(self.latest_claim_age)} ago)"
+                f"{self.claims} claim(s) in the last {self.window:g} s by code of a lower "
+                f"schema level (the latest {_seconds(self.latest_claim_age)} ago)"
             )
-        return "; ".join(parts)
+        line = "; ".join(parts)
+        if line and self.level is not None:
+            line += f" (code below schema level {self.level:04d})"
+        return line
 
 
 def _seconds(value: float | None, digits: int = 1) -> str:
@@ -379,37 +389,42 @@ def _few(items: list[str]) -> str:
     return ", ".join(items[:3]) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
 
-def _release(version: str | None) -> tuple[int, ...]:
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version or "")
-    return tuple(int(part or 0) for part in match.groups()) if match else ()
-
-
 def live_work(
-    conn: psycopg.Connection, schema: str, *, window: float = LIVE_WORK_SECONDS
+    conn: psycopg.Connection,
+    schema: str,
+    *,
+    level: int | None = None,
+    window: float = LIVE_WORK_SECONDS,
 ) -> LiveWork:
-    """The live work of processes that cannot check the schema against a breaking
-    migration: live leases, and sends and claims of the last ``window`` seconds, except
-    those of live registered workers of this release or a later one (whose code ships the
-    migrations this code ships, and who claim nothing while one is pending). A process of
-    this release cannot send or claim while a migration it ships is pending, so every send
-    seen comes from earlier code. Reads the ``jobs`` table as every release since 0.1.0
-    has it; nothing when it does not exist (a fresh database).
+    """The live work of processes whose code does not ship the breaking migration
+    ``level`` (default: this code's schema level): live leases, and sends and claims of the
+    last ``window`` seconds. Work counts by schema level, not package version (two builds
+    of one version may ship different migrations): a lease or a claim is left out when its
+    owner ends with a schema level of ``level`` or more (every claim from migration 0022 on
+    does, see :func:`..attempt.claiming.new_owner_id`) or belongs to a live registered
+    worker of such a level (whose code ships the migration, and claims nothing while it is
+    pending). A process whose code ships the pending migration cannot send or claim while
+    it is pending, so every send seen comes from older code. Reads the ``jobs`` table as
+    every release since 0.1.0 has it; nothing when it does not exist (a fresh database).
     """
-    from ..version import __version__
-    from .queries import Queries
+    from .handshake import this_code
 
     queries = Queries(schema, "migrate.sql")
+    level = this_code().level if level is None else level
     if not _exists(conn, schema, "jobs"):
-        return LiveWork(window=window)
+        return LiveWork(window=window, level=level)
     safe: list[str] = []
     registered: set[str] = set()
     if _exists(conn, schema, "workers"):
-        ours = _release(__version__)
-        for owner, version in conn.execute(queries["registered_workers"]).fetchall():
+        try:
+            rows = conn.execute(queries["registered_workers"]).fetchall()
+        except psycopg.errors.UndefinedColumn:
+            rows = conn.execute(queries["registered_workers_before_0022"]).fetchall()
+        for owner, worker_level in rows:
             registered.add(owner)
-            if ours and _release(version) >= ours:
+            if worker_level is not None and worker_level >= level:
                 safe.append(owner)
-    params = {"safe": safe, "window": window}
+    params = {"safe": safe, "window": window, "level": level}
     owners = conn.execute(queries["live_leases"], params).fetchall()
     sends, send_age = conn.execute(queries["recent_sends"], params).fetchone()
     claims, claim_age = conn.execute(queries["recent_claims"], params).fetchone()
@@ -423,6 +438,7 @@ def live_work(
         claims=claims,
         latest_claim_age=claim_age,
         window=window,
+        level=level,
     )
 
 
@@ -435,7 +451,7 @@ def refusal_message(breaking: Migration, seen: LiveWork) -> str:
     """Why ``migrate`` refuses to apply ``breaking`` while ``seen``."""
     return (
         f"migration {breaking.filename} is breaking, and the database shows live work of "
-        f"processes that cannot check the schema: {seen.describe()}. Stop every process of "
+        f"processes whose code does not ship it: {seen.describe()}. Stop every process of "
         "the earlier release first (see the upgrading guide); if they are stopped already "
         "(a killed worker's leases stay live until they expire), wait, or run `migrate "
         "--force`"
@@ -461,7 +477,7 @@ def migrate(
       directory(Path): the migration files; the top-level ``migrations/`` by default.
       target(int): stop after this version (tests use it to check upgrades).
       force(bool): apply a breaking migration even while :func:`live_work` sees work of
-        processes that cannot check the schema (it is logged).
+        processes whose code does not ship it (it is logged).
       report: called with each migration and None as it starts, then with the seconds it
         took once its statements ran (a migration applied with others counts once their
         transaction commits: a transaction tried again reports its migrations again);
@@ -532,7 +548,8 @@ def migrate_locked(
     pending = [m for m in migrations if m.version not in applied]
     breaking = next((m for m in pending if m.breaking), None)
     if breaking is not None:
-        seen = live_work(conn, schema)
+        # The code still running must ship every breaking migration of the run.
+        seen = live_work(conn, schema, level=[m for m in pending if m.breaking][-1].version)
         if seen and not force:
             raise LiveWorkFound(refusal_message(breaking, seen))
         if seen:
@@ -670,7 +687,7 @@ def _apply_alone(
     if report is not None:
         report(migration, None)
     started = time.monotonic()
-    with _Watch(url, conn, migration, say):
+    with _Watch(url, conn, schema, migration, say):
         try:
             conn.execute(sql.SQL("SET search_path TO {}, public").format(sql.Identifier(schema)))
             conn.execute(text)
@@ -793,6 +810,7 @@ class _Watch:
         self,
         url: str | None,
         conn: psycopg.Connection,
+        schema: str,
         migration: Migration,
         say: Callable[[str], None],
     ) -> None:
@@ -800,7 +818,7 @@ class _Watch:
         self.pid = conn.info.backend_pid
         self.migration = migration
         self.say = say
-        self.schema_queries = Queries("_", "migrate.sql")
+        self.queries = Queries(schema, "migrate.sql")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -824,7 +842,7 @@ class _Watch:
                 said: float | None = None
                 while not self._stop.wait(HOLDERS_POLL_SECONDS):
                     rows = conn.execute(
-                        self.schema_queries["blocking_sessions"], {"pid": self.pid}
+                        self.queries["blocking_sessions"], {"pid": self.pid}
                     ).fetchall()
                     now = time.monotonic()
                     if not rows:

@@ -183,7 +183,11 @@ class Turn:
             row = conn.execute(query, {"namespace": TURN_NAMESPACE, "schema": schema}).fetchone()
             yield cls(conn, row)
         finally:
-            # Closing the connection ends its transaction, and with it the turn.
+            # The transaction ends (and the turn with it) before this returns: a closed
+            # connection's backend lets its locks go only once it has exited, which a run
+            # started right after this one could beat.
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
             conn.close()
 
     def describe_holder(self) -> str:

@@ -23,6 +23,7 @@ from .copy_rows import (
     _JOB_ROW_START,
     _LENGTH,
     _NULL_FIELD,
+    _QUEUED_FIELD,
     _TIMESTAMP,
     _buffering_writer,
     _text_field,
@@ -460,6 +461,7 @@ class SendWrites(StoreBase):
                             scope,
                             created,
                             updated,
+                            _QUEUED_FIELD,
                         )
                     )
                 )

@@ -1,18 +1,28 @@
 -- Named statements of `migrate` (dramatiq_pg_broker.migrate): what it looks at before a
 -- breaking migration. They read the tables as every release since 0.1.0 has them (a
 -- database about to take a breaking migration is still at the earlier release's schema).
--- A lease's owner is `host:pid` of its locked_by (`host:pid:thread:random`); a registered
--- worker's is `host:pid` of its row.
+-- A lease's owner is `host:pid` of its locked_by (`host:pid:thread:random`, and from
+-- migration 0022 on `:L<schema level>` after it); a registered worker's is `host:pid` of
+-- its row. Work counts as live unless its code's schema level is %(level)s or more: the
+-- level its owner ends with, or the level of a live registered worker of that `host:pid`.
 
 -- registered_workers --
--- The live workers of the registry (migration 0011), by owner, with their release.
-SELECT host || ':' || pid, version
+-- The live workers of the registry (migration 0011), by owner, with the schema level of
+-- their code (migration 0022).
+SELECT host || ':' || pid, schema_level
+FROM {schema}.workers
+WHERE expires_at > now()
+
+-- registered_workers_before_0022 --
+-- The same for a schema without the level (workers of builds before 0022 record none).
+SELECT host || ':' || pid, NULL::integer
 FROM {schema}.workers
 WHERE expires_at > now()
 
 -- live_leases --
--- Running jobs whose lease is live, by owner, except the owners in %(safe)s: how many, and
--- seconds since the oldest attempt started and until the last lease expires.
+-- Running jobs whose lease is live, by owner, except those of code of schema level
+-- %(level)s or more (the owners in %(safe)s, or the level the owner ends with): how many,
+-- and seconds since the oldest attempt started and until the last lease expires.
 SELECT split_part(locked_by, ':', 1) || ':' || split_part(locked_by, ':', 2) AS owner,
        count(*),
        extract(epoch FROM now() - min(started_at))::float8,
@@ -21,6 +31,7 @@ FROM {schema}.jobs
 WHERE status = 'running'
   AND locked_until > now()
   AND split_part(locked_by, ':', 1) || ':' || split_part(locked_by, ':', 2) <> ALL(%(safe)s)
+  AND coalesce(substring(locked_by FROM ':L([0-9]+)$')::integer, 0) < %(level)s
 GROUP BY 1
 ORDER BY 2 DESC, 1
 
@@ -32,13 +43,15 @@ FROM {schema}.jobs
 WHERE created_at > now() - %(window)s * interval '1 second'
 
 -- recent_claims --
--- Attempts started in the last %(window)s seconds, except those still owned by an owner in
--- %(safe)s, and seconds since the latest.
+-- Attempts started in the last %(window)s seconds, except those still owned by code of
+-- schema level %(level)s or more (as live_leases), and seconds since the latest.
 SELECT count(*), extract(epoch FROM now() - max(started_at))::float8
 FROM {schema}.jobs
 WHERE started_at > now() - %(window)s * interval '1 second'
   AND (locked_by IS NULL
-       OR split_part(locked_by, ':', 1) || ':' || split_part(locked_by, ':', 2) <> ALL(%(safe)s))
+       OR (split_part(locked_by, ':', 1) || ':' || split_part(locked_by, ':', 2)
+               <> ALL(%(safe)s)
+           AND coalesce(substring(locked_by FROM ':L([0-9]+)$')::integer, 0) < %(level)s))
 
 -- lock_holders --
 -- Who may keep a migration waiting for a lock: every other session holding a lock on a

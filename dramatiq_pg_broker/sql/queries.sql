@@ -79,9 +79,11 @@ done AS (
 
 -- sent_columns --
 -- A fragment, not a statement: the columns a send writes, in the order every send (one
--- message, an array of them, a staged or copied batch) gives them.
+-- message, an array of them, a staged or copied batch) gives them. The status is always
+-- written ('queued'): since 0022 the column's default refuses the sends of code that
+-- leaves it out (0.1.0's), whose keys and ids would not be looked up in history.
 id, queue_name, actor_name, message, message_bytes, priority, available_at,
-max_attempts, idempotency_key, idempotency_scope, created_at, updated_at
+max_attempts, idempotency_key, idempotency_scope, created_at, updated_at, status
 
 -- sent_since --
 -- A fragment, not a statement: the earliest finish time of a job whose message was built
@@ -120,7 +122,7 @@ new_keys AS (
            coalesce(%(now)s::timestamptz, now()) + delay_ms * interval '1 millisecond',
            max_attempts, idempotency_key, idempotency_scope,
            coalesce(%(now)s::timestamptz, now()) + (position - 1) * interval '1 microsecond',
-           coalesce(%(now)s::timestamptz, now())
+           coalesce(%(now)s::timestamptz, now()), 'queued'
     FROM {:rows} AS g
     WHERE {not_sent: id = g.id{:cast}, sent_at_ms = g.sent_at_ms}
       AND (g.idempotency_key IS NULL OR g.id{:cast} IN (SELECT job_id FROM new_keys))
@@ -170,7 +172,7 @@ WITH new_key AS (
         %(message)s::jsonb, %(message_bytes)s, %(priority)s,
         coalesce(%(now)s::timestamptz, now()) + %(delay_ms)s * interval '1 millisecond',
         %(max_attempts)s, %(idempotency_key)s, %(idempotency_scope)s,
-        coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now())
+        coalesce(%(now)s::timestamptz, now()), coalesce(%(now)s::timestamptz, now()), 'queued'
     WHERE {not_sent: id = %(id)s::uuid, sent_at_ms = %(sent_at_ms)s::bigint}
       AND (%(idempotency_key)s::text IS NULL OR EXISTS (SELECT 1 FROM new_key))
     ON CONFLICT DO NOTHING

@@ -3,14 +3,16 @@
 
 -- register_worker --
 -- A worker process writes (or refreshes) its row: at boot, and with every lease heartbeat.
+-- schema_level is the highest migration its code ships (what `migrate` compares).
 -- An upsert, so a row deleted while the process could not reach the database (it expired
 -- and was reclaimed) comes back at the next beat. It stays live until expires_at.
 INSERT INTO {schema}.workers AS w (
-    id, host, pid, queues, actors, version, started_at, heartbeat_at, expires_at, in_flight
+    id, host, pid, queues, actors, version, schema_level, started_at, heartbeat_at,
+    expires_at, in_flight
 )
 VALUES (
-    %(id)s, %(host)s, %(pid)s, %(queues)s, %(actors)s, %(version)s, %(started_at)s, now(),
-    now() + %(ttl_ms)s * interval '1 millisecond', %(in_flight)s
+    %(id)s, %(host)s, %(pid)s, %(queues)s, %(actors)s, %(version)s, %(schema_level)s,
+    %(started_at)s, now(), now() + %(ttl_ms)s * interval '1 millisecond', %(in_flight)s
 )
 ON CONFLICT (id) DO UPDATE
 SET heartbeat_at = now(),
@@ -34,7 +36,8 @@ DELETE FROM {schema}.workers WHERE id = %(id)s
 
 -- list_workers --
 -- The live worker processes (not expired), oldest first.
-SELECT id, host, pid, queues, actors, version, started_at, heartbeat_at, expires_at, in_flight
+SELECT id, host, pid, queues, actors, version, schema_level, started_at, heartbeat_at,
+       expires_at, in_flight
 FROM {schema}.workers
 WHERE expires_at > now()
 ORDER BY started_at, id

@@ -122,16 +122,27 @@ class Release:
 
     def send(self, url: str, schema: str, sends: list[dict]) -> list[dict]:
         """Send with this release's broker (see upgrade_client.py); the stored messages."""
-        result = _run(
-            [str(self.python), "upgrade_client.py"],
-            "a send of the previous release",
-            cwd=APPS,
-            env=self.env(url, schema),
-            input=json.dumps(sends),
-        )
+        result = self.try_send(url, schema, sends)
+        if result.returncode != 0:
+            pytest.fail(
+                f"a send of the previous release failed (exit {result.returncode}):\n"
+                f"{result.stdout}\n{result.stderr}"
+            )
         report = json.loads(result.stdout)
         assert report["release"] == "old", "the client ran this checkout's package"
         return report["sent"]
+
+    def try_send(self, url: str, schema: str, sends: list[dict]) -> subprocess.CompletedProcess:
+        """:meth:`send`, whatever it ends with: its exit status, output and errors."""
+        return subprocess.run(
+            [str(self.python), "upgrade_client.py"],
+            cwd=APPS,
+            env=self.env(url, schema),
+            input=json.dumps(sends),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def worker(self, url: str, schema: str, **kwargs) -> WorkerProcess:
         """A ``dramatiq upgrade_app`` worker of this release."""

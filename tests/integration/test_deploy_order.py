@@ -288,18 +288,49 @@ def test_migrate_refuses_while_an_earlier_release_sends(pg_url, before_0012, con
         migrate(pg_url, before_0012)
 
 
-def test_leases_of_a_registered_worker_of_this_release_are_not_live_work(pg_url, before_0012, conn):
+def test_leases_of_code_that_ships_the_breaking_migration_are_not_live_work(
+    pg_url, before_0012, conn
+):
+    """A lease whose owner ends with a schema level at or above the pending breaking
+    migration comes from code that ships it (from 0022 on, every claim's owner does)."""
+    add_running_job(conn, before_0012, "new-host:77:MainThread:ef012345:L0022")
+    assert [m.version for m in migrate(pg_url, before_0012)][0] == 12
+
+
+def test_two_builds_of_one_version_are_told_apart_by_schema_level(
+    pg_url, empty_schema, conn, tmp_path
+):
+    """Live work is judged by schema level, not package version: before a breaking
+    migration 0023, a registered worker of this very version whose code stops at 0022
+    (another build) holds live leases; one whose code ships 0023 does not count."""
     from dramatiq_pg_broker import __version__
 
+    from ..helpers import migrations_ahead
+
+    migrate(pg_url, empty_schema)
+    folder, name = migrations_ahead(tmp_path, "breaking", "CREATE TABLE future_probe (id int);\n")
+    level = int(name[:4])
+    for host, worker_level in (("older-build", level - 1), ("newer-build", level)):
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.workers (id, host, pid, version, schema_level, expires_at) "
+                "VALUES (%s, %s, 77, %s, %s, now() + interval '1 minute')"
+            ).format(sql.Identifier(empty_schema)),
+            (f"{host}:77:ab", host, __version__, worker_level),
+        )
+        add_running_job(conn, empty_schema, f"{host}:77:MainThread:ef012345:L{level - 1:04d}")
+    with pytest.raises(LiveWorkFound) as info:
+        migrate(pg_url, empty_schema, directory=folder)
+    line = str(info.value)
+    assert "1 live lease(s) held by 1 registered worker(s) of a lower schema level" in line, line
+    assert "(older-build:77)" in line and "newer-build" not in line, line
+    assert f"(code below schema level {level:04d})" in line, line
     conn.execute(
-        sql.SQL(
-            "INSERT INTO {}.workers (id, host, pid, version, expires_at) "
-            "VALUES ('new-host:77:ab', 'new-host', 77, %s, now() + interval '1 minute')"
-        ).format(sql.Identifier(before_0012)),
-        (__version__,),
+        sql.SQL("DELETE FROM {}.jobs WHERE locked_by LIKE 'older-build:%%'").format(
+            sql.Identifier(empty_schema)
+        )
     )
-    add_running_job(conn, before_0012, "new-host:77:MainThread:ef01")
-    assert [m.version for m in migrate(pg_url, before_0012)][0] == 12
+    assert [m.version for m in migrate(pg_url, empty_schema, directory=folder)] == [level]
 
 
 def test_migrate_on_an_empty_database_prints_one_quiet_line_per_migration(

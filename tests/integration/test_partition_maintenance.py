@@ -762,10 +762,13 @@ def test_a_run_whose_turn_ends_leaves_the_rest_of_the_partition_work_to_the_next
 
     def create_after_the_turn_ended():
         with store.pool.connection() as conn:
+            # This database's turn of this schema only (pg_locks shows the whole server's).
             conn.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
-                " AND classid::bigint = %s AND pid <> pg_backend_pid()",
-                (ddl.TURN_NAMESPACE,),
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                " AND classid::bigint = %s AND objid::bigint = hashtext(%s)::bigint & 4294967295"
+                " AND pid <> pg_backend_pid()",
+                (ddl.TURN_NAMESPACE, store.schema),
             )
         return create()
 

@@ -20,6 +20,9 @@ def insert(conn, schema):
             "queue_name": "default",
             "actor_name": "an_actor",
             "message": Jsonb({"args": []}),
+            # Every send says its status (0022: the column's default refuses one that
+            # does not).
+            "status": "queued",
             **fields,
         }
         columns = sql.SQL(", ").join(sql.Identifier(c) for c in row)

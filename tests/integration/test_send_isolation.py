@@ -269,9 +269,10 @@ def also_in_jobs(conn, schema: str, job_id: str) -> None:
         "max_attempts, idempotency_key, idempotency_scope, created_at, updated_at"
     )
     conn.execute(
-        sql.SQL("INSERT INTO {s}.jobs ({c}) SELECT {c} FROM {s}.jobs_history WHERE id = %s").format(
-            s=sql.Identifier(schema), c=columns
-        ),
+        sql.SQL(
+            "INSERT INTO {s}.jobs ({c}, status) SELECT {c}, 'queued' FROM {s}.jobs_history "
+            "WHERE id = %s"
+        ).format(s=sql.Identifier(schema), c=columns),
         (job_id,),
     )
 

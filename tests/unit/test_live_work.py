@@ -21,13 +21,18 @@ def test_each_kind_of_live_work_is_described_with_counts_and_ages():
         latest_send_age=0.42,
         claims=2,
         latest_claim_age=1.0,
+        level=23,
     )
     line = seen.describe()
     assert "3 live lease(s) held by 2 process(es) not in the worker registry" in line
-    assert "(old-host:1, old-host:2) and 1 registered worker(s) of an earlier release (w:3)" in line
+    assert (
+        "(old-host:1, old-host:2) and 1 registered worker(s) of a lower schema level (w:3)" in line
+    )
     assert "the oldest claimed 12 s ago, the last expiring in 28 s" in line
     assert "5 send(s) in the last 30 s (the latest 0.4 s ago)" in line
-    assert "2 claim(s) in the last 30 s" in line and "(the latest 1.0 s ago)" in line
+    assert "2 claim(s) in the last 30 s by code of a lower schema level" in line
+    assert "(the latest 1.0 s ago)" in line
+    assert line.endswith("(code below schema level 0023)"), line
 
 
 def test_unknown_ages_do_not_break_the_line():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import uuid
 
 import dramatiq
@@ -20,18 +19,18 @@ WINDOW_SHRINK_CLAIMS = 4
 
 
 def new_owner_id() -> str:
-    """A lease owner id: ``host:pid:thread:random:Llevel``, unique per consumer instance,
-    ending with this code's schema level (the highest migration it ships, four digits:
-    ``:L0022``). The jobs table refuses claims whose owner ends the way every release before
-    migration 0022 wrote it, with the 8 hex digits of ``random`` (see that migration), and
-    ``migrate`` reads the level of each lease's owner before a breaking migration (see
-    :func:`..db.migrate.live_work`)."""
+    """A lease owner id: ``host:pid:random:Llevel``, unique per consumer instance (8 random
+    hex digits), ending with this code's schema level (the highest migration it ships, four
+    digits: ``:L0022``). The jobs table refuses claims whose owner ends the way every
+    release before migration 0022 wrote it (``host:pid:thread:random``: 8 hex digits last,
+    see that migration), and ``migrate`` reads the level of each lease's owner before a
+    breaking migration (see :func:`..db.migrate.live_work`). The consumer's thread name,
+    which earlier owners carried, said nothing the row does not (a consumer thread claims
+    for one queue): left out, the owner is no longer than before with its level, and the
+    claim's row version and the events that name the owner are as small."""
     from ..db.handshake import this_code
 
-    return (
-        f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}:"
-        f"{uuid.uuid4().hex[:8]}:L{this_code().level:04d}"
-    )
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}:L{this_code().level:04d}"
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -1,8 +1,8 @@
 -- Named statements of `migrate` (dramatiq_pg_broker.migrate): what it looks at before a
 -- breaking migration. They read the tables as every release since 0.1.0 has them (a
 -- database about to take a breaking migration is still at the earlier release's schema).
--- A lease's owner is `host:pid` of its locked_by (`host:pid:thread:random`, and from
--- migration 0022 on `:L<schema level>` after it); a registered worker's is `host:pid` of
+-- A lease's owner is `host:pid` of its locked_by (`host:pid:thread:random` before migration
+-- 0022, `host:pid:random:L<schema level>` from it on); a registered worker's is `host:pid` of
 -- its row. Work counts as live unless its code's schema level is %(level)s or more: the
 -- level its owner ends with, or the level of a live registered worker of that `host:pid`.
 

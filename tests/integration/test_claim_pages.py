@@ -26,9 +26,9 @@ from dramatiq_pg_broker.migrate import migrate
 JOBS = 400
 #: Rows a claim takes at once: more than a page holds, as a busy worker's batches do.
 BATCH = 50
-#: A worker's lease owner id as workers make them (host, pid, thread, random, schema
-#: level): the claim writes it into the row, so the new version is larger than the old one.
-OWNER = "worker-host-0123.example.internal:123456:Thread-8 (_consume):1a2b3c4d:L0022"
+#: A worker's lease owner id as workers make them (host, pid, random, schema level): the
+#: claim writes it into the row, so the new version is larger than the old one.
+OWNER = "worker-host-0123.example.internal:123456:1a2b3c4d:L0022"
 #: The size of an encoded no-op message of the benchmarks (about 190 bytes) and some.
 MESSAGE = (
     b'{"queue_name":"q","actor_name":"a","args":[],"kwargs":{},"options":{},"pad":"'

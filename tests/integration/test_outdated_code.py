@@ -149,7 +149,7 @@ def test_a_claim_of_the_previous_release_is_refused_and_claims_nothing(store, co
     from dramatiq_pg_broker.attempt.claiming import new_owner_id
 
     owner = new_owner_id()
-    assert re.fullmatch(r".+:[0-9a-f]{8}:L\d{4}", owner), owner
+    assert re.fullmatch(r"[^:]+:\d+:[0-9a-f]{8}:L\d{4}", owner), owner
     (claimed,) = store.claim("q", 10, owner, 30)
     assert claimed.id == job_id and claimed.attempts == 1
 

@@ -12,21 +12,23 @@ A slot stays taken until the attempt's outcome is written, within the write-behi
 allowance (see :mod:`.inflight`).
 
 An idle consumer claims once (a claim that finds nothing reports, in the same statement,
-when the earliest delayed job becomes runnable), then waits on LISTEN (its own connection)
-for a payload-free NOTIFY from an enqueue, a retry or a release, and claims again only when
-one arrives, when its poll interval has passed, or when that delayed job becomes runnable:
-one statement per queue per poll interval.
+when the earliest delayed job becomes runnable), then waits for a payload-free NOTIFY from
+an enqueue, a retry or a release on its queue's channel, and claims again only when one
+arrives, when its poll interval has passed, or when that delayed job becomes runnable: one
+statement per queue per poll interval. It hears its channel through the process's one
+LISTEN connection (:meth:`.listener.Listener.subscribe`), shared by every consumer and
+blocking wait of the process: a worker's connections are its pool and that one, whatever
+its queues and threads.
 
 Outcomes: ``ack``/``nack``/``requeue`` only tell the in-flight ledger, which owns every
 attempt's state; the :class:`~.outcomes.OutcomeWriter` writes them.
 
-Operator control arrives on the same LISTEN connection, as payloads on the queue's
-channel: ``abort:<job id>`` (the ledger stops that job's attempt if this process holds
-it) and ``pause``. A busy consumer reads them at least every :data:`NOTICE_INTERVAL`. A
-paused queue claims nothing (the claim statement refuses it); when its consumer learns of
-the pause (that payload, or a claim that reports it), it gives back the messages it
-claimed and has not started, uncharged, so that none of them starts after the pause.
-Messages already running finish.
+Operator control arrives on the same channel, as payloads: ``abort:<job id>`` (the ledger
+stops that job's attempt if this process holds it) and ``pause``. A busy consumer reads
+them at least every :data:`NOTICE_INTERVAL`. A paused queue claims nothing (the claim
+statement refuses it); when its consumer learns of the pause (that payload, or a claim
+that reports it), it gives back the messages it claimed and has not started, uncharged, so
+that none of them starts after the pause. Messages already running finish.
 
 Queue limits (:mod:`.limits`): a consumer whose queue is limited claims with
 :meth:`~.jobs.JobStore.claim_limited`, and only as many messages as its process's worker
@@ -51,7 +53,7 @@ from dramatiq.broker import Consumer
 from dramatiq.errors import BrokerConnectionError
 
 from ..control.limits import LIMIT_PAYLOAD, QueueLimits
-from ..db.core import connect, translate_errors
+from ..db.listener import Subscription, listener_for
 from ..jobs.rows import ABORT_PAYLOAD_PREFIX, PAUSE_PAYLOAD, Attempt, ClaimedJob
 from .claiming import ClaimWindow, PgMessageProxy, describe_error, describe_exception, new_owner_id
 from .states import RETRY_CAP_SECONDS
@@ -96,10 +98,6 @@ NOTICE_INTERVAL = 0.25
 #: the queue ends on any host, which is not announced.
 LIMIT_RETRY_SECONDS = 0.025
 
-#: Seconds a consumer whose LISTEN connection could not be opened polls before it tries
-#: again (doubling from the first, up to the last).
-LISTEN_RETRY_SECONDS = (1.0, 10.0)
-
 
 class PostgresConsumer(Consumer):
     """Consumes one queue for one Dramatiq consumer thread. See the module docstring.
@@ -126,11 +124,9 @@ class PostgresConsumer(Consumer):
         self.timeout = max(0.0, timeout / 1000)
         self.owner = new_owner_id()
         self._buffer: deque[PgMessageProxy] = deque()
-        self._listen_conn = None
-        #: When to try opening the LISTEN connection again after it could not be opened
-        #: (None: at once), and the wait after the next failure.
-        self._listen_retry_at: float | None = None
-        self._listen_backoff = LISTEN_RETRY_SECONDS[0]
+        #: The queue's channel, heard through the process's LISTEN connection (None before
+        #: the first claim, and in poll-only mode).
+        self._subscription: Subscription | None = None
         self._next_due: float | None = None
         #: When the last claim came back empty (None: claim without waiting).
         self._last_empty: float | None = None
@@ -202,7 +198,7 @@ class PostgresConsumer(Consumer):
         now = time.monotonic()
         if (
             self._last_empty is not None
-            or self._listen_conn is None
+            or self._subscription is None
             or now - self._last_drain >= BUSY_DRAIN_INTERVAL
         ):
             # While the last claim found work, the next claim is due whatever was
@@ -248,15 +244,6 @@ class PostgresConsumer(Consumer):
         logger.debug("Queue %r cannot reach the database: %s", self.queue_name, error)
         # Notifications sent while the connection was down are lost: claim once it is back.
         self._notified = True
-        self._close_listener()
-
-    def _close_listener(self) -> None:
-        if self._listen_conn is not None:
-            try:
-                self._listen_conn.close()
-            except Exception:  # pragma: no cover - closing a broken connection
-                pass
-            self._listen_conn = None
 
     def _claim_due(self) -> bool:
         """Whether to claim now: something announced work, the last claim was not empty,
@@ -443,66 +430,43 @@ class PostgresConsumer(Consumer):
             wait = min(wait, max(0.005, self._next_due - time.monotonic() + 0.001))
         if wait <= 0:
             return
-        conn = self._listener()
-        if conn is None:
+        subscription = self._listen()
+        if subscription is None:
             time.sleep(wait)
             return
-        with translate_errors():
-            for notify in conn.notifies(timeout=wait, stop_after=1):
-                self._notice(notify.payload)
+        # Not listening (the connection is being opened, or the server is away or has no
+        # slot for it): the wait is the poll interval's at most, so the consumer polls.
+        for payload in subscription.wait(wait):
+            self._notice(payload)
 
-    def _listener(self):
-        """The queue's LISTEN connection, opened on first use; None in poll-only mode, or
-        while it cannot be opened. A LISTEN connection is a comfort (claims within
-        milliseconds), never a condition: when the server refuses one more connection (no
-        free slot) or is unreachable, the consumer polls every ``poll_interval`` through
-        the pool and tries again later, saying so at DEBUG only (the process's outage and
-        saturation lines tell the story, see :mod:`.outage`)."""
+    def _listen(self) -> Subscription | None:
+        """The queue's channel, subscribed to on first use; None in poll-only mode. The
+        process's LISTEN connection is a comfort (claims within milliseconds), never a
+        condition: while it cannot be opened (the server has no free slot for it, or is
+        unreachable) the consumer polls every ``poll_interval`` through the pool, and the
+        connection's return delivers a "look" (the listener says why at DEBUG only; the
+        process's outage and saturation lines tell the story, see :mod:`.outage`)."""
         if not self.settings.listen:
             return None
-        if self._listen_conn is None:
-            now = time.monotonic()
-            if self._listen_retry_at is not None and now < self._listen_retry_at:
-                return None
-            try:
-                conn = connect(self.pool.url)
-            except BrokerConnectionError as e:
-                logger.debug(
-                    "Queue %r polls: its LISTEN connection could not be opened (%s); "
-                    "trying again in %.0fs.",
-                    self.queue_name,
-                    e,
-                    self._listen_backoff,
-                )
-                self._listen_retry_at = now + self._listen_backoff
-                self._listen_backoff = min(self._listen_backoff * 2, LISTEN_RETRY_SECONDS[1])
-                # Notifications are not heard meanwhile: look at the queue now.
-                self._notified = True
-                return None
-            try:
-                with translate_errors():
-                    conn.execute(f"LISTEN {_quote_ident(self.store.channel(self.queue_name))}")
-            except BaseException:
-                conn.close()
-                raise
-            self._listen_conn = conn
+        if self._subscription is None:
+            self._subscription = listener_for(self.pool.url).subscribe(
+                self.store.channel(self.queue_name)
+            )
             # A limit changed while nobody listened is not announced again: read them.
             self.queue_limits.invalidate()
-            self._listen_retry_at = None
-            self._listen_backoff = LISTEN_RETRY_SECONDS[0]
-        return self._listen_conn
+        return self._subscription
 
     def _drain_notifications(self) -> None:
         # Notifications that arrived while we were busy only say "look": the claim that
         # follows sees every row they announced. Draining before the claim (never after)
         # means a notification for a row committed after the claim's snapshot is never
-        # lost. For the same reason the LISTEN starts here, before the first claim, not
-        # when the consumer first goes idle.
-        conn = self._listener()
-        if conn is not None:
-            with translate_errors():
-                for notify in conn.notifies(timeout=0):
-                    self._notice(notify.payload)
+        # lost. For the same reason the subscription starts here, before the first claim,
+        # not when the consumer first goes idle; until its LISTEN takes effect (which
+        # delivers a "look"), the consumer claims as it would without notifications.
+        subscription = self._listen()
+        if subscription is not None:
+            for payload in subscription.take():
+                self._notice(payload)
 
     def _notice(self, payload: str) -> None:
         """One notification on the queue's channel: work to look at (no payload), an
@@ -586,8 +550,6 @@ class PostgresConsumer(Consumer):
                 len(buffered),
             )
         finally:
-            self._close_listener()
-
-
-def _quote_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+            subscription, self._subscription = self._subscription, None
+            if subscription is not None:
+                subscription.close()

@@ -49,9 +49,23 @@ def resolve_url(settings: Settings, *, allow_embedded: bool = True) -> str:
     return embedded_url()
 
 
+#: What the package's connections call themselves in ``pg_stat_activity``, followed by
+#: ``/`` and the process id, unless the URL sets an ``application_name`` (libpq's
+#: ``fallback_application_name``): so an operator, ``dramatiq-pg-broker doctor`` and the
+#: tests can tell them, and each process's, apart.
+APPLICATION = "dramatiq-pg-broker"
+
+
+def application_name(application: str = APPLICATION) -> str:
+    """This process's ``application_name``: ``dramatiq-pg-broker/<pid>``."""
+    return f"{application}/{forks.pid()}"
+
+
 def connect(url: str, **kwargs) -> psycopg.Connection:
-    """Open one autocommit connection, translating failures (a failure counts towards
-    the process's outage, see :mod:`.outage`)."""
+    """Open one autocommit connection named as the process's (:func:`application_name`),
+    translating failures (a failure counts towards the process's outage, see
+    :mod:`.outage`)."""
+    kwargs.setdefault("fallback_application_name", application_name())
     with translate_errors():
         began = time.monotonic()
         try:
@@ -61,10 +75,11 @@ def connect(url: str, **kwargs) -> psycopg.Connection:
             raise
 
 
-def connection_kwargs(settings: Settings) -> dict:
-    """psycopg connection options for the broker's pooled connections: autocommit, and no
-    server-side prepared statements where a transaction-mode pooler would break them."""
-    kwargs: dict = {"autocommit": True}
+def connection_kwargs(settings: Settings, application: str = APPLICATION) -> dict:
+    """psycopg connection options for the broker's pooled connections: autocommit, the
+    process's name (:func:`application_name`), and no server-side prepared statements
+    where a transaction-mode pooler would break them."""
+    kwargs: dict = {"autocommit": True, "fallback_application_name": application_name(application)}
     if not settings.prepared_statements:
         kwargs["prepare_threshold"] = None
     return kwargs
@@ -268,8 +283,11 @@ class ProcessPool:
         pool: ConnectionPool | None = None,
         configure: Callable[[psycopg.Connection], None] | None = None,
         migration_wait: float = 0.0,
+        application: str = APPLICATION,
     ) -> None:
         self.settings = settings
+        #: What its connections are called, before ``/<pid>`` (see :func:`application_name`).
+        self.application = application
         # The process's outage lines remind at the interval its settings ask for (one
         # tracker per process: every pool of a process normally has the same settings).
         outage.tracker.reminder_seconds = settings.outage_reminder_seconds
@@ -313,7 +331,7 @@ class ProcessPool:
             self.url,
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
-            kwargs=connection_kwargs(self.settings),
+            kwargs=connection_kwargs(self.settings, self.application),
             configure=self.configure,
             name=f"{POOL_NAME_PREFIX}{forks.pid()}",
             open=False,

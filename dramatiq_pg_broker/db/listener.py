@@ -1,4 +1,5 @@
-"""One LISTEN connection per process and database, shared by every blocking wait.
+"""One LISTEN connection per process and database, shared by every consumer and every
+blocking wait.
 
 A reader blocked on a result (:mod:`.results`), a rate-limiter waiter (:mod:`.rate_limits`)
 or dramatiq-abort's watcher (:mod:`.abort`, waiting for any of several keys) registers the
@@ -6,12 +7,22 @@ keys it waits for, makes sure the process listens on the key's channel, checks
 the table once, and then sleeps until a NOTIFY with that key arrives or its deadline passes.
 No thread polls the table on a timer.
 
+A queue's consumer (:mod:`~..attempt.consumer`) subscribes to its queue's channel instead
+(:meth:`Listener.subscribe`): it receives every payload sent there, in order, and reads
+them in its own thread. So a worker process holds one LISTEN connection whatever the number
+of its queues and threads (its connection budget, see the tuning guide: the pool's
+``pool_max_size`` plus this one).
+
 The connection is dedicated (never pooled, since LISTEN is session state) and driven by one
 daemon thread. When it breaks, the thread reconnects (at least twice a second, so that it
 follows a failover within moments), listens again, and wakes every waiter so each checks
 its table once more: a notification sent while the connection was down is never waited for
-in vain. What it sees counts towards the process's outage (:mod:`.outage`), which logs it
-once; the thread itself logs its reconnections at DEBUG.
+in vain, and gives every subscription an empty payload (a consumer's "look at the
+queue"), which it also gets when its channel's LISTEN takes effect. What it sees counts
+towards the process's outage (:mod:`.outage`), which logs it once; the thread itself logs
+its reconnections at DEBUG. The connection stays open while anything subscribes or has
+waited; when it is lost with nobody subscribed or waiting, or the last subscription closes
+with nobody waiting, the thread ends and closes it (the next use opens it again).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import os
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -69,6 +81,54 @@ def payload_for(key: str) -> str:
     return "#" + hashlib.sha256(key.encode()).hexdigest()
 
 
+class Subscription:
+    """Every notification of one channel, for one reader thread: a queue's consumer.
+
+    The listener's thread appends each payload as it arrives; the reader takes them in
+    its own thread (:meth:`take`, or :meth:`wait` to block for the next). An empty payload
+    means "look": the channel's LISTEN took effect, or the connection was lost and is back
+    (notifications sent meanwhile are lost).
+    """
+
+    def __init__(self, listener: Listener, channel: str) -> None:
+        self.channel = channel
+        self._listener = listener
+        self._payloads: deque[str] = deque()
+        self._ready = threading.Event()
+
+    def deliver(self, payload: str) -> None:
+        """Called by the listener's thread with each payload of the channel."""
+        self._payloads.append(payload)
+        self._ready.set()
+
+    def take(self) -> list[str]:
+        """The payloads that arrived since the last take, oldest first (no wait)."""
+        # Cleared before the payloads are taken: one delivered meanwhile sets it again, so
+        # the next wait returns at once instead of missing it.
+        self._ready.clear()
+        taken = []
+        while self._payloads:
+            taken.append(self._payloads.popleft())
+        return taken
+
+    def wait(self, timeout: float) -> list[str]:
+        """The payloads that arrived, waiting up to ``timeout`` seconds for one when none
+        has (an empty list after the wait: none came)."""
+        if not self._payloads:
+            self._ready.wait(max(0.0, timeout))
+        return self.take()
+
+    @property
+    def listening(self) -> bool:
+        """Whether the listener's connection listens on the channel now (while it does
+        not, nothing is delivered: the reader polls)."""
+        return self._listener.listens_on(self.channel)
+
+    def close(self) -> None:
+        """Stop receiving the channel's payloads."""
+        self._listener.unsubscribe(self)
+
+
 class Listener(Service):
     """The process's LISTEN connection to one database.
 
@@ -86,6 +146,12 @@ class Listener(Service):
         self._waiters: dict[str, dict[str, list[threading.Event]]] = {}
         # channel -> set once the current connection listens on it
         self._listening: dict[str, threading.Event] = {}
+        # channel -> the subscriptions that receive its every payload
+        self._subscriptions: dict[str, list[Subscription]] = {}
+        #: Set when something subscribes or waits: a thread without a connection opens one.
+        self._demand = threading.Event()
+        #: Set when the last subscription closed with nobody waiting: the connection closes.
+        self._release = False
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
         self._error: BaseException | None = None
@@ -152,6 +218,7 @@ class Listener(Service):
     def _register(self, channel: str, payload: str, event: threading.Event) -> None:
         with self._lock:
             self._waiters.setdefault(channel, {}).setdefault(payload, []).append(event)
+            self._want()
 
     def _unregister(self, channel: str, payload: str, event: threading.Event) -> None:
         with self._lock:
@@ -161,6 +228,58 @@ class Listener(Service):
                 events.remove(event)
             if not events:
                 by_key.pop(payload, None)
+
+    # -- subscribing -----------------------------------------------------------------------
+
+    def subscribe(self, channel: str) -> Subscription:
+        """Receive every payload of ``channel`` from now on (see :class:`Subscription`);
+        the listener starts listening on it (without waiting: the subscription gets an
+        empty payload once the LISTEN took effect).
+
+        Raises:
+          dramatiq.errors.ConnectionClosed: the listener is closed.
+        """
+        subscription = Subscription(self, channel)
+        with self._lock:
+            if self._closed:
+                raise ConnectionClosed(RuntimeError("the listener is closed"))
+            self._subscriptions.setdefault(channel, []).append(subscription)
+            if channel not in self._listening:
+                self._listening[channel] = threading.Event()
+            self._want()
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop delivering to ``subscription``; when nothing else subscribes or waits, the
+        thread closes the connection (and opens it again at the next use)."""
+        with self._lock:
+            subscribed = self._subscriptions.get(subscription.channel, [])
+            if subscription in subscribed:
+                subscribed.remove(subscription)
+            if not subscribed:
+                self._subscriptions.pop(subscription.channel, None)
+            if not self._wanted():
+                self._release = True
+                self._poke()
+
+    def listens_on(self, channel: str) -> bool:
+        """Whether the connection listens on ``channel`` now."""
+        ready = self._listening.get(channel)
+        return ready is not None and ready.is_set() and self.started
+
+    def _wanted(self) -> bool:
+        """Whether anything subscribes or waits now (under the lock)."""
+        return bool(self._subscriptions) or any(
+            events for by_key in self._waiters.values() for events in by_key.values()
+        )
+
+    def _want(self) -> None:
+        """Something subscribes or waits (under the lock): the thread opens the connection
+        if it has none, and keeps it."""
+        self._release = False
+        self._demand.set()
+        self._poke()
+        self.start()
 
     def _ensure_listening(self, channel: str, timeout: float | None) -> bool | None:
         """Make the thread listen on ``channel``; True once it does, False if that took
@@ -172,8 +291,7 @@ class Listener(Service):
             ready = self._listening.get(channel)
             if ready is None:
                 ready = self._listening[channel] = threading.Event()
-                self._poke()
-            self.start()
+            self._want()
         if ready.is_set():
             return True
         if self._saturated():
@@ -202,6 +320,7 @@ class Listener(Service):
         return error is not None and outage.is_saturation(error)
 
     def wake(self) -> None:
+        self._demand.set()
         self._poke()
 
     def _poke(self) -> None:
@@ -212,9 +331,21 @@ class Listener(Service):
 
     # -- the thread ------------------------------------------------------------------------
 
+    def _awaited(self) -> bool:
+        """Wait until something subscribes or waits (at once if something does); False
+        when the listener stops meanwhile."""
+        while not self.stopping.is_set():
+            with self._lock:
+                if self._wanted():
+                    self._release = False
+                    return True
+                self._demand.clear()
+            self._demand.wait()
+        return False
+
     def run(self) -> None:
         delay = 0.05
-        while not self.stopping.is_set():
+        while self._awaited():
             conn = None
             try:
                 conn = connect(self.url)
@@ -228,25 +359,32 @@ class Listener(Service):
                 # The driver's error, which waiters get wrapped in a ConnectionClosed.
                 self._error = e.__cause__ if isinstance(e, ConnectionClosed) and e.__cause__ else e
                 # Told once per outage by the process (outage.py), not at every try.
-                logger.debug(
-                    "The LISTEN connection of results, rate limits and aborts was lost: %s", e
-                )
-                with self._lock:
-                    for ready in self._listening.values():
-                        ready.clear()
+                logger.debug("The process's LISTEN connection was lost: %s", e)
+                self._unlisten_all()
                 self._wake_everyone()
-                time.sleep(delay)
+                if self.stopping.wait(delay):
+                    break
                 # A server out of connection slots is not helped by more attempts: retry
-                # it less often than a server that went away.
+                # it less often than a server that went away. (Nobody subscribing or
+                # waiting any more, a stopped worker or a dropped database, it is not
+                # tried again at all until the next use: see _awaited.)
                 cap = (
                     SATURATED_RETRY_CAP_SECONDS
                     if outage.is_saturation(e)
                     else RECONNECT_CAP_SECONDS
                 )
                 delay = min(delay * 2, cap)
+            else:
+                # Released: the last subscription closed with nobody waiting.
+                self._unlisten_all()
             finally:
                 if conn is not None:
                     conn.close()
+
+    def _unlisten_all(self) -> None:
+        with self._lock:
+            for ready in self._listening.values():
+                ready.clear()
 
     def _serve(self, conn: psycopg.Connection) -> None:
         listened: set[str] = set()
@@ -261,6 +399,10 @@ class Listener(Service):
                 listened.add(channel)
                 with self._lock:
                     self._listening[channel].set()
+                    subscribed = list(self._subscriptions.get(channel, ()))
+                # Notifications sent before the LISTEN took effect were not heard: look.
+                for subscription in subscribed:
+                    subscription.deliver("")
             if first and listened:
                 # A reconnection: whatever was notified while we were away is only in the
                 # tables now, so every waiter looks again.
@@ -271,6 +413,10 @@ class Listener(Service):
             )
             if self._wake_r in readable:
                 os.read(self._wake_r, 4096)
+                with self._lock:
+                    if self._release and not self._wanted():
+                        self._release = False
+                        return
             if conn.fileno() in readable:
                 with translate_errors(), conn.lock:
                     conn.pgconn.consume_input()
@@ -287,8 +433,11 @@ class Listener(Service):
     def _dispatch(self, notify: psycopg.Notify) -> None:
         with self._lock:
             events = list(self._waiters.get(notify.channel, {}).get(notify.payload, ()))
+            subscribed = list(self._subscriptions.get(notify.channel, ()))
         for event in events:
             event.set()
+        for subscription in subscribed:
+            subscription.deliver(notify.payload)
 
     def _wake_everyone(self) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """The process's one account of a database outage, for the people reading its log.
 
-Every connection holder of a process (its connection pools, the consumers' LISTEN
-connections, the results and rate-limiter listener) reports here what it sees: a
+Every connection holder of a process (its connection pools, its LISTEN connection, which
+the consumers and the results and rate-limiter waiters share) reports here what it sees: a
 connection that could not be made, a connection lost, a statement the database answered.
 From that, the process logs at WARNING, whatever number of pools and threads it runs:
 

@@ -1,7 +1,7 @@
 """``dramatiq tests.e2e.outage_app``: the e2e worker app with the connection holders an
 application adds in each worker process, kept busy: a connection pool of its own and the
-results/rate-limit listener (besides the broker's pool and the consumers' LISTEN
-connections). Its reminders come at the broker's ``outage_reminder_seconds``, which a
+results/rate-limit waiters of the process's LISTEN connection (besides the broker's pool
+and the consumers, which hear their queues through the same LISTEN connection). Its reminders come at the broker's ``outage_reminder_seconds``, which a
 test sets through ``DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS`` so that a short outage shows them.
 """
 

@@ -1,8 +1,8 @@
 """What a worker process says about a database outage, counted in the log of a real
 ``dramatiq`` worker whose own PostgreSQL server is stopped for known lengths of time.
 
-The worker process holds the broker's pool, its consumers' LISTEN connections, a second
-pool and the results listener of its own (``tests.e2e.outage_app``), all retrying while
+The worker process holds the broker's pool, its LISTEN connection (its consumers' and its
+results waiters'), and a second pool of its own (``tests.e2e.outage_app``), all retrying while
 the server is down; its reminders come every 2 s instead of a minute. It starts while
 the server is down, which it must say at once; the server then comes back after 7 s, and
 later goes away again for 3 s under a worker that has connections. For each outage the

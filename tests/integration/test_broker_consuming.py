@@ -57,18 +57,20 @@ def test_listen_false_polls(h, conn):
 
 
 def test_a_consumer_that_cannot_open_its_listen_connection_polls_quietly(h, monkeypatch, caplog):
-    """The server has no slot left for the queue's LISTEN connection (``too many
-    clients``) while the pool's connections work: the consumer claims by polling, says so
-    at DEBUG only, and the process tells of saturation in one warning, not of an outage."""
+    """The server has no slot left for the process's LISTEN connection (``too many
+    clients``) while the pool's connections work: the consumer claims by polling, the
+    listener says so at DEBUG only, and the process tells of saturation in one warning,
+    not of an outage."""
     import logging
 
     import psycopg
     from dramatiq.errors import ConnectionClosed
 
-    from dramatiq_pg_broker.attempt import consumer
-    from dramatiq_pg_broker.db import outage
+    from dramatiq_pg_broker.db import listener, outage
 
     monkeypatch.setattr(outage, "tracker", outage.Outage())
+    # A listener of this test's own (another test's may be connected already).
+    monkeypatch.setattr(listener, "_listeners", {})
     refusals = []
 
     def refused(url, **kwargs):
@@ -77,7 +79,7 @@ def test_a_consumer_that_cannot_open_its_listen_connection_polls_quietly(h, monk
         outage.tracker.connect_failed(error)  # what db.connect reports
         raise ConnectionClosed(error) from error
 
-    monkeypatch.setattr(consumer, "connect", refused)
+    monkeypatch.setattr(listener, "connect", refused)
     broker = h.broker(poll_interval=0.2)
     done = []
 
@@ -92,12 +94,47 @@ def test_a_consumer_that_cannot_open_its_listen_connection_polls_quietly(h, monk
         broker.join(h.queue, timeout=10_000)
         time.sleep(0.5)  # idle polls: the LISTEN connection is tried again, in time
     assert sorted(done) == list(range(5))
-    assert refusals, "the consumer never tried its LISTEN connection"
+    assert refusals, "the consumer never had the LISTEN connection tried"
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "no free connection slot" in warnings[0], warnings
     assert not outage.tracker.unreachable
     assert any(
-        "polls: its LISTEN connection could not be opened" in r.getMessage()
+        "LISTEN connection was lost" in r.getMessage()
         for r in caplog.records
         if r.levelno == logging.DEBUG
     )
+
+
+def test_a_process_listens_on_one_connection_whatever_its_queues(h, conn):
+    """Every consumer of a process hears its queue through the process's one LISTEN
+    connection: a worker of four queues holds one, and an idle consumer of each still
+    wakes at a send within moments (no poll: the poll interval is 10 s)."""
+    from dramatiq_pg_broker.db.core import application_name
+
+    broker = h.broker(poll_interval=10)
+    queues = [f"{h.queue}_{n}" for n in range(4)]
+    ran = {queue: threading.Event() for queue in queues}
+    for queue in queues:
+
+        @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"ping_{queue}")
+        def ping(queue_name):
+            ran[queue_name].set()
+
+    h.start(broker, threads=2)
+
+    def listening():
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+            "AND query LIKE 'LISTEN %%'",
+            (application_name(),),
+        ).fetchone()[0]
+
+    time.sleep(0.5)  # every consumer idle, its channel listened
+    assert listening() == 1
+    for queue in queues:
+        started = time.monotonic()
+        broker.actors[f"ping_{queue}"].send(queue)
+        assert ran[queue].wait(5), f"queue {queue} was not woken"
+        took = time.monotonic() - started
+        assert took < 2, f"queue {queue} woke after {took:.2f}s: polled, not notified"
+    assert listening() == 1

@@ -110,8 +110,22 @@ def test_prepared_statements_can_be_turned_off_for_a_transaction_mode_pooler():
     on = Settings.load(environ={})
     off = Settings.load(environ={"DRAMATIQ_PG_PREPARED_STATEMENTS": "false"})
     assert on.prepared_statements is True and off.prepared_statements is False
-    assert connection_kwargs(on) == {"autocommit": True}
-    assert connection_kwargs(off) == {"autocommit": True, "prepare_threshold": None}
+    assert "prepare_threshold" not in connection_kwargs(on)
+    assert connection_kwargs(off)["prepare_threshold"] is None
+    assert connection_kwargs(on)["autocommit"] and connection_kwargs(off)["autocommit"]
+
+
+def test_the_broker_s_connections_are_named_by_process_unless_the_url_names_them():
+    """``fallback_application_name``: libpq uses it only when the URL sets no
+    ``application_name``; ``dramatiq-pg-broker/<pid>`` tells an operator (and ``doctor``)
+    whose connection it is."""
+    import os
+
+    from dramatiq_pg_broker.db import connection_kwargs
+
+    kwargs = connection_kwargs(Settings.load(environ={}))
+    assert kwargs["fallback_application_name"] == f"dramatiq-pg-broker/{os.getpid()}"
+    assert "application_name" not in kwargs
 
 
 def test_every_setting_is_documented_where_it_is_defined():

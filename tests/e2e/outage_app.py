@@ -1,8 +1,9 @@
 """``dramatiq tests.e2e.outage_app``: the e2e worker app with the connection holders an
 application adds in each worker process, kept busy: a connection pool of its own and the
 results/rate-limit waiters of the process's LISTEN connection (besides the broker's pool
-and the consumers, which hear their queues through the same LISTEN connection). Its reminders come at the broker's ``outage_reminder_seconds``, which a
-test sets through ``DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS`` so that a short outage shows them.
+and the consumers, which hear their queues through the same LISTEN connection). Its
+reminders come at the broker's ``outage_reminder_seconds``, which a test sets through
+``DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS`` so that a short outage shows them.
 """
 
 from __future__ import annotations

@@ -379,6 +379,15 @@ class Settings:
             raise ConfigurationError("enqueue_retries must not be negative")
 
     @property
+    def connection_budget(self) -> int:
+        """The most server connections a worker process (or a sender) of these settings
+        opens, whatever its threads and queues: its pool's ``pool_max_size``, plus the
+        process's one LISTEN connection unless ``listen`` is off. A results or
+        rate-limiter backend built with ``broker=`` shares both; one built with its own
+        ``url=`` has a pool of its own (see the tuning guide)."""
+        return self.pool_max_size + (1 if self.listen else 0)
+
+    @property
     def heartbeat_interval(self) -> float:
         """Seconds between two lease renewals: a third of the lease unless configured."""
         return self.heartbeat_seconds or self.lease_seconds / 3

@@ -3,7 +3,7 @@
 Every worker process writes one row of ``<schema>.workers`` when it boots (host, process
 id, the queues it consumes and their actors, the package version and the schema level its
 code ships, the highest migration: what ``migrate`` compares before a breaking migration,
-and when it started), and
+when it started, and its connection budget: :attr:`.Settings.connection_budget`), and
 refreshes it with the lease heartbeat it already runs (:mod:`.leases`): the time of the
 beat, the attempts it holds (in flight). The row expires a lease after the last beat
 (``lease_seconds``): a process that died or lost the database is gone from every list
@@ -213,6 +213,7 @@ class Presence(Middleware):
             "started_at": self._started_at,
             "ttl_ms": int(settings.lease_seconds * 1000),
             "in_flight": len(self.ledger),
+            "connections": settings.connection_budget,
         }
         with self.pool.connection() as conn:
             if self._declared:

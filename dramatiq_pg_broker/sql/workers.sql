@@ -6,13 +6,16 @@
 -- schema_level is the highest migration its code ships (what `migrate` compares).
 -- An upsert, so a row deleted while the process could not reach the database (it expired
 -- and was reclaimed) comes back at the next beat. It stays live until expires_at.
+-- connections is the process's connection budget (pool_max_size plus its LISTEN
+-- connection), which doctor adds up against max_connections.
 INSERT INTO {schema}.workers AS w (
     id, host, pid, queues, actors, version, schema_level, started_at, heartbeat_at,
-    expires_at, in_flight
+    expires_at, in_flight, connections
 )
 VALUES (
     %(id)s, %(host)s, %(pid)s, %(queues)s, %(actors)s, %(version)s, %(schema_level)s,
-    %(started_at)s, now(), now() + %(ttl_ms)s * interval '1 millisecond', %(in_flight)s
+    %(started_at)s, now(), now() + %(ttl_ms)s * interval '1 millisecond', %(in_flight)s,
+    %(connections)s
 )
 ON CONFLICT (id) DO UPDATE
 SET heartbeat_at = now(),
@@ -37,7 +40,7 @@ DELETE FROM {schema}.workers WHERE id = %(id)s
 -- list_workers --
 -- The live worker processes (not expired), oldest first.
 SELECT id, host, pid, queues, actors, version, schema_level, started_at, heartbeat_at,
-       expires_at, in_flight
+       expires_at, in_flight, connections
 FROM {schema}.workers
 WHERE expires_at > now()
 ORDER BY started_at, id

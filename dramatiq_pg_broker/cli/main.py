@@ -13,6 +13,8 @@ Commands:
                      the operator's commands (:mod:`.cli_jobs`)
   queues list|pause|resume, workers, actors
                      operator control (:mod:`.cli_control`)
+  doctor [--json]    the live database's health as the broker sees it, each finding with
+                     what to do; exit 0 healthy, 1 warnings, 2 problems
   user ..., token ...  admin API accounts (the ``admin`` extra adds them: its entry points
                      in the group ``dramatiq_pg_broker.commands``)
 
@@ -39,6 +41,7 @@ import contextvars
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -436,6 +439,83 @@ def _print_partitions(found: dict | None) -> None:
         print(f"partitions not attached yet: {', '.join(found['pending'])}")
 
 
+# -- doctor -------------------------------------------------------------------------------
+# ``dramatiq-pg-broker doctor``: look at the live database and say what is wrong, each
+# finding with what to do (:mod:`..health.doctor` holds the checks). Exit status: 0 when
+# every finding is ok, 1 with warnings, 2 with problems (and, as for every command, 2 when
+# the database cannot be reached). ``--json`` prints the report for scripts; ``--check
+# NAME`` runs only the named checks; each threshold is an option
+# (``--snapshot-warning-seconds 120``).
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from ..db.core import connect
+    from ..health.doctor import Thresholds, examine, render
+    from .jobs import printable, to_json
+
+    settings = settings_from(args)
+    thresholds = Thresholds(
+        **{
+            name: getattr(args, name)
+            for name, _, _ in Thresholds.documented()
+            if getattr(args, name) is not None
+        }
+    )
+    with connect(database_url(args)) as conn:
+        report = examine(conn, settings.schema, thresholds=thresholds, checks=args.check or None)
+    if args.json:
+        print(to_json(report.as_dict()))
+    else:
+        # Wrapped on a terminal; one line per finding, detail and advice when piped.
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        for line in render(report, width):
+            print(printable(line))
+    return report.exit_code
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of at least 0")
+    return value
+
+
+def add_doctor_command(sub: argparse._SubParsersAction) -> None:
+    """Add ``doctor`` to the CLI."""
+    from ..health.doctor import CHECKS, Thresholds
+
+    parser = sub.add_parser(
+        "doctor",
+        help="look at the live database and say what is wrong, with what to do "
+        "(exit 0 healthy, 1 warnings, 2 problems)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--check",
+        action="append",
+        choices=list(CHECKS),
+        metavar="NAME",
+        help=f"run only this check (repeatable): {', '.join(CHECKS)}",
+    )
+    for name, default, doc in Thresholds.documented():
+        shown = f"{default:g}" if isinstance(default, float) else default
+        parser.add_argument(
+            _option(name),
+            dest=name,
+            type=_non_negative,
+            metavar="N",
+            help=f"{doc} (default {shown})",
+        )
+    parser.set_defaults(func=run_doctor)
+
+
 def add_embedded_commands(sub: argparse._SubParsersAction) -> None:
     def run_embedded(args: argparse.Namespace) -> int:
         from ..db import embedded
@@ -549,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embedded_commands(sub)
     add_operator_commands(sub)
     add_control_commands(sub)
+    add_doctor_command(sub)
     add_entry_point_commands(sub)
     _everywhere(parser)
     return parser

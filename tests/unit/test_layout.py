@@ -14,7 +14,18 @@ PACKAGE = Path(dramatiq_pg_broker.__file__).parent
 NAME = "dramatiq_pg_broker"
 
 #: The rooms, lowest first: a room imports only the rooms before it (and itself).
-ROOMS = ("base", "db", "history", "jobs", "control", "sending", "attempt", "backends", "cli")
+ROOMS = (
+    "base",
+    "db",
+    "history",
+    "jobs",
+    "control",
+    "sending",
+    "attempt",
+    "backends",
+    "health",
+    "cli",
+)
 
 #: The modules at the top of the package that are the base room: imported by every room,
 #: importing no room.

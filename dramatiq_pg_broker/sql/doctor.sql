@@ -1,0 +1,123 @@
+-- Named statements of `dramatiq-pg-broker doctor` (dramatiq_pg_broker.health.doctor): what
+-- the server says about the database around the broker's tables. Same layout as
+-- queries.sql. Every statement reads the server's statistics views or a partial index of
+-- the jobs table; none takes a lock a worker waits for.
+
+-- snapshot_holders --
+-- Who holds this database's xmin horizon back, oldest first (by transaction age): vacuum
+-- removes no row version that died after the oldest of them. Sessions of this database
+-- (or of none: a walsender with hot_standby_feedback holds every database) with a
+-- snapshot or a transaction id; prepared transactions of this database; replication
+-- slots with an xmin (a physical slot fed by hot_standby_feedback, or a logical slot's
+-- own). Autovacuum workers are left out: vacuum ignores their snapshots. A session's age
+-- is its transaction's (or, outside one, its statement's); a slot has none in seconds.
+SELECT kind, pid, application_name, usename, client, state, age_seconds, xmin_age, query
+FROM (
+    SELECT 'session' AS kind, a.pid, a.application_name, a.usename::text AS usename,
+           a.client_addr::text AS client, a.state,
+           extract(epoch FROM now() - coalesce(a.xact_start, a.query_start, a.backend_start))
+               ::float8 AS age_seconds,
+           age(coalesce(a.backend_xmin, a.backend_xid))::bigint AS xmin_age,
+           left(a.query, %(query_chars)s) AS query
+    FROM pg_stat_activity AS a
+    WHERE coalesce(a.backend_xmin, a.backend_xid) IS NOT NULL
+      AND a.pid <> pg_backend_pid()
+      AND (a.datid IS NULL OR a.datname = current_database())
+      AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+    UNION ALL
+    SELECT 'prepared transaction', NULL, NULL, p.owner::text, NULL, 'prepared',
+           extract(epoch FROM now() - p.prepared)::float8, age(p.transaction)::bigint, p.gid
+    FROM pg_prepared_xacts AS p
+    WHERE p.database = current_database()
+    UNION ALL
+    SELECT 'replication slot', s.active_pid, s.slot_name, NULL, NULL,
+           CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL, age(s.xmin)::bigint,
+           s.slot_type
+    FROM pg_replication_slots AS s
+    WHERE s.xmin IS NOT NULL AND (s.database IS NULL OR s.database = current_database())
+) AS holders
+ORDER BY xmin_age DESC
+LIMIT %(limit)s
+
+-- hot_table --
+-- The jobs table as the statistics collector and the catalog see it: live and dead row
+-- versions, its size (the heap alone, and with its indexes and TOAST), when a vacuum
+-- last ran on it (autovacuum or by hand), its autovacuum storage parameters, and
+-- whether autovacuum runs at all on this server.
+SELECT t.n_live_tup, t.n_dead_tup, pg_relation_size(t.relid), pg_total_relation_size(t.relid),
+       t.last_autovacuum, t.last_vacuum, t.autovacuum_count,
+       extract(epoch FROM now() - greatest(t.last_autovacuum, t.last_vacuum))::float8,
+       c.reloptions, current_setting('autovacuum')::boolean
+FROM pg_stat_user_tables AS t
+JOIN pg_class AS c ON c.oid = t.relid
+WHERE t.relid = to_regclass(format('%%I.jobs', %(schema)s::text))
+
+-- connections --
+-- The server's connection slots: client backends now (the broker's own, named
+-- dramatiq-pg-broker/<pid>, among them), max_connections, and the slots reserved for
+-- superusers (and, from PostgreSQL 16, for roles with pg_use_reserved_connections).
+SELECT count(*) FILTER (WHERE backend_type = 'client backend'),
+       count(*) FILTER (WHERE backend_type = 'client backend'
+                        AND application_name LIKE 'dramatiq-pg-broker/%%'),
+       current_setting('max_connections')::int,
+       current_setting('superuser_reserved_connections')::int,
+       coalesce(current_setting('reserved_connections', true), '0')::int
+FROM pg_stat_activity
+
+-- worker_budgets --
+-- The live worker processes and the connections they may open between them: each one's
+-- budget as it recorded it (migration 0022), or %(default_budget)s for a process of an
+-- earlier release.
+SELECT count(*), coalesce(sum(coalesce(connections, %(default_budget)s)), 0)::bigint
+FROM {schema}.workers
+WHERE expires_at > now()
+
+-- replication_slots --
+-- Every replication slot, with the WAL it keeps from being recycled (from its
+-- restart_lsn to the current position; NULL on a standby or for a slot never used) and
+-- the age of the xmin it holds.
+SELECT slot_name, slot_type, active, active_pid, wal_status, database,
+       CASE WHEN pg_is_in_recovery() OR restart_lsn IS NULL THEN NULL
+            ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint END,
+       age(xmin)::bigint, age(catalog_xmin)::bigint
+FROM pg_replication_slots
+ORDER BY 7 DESC NULLS LAST, slot_name
+
+-- idle_job_lockers --
+-- Sessions idle in a transaction that lock the jobs table in a mode that comes with row
+-- locks or writes (FOR UPDATE/SHARE, UPDATE, DELETE: RowShareLock and up; a plain read
+-- takes AccessShareLock), oldest first, with how many sessions wait for them now.
+SELECT a.pid, a.application_name, a.usename::text, a.client_addr::text, a.state,
+       extract(epoch FROM now() - a.state_change)::float8,
+       extract(epoch FROM now() - a.xact_start)::float8,
+       left(a.query, %(query_chars)s), a.backend_xid::text,
+       (SELECT count(*) FROM pg_stat_activity AS b WHERE a.pid = ANY(pg_blocking_pids(b.pid)))
+FROM pg_stat_activity AS a
+WHERE a.state IN ('idle in transaction', 'idle in transaction (aborted)')
+  AND a.pid <> pg_backend_pid()
+  AND EXISTS (
+      SELECT FROM pg_locks AS l
+      WHERE l.pid = a.pid AND l.granted AND l.locktype = 'relation'
+        AND l.relation = to_regclass(format('%%I.jobs', %(schema)s::text))
+        AND l.mode <> 'AccessShareLock'
+  )
+ORDER BY a.state_change
+
+-- jobs_locked_by --
+-- Jobs whose row a transaction locked or changed (its id in their xmax; rows locked by
+-- several transactions at once carry a multixact instead and are not found): at most
+-- %(limit)s of them, and how many.
+SELECT (array_agg(id::text ORDER BY id))[1:%(limit)s], count(*)
+FROM {schema}.jobs
+WHERE xmax = %(xid)s::xid
+
+-- expired_leases --
+-- Running jobs whose lease expired more than %(grace_s)s seconds ago (through the lease
+-- expiry index): a reaper of any live worker gives such a job back within its interval.
+-- How many, how long ago the oldest lease expired, their queues, and a few ids.
+SELECT count(*),
+       extract(epoch FROM now() - min(locked_until))::float8,
+       coalesce(array_agg(DISTINCT queue_name), ARRAY[]::text[]),
+       (array_agg(id::text ORDER BY locked_until))[1:5]
+FROM {schema}.jobs
+WHERE status = 'running' AND locked_until < now() - %(grace_s)s * interval '1 second'

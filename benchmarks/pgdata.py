@@ -487,3 +487,31 @@ def vacuum(url: str, schema: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(_q("VACUUM {schema}.jobs", schema))
         conn.execute(_q("VACUUM {schema}.job_events", schema))
+
+
+def vacuum_count(url: str, schema: str, table: str) -> int:
+    """How many times the table was vacuumed, by autovacuum or by hand."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables "
+            "WHERE schemaname = %s AND relname = %s",
+            (schema, table),
+        ).fetchone()
+    return row[0] if row else 0
+
+
+def set_table_options(url: str, schema: str, table: str, options: str) -> None:
+    """``ALTER TABLE ... SET (options)``; ``options`` is ``name=value`` pairs separated by
+    commas (names and values checked: letters, digits, underscores, dots)."""
+    pairs = []
+    for item in options.split(","):
+        name, _, value = item.strip().partition("=")
+        if not name.replace("_", "").isalnum() or not value.replace(".", "").isalnum():
+            raise ValueError(f"not a storage parameter: {item!r}")
+        pairs.append(sql.SQL("{} = {}").format(sql.SQL(name), sql.Literal(value)))
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER TABLE {}.{} SET ({})").format(
+                sql.Identifier(schema), sql.Identifier(table), sql.SQL(", ").join(pairs)
+            )
+        )

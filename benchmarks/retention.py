@@ -27,7 +27,10 @@ stay bounded under churn.
   last third: two single samples say where autovacuum happened to be), and
   per third ``finished_per_s_tN`` and ``claim_wait_p99_ms_tN`` (the 99th percentile of
   the wait from insert to claim of the jobs that finished in that third, read from
-  history) say whether the drain and the claim stayed flat.
+  history) say whether the drain and the claim stayed flat. ``--hot-table-options``
+  sets storage parameters on the hot table after the migrations (autovacuum settings
+  against the migrations' own); ``hot_vacuums`` counts the vacuums of it in the run and
+  ``hot_dead_rows_max`` its largest sample of dead rows.
 """
 
 from __future__ import annotations
@@ -138,11 +141,15 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
     seconds = cfg["churn_seconds"]
     rate = cfg["churn_rate"]
     pgdata.reset_schema(url, CHURN_SCHEMA)
+    if cfg.get("hot_table_options"):
+        pgdata.set_table_options(url, CHURN_SCHEMA, "jobs", cfg["hot_table_options"])
     samples: list[tuple[float, float, float]] = []
+    dead_samples: list[int] = []
 
     def sample(at: float) -> None:
         sizes = pgdata.table_sizes(url, CHURN_SCHEMA)
         samples.append((at, _mb(sizes), sizes["jobs"] / 2**20))
+        dead_samples.append(pgdata.dead_rows(url, CHURN_SCHEMA, "jobs"))
 
     fed = 0
     try:
@@ -151,6 +158,7 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             state,
         ):
             harness.wait_ready(proc, state)
+            vacuums_before = pgdata.vacuum_count(url, CHURN_SCHEMA, "jobs")
             started = time.monotonic()
             server_start = pgdata.server_now(url)
             next_sample = started
@@ -174,6 +182,7 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             sample(time.monotonic() - started)
             unfinished = pgdata.count_unfinished(url, CHURN_SCHEMA)
             dead_rows = pgdata.dead_rows(url, CHURN_SCHEMA, "jobs")
+            vacuums = pgdata.vacuum_count(url, CHURN_SCHEMA, "jobs") - vacuums_before
             thirds = [
                 pgdata.finished_between(
                     url,
@@ -208,6 +217,8 @@ def churn_round(harness: Harness, variant, cfg: dict) -> dict:
             "hot_end_mb": samples[-1][2],
             "hot_max_mb": max(hot for _, _, hot in samples),
             "hot_dead_rows_end": float(dead_rows),
+            "hot_dead_rows_max": float(max(dead_samples, default=0)),
+            "hot_vacuums": float(vacuums),
             # The soak's flatness, after a third of the time as warm-up: the hot table's
             # size at a third and at the end, and per third the jobs finished a second and
             # the 99th percentile of their wait from insert to claim (the server's clock).

@@ -159,6 +159,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--churn-seconds", type=int, help="length of the churn workload (default 600)")
     p.add_argument(
+        "--churn-rate", type=int, help="jobs a second of the churn workload (default 500)"
+    )
+    p.add_argument(
+        "--hot-table-options",
+        help="storage parameters the churn workload sets on its jobs table after migrating it "
+        "(`autovacuum_vacuum_cost_delay=0,autovacuum_vacuum_threshold=100`), to measure "
+        "autovacuum settings against the migrations' own",
+    )
+    p.add_argument(
         "--backlog-finished",
         type=int,
         help="finished jobs in history for the backlog workload (default 1,000,000)",
@@ -252,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg["retention_finished"] = args.retention_finished
     if args.churn_seconds:
         cfg["churn_seconds"] = args.churn_seconds
+    if args.churn_rate:
+        cfg["churn_rate"] = args.churn_rate
+    if args.hot_table_options:
+        cfg["hot_table_options"] = args.hot_table_options
     if args.backlog_finished:
         cfg["backlog_finished"] = args.backlog_finished
     if args.backlog_queued:
@@ -447,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         and set(args.workloads) == set(WORKLOADS)
         and cfg["retention_finished"] == FULL["retention_finished"]
         and cfg["churn_seconds"] == FULL["churn_seconds"]
+        and cfg["churn_rate"] == FULL["churn_rate"]
+        and "hot_table_options" not in cfg
         and cfg["backlog_finished"] == FULL["backlog_finished"]
         and cfg["backlog_queued"] == FULL["backlog_queued"]
     )

@@ -118,12 +118,6 @@ class Subscription:
             self._ready.wait(max(0.0, timeout))
         return self.take()
 
-    @property
-    def listening(self) -> bool:
-        """Whether the listener's connection listens on the channel now (while it does
-        not, nothing is delivered: the reader polls)."""
-        return self._listener.listens_on(self.channel)
-
     def close(self) -> None:
         """Stop receiving the channel's payloads."""
         self._listener.unsubscribe(self)
@@ -261,11 +255,6 @@ class Listener(Service):
             if not self._wanted():
                 self._release = True
                 self._poke()
-
-    def listens_on(self, channel: str) -> bool:
-        """Whether the connection listens on ``channel`` now."""
-        ready = self._listening.get(channel)
-        return ready is not None and ready.is_set() and self.started
 
     def _wanted(self) -> bool:
         """Whether anything subscribes or waits now (under the lock)."""

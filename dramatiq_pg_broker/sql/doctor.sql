@@ -42,12 +42,14 @@ LIMIT %(limit)s
 -- hot_table --
 -- The jobs table as the statistics collector and the catalog see it: live and dead row
 -- versions, its size (the heap alone, and with its indexes and TOAST), when a vacuum
--- last ran on it (autovacuum or by hand), its autovacuum storage parameters, and
--- whether autovacuum runs at all on this server.
+-- last ran on it (autovacuum or by hand), its autovacuum storage parameters, whether
+-- autovacuum runs at all on this server, and how often it visits each database
+-- (autovacuum_naptime, in seconds).
 SELECT t.n_live_tup, t.n_dead_tup, pg_relation_size(t.relid), pg_total_relation_size(t.relid),
        t.last_autovacuum, t.last_vacuum, t.autovacuum_count,
        extract(epoch FROM now() - greatest(t.last_autovacuum, t.last_vacuum))::float8,
-       c.reloptions, current_setting('autovacuum')::boolean
+       c.reloptions, current_setting('autovacuum')::boolean,
+       extract(epoch FROM current_setting('autovacuum_naptime')::interval)::float8
 FROM pg_stat_user_tables AS t
 JOIN pg_class AS c ON c.oid = t.relid
 WHERE t.relid = to_regclass(format('%%I.jobs', %(schema)s::text))

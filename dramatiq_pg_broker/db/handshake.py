@@ -46,6 +46,7 @@ with a folder holding one more, breaking, migration, and run this code against i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
@@ -178,12 +179,15 @@ class SchemaState:
 def read_state(conn: psycopg.Connection, schema: str) -> SchemaState:
     """Read the applied migrations: one statement, or two before migration 0010.
 
-    ``conn`` must be in autocommit mode (a pooled connection is): a schema without the
-    table or its 0010 columns fails the first statement, and the second must still run.
+    A schema without the table or its 0010 columns fails the first statement, and the
+    second must still run: in autocommit mode (a pooled connection is) it does; inside a
+    transaction (``doctor``'s) the first runs in a savepoint.
     """
     queries = Queries(schema, "schema.sql")
+    in_transaction = conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
     try:
-        rows = conn.execute(queries["read_migrations"]).fetchall()
+        with conn.transaction() if in_transaction else contextlib.nullcontext():
+            rows = conn.execute(queries["read_migrations"]).fetchall()
     except psycopg.errors.UndefinedTable:
         rows = []
     except psycopg.errors.UndefinedColumn:

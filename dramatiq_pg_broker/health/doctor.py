@@ -51,7 +51,7 @@ import psycopg
 from ..control.queues import states as queue_states
 from ..control.workers import list_workers
 from ..db.handshake import newer_message, pending_message, read_state, this_code, too_old_message
-from ..db.queries import Queries, statements_for
+from ..db.queries import statements_for
 from ..history.retention import partition_status
 from ..jobs.rows import queue_counts_of
 
@@ -265,11 +265,15 @@ class Examination:
         schema: str,
         thresholds: Thresholds,
         default_budget: int,
+        lease_seconds: float,
     ) -> None:
         self.conn = conn
         self.schema = schema
         self.thresholds = thresholds
         self.default_budget = default_budget
+        #: The workers' lease: a lease that ran out while the server was down counts once
+        #: the server has been up that long (the reaper's rule, ``lease_ran_out``).
+        self.lease_seconds = lease_seconds
         self.queries = statements_for(schema, filename="doctor.sql")
         self._cache: dict[str, Any] = {}
 
@@ -550,9 +554,14 @@ def check_idle_transactions(ex: Examination) -> Finding:
 
 def check_expired_leases(ex: Examination) -> Finding:
     t = ex.thresholds
-    count, oldest, queues, ids = ex.rows(
-        "expired_leases", {"grace_s": t.expired_lease_grace_seconds}
-    )[0]
+    count, oldest, queues, ids = ex.conn.execute(
+        statements_for(ex.schema)["leases_ran_out"],
+        {
+            "grace_s": t.expired_lease_grace_seconds,
+            "now": None,
+            "lease_ms": round(ex.lease_seconds * 1000),
+        },
+    ).fetchone()
     workers = ex.live_workers()
     figures = {"jobs": count, "oldest_seconds": None if oldest is None else round(oldest, 3)}
     if not count:
@@ -589,7 +598,7 @@ def check_expired_leases(ex: Examination) -> Finding:
 def check_unattended_queues(ex: Examination) -> Finding:
     t = ex.thresholds
     counts = queue_counts_of(
-        ex.conn.execute(Queries(ex.schema)["count_by_queue"], {"now": None, "failed": False})
+        ex.conn.execute(statements_for(ex.schema)["count_by_queue"], {"now": None, "failed": False})
     )
     paused = {s.queue_name for s in queue_states(ex.conn, ex.schema) if s.paused}
     consumed = {q for w in ex.live_workers() for q in w["queues"]}
@@ -784,6 +793,7 @@ def examine(
     checks: Iterable[str] | None = None,
     default_budget: int = EARLIER_RELEASE_BUDGET,
     statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+    lease_seconds: float = 30.0,
 ) -> Report:
     """Run the checks on ``conn``, in one transaction of their own (a savepoint of the
     caller's when one is open) that reads only.
@@ -798,6 +808,7 @@ def examine(
       default_budget(int): the connection budget counted for a live worker that recorded
         none (a process of an earlier release).
       statement_timeout_ms(int): how long any of its statements may run.
+      lease_seconds(float): the workers' ``lease_seconds`` (see ``expired_leases``).
 
     Returns:
       Report: one finding per check (two for ``partitions``). A check that cannot look (a
@@ -808,7 +819,7 @@ def examine(
     unknown = wanted - set(CHECKS)
     if unknown:
         raise ValueError(f"no such check: {', '.join(sorted(unknown))}")
-    ex = Examination(conn, schema, thresholds or Thresholds(), default_budget)
+    ex = Examination(conn, schema, thresholds or Thresholds(), default_budget, lease_seconds)
     findings: list[Finding] = []
     # One transaction (its statement timeout its own, the session's left as it was), each
     # check in a savepoint of it: a check that fails leaves the others their transaction.

@@ -112,14 +112,3 @@ ORDER BY a.state_change
 SELECT (array_agg(id::text ORDER BY id))[1:%(limit)s], count(*)
 FROM {schema}.jobs
 WHERE xmax = %(xid)s::xid
-
--- expired_leases --
--- Running jobs whose lease expired more than %(grace_s)s seconds ago (through the lease
--- expiry index): a reaper of any live worker gives such a job back within its interval.
--- How many, how long ago the oldest lease expired, their queues, and a few ids.
-SELECT count(*),
-       extract(epoch FROM now() - min(locked_until))::float8,
-       coalesce(array_agg(DISTINCT queue_name), ARRAY[]::text[]),
-       (array_agg(id::text ORDER BY locked_until))[1:5]
-FROM {schema}.jobs
-WHERE status = 'running' AND locked_until < now() - %(grace_s)s * interval '1 second'

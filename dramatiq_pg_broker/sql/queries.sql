@@ -754,6 +754,19 @@ locked_until < coalesce(%(now)s::timestamptz, now())
 AND pg_postmaster_start_time() + %(lease_ms)s * interval '1 millisecond'
     < coalesce(%(now)s::timestamptz, now())
 
+-- leases_ran_out --
+-- Running jobs whose lease ran out (lease_ran_out, the reaper's own test) more than
+-- %(grace_s)s seconds ago, which a live worker's reaper gives back within its interval
+-- (`doctor`'s expired_leases): how many, how long ago the oldest lease ended, their
+-- queues, and a few ids. Reads the running-rows index (jobs_lease_expiry_idx).
+SELECT count(*),
+       extract(epoch FROM now() - min(locked_until))::float8,
+       coalesce(array_agg(DISTINCT queue_name), ARRAY[]::text[]),
+       (array_agg(id::text ORDER BY locked_until))[1:5]
+FROM {schema}.jobs
+WHERE status = 'running' AND {lease_ran_out}
+  AND locked_until < now() - %(grace_s)s * interval '1 second'
+
 -- reap_expired --
 -- Give back running jobs whose lease expired: their worker died, hung or lost the database.
 -- A claim that never started goes back at once, uncharged. A started attempt was

@@ -21,7 +21,7 @@ from dramatiq.results import Results
 from dramatiq_abort import Abortable
 
 from dramatiq_pg_broker import PostgresBroker, current_job
-from dramatiq_pg_broker.abort import PostgresEventBackend
+from dramatiq_pg_broker.backends.abort import PostgresEventBackend
 from dramatiq_pg_broker.rate_limits import PostgresRateLimiterBackend
 from dramatiq_pg_broker.results import PostgresBackend
 

@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool, resolve_url
+from dramatiq_pg_broker.db.core import application_name
 from dramatiq_pg_broker.jobs import JobStore
 
 from . import media
@@ -37,7 +38,7 @@ from .resources.dashboard import (
 )
 from .resources.docs import DocsPage, OpenApiDocument
 from .resources.events import EventFeed
-from .resources.health import Health
+from .resources.health import Health, HealthFindings
 from .resources.jobs import (
     AbortJob,
     CancelJob,
@@ -77,6 +78,7 @@ DATABASE_WAIT_SECONDS = 5
 #: the router, the authorization and the document are derived from those declarations.
 API = (
     Health,
+    HealthFindings,
     Config,
     JobList,
     JobStats,
@@ -144,10 +146,20 @@ def statement_timeout_ms(settings: Settings) -> int:
     return max(1, round(settings.statement_timeout * 1000))
 
 
+#: What the admin API's connections call themselves in ``pg_stat_activity``, followed by
+#: ``/`` and the process id (see :func:`dramatiq_pg_broker.db.core.application_name`).
+APPLICATION = "dramatiq-pg-admin"
+
+
 class ApiPool(ProcessPool):
     """The broker's per-process pool, waiting at most :data:`DATABASE_WAIT_SECONDS` for a
     connection (the broker's workers wait longer: they have no client waiting), and whose
-    connections stop any statement after ``settings.statement_timeout``."""
+    connections stop any statement after ``settings.statement_timeout``.
+
+    An admin API process opens at most ``2 × pool_max_size`` connections whatever its
+    threads: this pool (the changes, the accounts, the login throttle) and the read
+    engine's (:func:`create_engine`), each of ``pool_max_size``. A request that finds its
+    pool taken waits up to :data:`DATABASE_WAIT_SECONDS`, then gets a 503."""
 
     def __init__(self, settings: Settings) -> None:
         timeout = statement_timeout_ms(settings)
@@ -155,7 +167,7 @@ class ApiPool(ProcessPool):
         def configure(conn: psycopg.Connection) -> None:
             conn.execute("SELECT set_config('statement_timeout', %s, false)", (f"{timeout}ms",))
 
-        super().__init__(settings, configure=configure)
+        super().__init__(settings, configure=configure, application=APPLICATION)
 
     def get(self):
         pool = super().get()
@@ -180,7 +192,12 @@ def create_engine(url: str, settings: Settings) -> Engine:
     timeout = statement_timeout_ms(settings)
 
     def connect() -> psycopg.Connection:
-        conn = psycopg.connect(url, connect_timeout=DATABASE_WAIT_SECONDS, autocommit=True)
+        conn = psycopg.connect(
+            url,
+            connect_timeout=DATABASE_WAIT_SECONDS,
+            autocommit=True,
+            fallback_application_name=application_name(APPLICATION),
+        )
         conn.execute(
             "SELECT set_config('statement_timeout', %s, false), set_config('jit', 'off', false)",
             (f"{timeout}ms",),
@@ -239,7 +256,12 @@ def create_app(
         throttle = LoginThrottle(accounts.pool, settings.schema)
     if engine is None:
         engine = create_engine(settings.url or database_url(), settings)
-    monitor = Monitor(engine, settings.schema)
+    monitor = Monitor(
+        engine,
+        settings.schema,
+        lease_seconds=settings.lease_seconds,
+        statement_timeout_ms=statement_timeout_ms(settings),
+    )
     # Before the authentication, which reads accounts: see schema_check.py.
     schema_check = SchemaCheck(store.pool)
     parts = Parts(

@@ -21,6 +21,14 @@ The job gauges use the states of :mod:`dramatiq_pg_broker.jobs.states`, the word
 CLI, the API and the dashboard: ``dramatiq_pg_jobs_ready``, ``_delayed``, ``_paused``,
 ``_running``, ``_lease_expired`` and ``_failed``. ``dramatiq_pg_jobs_queued`` (ready +
 paused: runnable now) is the gauge of earlier releases, kept for their alerts.
+
+The database's health comes from the checks of ``dramatiq-pg-broker doctor`` that read
+the server's statistics views only (:data:`HEALTH_CHECKS`, one more short transaction per
+scrape, see :class:`HealthCollector`): the age of the oldest snapshot holding the xmin
+horizon back, the hot table's dead and live rows, size and last vacuum, sessions idle in
+a transaction that hold job rows, running jobs whose lease ran out, connection slots and
+the live workers' budgets, the WAL replication slots keep, and each check's level. The
+oldest waiting job of each queue is ``dramatiq_pg_oldest_waiting_seconds``, above.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dramatiq_pg_broker import events as event_types
+from dramatiq_pg_broker.health.doctor import LEVELS, Report
 from dramatiq_pg_broker.jobs import STATES, QueueCounts
 from dramatiq_pg_broker.jobs.states import FAILED, UNFINISHED
 
@@ -174,6 +183,131 @@ def _labelled(queues: dict[str, QueueOverview]) -> dict[str, tuple[QueueCounts, 
     return labelled
 
 
+#: The doctor's checks a scrape runs: those that read the server's statistics views and
+#: the partial indexes of the jobs table (the queues' are read above; the partitions'
+#: count of DEFAULT rows is left to the dashboard and the command).
+HEALTH_CHECKS = (
+    "schema",
+    "snapshot",
+    "hot_table",
+    "idle_transactions",
+    "expired_leases",
+    "connections",
+    "replication_slots",
+)
+
+
+class HealthCollector(Collector):
+    """The figures of the doctor's checks (:data:`HEALTH_CHECKS`) as gauges, read at each
+    scrape (see :meth:`Monitor.health`).
+
+    Parameters:
+      monitor(Monitor): the monitoring reads.
+    """
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        report = self.monitor.health(HEALTH_CHECKS)
+        yield from health_gauges(report)
+
+
+def health_gauges(report: Report) -> Iterator[GaugeMetricFamily]:
+    """The gauges of a doctor's report (a check that was skipped gives none of its own)."""
+
+    def figure(check: str, name: str):
+        found = report.finding(check)
+        return None if found is None else found.figures.get(name)
+
+    def gauge(name: str, help_text: str, value) -> Iterator[GaugeMetricFamily]:
+        if value is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=value)
+
+    yield from gauge(
+        "snapshot_age_seconds",
+        "Age of the oldest open snapshot or transaction of the database (0: none): vacuum "
+        "removes no row version that died after it.",
+        figure("snapshot", "horizon_age_seconds"),
+    )
+    yield from gauge(
+        "snapshot_xid_age",
+        "Transactions between now and the database's xmin horizon (replication slots "
+        "and prepared transactions included).",
+        figure("snapshot", "horizon_xid_age"),
+    )
+    yield from gauge(
+        "hot_table_dead_tuples",
+        "Dead row versions of the jobs table, by the statistics collector.",
+        figure("hot_table", "dead_tuples"),
+    )
+    yield from gauge(
+        "hot_table_live_tuples",
+        "Live rows of the jobs table (queued and running jobs), by the statistics collector.",
+        figure("hot_table", "live_tuples"),
+    )
+    yield from gauge(
+        "hot_table_bytes",
+        "The jobs table's size on disk, indexes and TOAST included.",
+        figure("hot_table", "total_bytes"),
+    )
+    yield from gauge(
+        "hot_table_vacuum_age_seconds",
+        "Seconds since the jobs table was last vacuumed (absent: never).",
+        figure("hot_table", "vacuum_age_seconds"),
+    )
+    yield from gauge(
+        "idle_transaction_seconds",
+        "Longest a session has sat idle in a transaction that holds job rows (0: none).",
+        figure("idle_transactions", "longest_idle_seconds"),
+    )
+    yield from gauge(
+        "expired_leases",
+        "Running jobs whose lease ran out more than the doctor's grace ago (a minute).",
+        figure("expired_leases", "jobs"),
+    )
+    yield from gauge(
+        "connections_used",
+        "Client connections of the server now.",
+        figure("connections", "used"),
+    )
+    yield from gauge(
+        "connections_available",
+        "max_connections less the reserved slots.",
+        figure("connections", "available"),
+    )
+    yield from gauge(
+        "worker_connection_budget",
+        "Connections the live worker processes may open between them (each its "
+        "pool_max_size plus one).",
+        figure("connections", "worker_budgets"),
+    )
+    retained = figure("replication_slots", "retained_bytes")
+    if retained is not None:
+        slots = GaugeMetricFamily(
+            f"{PREFIX}_replication_slot_retained_bytes",
+            "WAL a replication slot keeps from being recycled.",
+            labels=["slot"],
+        )
+        for slot, bytes_kept in retained.items():
+            if bytes_kept is not None:
+                slots.add_metric([slot], bytes_kept)
+        yield slots
+    levels = GaugeMetricFamily(
+        f"{PREFIX}_health_level",
+        "Each doctor check's level: 0 ok, 1 warning, 2 problem (a check that could not "
+        "look is left out).",
+        labels=["check"],
+    )
+    for finding in report.findings:
+        if finding.level in LEVELS:
+            levels.add_metric([finding.check], LEVELS.index(finding.level))
+    yield levels
+
+
 class Metrics:
     """The registry of one process and its text exposition.
 
@@ -186,6 +320,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = QueueCollector(monitor, settle=settle)
         self.registry.register(self.collector)
+        self.registry.register(HealthCollector(monitor))
 
     def render(self) -> bytes:
         """The metrics in Prometheus' text format (version 0.0.4)."""

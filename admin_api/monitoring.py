@@ -1,5 +1,6 @@
 """The numbers operators watch, read cheaply: per-queue counts of unfinished and failed
-jobs, the age of the oldest waiting job, recent throughput, and new events since a cursor.
+jobs, the age of the oldest waiting job, recent throughput, new events since a cursor, and
+the database's health as ``dramatiq-pg-broker doctor`` examines it (:meth:`Monitor.health`).
 
 Shared by the dashboard's endpoints (``/api/queues``, ``/api/throughput``) and by
 ``/metrics``. Every query here reads a partial index or a bounded range of the events'
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Iterable
 from typing import Any
 
 import sqlalchemy as sa
@@ -19,6 +21,7 @@ from sqlalchemy.engine import Engine
 from dramatiq_pg_broker import events as event_types
 from dramatiq_pg_broker.control import overview
 from dramatiq_pg_broker.control.overview import QueueOverview
+from dramatiq_pg_broker.health.doctor import STATEMENT_TIMEOUT_MS, Report, examine
 from dramatiq_pg_broker.jobs import LEASE_EXPIRED
 
 from .tables import Timestamp, job_events
@@ -64,10 +67,22 @@ class Monitor:
     Parameters:
       engine(Engine): a SQLAlchemy engine on the database.
       schema(str): the schema of the tables.
+      lease_seconds(float): the workers' lease (the doctor's rule for a lease that ran
+        out, see :meth:`health`).
+      statement_timeout_ms(int): how long a statement of :meth:`health` may run.
     """
 
-    def __init__(self, engine: Engine, schema: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        schema: str,
+        *,
+        lease_seconds: float = 30.0,
+        statement_timeout_ms: int = STATEMENT_TIMEOUT_MS,
+    ) -> None:
         self.schema = schema
+        self.lease_seconds = lease_seconds
+        self.statement_timeout_ms = statement_timeout_ms
         self.engine = engine.execution_options(schema_translate_map={None: schema})
 
     def queues(self, *, now: dt.datetime | None = None) -> dict[str, QueueOverview]:
@@ -247,6 +262,19 @@ class Monitor:
             .where(sa.or_(stop.is_(None), fresh.c.id < stop))
             .group_by(fresh.c.type, fresh.c.lease)
         )
+
+    def health(self, checks: Iterable[str] | None = None) -> Report:
+        """The checks of ``dramatiq-pg-broker doctor`` (all of them, or ``checks``), on one
+        of the engine's connections (:func:`dramatiq_pg_broker.health.doctor.examine`: one
+        read-only transaction of its own)."""
+        with self.engine.connect() as conn:
+            return examine(
+                conn.connection.driver_connection,
+                self.schema,
+                checks=checks,
+                lease_seconds=self.lease_seconds,
+                statement_timeout_ms=self.statement_timeout_ms,
+            )
 
     def _now(self) -> dt.datetime:
         with self.engine.connect() as conn:

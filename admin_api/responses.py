@@ -26,6 +26,7 @@ from dramatiq_pg_broker.control.overview import STATES as QUEUE_STATES
 from dramatiq_pg_broker.control.queues import QueueState as QueueStateRecord
 from dramatiq_pg_broker.events import ALL as EVENT_TYPES
 from dramatiq_pg_broker.events import STATUSES
+from dramatiq_pg_broker.health.doctor import LEVELS, SKIPPED, Finding
 from dramatiq_pg_broker.jobs.states import FAILED, STATES, UNFINISHED
 
 from . import accounts
@@ -300,6 +301,10 @@ class Worker(BaseModel):
         description="Attempts it held at its last heartbeat (prefetched, running or waiting "
         "for their outcome to be written)."
     )
+    connections: int | None = Field(
+        description="The most connections it opens (its pool_max_size, plus one LISTEN "
+        "connection); null for a process of a release that did not record it."
+    )
 
 
 class Actor(BaseModel):
@@ -486,6 +491,24 @@ class Throughput(BaseModel):
         description="The window held more events than one read takes; the oldest minutes "
         "are incomplete."
     )
+
+
+HealthFinding = _from_dataclass(
+    Finding,
+    "HealthFinding",
+    level=(Literal[(*LEVELS, SKIPPED)], ...),
+    details=(list[str], ...),
+    figures=(dict[str, Any], Field(description="The numbers behind it (the metrics' gauges).")),
+)
+
+
+class HealthReport(BaseModel):
+    """The database's health as ``dramatiq-pg-broker doctor`` examines it."""
+
+    level: Literal[LEVELS] = Field(description="The worst finding's level.")
+    exit_code: int = Field(description="The command's exit status: 0 ok, 1 warning, 2 problem.")
+    checked_at: Time
+    findings: list[HealthFinding]
 
 
 WorkerList = _list_of(Worker)

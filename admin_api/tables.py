@@ -195,4 +195,6 @@ workers = Table(
     Column("in_flight", Integer, nullable=False),
     # The highest migration the worker's code ships (migration 0022).
     Column("schema_level", Integer),
+    # The worker's connection budget (migration 0023).
+    Column("connections", Integer),
 )

@@ -10,6 +10,7 @@ const COUNTS_EVERY_MS = 3000; // the overview's counts
 const CHARTS_EVERY_MS = 15000; // the overview's charts
 const JOB_EVERY_MS = 2000; // a job page while its job is unfinished (a finished one stops)
 const WORKERS_EVERY_MS = 15000; // the overview's worker list
+const HEALTH_EVERY_MS = 15000; // the overview's health panel
 const LIST_EVERY_MS = 5000; // the job list
 const QUEUE_EVERY_MS = 5000; // a queue's page
 // Where a job is: the API's states (dramatiq_pg_broker/jobs/states.py), the words the CLI
@@ -352,6 +353,9 @@ async function overviewPage() {
   const failures = el("figure", { id: "chart-failures" },
     el("figcaption", { text: "Failures and retries per minute, last hour" }));
   const updated = el("p", { class: "muted", id: "updated", "aria-live": "off" });
+  const health = el("table", { class: "data", id: "health", "aria-labelledby": "h-health" },
+    el("thead", {}, el("tr", {}, ["Level", "Check", "Finding"].map((h) => el("th", { scope: "col", text: h })))),
+    el("tbody"));
   setView("Overview",
     el("h1", { text: "Overview" }),
     cards,
@@ -359,6 +363,8 @@ async function overviewPage() {
     el("h2", { id: "h-queues", text: "Queues" }),
     table,
     updated,
+    el("h2", { id: "h-health", title: "What dramatiq-pg-broker doctor finds in the database, with what to do", text: "Health" }),
+    health,
     el("h2", { text: "Last hour" }),
     el("div", { class: "charts" }, throughput, failures),
     el("h2", { id: "h-workers", text: "Workers" }),
@@ -450,15 +456,32 @@ async function overviewPage() {
     workers.tBodies[0].replaceChildren(...rows);
   }
 
+  // The doctor's findings: problems first, then warnings, then the rest in check order;
+  // each with its details and what to do.
+  async function refreshHealth() {
+    const report = await api("GET", "/api/health/findings");
+    const order = { problem: 0, warning: 1, skipped: 3, ok: 2 };
+    const findings = [...report.findings].sort((a, b) => order[a.level] - order[b.level]);
+    health.tBodies[0].replaceChildren(...findings.map((finding) => el("tr", { "data-check": finding.check, "data-level": finding.level },
+      el("td", {}, el("span", { class: "badge h-" + finding.level, text: finding.level })),
+      el("th", { scope: "row", text: finding.check }),
+      el("td", {},
+        el("div", {}, visible(finding.title)),
+        finding.details.map((detail) => el("div", { class: "muted" }, visible(detail))),
+        finding.advice ? el("div", { class: "advice" }, visible("→ " + finding.advice)) : null))));
+    health.dataset.level = report.level;
+  }
+
   // Pause asks first (it stops work on every host); resume acts at once.
   refreshQueues = refreshCounts;
-  await Promise.all([refreshCounts(), refreshCharts(), refreshWorkers()]);
+  await Promise.all([refreshCounts(), refreshCharts(), refreshWorkers(), refreshHealth()]);
   let ticks = 0;
   schedule(async function poll() {
     ticks += 1;
     await refreshCounts();
     if ((ticks * COUNTS_EVERY_MS) % CHARTS_EVERY_MS < COUNTS_EVERY_MS) await refreshCharts();
     if ((ticks * COUNTS_EVERY_MS) % WORKERS_EVERY_MS < COUNTS_EVERY_MS) await refreshWorkers();
+    if ((ticks * COUNTS_EVERY_MS) % HEALTH_EVERY_MS < COUNTS_EVERY_MS) await refreshHealth();
   }, COUNTS_EVERY_MS);
 }
 

@@ -1,15 +1,21 @@
 """``GET /api/health``: is the database reachable, and does this code fit its schema? No
-credentials."""
+credentials. ``GET /api/health/findings``: the database's health as ``dramatiq-pg-broker
+doctor`` examines it, for the dashboard's health panel (observers only: it names sessions,
+their queries and clients)."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import falcon
 
 from dramatiq_pg_broker.errors import MigrationsPending, SchemaVersionError
 
 from .. import responses
+from ..auth import OBSERVERS
+from ..monitoring import Monitor
 from ..operations import PUBLIC, operation
 from ..queries import JobQueries
 from ..schema_check import SchemaCheck
@@ -80,3 +86,36 @@ class Health:
             }
             return
         resp.media = {"status": "ok", "database": "ok", "schema": "ok"}
+
+
+#: Seconds a health report is reused within a process: every open dashboard asks every
+#: 15 s, and the checks read the server's statistics views, which change no faster.
+FINDINGS_CACHE_SECONDS = 10.0
+
+
+class HealthFindings:
+    """``GET /api/health/findings``: every check of ``dramatiq-pg-broker doctor``, each
+    finding with its level, what it found, its details, what to do and its figures (see
+    :mod:`dramatiq_pg_broker.health.doctor`), reused for :data:`FINDINGS_CACHE_SECONDS`
+    within a process."""
+
+    route = "/api/health/findings"
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+        self._lock = threading.Lock()
+        self._cache: tuple[float, dict] | None = None
+
+    @operation(
+        roles=OBSERVERS,
+        summary="The database's health as `dramatiq-pg-broker doctor` examines it: each "
+        "finding with what to do.",
+        responses={200: (responses.HealthReport, "Every check's finding, in order.")},
+    )
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        # One examination at a time: concurrent dashboards wait for it instead of
+        # running it again.
+        with self._lock:
+            if self._cache is None or time.monotonic() - self._cache[0] > FINDINGS_CACHE_SECONDS:
+                self._cache = (time.monotonic(), self.monitor.health().as_dict())
+            resp.media = self._cache[1]

@@ -73,7 +73,7 @@ def create_metrics_app(settings: Settings | None = None, *, engine=None) -> falc
     """
     from dramatiq_pg_broker.db import ProcessPool, resolve_url
 
-    from ..app import create_engine, with_head
+    from ..app import create_engine, statement_timeout_ms, with_head
     from ..errors import add_error_handlers
     from ..schema_check import SchemaCheck
 
@@ -83,5 +83,11 @@ def create_metrics_app(settings: Settings | None = None, *, engine=None) -> falc
     # The schema handshake, as for the whole API (its pool serves only that check).
     app = falcon.App(middleware=[SchemaCheck(ProcessPool(settings))])
     add_error_handlers(app)
-    app.add_route("/metrics", with_head(OpenMetricsPage(Metrics(Monitor(engine, settings.schema)))))
+    monitor = Monitor(
+        engine,
+        settings.schema,
+        lease_seconds=settings.lease_seconds,
+        statement_timeout_ms=statement_timeout_ms(settings),
+    )
+    app.add_route("/metrics", with_head(OpenMetricsPage(Metrics(monitor))))
     return app

@@ -55,12 +55,14 @@ JOIN pg_class AS c ON c.oid = t.relid
 WHERE t.relid = to_regclass(format('%%I.jobs', %(schema)s::text))
 
 -- connections --
--- The server's connection slots: client backends now (the broker's own, named
--- dramatiq-pg-broker/<pid>, among them), max_connections, and the slots reserved for
--- superusers (and, from PostgreSQL 16, for roles with pg_use_reserved_connections).
+-- The server's connection slots: client backends now (the package's own, named
+-- dramatiq-pg-broker/<pid> and, the admin API's, dramatiq-pg-admin/<pid>, among them),
+-- max_connections, and the slots reserved for superusers (and, from PostgreSQL 16, for
+-- roles with pg_use_reserved_connections).
 SELECT count(*) FILTER (WHERE backend_type = 'client backend'),
        count(*) FILTER (WHERE backend_type = 'client backend'
-                        AND application_name LIKE 'dramatiq-pg-broker/%%'),
+                        AND (application_name LIKE 'dramatiq-pg-broker/%%'
+                             OR application_name LIKE 'dramatiq-pg-admin/%%')),
        current_setting('max_connections')::int,
        current_setting('superuser_reserved_connections')::int,
        coalesce(current_setting('reserved_connections', true), '0')::int

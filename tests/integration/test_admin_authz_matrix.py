@@ -25,6 +25,7 @@ PUBLIC = None
 #: document without a line here fails the test.
 EXPECTED = {
     ("get", "/api/health"): PUBLIC,
+    ("get", "/api/health/findings"): OBSERVERS,
     ("get", "/api/docs"): PUBLIC,
     ("post", "/api/auth/login"): PUBLIC,
     ("post", "/api/auth/logout"): PUBLIC,

@@ -9,6 +9,7 @@ waits for a pooled connection must neither deadlock nor starve the heartbeat.
   the heartbeat from renewing leases of one second: psycopg_pool hands connections out in
   the order they were asked for, and every holder gives its connection back within a
   statement or a short transaction.
+- An admin API process of 64 threads opens at most 2 × ``pool_max_size``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import traceback
 
 import dramatiq
+import psycopg
 import pytest
 from dramatiq.rate_limits import ConcurrentRateLimiter
 from dramatiq.results import Results
@@ -141,3 +143,67 @@ def test_a_busy_pool_does_not_starve_the_heartbeat(h, conn):
         (ids,),
     ).fetchall()
     assert rows == [("succeeded", 1, 0)] * 12, rows
+
+
+def test_an_admin_api_process_stays_within_twice_its_pool(pg_url, schema, conn):
+    """64 threads of one admin API process (the gunicorn default) calling reads, the
+    metrics, the health findings and job creations at once: its connections, named
+    ``dramatiq-pg-admin/<pid>``, stay within its budget of 2 × ``pool_max_size`` (the read
+    engine's pool and the changes' pool)."""
+    import os
+
+    from falcon import testing
+
+    from admin_api.accounts import AccountStore
+    from admin_api.app import APPLICATION, create_app
+    from dramatiq_pg_broker.config import Settings
+
+    settings = Settings(url=pg_url, schema=schema, admin_adhoc_actors=True)
+    accounts = AccountStore(ProcessPool(settings), schema, bcrypt_rounds=4)
+    user = accounts.create_user(f"budget-{os.getpid()}@example.com", "a long password", "admin")
+    auth = {"Authorization": f"Bearer {accounts.create_token(user.id, 'budget').secret}"}
+    accounts.pool.close()
+    client = testing.TestClient(create_app(settings))
+    paths = ["/api/jobs", "/api/queues", "/api/workers", "/api/jobs/stats", "/metrics"]
+    paths.append("/api/health/findings")
+    name = f"{APPLICATION}/{os.getpid()}"
+    peak = 0
+    statuses: set[int] = set()
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        with psycopg.connect(pg_url, autocommit=True) as c:
+            while not stop.is_set():
+                n = c.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
+                ).fetchone()[0]
+                peak = max(peak, n)
+                time.sleep(0.01)
+
+    def calls(n: int) -> None:
+        for i in range(20):
+            if (n + i) % 4 == 0:
+                result = client.simulate_post(
+                    "/api/jobs",
+                    headers=auth,
+                    json={"actor_name": "tests.budget", "queue_name": "budget"},
+                )
+            else:
+                result = client.simulate_get(paths[(n + i) % len(paths)], headers=auth)
+            statuses.add(result.status_code)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    threads = [threading.Thread(target=calls, args=(n,)) for n in range(64)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        stop.set()
+        sampler.join(10)
+    print(f"\nadmin API process: at most {peak} connections")
+    assert statuses <= {200, 201}, statuses
+    assert 2 <= peak <= 2 * settings.pool_max_size, f"{peak} connections at once"

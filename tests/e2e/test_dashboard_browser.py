@@ -641,6 +641,46 @@ def test_the_overview_shows_idle_queues_red_and_declared_queues_first(stack, acc
         )
 
 
+def test_the_overview_lists_the_doctor_s_findings_problems_first(
+    stack, accounts, browser, pg_url, schema
+):
+    """The health panel: every check of ``dramatiq-pg-broker doctor``, a warning before the
+    ok ones, with its details and what to do; a viewer sees it too."""
+    import psycopg
+    from psycopg import sql
+
+    events = sql.SQL("{}.job_events").format(sql.Identifier(schema))
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        # An event of a day without its partition: in the DEFAULT partition.
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (job_id, type, created_at) VALUES (%s, 'created', '2001-02-03')"
+            ).format(events),
+            (str(uuid.uuid4()),),
+        )
+        try:
+            log_in(browser, stack, "viewer")
+            row = wait(
+                browser,
+                stack,
+                "the DEFAULT partition's warning in the health panel",
+                lambda d: css(
+                    d, '#health tr[data-check="default_partitions"][data-level="warning"]'
+                ),
+            )[0]
+            assert "job_events_default 1" in row.text and "dramatiq-pg-broker prune" in row.text
+            levels = [r.get_attribute("data-level") for r in css(browser, "#health tr[data-check]")]
+            assert levels[0] in ("problem", "warning") and "ok" in levels
+            order = {"problem": 0, "warning": 1, "ok": 2, "skipped": 3}
+            assert levels == sorted(levels, key=order.get), levels
+            checks = {r.get_attribute("data-check") for r in css(browser, "#health tr[data-check]")}
+            assert {"schema", "snapshot", "hot_table", "connections"} <= checks
+        finally:
+            conn.execute(
+                sql.SQL("DELETE FROM {}").format(sql.Identifier(schema, "job_events_default"))
+            )
+
+
 def test_a_very_long_queue_name_is_no_link(stack, accounts, browser):
     long_queue = "y" + "q" * 9_999
     undeclared_job(accounts, long_queue)

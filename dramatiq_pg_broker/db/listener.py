@@ -97,7 +97,16 @@ class Subscription:
         self._ready = threading.Event()
 
     def deliver(self, payload: str) -> None:
-        """Called by the listener's thread with each payload of the channel."""
+        """Called by the listener's thread with each payload of the channel. A "look" right
+        after another one not yet taken adds nothing (a busy queue's sends notify at every
+        commit): the reader will look once for both."""
+        if not payload:
+            try:
+                if self._payloads[-1] == "":
+                    self._ready.set()
+                    return
+            except IndexError:  # none waiting (or the reader just took the last one)
+                pass
         self._payloads.append(payload)
         self._ready.set()
 

@@ -347,3 +347,39 @@ def test_throughput_finds_the_window_in_a_long_history(pg_url, empty_schema):
         assert totals(1) == (0, 0, 2)
     finally:
         engine.dispose()
+
+
+def test_the_metrics_and_the_health_findings_show_a_held_snapshot(env, pg_url, schema):
+    """The doctor's figures on /metrics, and its findings at /api/health/findings: a
+    session holding a snapshot shows in ``dramatiq_pg_snapshot_age_seconds`` and in the
+    snapshot finding, with the hot table's and the connections' gauges beside it."""
+    import time
+
+    with psycopg.connect(pg_url, autocommit=True, application_name="report") as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute(sql.SQL("SELECT count(*) FROM {}.jobs").format(sql.Identifier(schema)))
+        time.sleep(1.1)
+        found = scrape(Metrics(Monitor(env.engine, schema)))
+        assert found["dramatiq_pg_snapshot_age_seconds"][()] >= 1
+        for name in (
+            "dramatiq_pg_hot_table_dead_tuples",
+            "dramatiq_pg_hot_table_live_tuples",
+            "dramatiq_pg_hot_table_bytes",
+            "dramatiq_pg_connections_used",
+            "dramatiq_pg_connections_available",
+            "dramatiq_pg_worker_connection_budget",
+            "dramatiq_pg_expired_leases",
+            "dramatiq_pg_idle_transaction_seconds",
+        ):
+            assert name in found, name
+        assert found["dramatiq_pg_health_level"][(("check", "snapshot"),)] == 0  # under 60 s
+        assert found["dramatiq_pg_health_level"][(("check", "schema"),)] == 0
+        report = env.get("/api/health/findings", role="viewer").json
+        snapshot = next(f for f in report["findings"] if f["check"] == "snapshot")
+        assert f"pid {holder.info.backend_pid} (report," in snapshot["title"]
+        assert {f["check"] for f in report["findings"]} >= {"partitions", "unattended_queues"}
+        assert env.get("/api/health/findings", role="member").status_code == 403
+        holder.execute("ROLLBACK")
+    # Released: the gauge falls back (a new scrape; the findings' answer is reused 10 s).
+    found = scrape(Metrics(Monitor(env.engine, schema)))
+    assert found["dramatiq_pg_snapshot_age_seconds"][()] < 1

@@ -331,3 +331,26 @@ def test_bad_thresholds_and_checks_get_one_line(run):
     assert code == 2 and "is not a number of at least 0" in err and err.count("\n") == 1
     code, _, err = run("doctor", "--check", "nothing")
     assert code == 2 and "invalid choice" in err
+
+
+def test_dead_rows_past_the_warning_name_autovacuum_s_naptime(run, store, conn, schema, pg_url):
+    """More dead rows than live ones, past the warning, and no snapshot to blame: the
+    advice is autovacuum's pace (its naptime, as this server has it)."""
+    queue = declared_queue(store)
+    ids = [enqueue(store, queue) for _ in range(50)]
+    with psycopg.connect(pg_url, autocommit=True) as deleter:
+        deleter.execute(
+            sql.SQL("DELETE FROM {}.jobs WHERE id = ANY(%s)").format(sql.Identifier(schema)),
+            (ids,),
+        )
+    dead = "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%s)"
+    wait_for(
+        lambda: conn.execute(dead, (f"{schema}.jobs",)).fetchone()[0] >= 50,
+        10,
+        "the deletes' counts",
+    )
+    code, report = doctor_json(run, "--check", "hot_table", "--dead-tuples-warning", "10")
+    finding = report["hot_table"]
+    assert code == 1 and finding["level"] == "warning", finding
+    assert "autovacuum_naptime" in finding["advice"] and finding["figures"]["dead_tuples"] >= 50
+    assert finding["figures"]["autovacuum_naptime_seconds"] > 0

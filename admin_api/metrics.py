@@ -26,9 +26,10 @@ The database's health comes from the checks of ``dramatiq-pg-broker doctor`` tha
 the server's statistics views only (:data:`HEALTH_CHECKS`, one more short transaction per
 scrape, see :class:`HealthCollector`): the age of the oldest snapshot holding the xmin
 horizon back, the hot table's dead and live rows, size and last vacuum, sessions idle in
-a transaction that hold job rows, running jobs whose lease ran out, connection slots and
-the live workers' budgets, the WAL replication slots keep, and each check's level. The
-oldest waiting job of each queue is ``dramatiq_pg_oldest_waiting_seconds``, above.
+a transaction that hold job rows, connection slots and the live workers' budgets, the WAL
+replication slots keep, and each check's level. The oldest waiting job of each queue is
+``dramatiq_pg_oldest_waiting_seconds``, and the jobs whose lease expired
+``dramatiq_pg_jobs_lease_expired``, above.
 """
 
 from __future__ import annotations
@@ -263,11 +264,6 @@ def health_gauges(report: Report) -> Iterator[GaugeMetricFamily]:
         "idle_transaction_seconds",
         "Longest a session has sat idle in a transaction that holds job rows (0: none).",
         figure("idle_transactions", "longest_idle_seconds"),
-    )
-    yield from gauge(
-        "expired_leases",
-        "Running jobs whose lease ran out more than the doctor's grace ago (a minute).",
-        figure("expired_leases", "jobs"),
     )
     yield from gauge(
         "connections_used",

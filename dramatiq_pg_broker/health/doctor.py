@@ -48,12 +48,11 @@ from typing import Any
 
 import psycopg
 
-from ..control.queues import states as queue_states
+from ..control.overview import NO_WORKER, UNDECLARED, overview
 from ..control.workers import list_workers
 from ..db.handshake import newer_message, pending_message, read_state, this_code, too_old_message
 from ..db.queries import statements_for
 from ..history.retention import partition_status
-from ..jobs.rows import queue_counts_of
 
 #: The levels of a finding, from best to worst; ``skipped`` (the check could not look)
 #: does not count towards the exit status.
@@ -581,7 +580,9 @@ def check_expired_leases(ex: Examination) -> Finding:
             "problem",
             f"{what}, and no worker is alive to take them back",
             advice="Start a worker (of any queue): its reaper gives them back to their queues "
-            "at once, uncharged for the interruption up to max_interruptions.",
+            "at once. Or requeue them now: `dramatiq-pg-broker jobs requeue --all-expired` "
+            "(the reaper's own transition; an interruption counts as one, up to "
+            "max_interruptions).",
             figures=figures,
         )
     return Finding(
@@ -590,31 +591,31 @@ def check_expired_leases(ex: Examination) -> Finding:
         f"{what}, and none of the {len(workers)} live worker(s) took them back",
         advice="A worker's reaper runs every reaper_interval: check the workers' logs (a "
         "schema gate waiting for a migration, a reaper failing), and that they run this "
-        "release (earlier ones may not reap these).",
+        "release (earlier ones may not reap these). `dramatiq-pg-broker jobs requeue "
+        "--all-expired` gives them back now.",
         figures=figures,
     )
 
 
 def check_unattended_queues(ex: Examination) -> Finding:
     t = ex.thresholds
-    counts = queue_counts_of(
-        ex.conn.execute(statements_for(ex.schema)["count_by_queue"], {"now": None, "failed": False})
-    )
-    paused = {s.queue_name for s in queue_states(ex.conn, ex.schema) if s.paused}
-    consumed = {q for w in ex.live_workers() for q in w["queues"]}
+    # The queues as the operator's views read them (control.overview): a queue no live
+    # worker consumes is ``no_worker`` (declared) or ``undeclared``; paused ones wait on
+    # purpose, and their runnable jobs are counted apart (``paused``, not ``ready``).
+    queues = overview(ex.conn, ex.schema, failed=False)
     waiting = {
-        name: c
-        for name, c in counts.items()
-        if c.queued and name not in consumed and name not in paused
+        name: q for name, q in queues.items() if q.jobs.ready and q.state in (NO_WORKER, UNDECLARED)
     }
     late = {
-        name: c
-        for name, c in waiting.items()
-        if (c.oldest_waiting_seconds or 0) >= t.unattended_warning_seconds
+        name: q
+        for name, q in waiting.items()
+        if (q.jobs.oldest_waiting_seconds or 0) >= t.unattended_warning_seconds
     }
     figures = {
         "queues": sorted(waiting),
-        "oldest_waiting_seconds": {name: c.oldest_waiting_seconds for name, c in counts.items()},
+        "oldest_waiting_seconds": {
+            name: q.jobs.oldest_waiting_seconds for name, q in queues.items()
+        },
     }
     if not waiting:
         return Finding(
@@ -624,9 +625,11 @@ def check_unattended_queues(ex: Examination) -> Finding:
             figures=figures,
         )
     lines = [
-        f"queue {name}: {c.queued:,} runnable job(s) wait, the oldest for "
-        f"{age(c.oldest_waiting_seconds)}, and no live worker consumes it"
-        for name, c in sorted(waiting.items(), key=lambda kv: -(kv[1].oldest_waiting_seconds or 0))
+        f"queue {name}: {q.jobs.ready:,} runnable job(s) wait, the oldest for "
+        f"{age(q.jobs.oldest_waiting_seconds)}: {q.waiting_because()[0]['text']}"
+        for name, q in sorted(
+            waiting.items(), key=lambda kv: -(kv[1].jobs.oldest_waiting_seconds or 0)
+        )
     ]
     return Finding(
         "unattended_queues",

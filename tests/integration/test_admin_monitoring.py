@@ -368,7 +368,6 @@ def test_the_metrics_and_the_health_findings_show_a_held_snapshot(env, pg_url, s
             "dramatiq_pg_connections_used",
             "dramatiq_pg_connections_available",
             "dramatiq_pg_worker_connection_budget",
-            "dramatiq_pg_expired_leases",
             "dramatiq_pg_idle_transaction_seconds",
         ):
             assert name in found, name

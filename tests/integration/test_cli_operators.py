@@ -57,6 +57,7 @@ COMMAND_ARGS = {
     "queues limit": ["mail", "3"],
     "workers": [],
     "actors": [],
+    "doctor": [],
     "user create": ["--email", "a@example.com", "--role", "viewer", "--password", "x" * 12],
     "user list": [],
     "user deactivate": ["--email", "a@example.com"],

@@ -459,7 +459,16 @@ async function overviewPage() {
   // The doctor's findings: problems first, then warnings, then the rest in check order;
   // each with its details and what to do.
   async function refreshHealth() {
-    const report = await api("GET", "/api/health/findings");
+    let report;
+    try {
+      report = await api("GET", "/api/health/findings");
+    } catch (error) {
+      // The examination failed (its statements timed out, say): the panel says so, and
+      // the rest of the overview goes on.
+      health.tBodies[0].replaceChildren(el("tr", { "data-check": "", "data-level": "skipped" },
+        el("td", { colspan: 3, class: "muted", text: "The health checks could not run: " + visible(error.message) })));
+      return;
+    }
     const order = { problem: 0, warning: 1, skipped: 3, ok: 2 };
     const findings = [...report.findings].sort((a, b) => order[a.level] - order[b.level]);
     health.tBodies[0].replaceChildren(...findings.map((finding) => el("tr", { "data-check": finding.check, "data-level": finding.level },

@@ -380,12 +380,16 @@ class Settings:
 
     @property
     def connection_budget(self) -> int:
-        """The most server connections a worker process (or a sender) of these settings
-        opens, whatever its threads and queues: its pool's ``pool_max_size``, plus the
-        process's one LISTEN connection unless ``listen`` is off. A results or
-        rate-limiter backend built with ``broker=`` shares both; one built with its own
-        ``url=`` has a pool of its own (see the tuning guide)."""
-        return self.pool_max_size + (1 if self.listen else 0)
+        """The most server connections a worker process of these settings opens, whatever
+        its threads and queues: its pool's ``pool_max_size``, plus the process's one
+        LISTEN connection unless ``listen`` is off, plus, when its scheduler runs
+        retention, the connection a maintenance run holds its turn at the partition steps
+        on (for the run's length; the maintenance tick goes to one process of the
+        deployment at a time). A results or rate-limiter backend built with ``broker=``
+        shares them; one built with its own ``url=`` has a pool of its own (see the tuning
+        guide)."""
+        maintenance = self.scheduler and self.retention
+        return self.pool_max_size + (1 if self.listen else 0) + (1 if maintenance else 0)
 
     @property
     def heartbeat_interval(self) -> float:

@@ -3,9 +3,10 @@
 --
 -- 0023: each worker process records its connection budget.
 --
--- A worker process opens at most its pool's `pool_max_size` connections plus one LISTEN
--- connection (none with `listen` off), whatever its threads and queues: its connection
--- budget, which it writes into its registry row with every beat. `dramatiq-pg-broker
+-- A worker process opens at most its pool's `pool_max_size` connections, one LISTEN
+-- connection (none with `listen` off) and, while it runs maintenance, the connection that
+-- holds the run's turn at the partition steps, whatever its threads and queues: its
+-- connection budget, which it writes into its registry row with every beat. `dramatiq-pg-broker
 -- doctor` adds the budgets of the live workers up against the server's
 -- `max_connections`, so that a deployment learns that its next scale-out would run the
 -- server out of slots before it does. Rows of processes of earlier releases leave it

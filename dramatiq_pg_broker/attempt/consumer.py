@@ -17,8 +17,7 @@ an enqueue, a retry or a release on its queue's channel, and claims again only w
 arrives, when its poll interval has passed, or when that delayed job becomes runnable: one
 statement per queue per poll interval. It hears its channel through the process's one
 LISTEN connection (:meth:`.listener.Listener.subscribe`), shared by every consumer and
-blocking wait of the process: a worker's connections are its pool and that one, whatever
-its queues and threads.
+blocking wait of the process: one, whatever its queues and threads.
 
 Outcomes: ``ack``/``nack``/``requeue`` only tell the in-flight ledger, which owns every
 attempt's state; the :class:`~.outcomes.OutcomeWriter` writes them.

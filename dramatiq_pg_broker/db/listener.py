@@ -10,8 +10,7 @@ No thread polls the table on a timer.
 A queue's consumer (:mod:`~..attempt.consumer`) subscribes to its queue's channel instead
 (:meth:`Listener.subscribe`): it receives every payload sent there, in order, and reads
 them in its own thread. So a worker process holds one LISTEN connection whatever the number
-of its queues and threads (its connection budget, see the tuning guide: the pool's
-``pool_max_size`` plus this one).
+of its queues and threads (see its connection budget in the tuning guide).
 
 The connection is dedicated (never pooled, since LISTEN is session state) and driven by one
 daemon thread. When it breaks, the thread reconnects (at least twice a second, so that it

@@ -24,8 +24,7 @@ found, the figures behind it, and what to do. The checks, in the order they prin
 - ``partitions``: missing partitions of history for today and the days ahead, and rows
   left in the DEFAULT partitions (:func:`..history.retention.partition_status`);
 - ``connections``: slots in use against ``max_connections``, and what the live workers
-  may open between them (each records its budget: ``pool_max_size`` plus one LISTEN
-  connection);
+  may open between them (each records its budget, :attr:`.Settings.connection_budget`);
 - ``replication_slots``: slots keeping WAL (inactive ones, or far behind).
 
 :func:`examine` runs them on one connection that it does not take from the broker's pool
@@ -68,9 +67,9 @@ STATEMENT_TIMEOUT_MS = 10_000
 #: Characters of a session's query shown.
 QUERY_CHARS = 200
 
-#: The default connection budget of a worker of an earlier release (it recorded none): a
-#: pool of 10 and one LISTEN connection per queue it consumed, counted as one.
-EARLIER_RELEASE_BUDGET = 11
+#: The connection budget counted for a worker of an earlier release (it recorded none):
+#: this release's default (a pool of 10, its LISTEN connection, maintenance's turn).
+EARLIER_RELEASE_BUDGET = 12
 
 
 def _threshold(default: float, doc: str) -> Any:
@@ -730,7 +729,7 @@ def check_connections(ex: Examination) -> Finding:
     advice = None
     if level != "ok":
         advice = (
-            "Each worker process opens at most pool_max_size + 1 connections: lower "
+            "Each worker process opens at most pool_max_size + 2 connections: lower "
             "DRAMATIQ_PG_POOL_MAX_SIZE on the workers, put PgBouncer in front (transaction "
             "mode, with DRAMATIQ_PG_LISTEN=false and DRAMATIQ_PG_PREPARED_STATEMENTS=false), "
             "or raise max_connections (each slot costs server memory); see the tuning guide."

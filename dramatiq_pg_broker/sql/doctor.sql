@@ -70,7 +70,7 @@ FROM pg_stat_activity
 
 -- worker_budgets --
 -- The live worker processes and the connections they may open between them: each one's
--- budget as it recorded it (migration 0022), or %(default_budget)s for a process of an
+-- budget as it recorded it (migration 0023), or %(default_budget)s for a process of an
 -- earlier release.
 SELECT count(*), coalesce(sum(coalesce(connections, %(default_budget)s)), 0)::bigint
 FROM {schema}.workers

@@ -6,8 +6,8 @@
 -- schema_level is the highest migration its code ships (what `migrate` compares).
 -- An upsert, so a row deleted while the process could not reach the database (it expired
 -- and was reclaimed) comes back at the next beat. It stays live until expires_at.
--- connections is the process's connection budget (pool_max_size plus its LISTEN
--- connection), which doctor adds up against max_connections.
+-- connections is the process's connection budget (Settings.connection_budget), which
+-- doctor adds up against max_connections.
 INSERT INTO {schema}.workers AS w (
     id, host, pid, queues, actors, version, schema_level, started_at, heartbeat_at,
     expires_at, in_flight, connections

@@ -223,3 +223,12 @@ def test_the_cli_refuses_a_bad_url_in_one_line(capsys, monkeypatch):
     monkeypatch.setenv("DRAMATIQ_PG_URL", "redis://localhost:6379/0")
     assert main(["stats"]) == 2
     assert "redis:// is not a PostgreSQL URL" in capsys.readouterr().err
+
+
+def test_a_worker_s_connection_budget_is_its_pool_its_listen_and_maintenance_s_turn():
+    """What a worker process may open whatever its threads (the tuning guide's budget)."""
+    assert Settings.load(environ={}).connection_budget == 12
+    assert Settings.load(environ={}, pool_max_size=4).connection_budget == 6
+    assert Settings.load(environ={}, listen=False).connection_budget == 11
+    assert Settings.load(environ={}, retention=False).connection_budget == 11
+    assert Settings.load(environ={}, scheduler=False, listen=False).connection_budget == 10

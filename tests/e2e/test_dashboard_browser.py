@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from psycopg import sql
 
 from dramatiq_pg_broker.config import Settings
 from tests.helpers import server_up_for
@@ -571,7 +572,6 @@ def undeclared_job(accounts, queue: str) -> str:
 def worker_row(accounts, worker_id: str, queues: list[str]) -> Iterator[None]:
     """A live worker process consuming ``queues``, as the registry holds one, for the
     block: a later test of the module looks for "no worker process is running"."""
-    from psycopg import sql
 
     schema = sql.Identifier(accounts.settings.schema)
     with accounts.pool.connection() as conn:
@@ -647,7 +647,6 @@ def test_the_overview_lists_the_doctor_s_findings_problems_first(
     """The health panel: every check of ``dramatiq-pg-broker doctor``, a warning before the
     ok ones, with its details and what to do; a viewer sees it too."""
     import psycopg
-    from psycopg import sql
 
     events = sql.SQL("{}.job_events").format(sql.Identifier(schema))
     with psycopg.connect(pg_url, autocommit=True) as conn:
@@ -829,8 +828,17 @@ def test_a_dead_workers_jobs_say_lease_expired_and_an_operator_requeues_them(
     )
 
     def started(job_id: str) -> bool:
-        job = stack.api("GET", f"/api/jobs/{job_id}", token)
-        return job["state"] == "running" and job["started_at"] is not None
+        # The row's own flag: started_at is the claim's time, and the worker records that
+        # the actor began a moment after it does (a kill before that is an unstarted
+        # claim, released uncharged rather than requeued as an interruption).
+        with accounts.pool.connection() as conn:
+            row = conn.execute(
+                sql.SQL("SELECT status, started FROM {}.jobs WHERE id = %s").format(
+                    sql.Identifier(accounts.settings.schema)
+                ),
+                (job_id,),
+            ).fetchone()
+        return row == ("running", True)
 
     stack.wait_for("both jobs started", lambda: all(started(job_id) for job_id in jobs))
     worker.kill()
@@ -1041,7 +1049,6 @@ def test_a_wide_screen_gives_the_room_to_errors(stack, accounts, tmp_path):
     queue = "dash_wide_error"
     job_id = accounts.failed(queue=queue)
     error = "RuntimeError: " + "a long error message that goes on " * 12
-    from psycopg import sql
 
     with accounts.store.pool.connection() as conn:
         conn.execute(

@@ -16,11 +16,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker.health.doctor import Thresholds, examine
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.health.doctor import CHECKS, Thresholds, examine
 from dramatiq_pg_broker.history.retention import prune_with_settings
 from dramatiq_pg_broker.jobs import JobStore, NewJob
 
-from ..helpers import wait_for
+from ..helpers import server_up_for, wait_for
 from .harness import declared_queue
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,25 +72,56 @@ def session(pg_url):
         c.close()
 
 
+@pytest.fixture(scope="module")
+def autovacuum_on(pg_url) -> bool:
+    """Whether the server runs autovacuum: a CI server may be configured without it, and
+    then the hot table's finding is that problem, whatever else a test makes."""
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        return c.execute("SHOW autovacuum").fetchone()[0] == "on"
+
+
+@pytest.fixture
+def run(run, autovacuum_on):
+    """The command line; on a server without autovacuum, ``doctor`` with no ``--check``
+    runs every check but the hot table's (a test about another condition is not to fail
+    on the server's configuration; the hot table's own tests name their check)."""
+    if autovacuum_on:
+        return run
+
+    def without_hot_table(*args: str):
+        if args[:1] == ("doctor",) and "--check" not in args:
+            others = [name for name in CHECKS if name != "hot_table"]
+            args = (*args, *(a for name in others for a in ("--check", name)))
+        return run(*args)
+
+    return without_hot_table
+
+
 def doctor_json(run, *args: str) -> tuple[int, dict]:
     code, out, err = run("doctor", "--json", *args)
     assert err == "", err
     return code, {f["check"]: f for f in json.loads(out)["findings"]}
 
 
-def test_a_healthy_database_exits_0(run):
+def test_a_healthy_database_exits_0(run, autovacuum_on):
     code, out, _ = run("doctor")
     assert code == 0, out
     lines = out.splitlines()
     assert lines[-1].startswith("ok: ")
-    for check in ("schema", "snapshot", "hot_table", "connections", "replication_slots"):
+    checks = ("schema", "snapshot", "hot_table", "connections", "replication_slots")
+    for check in checks if autovacuum_on else [c for c in checks if c != "hot_table"]:
         assert any(line.split()[:2] == ["OK", check] for line in lines), (check, out)
+    if not autovacuum_on:
+        code, report = doctor_json(run, "--check", "hot_table")
+        assert code == 2 and report["hot_table"]["title"].startswith(
+            "autovacuum is off on this server"
+        ), report
     code, report = doctor_json(run)
     assert code == 0 and all(f["level"] == "ok" for f in report.values()), report
 
 
 def test_a_held_snapshot_names_its_holder_and_what_it_costs_the_hot_table(
-    run, store, conn, session, schema, pg_url
+    run, store, conn, session, schema, pg_url, autovacuum_on
 ):
     queue = declared_queue(store)
     holder = session("nightly-report")
@@ -117,7 +149,9 @@ def test_a_held_snapshot_names_its_holder_and_what_it_costs_the_hot_table(
     assert "SELECT count(*) FROM" in line
     assert f"pg_terminate_backend({pid})" in out
     code, report = doctor_json(
-        run, "--snapshot-warning-seconds", "0.5", "--snapshot-problem-seconds", "1"
+        run,
+        *("--snapshot-warning-seconds", "0.5", "--snapshot-problem-seconds", "1"),
+        *("--check", "snapshot", "--check", "hot_table"),
     )
     assert code == 2 and report["snapshot"]["level"] == "problem"
     assert report["snapshot"]["figures"]["horizon_age_seconds"] >= 1
@@ -132,7 +166,7 @@ def test_a_held_snapshot_names_its_holder_and_what_it_costs_the_hot_table(
     code, report = doctor_json(run, "--check", "snapshot", "--check", "hot_table")
     assert report["snapshot"]["level"] == "ok"
     assert report["hot_table"]["figures"]["dead_tuples"] < 200
-    assert code == 0
+    assert code == (0 if autovacuum_on else 2)
 
 
 def test_an_idle_transaction_holding_a_job_row_is_named_with_the_job(run, store, session, schema):
@@ -171,7 +205,12 @@ def test_an_idle_transaction_holding_a_job_row_is_named_with_the_job(run, store,
         cancelled.join(10)
 
 
-def test_a_dead_worker_s_expired_lease_with_no_live_worker_is_a_problem(run, store, conn, schema):
+def test_a_dead_worker_s_expired_lease_with_no_live_worker_is_a_problem(
+    run, store, conn, schema, pg_url
+):
+    # A lease that ran out counts as expired once the server has been up a whole lease
+    # (the reaper's rule): the run may have started the server just now.
+    server_up_for(pg_url, Settings().lease_seconds)
     queue = declared_queue(store)
     job = enqueue(store, queue)
     # A worker claims it with a short lease, then dies: its registry row goes stale.
@@ -280,13 +319,15 @@ def test_a_replication_slot_keeping_wal_is_reported(run, conn):
         conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
 
 
-def test_autovacuum_off_on_the_hot_table_is_a_problem(run, conn, schema):
+def test_autovacuum_off_on_the_hot_table_is_a_problem(run, conn, schema, autovacuum_on):
     jobs = sql.SQL("{}.jobs").format(sql.Identifier(schema))
     conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(jobs))
     try:
         code, report = doctor_json(run, "--check", "hot_table")
         assert code == 2 and report["hot_table"]["level"] == "problem"
-        assert report["hot_table"]["title"].startswith(f"autovacuum is off for {schema}.jobs")
+        # (A server without autovacuum at all says that first.)
+        off = f"autovacuum is off for {schema}.jobs" if autovacuum_on else "autovacuum is off"
+        assert report["hot_table"]["title"].startswith(off), report["hot_table"]
     finally:
         conn.execute(sql.SQL("ALTER TABLE {} RESET (autovacuum_enabled)").format(jobs))
 
@@ -334,9 +375,13 @@ def test_bad_thresholds_and_checks_get_one_line(run):
     assert code == 2 and "invalid choice" in err
 
 
-def test_dead_rows_past_the_warning_name_autovacuum_s_naptime(run, store, conn, schema, pg_url):
+def test_dead_rows_past_the_warning_name_autovacuum_s_naptime(
+    run, store, conn, schema, pg_url, autovacuum_on
+):
     """More dead rows than live ones, past the warning, and no snapshot to blame: the
     advice is autovacuum's pace (its naptime, as this server has it)."""
+    if not autovacuum_on:
+        pytest.skip("this server runs without autovacuum: the hot table's finding says so")
     queue = declared_queue(store)
     ids = [enqueue(store, queue) for _ in range(50)]
     with psycopg.connect(pg_url, autocommit=True) as deleter:

@@ -81,6 +81,7 @@ from ..sending.blocks import (
     is_sqlalchemy_sync,
     resolve_connection,
 )
+from .states import BlockEnd
 
 if TYPE_CHECKING:
     from .current import CurrentJob
@@ -342,57 +343,80 @@ class CompletionBlock:
         return await self._async.__aexit__(*exc)
 
     # -- the two shapes --------------------------------------------------------------------
+    #
+    # Each tells the ledger how it ended on every way out (_ended): whatever its body, its
+    # commit or an exception raised in its thread at any instruction (an abort, a time
+    # limit) did, the attempt is not left marked once the block is over.
 
     @contextlib.contextmanager
     def _sync_block(self) -> Iterator[Any]:
         job = self._job
         level = _sync_level(self._given)
-        with level.ctx:
-            raw = level.raw()
-            view = AppConnection(raw)
-            self._open(view, level, lambda: job.parts.sender.check_database(identity(view)))
+        inside: list[BaseException] = []
+        try:
+            with level.ctx:
+                try:
+                    raw = level.raw()
+                    view = AppConnection(raw)
+                    self._open(view, level, lambda: job.parts.sender.check_database(identity(view)))
 
-            def write() -> str | None:
-                return job.parts.store.complete_in_transaction(job.message.attempt, view)
+                    def write() -> str | None:
+                        return job.parts.store.complete_in_transaction(job.message.attempt, view)
 
-            with level.hooked(lambda: self._before_commit(write)):
-                yield self._given
-            # Reached only when the block's body raised nothing.
-            if not self._written:
-                level.check()
-                with level.guarded():
-                    self._complete(write)
-        self._ended(level)
+                    with level.hooked(lambda: self._before_commit(write)):
+                        yield self._given
+                    # Reached only when the block's body raised nothing.
+                    if not self._written:
+                        level.check()
+                        with level.guarded():
+                            self._complete(write)
+                except BaseException as e:
+                    inside.append(e)
+                    raise
+        except BaseException as e:
+            self._ended(level, raised=True, rolled_back=bool(inside) and e is inside[0])
+            raise
+        self._ended(level, raised=False, rolled_back=False)
 
     @contextlib.asynccontextmanager
     async def _async_block(self) -> AsyncIterator[Any]:
         job = self._job
         level = _async_level(self._given)
-        async with level.ctx:
-            raw = level.raw() or (await resolve_async_connection(self._given))[0]
-            sender = job.parts.sender
-            view = LoopConnection(raw, asyncio.get_running_loop())
-            await in_thread(
-                self._open,
-                view,
-                level,
-                lambda: sender.check_database(view.run(async_identity(raw))),
-            )
-            store = job.parts.store
-            adapted = await _adapted_view(self._given) if level.hooks is not None else None
+        inside: list[BaseException] = []
+        try:
+            async with level.ctx:
+                try:
+                    raw = level.raw() or (await resolve_async_connection(self._given))[0]
+                    sender = job.parts.sender
+                    view = LoopConnection(raw, asyncio.get_running_loop())
+                    await in_thread(
+                        self._open,
+                        view,
+                        level,
+                        lambda: sender.check_database(view.run(async_identity(raw))),
+                    )
+                    store = job.parts.store
+                    adapted = await _adapted_view(self._given) if level.hooks is not None else None
 
-            def write_in_hook() -> str | None:
-                return store.complete_in_transaction(job.message.attempt, adapted)
+                    def write_in_hook() -> str | None:
+                        return store.complete_in_transaction(job.message.attempt, adapted)
 
-            with level.hooked(lambda: self._before_commit(write_in_hook)):
-                yield self._given
-            if not self._written:
-                level.check()
-                await in_thread(
-                    self._complete,
-                    lambda: store.complete_in_transaction(job.message.attempt, view),
-                )
-        await in_thread(self._ended, level)
+                    with level.hooked(lambda: self._before_commit(write_in_hook)):
+                        yield self._given
+                    if not self._written:
+                        level.check()
+                        await in_thread(
+                            self._complete,
+                            lambda: store.complete_in_transaction(job.message.attempt, view),
+                        )
+                except BaseException as e:
+                    inside.append(e)
+                    raise
+        except BaseException as e:
+            rolled_back = bool(inside) and e is inside[0]
+            await in_thread(lambda: self._ended(level, raised=True, rolled_back=rolled_back))
+            raise
+        await in_thread(lambda: self._ended(level, raised=False, rolled_back=False))
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -400,7 +424,8 @@ class CompletionBlock:
         """Check that the connection reaches the broker's database (``check_database``),
         and pin the job's row when the block's transaction keeps one snapshot (REPEATABLE
         READ, SERIALIZABLE): see the module docstring. The pin comes before the check's
-        query, which may be the transaction's first read.
+        query, which may be the transaction's first read. (A refusal leaves the attempt
+        marked: the block's end undoes it, as on every way out.)
 
         Raises:
           LostOwnership: the attempt is no longer this worker's, or its abort was
@@ -415,20 +440,14 @@ class CompletionBlock:
             check_database()
             return
         attempt = job.message.attempt
-        ledger = job.parts.ledger
-        pinned = ledger.pin_completion(attempt)
+        pinned = job.parts.ledger.pin_completion(attempt, self)
         if pinned is None:
             raise self._lost("its success cannot be written, and the block does not begin")
-        try:
-            check_database()
-            fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)
-        except BaseException:
-            ledger.completion_undone(attempt)
-            raise
+        check_database()
+        fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)
         if not fresh:
             # (What an older snapshot says of the row's owner is of no use: the pin, just
             # before, found the attempt this worker's.)
-            ledger.completion_undone(attempt)
             raise TransactionError(
                 f"this complete_in() block is inside a {isolation.upper()} transaction that "
                 "read the database before the block began: its snapshot is older than the "
@@ -440,7 +459,6 @@ class CompletionBlock:
             )
         if not owned:
             # An operator's abort came between the pin and the transaction's snapshot.
-            ledger.completion_undone(attempt)
             raise self._lost("its success cannot be written, and the block does not begin")
         self._pinned = True
 
@@ -452,16 +470,22 @@ class CompletionBlock:
         self._complete(write)
         self._by_commit = True
 
-    def _ended(self, level: _Level) -> None:
-        """The block ended without an exception: tell the ledger what it committed."""
-        ledger = self._job.parts.ledger
-        attempt = self._job.message.attempt
-        if self._by_commit:
-            # The application's commit inside the block: it went through (or raised, and
-            # the block did not get here); the transaction's id says which.
-            ledger.resolve_completion(attempt)
+    def _ended(self, level: _Level, *, raised: bool, rolled_back: bool) -> None:
+        """The block ended (``raised``: by an exception, which ``rolled_back`` the
+        block's transaction or savepoint on its way out): tell the ledger what it left."""
+        if not self._written or (raised and rolled_back and not self._by_commit):
+            # Never written, or written in a transaction or savepoint that rolled back.
+            how = BlockEnd.NOT_WRITTEN
+        elif self._by_commit or raised:
+            # The application's commit inside the block (through, or raised), or the
+            # block's own end raised after the success was written (its COMMIT, the
+            # release of its savepoint): the transaction's id says what stands.
+            how = BlockEnd.ENDED
         elif level.began:
-            ledger.completion_committed(attempt)
+            how = BlockEnd.COMMITTED
+        else:
+            how = BlockEnd.OPEN
+        self._job.parts.ledger.completion_ended(self._job.message.attempt, self, how)
 
     def _lost(self, what: str) -> LostOwnership:
         attempt = self._job.message.attempt
@@ -473,7 +497,7 @@ class CompletionBlock:
 
     def _complete(self, write: Callable[[], str | None]) -> None:
         """Write the success in the block's transaction (``write``: the statement), with
-        the ledger told before and after.
+        the ledger told before and after (and at the block's end, :meth:`_ended`).
 
         Raises:
           LostOwnership: the attempt is no longer this worker's (the transaction then
@@ -485,26 +509,20 @@ class CompletionBlock:
         if self._pinned:
             # Pinned when the block began: the heartbeat left the row alone since.
             if ledger.abort_requested(attempt):
-                ledger.completion_undone(attempt)
                 raise self._lost("its success was not written")
-        elif not ledger.completing(attempt):
+        elif not ledger.completing(attempt, self):
             raise self._lost("its success was not written")
         try:
             xid = write()
         except psycopg.errors.SerializationFailure as e:
-            ledger.completion_undone(attempt)
             if self._pinned and self._row_taken():
                 # Only an operator's abort writes a pinned row: the snapshot missed it.
                 raise self._lost("its success was not written") from e
             raise
-        except BaseException:
-            ledger.completion_undone(attempt)
-            raise
         if xid is None:
-            ledger.completion_undone(attempt)
             raise self._lost("its success was not written")
-        self._written = True
         ledger.completion_written(attempt, xid)
+        self._written = True
 
     def _row_taken(self) -> bool:
         """Whether the job's row, as it is now, is no longer this attempt's running one

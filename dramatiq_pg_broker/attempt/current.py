@@ -128,15 +128,34 @@ class CurrentJob:
 
     def renew(self, lease_seconds: float | None = None) -> bool:
         """Extend this attempt's lease (default: the broker's lease length) and record a
-        ``lease_renewed`` event. Returns False if the attempt is no longer owned."""
+        ``lease_renewed`` event. Returns False if the attempt is no longer owned.
+
+        Inside a ``complete_in()`` block whose transaction holds the job's row (a
+        REPEATABLE READ or SERIALIZABLE block from its start; any block once its success
+        is written in a transaction still open), it writes nothing and returns True: that
+        transaction's lock holds the job.
+
+        Raises:
+          JobBusy: another transaction (the application's own lock on the job's row) held
+            the row for :data:`~dramatiq_pg_broker.attempt.states.ROW_WAIT_SECONDS`;
+            nothing was written.
+        """
         seconds = lease_seconds or self.parts.settings.lease_seconds
         return self.parts.ledger.renew(self.message.attempt, seconds, record=True)
 
     def progress(self, data: Any, *, lease_seconds: float | None = None) -> bool:
         """Record a ``progress`` event with ``data`` (anything JSON can hold) and renew the
-        lease. Returns False if the attempt is no longer owned."""
+        lease. Returns False if the attempt is no longer owned.
+
+        Inside a ``complete_in()`` block whose transaction holds the job's row (see
+        :meth:`renew`), only the event is recorded (at once, whatever that transaction
+        does later); the lease is left to the row's lock.
+
+        Raises:
+          JobBusy: as for :meth:`renew`.
+        """
         seconds = lease_seconds or self.parts.settings.lease_seconds
-        return self.parts.store.progress(self.message.attempt, data, seconds)
+        return self.parts.ledger.progress(self.message.attempt, data, seconds)
 
     def complete_in(self, conn: Any) -> CompletionBlock:
         """A block whose transaction also records this job's success: when it commits,

@@ -8,11 +8,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from dramatiq.errors import BrokerConnectionError
 
 from ..jobs.rows import Attempt
-from .states import RETRY_CAP_SECONDS, START_RECORD_DELAY, State
+from .states import RETRY_CAP_SECONDS, ROW_WAIT_SECONDS, START_RECORD_DELAY, State
 
 logger = logging.getLogger("dramatiq_pg_broker.inflight")
 
@@ -215,7 +216,43 @@ class HeartbeatBook:
                         )
                     self._finish(entry)
 
+    # -- the actor's own calls -------------------------------------------------------------
+
     def renew(self, attempt: Attempt, lease_seconds: float, *, record: bool = False) -> bool:
-        """An explicit renewal by the running actor. Returns False if no longer owned."""
-        owned = self.store.renew([attempt], lease_seconds, record=record)
+        """An explicit renewal by the running actor. Returns False if no longer owned.
+
+        While a ``complete_in()`` block's transaction holds the job's row
+        (:meth:`holds_row`), nothing is written and True is returned: that transaction's
+        lock holds the job (the reaper passes a locked row by), and a renewal would wait
+        for it in the very thread that holds it. Otherwise the statement waits at most
+        :data:`~.states.ROW_WAIT_SECONDS` for the row.
+
+        Raises:
+          JobBusy: a transaction the worker does not know of (the application's own lock
+            on the job's row) held the row for all of that wait; nothing was written.
+        """
+        if self.holds_row(attempt):
+            return True
+        owned = self.store.renew(
+            [attempt], lease_seconds, record=record, lock_wait=ROW_WAIT_SECONDS
+        )
         return attempt.id in owned
+
+    def progress(self, attempt: Attempt, data: Any, lease_seconds: float) -> bool:
+        """A ``progress`` event with ``data`` from the running actor, and a renewed lease.
+        Returns False if no longer owned.
+
+        While a ``complete_in()`` block's transaction holds the job's row
+        (:meth:`holds_row`), the event alone is recorded, and the row is left alone: a
+        write would wait for that transaction's lock, or, at REPEATABLE READ or
+        SERIALIZABLE, come after the block's snapshot and fail the block's success. As
+        for :meth:`renew`, the statement that writes the row waits at most
+        :data:`~.states.ROW_WAIT_SECONDS` for it.
+
+        Raises:
+          JobBusy: a transaction the worker does not know of held the row for all of that
+            wait; nothing was written.
+        """
+        if self.holds_row(attempt):
+            return self.store.progress_event(attempt, data)
+        return self.store.progress(attempt, data, lease_seconds, lock_wait=ROW_WAIT_SECONDS)

@@ -81,6 +81,8 @@ class LeaseKeeper(Service):
         self._wake = threading.Event()
         #: Whether the thread knows of deferred starts (it sets a timer for them).
         self._starts_armed = False
+        #: A beat is due now, before its interval (see :meth:`renew_soon`).
+        self._beat_due = False
         #: When the next deferred start is due (what the last record_starts() found).
         self._next_start_due: float | None = None
         #: Monotonic time before which this process does not reap: set after the database
@@ -96,6 +98,7 @@ class LeaseKeeper(Service):
         # A forked child holds none of its parent's leases, and no news from its claims.
         self._wake = threading.Event()
         self._starts_armed = False
+        self._beat_due = False
         self._next_start_due = None
         self._reap_after = 0.0
         self._quiet = None
@@ -108,6 +111,13 @@ class LeaseKeeper(Service):
         if not self._starts_armed:
             self._starts_armed = True
             self._wake.set()
+
+    def renew_soon(self) -> None:
+        """The ledger renews an attempt again after a pause (a ``complete_in()`` block
+        that held its row ended without a success, maybe late in the lease its start
+        gave): beat now rather than at the next interval."""
+        self._beat_due = True
+        self._wake.set()
 
     def leases_report(self, sent: float, seconds_left: float) -> None:
         """A claim sent at ``sent`` (monotonic) found nothing, and the earliest lease of
@@ -142,7 +152,8 @@ class LeaseKeeper(Service):
                     next_starts = now + RETRY_CAP_SECONDS
                 if next_starts is not None:
                     self._starts_armed = True
-            if now >= next_heartbeat:
+            if now >= next_heartbeat or self._beat_due:
+                self._beat_due = False
                 if self.guarded(self.heartbeat):
                     next_heartbeat = now + heartbeat
                 else:

@@ -18,8 +18,13 @@ RETRY_CAP_SECONDS = 0.5
 START_RECORD_DELAY = 0.1
 
 #: The longest a ``complete_in()`` block waits for a heartbeat statement that is writing
-#: its attempt (normally one round trip).
+#: its attempt (normally one round trip): past it, the block does not begin.
 HEARTBEAT_WAIT_SECONDS = 5.0
+
+#: The longest an actor's own ``renew()`` or ``progress()`` waits for its job's row, held
+#: by a transaction the worker does not know of (the application's own lock on it): past
+#: it, the call raises :class:`~.errors.JobBusy` rather than hang.
+ROW_WAIT_SECONDS = 1.0
 
 
 class State(enum.Enum):
@@ -36,6 +41,22 @@ class Completion(enum.Enum):
 
     PENDING = "pending"
     COMMITTED = "committed"
+
+
+class BlockEnd(enum.Enum):
+    """How a ``complete_in()`` block ended, as it tells the ledger on every way out
+    (:meth:`Ledger.completion_ended`)."""
+
+    #: Nothing of its success stands: not written, or written in a transaction (or
+    #: savepoint) that rolled back as the block left.
+    NOT_WRITTEN = "not written"
+    #: Written in the transaction the block began, which committed.
+    COMMITTED = "committed"
+    #: Written in the application's transaction, which goes on after the block.
+    OPEN = "open"
+    #: Written, in a transaction that ended in a way the block cannot tell (its commit
+    #: raised, or the application committed inside the block): its id says.
+    ENDED = "ended"
 
 
 class Slots:
@@ -122,6 +143,7 @@ class _Entry:
         "retry",
         "completion",
         "completion_xid",
+        "completion_block",
         "renew_before",
     )
 
@@ -161,6 +183,8 @@ class _Entry:
         self.completion: Completion | None = None
         #: The id of that transaction, once the statement ran in it.
         self.completion_xid: str | None = None
+        #: The block that set ``completion`` and has not ended yet (it alone may undo it).
+        self.completion_block: object | None = None
         #: ``renew`` before the block (the heartbeat leaves the attempt alone meanwhile).
         self.renew_before = True
 
@@ -171,6 +195,8 @@ class LeaseTimer(Protocol):
     def start(self) -> None: ...
 
     def starts_pending(self) -> None: ...
+
+    def renew_soon(self) -> None: ...
 
 
 class OutcomeSink(Protocol):

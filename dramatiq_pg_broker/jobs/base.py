@@ -3,15 +3,17 @@ reused cursor per pooled connection."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
 
 from ..db.core import ProcessPool
 from ..db.queries import Queries
+from ..errors import JobBusy
 from ..history.probe import HistoryProbe
 from .rows import Attempt, channel_name
 
@@ -54,6 +56,67 @@ class StoreBase:
         params.setdefault("events", self.events)
         with self.pool.use(conn) as c:
             return _execute(c, self.queries[name], params, conn is None).fetchall()
+
+    @contextlib.contextmanager
+    def _row_wait(
+        self, job_id: str, lock_wait: float, busy: str, conn=None
+    ) -> Iterator[psycopg.Connection]:
+        """A connection (``conn``, or a pooled one) whose statements, in one transaction,
+        wait at most ``lock_wait`` seconds for a lock. A wait that runs out rolls the
+        transaction back and raises :class:`~.errors.JobBusy`: ``job <id>'s row is held
+        by <whom> for the <n>s <busy>``, ``busy`` saying what waited and what it means."""
+        ms = max(1, int(lock_wait * 1000))
+        with self.pool.use(conn) as c:
+            try:
+                with c.transaction():
+                    self._fetch("set_lock_timeout", {"ms": ms}, c)
+                    yield c
+            except psycopg.errors.LockNotAvailable:
+                whom = self._row_holder(job_id, c) or "another transaction"
+                raise JobBusy(
+                    job_id, f"job {job_id}'s row is held by {whom} for the {lock_wait:g}s {busy}"
+                ) from None
+
+    def _row_holder(self, job_id: str, conn) -> str | None:
+        """Who holds job ``job_id``'s row, in words (its backend, state, how long its
+        transaction has been open, its application_name), or None if no one is found.
+
+        The row's ``xmax`` names the transaction that locked or wrote it last, or a
+        savepoint of it; or, when several did (a lock and a write in two savepoints, two
+        lockers), a MultiXact whose members are those. Each is looked for as the holder of
+        its id's lock, then (a savepoint released into its transaction no longer holds
+        one) as the latest transaction begun before it among those locking the jobs
+        table."""
+        rows = self._fetch("job_row_xmax", {"id": job_id}, conn)
+        if not rows:
+            return None
+        xmax = rows[0][0]
+        holders = self._fetch("job_row_holder", {"id": job_id, "xids": [xmax], "exact": True}, conn)
+        if not holders:
+            members = self._multixact_members(xmax, conn)
+            if members:
+                params = {"id": job_id, "xids": members, "exact": False}
+                holders = self._fetch("job_row_holder", params, conn)
+        if not holders:
+            params = {"id": job_id, "xids": [xmax], "exact": False}
+            holders = self._fetch("job_row_holder", params, conn)
+        if not holders:
+            return None
+        pid, state, seconds, application = holders[0]
+        return (
+            f"the transaction of backend {pid} ({state}, open for {seconds or 0:.1f}s, "
+            f"application {application or ''!r})"
+        )
+
+    def _multixact_members(self, xmax: str, conn) -> list[str]:
+        """The transaction ids of the MultiXact ``xmax``, or none if it is not one
+        (PostgreSQL refuses the id then)."""
+        try:
+            with conn.transaction():
+                rows = self._fetch("multixact_members", {"xmax": xmax}, conn)
+        except psycopg.errors.DatabaseError:
+            return []
+        return [row[0] for row in rows]
 
     @staticmethod
     def _attempt_params(attempts: Sequence[Attempt]) -> dict[str, Any]:

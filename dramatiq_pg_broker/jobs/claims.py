@@ -27,6 +27,13 @@ from .rows import (
     clean_text,
 )
 
+#: What an actor's renew() or progress() says when another transaction held its job's row
+#: for all of its wait (see JobStore._row_wait).
+_BUSY_RENEWAL = (
+    "{} waited: a transaction other than a complete_in() block's locks the job's row (the "
+    "worker holds that row while the job runs); nothing was written"
+)
+
 #: The statements of limits.sql for a schema (loaded once per process, shared).
 _limit_queries = functools.partial(statements_for, filename="limits.sql")
 
@@ -156,12 +163,24 @@ class Claims(StoreBase):
         lease_seconds: float,
         *,
         record: bool = False,
+        lock_wait: float | None = None,
         conn=None,
         now=None,
     ) -> set[str]:
         """Extend the leases of attempts still owned. ``record`` writes ``lease_renewed``
-        events (explicit renewals; the heartbeat renews silently)."""
-        return self.renew_leases(attempts, lease_seconds, record=record, conn=conn, now=now).owned
+        events (explicit renewals; the heartbeat renews silently). With ``lock_wait``
+        (one attempt), the statement waits at most that many seconds for the row.
+
+        Raises:
+          JobBusy: with ``lock_wait``, another transaction held the row all that time.
+        """
+        if lock_wait is None or not attempts:
+            return self.renew_leases(
+                attempts, lease_seconds, record=record, conn=conn, now=now
+            ).owned
+        (attempt,) = attempts
+        with self._row_wait(attempt.id, lock_wait, _BUSY_RENEWAL.format("renew()"), conn) as c:
+            return self.renew_leases(attempts, lease_seconds, record=record, conn=c, now=now).owned
 
     def renew_leases(
         self,
@@ -186,10 +205,22 @@ class Claims(StoreBase):
         return Renewal({str(r[0]) for r in rows}, {str(r[0]) for r in rows if r[1]})
 
     def progress(
-        self, attempt: Attempt, data: Any, lease_seconds: float, *, conn=None, now=None
+        self,
+        attempt: Attempt,
+        data: Any,
+        lease_seconds: float,
+        *,
+        lock_wait: float | None = None,
+        conn=None,
+        now=None,
     ) -> bool:
         """Record a ``progress`` event for a running attempt and renew its lease. Returns
-        False if the attempt is no longer owned."""
+        False if the attempt is no longer owned. With ``lock_wait``, the statement waits at
+        most that many seconds for the row.
+
+        Raises:
+          JobBusy: with ``lock_wait``, another transaction held the row all that time.
+        """
         params = {
             "id": attempt.id,
             "owner": attempt.owner,
@@ -198,7 +229,17 @@ class Claims(StoreBase):
             "lease_ms": _ms(lease_seconds),
             "now": now,
         }
-        return bool(self._fetch("record_progress", params, conn))
+        if lock_wait is None:
+            return bool(self._fetch("record_progress", params, conn))
+        with self._row_wait(attempt.id, lock_wait, _BUSY_RENEWAL.format("progress()"), conn) as c:
+            return bool(self._fetch("record_progress", params, c))
+
+    def progress_event(self, attempt: Attempt, data: Any, *, conn=None, now=None) -> bool:
+        """Record a ``progress`` event for a running attempt without writing its row (whose
+        lock a ``complete_in()`` block's transaction holds). Returns False if the attempt
+        is no longer owned, as the row's last committed version says."""
+        params = {"id": attempt.id, "owner": attempt.owner, "attempt": attempt.attempt}
+        return bool(self._fetch("record_progress_event", {**params, "data": Jsonb(data)}, conn))
 
     def reap(
         self,

@@ -7,10 +7,8 @@ import datetime as dt
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
-
 from ..config import Settings
-from ..errors import DuplicateJobId, InvalidTransition, JobBusy
+from ..errors import DuplicateJobId, InvalidTransition
 from .base import StoreBase
 from .rows import ReapResult, abort_payload, clean_text
 
@@ -153,41 +151,23 @@ class OperatorTransitions(StoreBase):
           JobBusy: another transaction held the job's row for all of ``lock_wait``.
         """
         by = clean_text(by) or "unknown"
-        ms = max(1, int(lock_wait * 1000))
-        with self.pool.use(conn) as c:
-            try:
-                with c.transaction():
-                    self._fetch("set_lock_timeout", {"ms": ms}, c)
-                    rows = self._fetch("abort_job", {"id": job_id, "by": by, "now": now}, c)
-                    if not rows:
-                        self._raise_for(job_id, "queued or running", "aborted", c)
-                    _, status, queue_name = rows[0]
-                    if status == "running":
-                        c.execute(
-                            self.queries["notify_abort"],
-                            {"channel": self.channel(queue_name), "payload": abort_payload(job_id)},
-                        )
-                    return self.get(job_id, conn=c)
-            except psycopg.errors.LockNotAvailable:
-                raise JobBusy(job_id, self._held(job_id, lock_wait, c)) from None
-
-    def _held(self, job_id: str, waited: float, conn) -> str:
-        """Say who holds job ``job_id``'s row (see :meth:`abort`)."""
-        holders = self._fetch("job_row_holder", {"id": job_id}, conn)
-        if not holders:
-            return (
-                f"job {job_id}'s row (or its table) was locked by another transaction for "
-                f"the {waited:g}s the request waited: nothing was changed; try again"
-            )
-        pid, state, seconds, application = holders[0]
-        return (
-            f"job {job_id}'s row is held by the transaction of backend {pid} ({state}, open "
-            f"for {seconds or 0:.1f}s, application {application or ''!r}) for the "
-            f"{waited:g}s the request waited: the transaction of the job's complete_in() "
-            "block, which wrote the job's success, holds it until it ends (if it commits, "
-            "the job has succeeded; if it rolls back, the job goes on as before and can be "
-            "aborted): nothing was changed"
+        busy = (
+            "the request waited: the transaction of the job's complete_in() block, which "
+            "wrote the job's success, holds it until it ends (if it commits, the job has "
+            "succeeded; if it rolls back, the job goes on as before and can be aborted): "
+            "nothing was changed"
         )
+        with self._row_wait(job_id, lock_wait, busy, conn) as c:
+            rows = self._fetch("abort_job", {"id": job_id, "by": by, "now": now}, c)
+            if not rows:
+                self._raise_for(job_id, "queued or running", "aborted", c)
+            _, status, queue_name = rows[0]
+            if status == "running":
+                c.execute(
+                    self.queries["notify_abort"],
+                    {"channel": self.channel(queue_name), "payload": abort_payload(job_id)},
+                )
+            return self.get(job_id, conn=c)
 
     def requeue_expired(
         self,

@@ -744,6 +744,21 @@ WITH owned AS (
 )
 SELECT id FROM owned
 
+-- record_progress_event --
+-- A running attempt reports progress while a complete_in() block's transaction holds its
+-- job's row (see inflight_completions.py): the `progress` event alone, the row left as it
+-- is. A plain read of the row, which waits for no lock: the attempt is still the caller's
+-- as the row's last committed version says. Returns nothing if it is not.
+WITH owned AS (
+    SELECT j.id, j.attempts
+    FROM {schema}.jobs AS j
+    WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
+), event AS (
+    INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
+    SELECT id, 'progress', attempts, %(owner)s, %(data)s FROM owned WHERE %(events)s
+)
+SELECT id FROM owned
+
 -- lease_ran_out --
 -- A running row's lease ran out: its worker died, hung or lost the database. A lease that
 -- ran out while the server was down could not be renewed, so it counts only once the
@@ -1003,20 +1018,44 @@ WITH target AS MATERIALIZED (
 )
 SELECT id, status, queue_name FROM changed
 
+-- job_row_xmax --
+-- The id that locked or wrote a job's row last (its xmax, as text): a transaction's, a
+-- savepoint's within one, or a MultiXact's when several did (see job_row_holder).
+SELECT j.xmax::text FROM {schema}.jobs AS j WHERE j.id = %(id)s
+
+-- multixact_members --
+-- The transaction ids of the MultiXact %(xmax)s (a row locked by several transactions, or
+-- locked and written in two savepoints of one). PostgreSQL refuses an id that is not one.
+SELECT m.xid::text FROM pg_get_multixact_members(%(xmax)s::xid) AS m
+
 -- job_row_holder --
--- Who holds a job's row (an abort that could not lock it says so), its state, how long its
--- transaction has been open, and its application_name. The row's xmax is the id of the
--- transaction that wrote or locked it last, or of a savepoint in it, whose id comes after
--- its transaction's and is not listed anywhere: the holder is the backend with the latest
--- transaction id up to xmax among those holding a lock on the jobs table (the transaction
--- of a complete_in() block holds one from its success on). No row: none found.
+-- Who holds a job's row (an abort, or an actor's renewal, that could not lock it says so):
+-- its backend, state, how long its transaction has been open, and its application_name.
+-- %(xids)s are the ids that hold the row (job_row_xmax, or its MultiXact's members). Each
+-- is the holder of its own id's lock while its transaction (or savepoint) runs; a
+-- savepoint released into its transaction no longer holds one, and is then that of the
+-- transaction with the latest id up to it among those holding a lock on the jobs table
+-- (a savepoint's id comes after its transaction's), unless %(exact)s. No row: none found.
+WITH candidate AS (
+    SELECT x::xid AS xid FROM unnest(%(xids)s::text[]) AS x
+), holder AS (
+    SELECT l.pid, -1 AS distance
+    FROM candidate
+    JOIN pg_locks AS l ON l.locktype = 'transactionid' AND l.transactionid = candidate.xid
+        AND l.granted
+    UNION ALL
+    SELECT a.pid, age(a.backend_xid) - age(candidate.xid)
+    FROM candidate, {schema}.jobs AS j
+    JOIN pg_locks AS l ON l.locktype = 'relation' AND l.relation = j.tableoid AND l.granted
+    JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE NOT %(exact)s AND j.id = %(id)s AND a.backend_xid IS NOT NULL
+      AND age(a.backend_xid) >= age(candidate.xid)
+)
 SELECT a.pid, a.state, extract(epoch FROM now() - a.xact_start)::float8, a.application_name
-FROM {schema}.jobs AS j
-JOIN pg_locks AS l ON l.locktype = 'relation' AND l.relation = j.tableoid AND l.granted
-JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE j.id = %(id)s AND a.pid <> pg_backend_pid() AND a.backend_xid IS NOT NULL
-  AND age(a.backend_xid) >= age(j.xmax)
-ORDER BY age(a.backend_xid)
+FROM holder
+JOIN pg_stat_activity AS a ON a.pid = holder.pid
+WHERE a.pid <> pg_backend_pid()
+ORDER BY holder.distance
 LIMIT 1
 
 -- set_lock_timeout --

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from dramatiq.middleware import AsyncIO
 from dramatiq.results import Results
-from psycopg import IsolationLevel
+from psycopg import IsolationLevel, sql
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -334,7 +334,14 @@ def test_an_exception_after_a_committed_block_is_a_success_for_every_middleware(
         wait_for(lambda: len(seen) >= 2, 20, "the pipeline's next step and the callback")
     finally:
         backend.close()
-    time.sleep(0.2)  # a wrong on_failure would be enqueued with the same hooks
+    # The callback's message is sent by the hook that sends either: once on_success ran,
+    # a wrong on_failure would have a job too.
+    callbacks = conn.execute(
+        f'SELECT actor_name, count(*) FROM "{schema}".all_jobs WHERE actor_name IN (%s, %s) '
+        "GROUP BY actor_name",
+        (on_ok.actor_name, on_ko.actor_name),
+    ).fetchall()
+    assert callbacks == [(on_ok.actor_name, 1)], callbacks
     assert sorted(seen) == [("next", None), ("success", None)], seen
     row = wait_status(store, conn, schema, first.message_id, "succeeded")
     assert row[1] == 1 and effects() == [(first.message_id, 1)]
@@ -382,6 +389,44 @@ def test_an_abort_answers_within_its_wait_and_names_the_transaction_that_holds_t
     row = wait_status(store, conn, schema, message.message_id, "succeeded")
     assert row[1] == 1 and effects() == [(message.message_id, 1)]
     assert store.get(message.message_id)["abort_requested_at"] is None
+
+
+def test_an_abort_names_the_transaction_that_locked_the_row_in_two_savepoints(
+    h, conn, schema, store, pg_url
+):
+    """The row is locked by two savepoints of one transaction (a share lock, then an update
+    lock: its xmax is then a MultiXact, not a transaction id, as when SQLAlchemy's commit
+    hook writes a success after a savepoint locked the row): the abort still names that
+    transaction."""
+    broker = h.broker()
+    holding = threading.Event()
+    release = threading.Event()
+    jobs = sql.Identifier(schema, "jobs")
+    share = sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR KEY SHARE").format(jobs)
+    update = sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR NO KEY UPDATE").format(jobs)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"mx_{h.queue}")
+    def work():
+        job = current_job()
+        with psycopg.connect(pg_url, application_name="the-app") as app, app.transaction():
+            with app.transaction():
+                app.execute(share, (job.id,))
+            with app.transaction():
+                app.execute(update, (job.id,))
+                holding.set()
+                release.wait(20)
+
+    message = work.send()
+    h.start(broker)
+    wait_for(holding.is_set, 20, "the row to be locked in two savepoints")
+    try:
+        with pytest.raises(JobBusy) as raised:
+            store.abort(message.message_id, by="operator", lock_wait=0.3)
+    finally:
+        release.set()
+    text = str(raised.value)
+    assert "held by the transaction of backend" in text and "'the-app'" in text, text
+    wait_status(store, conn, schema, message.message_id, "succeeded")
 
 
 def test_an_abort_during_a_repeatable_read_block_is_recorded_at_once_and_cancels_the_job(

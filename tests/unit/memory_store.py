@@ -86,6 +86,9 @@ class InMemoryJobStore:
         self._errors: dict[str, list[BaseException]] = {}
         self._gates: dict[str, threading.Event] = {}
         self._refused: set[str] = set()
+        #: The applications' transactions a success was written in: xid -> (job id,
+        #: its state as pg_xact_status says it).
+        self._transactions: dict[str, tuple[str, str]] = {}
 
     # -- for tests ---------------------------------------------------------------------
 
@@ -311,8 +314,52 @@ class InMemoryJobStore:
         return self.renew_leases(attempts, lease_seconds).owned
 
     def progress(self, attempt: Attempt, data: Any, lease_seconds: float, **_: Any) -> bool:
+        self._call("progress", [attempt.id])
         with self._lock:
             return bool(self._owned([attempt]))
+
+    def progress_event(self, attempt: Attempt, data: Any, **_: Any) -> bool:
+        self._call("progress_event", [attempt.id])
+        with self._lock:
+            return bool(self._owned([attempt]))
+
+    # -- complete_in -------------------------------------------------------------------
+
+    def complete_in_transaction(self, attempt: Attempt, conn: Any, **_: Any) -> str | None:
+        """The success written in an application's transaction, as the ledger sees it: the
+        id of that transaction (see :meth:`end_transaction`), or None for a lost attempt."""
+        self._call("complete_in_transaction", [attempt.id])
+        with self._lock:
+            if not self._owned([attempt]) or self.rows[attempt.id].abort_requested:
+                return None
+            xid = str(next(self._order) + 1000)
+            self._transactions[xid] = (attempt.id, "in progress")
+            return xid
+
+    def pin_completion(self, attempt: Attempt, lease_seconds: float, **_: Any) -> tuple | None:
+        """The start recorded and the lease renewed before a pinned block: the version's
+        mark (a number here) and whether an abort was requested; None for a lost one."""
+        self._call("pin_completion", [attempt.id])
+        with self._lock:
+            if not self._owned([attempt]):
+                return None
+            row = self.rows[attempt.id]
+            row.started = True
+            return next(self._order), row.abort_requested
+
+    def end_transaction(self, xid: str, committed: bool) -> None:
+        """The application's transaction ``xid`` commits (its job succeeds) or rolls back."""
+        with self._lock:
+            job_id, _ = self._transactions[xid]
+            self._transactions[xid] = (job_id, "committed" if committed else "aborted")
+            if committed:
+                self.rows[job_id].status, self.rows[job_id].owner = "succeeded", None
+
+    def completion_status(self, attempt: Attempt, xid: str, **_: Any) -> tuple[str, bool]:
+        self._call("completion_status", [attempt.id])
+        with self._lock:
+            _, status = self._transactions[xid]
+            return status, bool(self._owned([attempt]))
 
     def refresh_statistics(self, **_: Any) -> list[str]:
         """No planner here: nothing to analyze (the call is recorded)."""

@@ -7,8 +7,10 @@ import threading
 import time
 
 import pytest
+from dramatiq.errors import BrokerConnectionError
 
-from dramatiq_pg_broker.attempt.states import State
+from dramatiq_pg_broker.attempt import inflight_completions
+from dramatiq_pg_broker.attempt.states import BlockEnd, State
 from dramatiq_pg_broker.errors import JobAborted
 
 from ..helpers import wait_for
@@ -378,3 +380,138 @@ def test_an_abort_while_a_block_s_transaction_holds_the_row_leaves_the_outcome_t
     expected = [] if committed else [[attempt.id]]
     assert memory_store.called("abort_attempts") == expected
     assert len(ledger) == 0
+
+
+# -- how a block ends, and what the actor's own calls do meanwhile ----------------------------
+
+
+def test_a_block_that_ends_without_its_success_is_renewed_again_at_once(
+    memory_broker, memory_store, claim
+):
+    """A block that held the row (pinned) and wrote nothing: the attempt is renewed again,
+    at once rather than at the next beat (the row was left alone meanwhile), and a block
+    tried again in the same attempt may write its success."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    block = object()
+    assert ledger.pin_completion(attempt, block) is not None
+    assert attempt not in ledger.renewable()
+    before = len(memory_store.called("renew_leases"))
+    ledger.completion_ended(attempt, block, BlockEnd.NOT_WRITTEN)
+    assert attempt in ledger.renewable()
+    wait_for(
+        lambda: len(memory_store.called("renew_leases")) > before,
+        2,  # the beat's interval is a third of a 30 s lease
+        "a renewal right after the block",
+    )
+    again = object()
+    assert ledger.completing(attempt, again), "a block tried again in the same attempt"
+
+
+def test_a_refused_block_leaves_the_success_of_an_earlier_one_alone(
+    memory_broker, memory_store, claim
+):
+    """A first block's success is written in a transaction still open; a second block of
+    the same attempt is refused, and its end changes nothing of the first one's."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    first, second = object(), object()
+    assert ledger.completing(attempt, first)
+    xid = memory_store.complete_in_transaction(attempt, None)
+    ledger.completion_written(attempt, xid)
+    ledger.completion_ended(attempt, first, BlockEnd.OPEN)
+    assert not ledger.completing(attempt, second), "the row is the first block's"
+    ledger.completion_ended(attempt, second, BlockEnd.NOT_WRITTEN)
+    assert ledger.holds_row(attempt) and attempt not in ledger.renewable()
+    memory_store.end_transaction(xid, committed=True)
+    assert ledger.succeeded_in_transaction(attempt)
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["committed", "rolled-back"])
+def test_a_block_whose_transaction_ended_unseen_is_settled_by_its_id(
+    memory_broker, memory_store, claim, committed
+):
+    """The block's COMMIT raised (or the application committed inside the block): the
+    transaction's id says what stands, as the block ends."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    block = object()
+    assert ledger.completing(attempt, block)
+    xid = memory_store.complete_in_transaction(attempt, None)
+    ledger.completion_written(attempt, xid)
+    memory_store.end_transaction(xid, committed=committed)
+    ledger.completion_ended(attempt, block, BlockEnd.ENDED)
+    assert ledger.holds_row(attempt) is False
+    assert (attempt in ledger.renewable()) is not committed
+    assert ledger.succeeded_in_transaction(attempt) is committed
+
+
+def test_the_actor_s_renewal_and_progress_leave_a_held_row_alone(
+    memory_broker, memory_store, claim
+):
+    """While a block's transaction holds the row, renew() writes nothing (the row's lock
+    holds the job) and progress() writes its event alone; afterwards both write the row."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    block = object()
+    assert ledger.pin_completion(attempt, block) is not None
+    renewals = len(memory_store.called("renew_leases"))
+    assert ledger.renew(attempt, 30, record=True)
+    assert ledger.progress(attempt, {"done": 1}, 30)
+    assert len(memory_store.called("renew_leases")) == renewals
+    assert memory_store.called("progress_event") == [[attempt.id]]
+    assert memory_store.called("progress") == []
+    ledger.completion_ended(attempt, block, BlockEnd.NOT_WRITTEN)
+    assert ledger.renew(attempt, 30, record=True)
+    assert ledger.progress(attempt, {"done": 2}, 30)
+    assert memory_store.called("progress") == [[attempt.id]]
+
+
+def test_a_block_does_not_begin_while_a_heartbeat_statement_outlasts_its_wait(
+    memory_broker, memory_store, claim, monkeypatch
+):
+    """A renewal that took the attempt still runs after the block's wait: the block does
+    not begin (its transaction would hold the row that statement needs), and the attempt
+    is left as it was."""
+    monkeypatch.setattr(inflight_completions, "HEARTBEAT_WAIT_SECONDS", 0.2)
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    renewals = memory_store.hold("renew_leases")
+    beat = threading.Thread(target=memory_broker.leases.renew)
+    beat.start()
+    try:
+        wait_for(lambda: memory_store.called("renew_leases"), 5, "the renewal to be sent")
+        with pytest.raises(BrokerConnectionError, match="heartbeat statement"):
+            ledger.completing(attempt, object())
+        assert not ledger.holds_row(attempt)
+    finally:
+        renewals.set()
+        beat.join(5)
+    assert attempt in ledger.renewable()
+    assert ledger.completing(attempt, object())
+
+
+def test_how_a_block_s_transaction_ended_is_read_again_while_the_database_is_away(
+    memory_broker, memory_store, claim
+):
+    """The actor raised after a block whose transaction committed: the read of how that
+    transaction ended meets an unreachable database twice, then answers. The job
+    succeeded: Dramatiq is told so, not a failure."""
+    ledger = memory_broker.ledger
+    attempt = claim()
+    assert ledger.start(attempt)
+    block = object()
+    assert ledger.completing(attempt, block)
+    xid = memory_store.complete_in_transaction(attempt, None)
+    ledger.completion_written(attempt, xid)
+    ledger.completion_ended(attempt, block, BlockEnd.OPEN)
+    memory_store.end_transaction(xid, committed=True)
+    lost = BrokerConnectionError("the server went away")
+    memory_store.fail_next("completion_status", lost, lost)
+    assert ledger.succeeded_in_transaction(attempt)
+    assert len(memory_store.called("completion_status")) == 3

@@ -19,8 +19,9 @@ drop) runs alone, outside a transaction (:func:`parse_transaction`).
   whose code does not ship it (:func:`live_work`: live leases, sends and claims of the
   last :data:`LIVE_WORK_SECONDS`, except those of code of that schema level or a later
   one, by the level a claim's owner carries or a registered worker recorded) and refuses
-  with :class:`~.errors.LiveWorkFound`, saying what it saw, unless forced. A fresh
-  database has none.
+  with :class:`~.errors.LiveWorkFound`, saying what it saw, unless forced; it looks again
+  in the transaction that applies it, once that transaction holds its tables (it may have
+  waited minutes for them). A fresh database has none.
 
 The compatibility contract: every file from :data:`CONTRACT_FROM` (0010) on starts with a
 header, a first line ``-- compatibility: compatible`` or ``-- compatibility: breaking`` and
@@ -417,7 +418,8 @@ def live_work(
     registered: set[str] = set()
     if _exists(conn, schema, "workers"):
         try:
-            rows = conn.execute(queries["registered_workers"]).fetchall()
+            with conn.transaction():  # a savepoint inside a migration's transaction
+                rows = conn.execute(queries["registered_workers"]).fetchall()
         except psycopg.errors.UndefinedColumn:
             rows = conn.execute(queries["registered_workers_before_0022"]).fetchall()
         for owner, worker_level in rows:
@@ -524,7 +526,8 @@ def migrate_locked(
     How the pending migrations are applied (:func:`units`): each one before the first
     breaking one in a transaction of its own, every one from the first breaking one on in
     one transaction, so that no process ever sees the schema between a breaking migration
-    and those that complete it. Every statement of a transaction waits at most
+    and those that complete it; such a transaction locks, first, the tables its files name
+    (:func:`_lock_unit`), and looks for live work again once it holds them. Every statement of a transaction waits at most
     :data:`~.locks.LOCK_TIMEOUT_MS` for a lock (``lock_timeout``): a send or a claim then
     never queues longer behind a migration's lock request, whatever reader holds the
     table. A statement that times out (or is chosen as a deadlock's victim) rolls the whole
@@ -547,9 +550,17 @@ def migrate_locked(
     _check_checksums(migrations, applied)
     pending = [m for m in migrations if m.version not in applied]
     breaking = next((m for m in pending if m.breaking), None)
+    recheck: Callable[[], None] | None = None
     if breaking is not None:
         # The code still running must ship every breaking migration of the run.
-        seen = live_work(conn, schema, level=[m for m in pending if m.breaking][-1].version)
+        level = [m for m in pending if m.breaking][-1].version
+
+        def recheck() -> None:
+            seen = live_work(conn, schema, level=level)
+            if seen and not force:
+                raise LiveWorkFound(refusal_message(breaking, seen))
+
+        seen = live_work(conn, schema, level=level)
         if seen and not force:
             raise LiveWorkFound(refusal_message(breaking, seen))
         if seen:
@@ -561,7 +572,11 @@ def migrate_locked(
     tell = say or _log_line
     for unit in units(pending):
         if unit[0].transactional:
-            took = _apply_together(conn, schema, unit, report, tell)
+            # Looked at again in the transaction that applies a breaking migration, once it
+            # holds its tables: it may come long after the first look (it waits for its
+            # locks), and work that began meanwhile would run beside it.
+            again = recheck if any(m.breaking for m in unit) else None
+            took = _apply_together(conn, schema, unit, report, tell, again)
         else:
             took = [_apply_alone(conn, schema, unit[0], report, tell, url)]
         for migration, seconds in zip(unit, took):
@@ -623,9 +638,20 @@ def _apply_together(
     unit: list[Migration],
     report: Callable[[Migration, float | None], None] | None,
     say: Callable[[str], None],
+    recheck: Callable[[], None] | None = None,
 ) -> list[float]:
     """Apply ``unit`` in one transaction under the short lock timeout, again from its start
-    until it gets its locks; the seconds each migration took in the try that committed."""
+    until it gets its locks; the seconds each migration took in the try that committed.
+
+    A unit of several migrations, or of a breaking one, first locks every table and view of
+    the schema that its files name (:func:`_lock_unit`): a lock that times out then costs
+    nothing but the try, never the data its first migrations moved. ``recheck`` (the
+    live-work check of a breaking unit) runs once those locks are held, before anything
+    is changed.
+
+    Raises:
+      LiveWorkFound: ``recheck`` saw live work (nothing was applied).
+    """
     waits = _Waits(conn, schema, unit, say)
     while True:
         took: list[float] = []
@@ -638,6 +664,10 @@ def _apply_together(
                 conn.execute(
                     sql.SQL("SET LOCAL search_path TO {}, public").format(sql.Identifier(schema))
                 )
+                if len(unit) > 1 or unit[0].breaking:
+                    _lock_unit(conn, schema, unit)
+                if recheck is not None:
+                    recheck()
                 for current in unit:
                     if report is not None:
                         report(current, None)
@@ -657,6 +687,22 @@ def _apply_together(
             ) from e
         waits.done()
         return took
+
+
+def _lock_unit(conn: psycopg.Connection, schema: str, unit: list[Migration]) -> list[str]:
+    """Lock (ACCESS EXCLUSIVE, in name order, each statement waiting at most the lock
+    timeout) every table and view of ``schema`` whose name one of ``unit``'s files holds as
+    a word; returns their names. A table a migration creates is not there yet, and needs
+    no lock; a name a file mentions only in a comment is locked too, which costs nothing
+    but the wait for it."""
+    text = "\n".join(migration.read() for migration in unit)
+    queries = Queries(schema, "migrate.sql")
+    names = [row[0] for row in conn.execute(queries["schema_relations"], {"schema": schema})]
+    touched = [n for n in names if re.search(rf"\b{re.escape(n)}\b", text, re.IGNORECASE)]
+    if touched:
+        relations = sql.SQL(", ").join(sql.Identifier(schema, name) for name in touched)
+        conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(relations))
+    return touched
 
 
 def _apply_alone(

@@ -99,3 +99,13 @@ SELECT c.relname::text
 FROM pg_index AS i
 JOIN pg_class AS c ON c.oid = i.indexrelid
 WHERE c.relnamespace = to_regnamespace(%(schema)s) AND NOT i.indisvalid
+
+-- schema_relations --
+-- The tables and views of the schema %(schema)s (a partitioned table once: its partitions
+-- are locked with it), by name: what a transaction of several migrations may lock at its
+-- start (see migrate.py, _lock_unit).
+SELECT c.relname
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND c.relkind IN ('r', 'p', 'v', 'm') AND NOT c.relispartition
+ORDER BY c.relname

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from dramatiq_pg_broker.errors import LiveWorkFound
 from dramatiq_pg_broker.jobs import Attempt, NewJob
 from dramatiq_pg_broker.migrate import migrate
 
@@ -253,17 +254,99 @@ def test_the_cli_says_that_a_migration_waits_and_then_applies_it(
             daemon=True,
         )
         thread.start()
-        wait_for(
-            lambda: lock_requests_on_jobs(held, migrated) or not thread.is_alive(),
-            10,
-            "the migration to ask for its lock",
-        )
-        time.sleep(0.5)
+        out: list[str] = []
+
+        def said_it_waits() -> bool:
+            out.append(capsys.readouterr().out)
+            return "waits for a lock" in "".join(out) or not thread.is_alive()
+
+        wait_for(said_it_waits, 10, "the migration to say that it waits for its lock")
         held.rollback()
         thread.join(30)
     assert done.get("code") == 0
-    lines = capsys.readouterr().out.splitlines()
+    out.append(capsys.readouterr().out)
+    lines = "".join(out).splitlines()
     assert lines[0] == f"applying {name} ... waiting", lines
     assert lines[1].startswith(f"migration {name}.sql waits for a lock"), lines
     assert any(re.fullmatch(rf"applying {name} \.\.\. done in \d+\.\d s", x) for x in lines)
     assert f"migration {name}.sql got its locks after waiting" in lines[-2] + lines[-1], lines
+
+
+def test_a_breaking_migration_looks_for_live_work_again_once_it_holds_its_tables(
+    pg_url, migrated, tmp_path, caplog
+):
+    """A breaking migration finds no live work, then waits for its lock (a reader holds
+    ``jobs``); meanwhile a job is sent (by an earlier release, as far as ``migrate`` can
+    tell). Once the reader lets go, the migration's transaction holds its tables, looks
+    again, and refuses: nothing is applied (before: it was, the one look having come
+    before the wait)."""
+    caplog.set_level(logging.INFO, logger="dramatiq_pg_broker.migrate")
+    folder, name = migrations_ahead(
+        tmp_path, "breaking", "ALTER TABLE jobs ADD COLUMN future_probe integer;\n"
+    )
+    with (
+        emptied_store(pg_url, migrated) as store,
+        psycopg.connect(pg_url, autocommit=True) as hot,
+        reader(pg_url, migrated) as held,
+    ):
+        thread, outcome = run_migrate(pg_url, migrated, folder)
+        wait_for(lambda: waiting_lines(caplog), 10, "the migration to wait for its lock")
+        store.enqueue(NewJob(str(uuid.uuid4()), "q", "act", message={}, max_attempts=1), conn=hot)
+        held.rollback()
+        thread.join(30)
+        assert not thread.is_alive(), "the migration did not end once the reader let go"
+    assert isinstance(outcome.get("error"), LiveWorkFound), outcome
+    assert f"migration {name}.sql is breaking" in str(outcome["error"])
+    assert "1 send(s) in the last" in str(outcome["error"]), outcome["error"]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM information_schema.columns "
+            "WHERE table_schema = %s AND table_name = 'jobs' AND column_name = 'future_probe'",
+            (migrated,),
+        ).fetchone() == (0,)
+
+
+def test_migrations_applied_together_take_their_locks_before_they_change_anything(
+    pg_url, migrated, tmp_path, caplog
+):
+    """Two migrations applied in one transaction (a breaking one on ``jobs``, then one on
+    ``job_events``), a reader holding ``job_events``: the transaction waits for its locks
+    at its start, before the first migration runs, and each migration runs once (before:
+    the first one ran, the second's lock timed out, and the whole transaction, the first
+    one's work with it, was thrown away and run again at each try)."""
+    from dramatiq_pg_broker.db.handshake import this_code
+
+    caplog.set_level(logging.INFO, logger="dramatiq_pg_broker.migrate")
+    folder, first = migrations_ahead(
+        tmp_path, "breaking", "ALTER TABLE jobs ADD COLUMN future_a integer;\n"
+    )
+    second = f"{this_code().level + 2:04d}_future_events"
+    (folder / f"{second}.sql").write_text(
+        "-- compatibility: compatible\n-- A later release's change, made up by the test.\n"
+        "ALTER TABLE job_events ADD COLUMN future_b integer;\n"
+    )
+    started: list[str] = []
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["applied"] = migrate(
+                pg_url,
+                migrated,
+                directory=folder,
+                report=lambda m, took: took is None and started.append(m.filename),
+            )
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            outcome["error"] = e
+
+    with psycopg.connect(pg_url) as held:
+        held.execute(f"SELECT count(*) FROM {migrated}.job_events").fetchone()
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        wait_for(lambda: waiting_lines(caplog), 10, "the migration to wait for its lock")
+        held.rollback()
+        thread.join(30)
+        assert not thread.is_alive(), "the migrations did not end once the reader let go"
+    assert "error" not in outcome, outcome.get("error")
+    assert [m.filename for m in outcome["applied"]] == [f"{first}.sql", f"{second}.sql"]
+    assert started == [f"{first}.sql", f"{second}.sql"], f"migrations run more than once: {started}"

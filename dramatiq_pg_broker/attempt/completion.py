@@ -56,6 +56,16 @@ so while the block's body runs it listens for that commit (``before_commit`` of 
 ``Session``, ``commit`` of a ``Connection``) and writes the job's success just before it:
 the application's commit commits the job's success with its writes, as the block's end
 would have. SQLAlchemy then refuses further statements inside the block's ``begin()``.
+
+How a block ends. On every way out, an exception raised anywhere in it included, the block
+tells the ledger what it left (:meth:`.Ledger.completion_ended`): nothing (its transaction
+or savepoint rolled back, or the success was never written: the attempt goes on as any
+other, its lease renewed again at once, and a block tried again in the same attempt may
+write the success), a committed success, a success in the application's transaction that
+goes on, or one in a transaction that ended in a way it cannot see (its commit raised),
+which the transaction's id settles. No attempt stays marked once its block is over. While
+a block's transaction holds the job's row, the actor's own ``renew()`` writes nothing and
+``progress()`` its event alone (:meth:`.Ledger.holds_row`).
 """
 
 from __future__ import annotations

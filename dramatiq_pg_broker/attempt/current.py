@@ -174,7 +174,9 @@ class CurrentJob:
         (psycopg and Django refuse such a commit themselves). Every isolation level
         works; at REPEATABLE READ and SERIALIZABLE, a transaction that read before the
         block is refused at once (``TransactionError``). An exception the actor raises
-        after the block committed is logged, and Dramatiq sees a success (result None).
+        after the block committed is logged, and Dramatiq sees a success (result None). A
+        block that raised (a serialization failure, a failed commit) left nothing: the
+        actor may run it again in the same attempt.
 
         Parameters:
           conn: the application's connection, session or Django connection.

@@ -527,11 +527,12 @@ def migrate_locked(
     breaking one in a transaction of its own, every one from the first breaking one on in
     one transaction, so that no process ever sees the schema between a breaking migration
     and those that complete it; such a transaction locks, first, the tables its files name
-    (:func:`_lock_unit`), and looks for live work again once it holds them. Every statement of a transaction waits at most
-    :data:`~.locks.LOCK_TIMEOUT_MS` for a lock (``lock_timeout``): a send or a claim then
-    never queues longer behind a migration's lock request, whatever reader holds the
-    table. A statement that times out (or is chosen as a deadlock's victim) rolls the whole
-    transaction back, with every migration in it, and the transaction is run again from
+    (:func:`_lock_unit`), and looks for live work again once it holds them. Every
+    statement of a transaction waits at most :data:`~.locks.LOCK_TIMEOUT_MS` for a lock
+    (``lock_timeout``): a send or a claim then never queues longer behind a migration's
+    lock request, whatever reader holds the table. A statement that times out (or is chosen
+    as a deadlock's victim) rolls the whole transaction back, with every migration in it,
+    and the transaction is run again from
     its start once the long holders of the schema's locks it met have let go (or after a
     pause): until it gets its locks, however long that takes, saying whom it waits for
     (:class:`_Waits`). A migration outside a transaction (:func:`parse_transaction`) runs

@@ -178,6 +178,52 @@ def test_a_block_whose_commit_failed_is_tried_again_in_the_same_attempt(
     assert event["data"] == {"in_transaction": True}
 
 
+@pytest.mark.parametrize("level", STRICT)
+def test_an_exception_right_after_the_pin_leaves_the_attempt_unmarked(
+    h, conn, schema, store, effects, pg_url, app_sessions, monkeypatch, level
+):
+    """An exception raised in the actor's thread just as the block pinned the job's row
+    (an abort, a time limit: raised at any instruction), before the block's first
+    statement: the block ends without a success, and the block tried again writes it."""
+    broker = h.broker()
+    pin = broker.ledger.pin_completion
+    interrupted: list[int] = []
+
+    def pin_then_interrupted(*args, **kwargs):
+        pinned = pin(*args, **kwargs)
+        if not interrupted:
+            interrupted.append(1)
+            raise RuntimeError("raised in the thread right after the pin")
+        return pinned
+
+    monkeypatch.setattr(broker.ledger, "pin_completion", pin_then_interrupted)
+    seen: list[str] = []
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"pin_{h.queue}", max_retries=0)
+    def work():
+        job = current_job()
+        with psycopg.connect(pg_url, application_name=APP) as app:
+            app.isolation_level = level_of(level)
+            for _ in range(2):
+                try:
+                    with job.complete_in(app):
+                        app.execute(effects.insert, (job.id, job.attempt))
+                except RuntimeError:
+                    seen.append("interrupted")
+                    continue
+                except BaseException as e:
+                    seen.append(repr(e))
+                    raise
+                seen.append("committed")
+                return
+
+    message = work.send()
+    h.start(broker)
+    row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    assert seen == ["interrupted", "committed"], seen
+    assert row[1] == 1 and effects() == [(message.message_id, 1)]
+
+
 # -- the lease after a block that raised -------------------------------------------------------
 
 

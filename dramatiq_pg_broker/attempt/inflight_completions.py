@@ -15,6 +15,7 @@ from ..jobs.rows import Attempt
 from .states import (
     HEARTBEAT_WAIT_SECONDS,
     RETRY_CAP_SECONDS,
+    ROW_WAIT_SECONDS,
     BlockEnd,
     Completion,
     State,
@@ -97,11 +98,15 @@ class CompletionBook:
 
         Raises:
           dramatiq.errors.ConnectionError: the database is unreachable (nothing pinned).
+          JobBusy: a transaction the worker does not know of (the application's own lock
+            on the job's row) held the row for :data:`~.states.ROW_WAIT_SECONDS`.
         """
         if not self.completing(attempt, block):
             return None
         try:
-            pinned = self.store.pin_completion(attempt, self.settings.lease_seconds)
+            pinned = self.store.pin_completion(
+                attempt, self.settings.lease_seconds, lock_wait=ROW_WAIT_SECONDS
+            )
         except BaseException:
             self.completion_ended(attempt, block, BlockEnd.NOT_WRITTEN)
             raise
@@ -138,8 +143,7 @@ class CompletionBook:
             entry = self._entries.get(attempt.id)
             if entry is None or entry.attempt != attempt or entry.completion_block is not block:
                 return
-            if block is not None:
-                entry.completion_block = None
+            entry.completion_block = None
             if how is BlockEnd.NOT_WRITTEN:
                 self._undo(entry)
             elif how is BlockEnd.COMMITTED:
@@ -259,12 +263,10 @@ class CompletionBook:
             if final:
                 logger.error(
                     "Job %s attempt %d: how the transaction of its complete_in() block ended "
-                    "could not be read for %gs (the database is unreachable); it is left to "
-                    "its row: a committed success stands, a rolled back one runs again once "
-                    "its lease expires.",
+                    "could not be read; the job is left to its row: a committed success "
+                    "stands, a rolled back one runs again once its lease expires.",
                     attempt.id,
                     attempt.attempt,
-                    self.settings.lease_seconds,
                 )
                 self._let_go(attempt)
             return

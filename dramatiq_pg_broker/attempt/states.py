@@ -21,9 +21,10 @@ START_RECORD_DELAY = 0.1
 #: its attempt (normally one round trip): past it, the block does not begin.
 HEARTBEAT_WAIT_SECONDS = 5.0
 
-#: The longest an actor's own ``renew()`` or ``progress()`` waits for its job's row, held
-#: by a transaction the worker does not know of (the application's own lock on it): past
-#: it, the call raises :class:`~.errors.JobBusy` rather than hang.
+#: The longest an actor's own ``renew()`` or ``progress()``, or the pin of a REPEATABLE
+#: READ or SERIALIZABLE ``complete_in()`` block, waits for its job's row, held by a
+#: transaction the worker does not know of (the application's own lock on it): past it,
+#: the call raises :class:`~.errors.JobBusy` rather than hang.
 ROW_WAIT_SECONDS = 1.0
 
 

@@ -39,6 +39,14 @@ def _execute(c: Any, query: str, params: dict[str, Any], pooled: bool) -> Any:
     return cursor.execute(query, params)
 
 
+#: What a worker's statement on a running job's row says when another transaction held the
+#: row for all of its wait (:meth:`StoreBase._row_wait`), ``{}`` naming what waited.
+BUSY_ROW = (
+    "{} waited: a transaction other than a complete_in() block's locks the job's row (the "
+    "worker holds that row while the job runs); nothing was written"
+)
+
+
 class StoreBase:
     """The job-store API's plumbing over one schema (see :class:`~.store.JobStore`)."""
 

@@ -13,7 +13,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from ..db.queries import statements_for
-from .base import StoreBase
+from .base import BUSY_ROW, StoreBase
 from .rows import (
     LEASE_EXPIRED,
     Attempt,
@@ -25,13 +25,6 @@ from .rows import (
     _claim_of,
     _ms,
     clean_text,
-)
-
-#: What an actor's renew() or progress() says when another transaction held its job's row
-#: for all of its wait (see JobStore._row_wait).
-_BUSY_RENEWAL = (
-    "{} waited: a transaction other than a complete_in() block's locks the job's row (the "
-    "worker holds that row while the job runs); nothing was written"
 )
 
 #: The statements of limits.sql for a schema (loaded once per process, shared).
@@ -179,7 +172,7 @@ class Claims(StoreBase):
                 attempts, lease_seconds, record=record, conn=conn, now=now
             ).owned
         (attempt,) = attempts
-        with self._row_wait(attempt.id, lock_wait, _BUSY_RENEWAL.format("renew()"), conn) as c:
+        with self._row_wait(attempt.id, lock_wait, BUSY_ROW.format("renew()"), conn) as c:
             return self.renew_leases(attempts, lease_seconds, record=record, conn=c, now=now).owned
 
     def renew_leases(
@@ -231,7 +224,7 @@ class Claims(StoreBase):
         }
         if lock_wait is None:
             return bool(self._fetch("record_progress", params, conn))
-        with self._row_wait(attempt.id, lock_wait, _BUSY_RENEWAL.format("progress()"), conn) as c:
+        with self._row_wait(attempt.id, lock_wait, BUSY_ROW.format("progress()"), conn) as c:
             return bool(self._fetch("record_progress", params, c))
 
     def progress_event(self, attempt: Attempt, data: Any, *, conn=None, now=None) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from .base import StoreBase
+from .base import BUSY_ROW, StoreBase
 from .rows import Attempt, clean_text
 
 
@@ -32,12 +32,23 @@ class Outcomes(StoreBase):
         return str(rows[0][1]) if rows else None
 
     def pin_completion(
-        self, attempt: Attempt, lease_seconds: float, *, conn=None, now=None
+        self,
+        attempt: Attempt,
+        lease_seconds: float,
+        *,
+        lock_wait: float | None = None,
+        conn=None,
+        now=None,
     ) -> tuple[Any, bool] | None:
         """Record the attempt's start and renew its lease, before a ``complete_in()``
         block's REPEATABLE READ or SERIALIZABLE transaction takes its snapshot. Returns the
         new ``locked_until`` (the mark :meth:`lock_for_completion` looks for) and whether an
-        abort was requested, or None if the attempt is no longer owned."""
+        abort was requested, or None if the attempt is no longer owned. With
+        ``lock_wait``, the statement waits at most that many seconds for the row.
+
+        Raises:
+          JobBusy: with ``lock_wait``, another transaction held the row all that time.
+        """
         params = {
             "id": attempt.id,
             "owner": attempt.owner,
@@ -45,7 +56,12 @@ class Outcomes(StoreBase):
             "lease_ms": int(lease_seconds * 1000),
             "now": now,
         }
-        rows = self._fetch("pin_completion", params, conn)
+        if lock_wait is None:
+            rows = self._fetch("pin_completion", params, conn)
+        else:
+            busy = BUSY_ROW.format("the complete_in() block")
+            with self._row_wait(attempt.id, lock_wait, busy, conn) as c:
+                rows = self._fetch("pin_completion", params, c)
         return (rows[0][0], bool(rows[0][1])) if rows else None
 
     def transaction_isolation(self, conn) -> str:

@@ -353,40 +353,54 @@ def test_renew_and_progress_after_a_savepoint_block_inside_an_open_transaction_a
 # -- a row the worker does not know is held ----------------------------------------------------
 
 
-@pytest.mark.parametrize("call", ["renew", "progress"])
-def test_renew_and_progress_wait_a_bounded_time_for_a_row_the_application_locked(
+#: What an actor calls with its job's row locked by its own transaction, and the words the
+#: refusal names it by.
+CALLS = {
+    "renew": (lambda job, app: job.renew(), "renew()"),
+    "progress": (lambda job, app: job.progress(1), "progress()"),
+    "complete_in": (lambda job, app: job.complete_in(app).__enter__(), "the complete_in() block"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_what_writes_the_job_s_row_waits_a_bounded_time_for_a_row_the_application_locked(
     h, conn, schema, store, pg_url, app_sessions, call
 ):
-    """The application's own transaction locks the job's row (no block: the worker does
-    not know of it): ``renew()`` and ``progress()`` wait for the row at most a second, then
-    raise ``JobBusy`` naming that transaction, rather than hang."""
+    """The application's own transaction locks the job's row (the worker does not know of
+    it): ``renew()``, ``progress()`` and a REPEATABLE READ block's pin of the row wait for
+    it at most a second, then raise ``JobBusy`` naming that transaction, rather than
+    hang (the wait is in the thread that holds the lock)."""
     broker = h.broker()
     seen: list[tuple] = []
     lock = sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR UPDATE").format(
         sql.Identifier(schema, "jobs")
     )
+    run, words = CALLS[call]
 
     @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"bl_{h.queue}", max_retries=0)
     def work():
         job = current_job()
-        with psycopg.connect(pg_url, application_name=APP) as app, app.transaction():
-            app.execute(lock, (job.id,))
-            began = time.monotonic()
-            try:
-                job.renew() if call == "renew" else job.progress(1)
-            except JobBusy as e:
-                seen.append((str(e), time.monotonic() - began))
-            else:
-                seen.append(("answered", time.monotonic() - began))
+        with psycopg.connect(pg_url, application_name=APP) as app:
+            app.isolation_level = IsolationLevel.REPEATABLE_READ
+            with app.transaction():
+                app.execute(lock, (job.id,))
+                began = time.monotonic()
+                try:
+                    with app.transaction():  # what the call leaves rolls back
+                        run(job, app)
+                except JobBusy as e:
+                    seen.append((str(e), time.monotonic() - began))
+                else:
+                    seen.append(("answered", time.monotonic() - began))
 
     message = work.send()
     h.start(broker)
     try:
-        wait_for(lambda: seen, 20, f"{call}() to answer")
+        wait_for(lambda: seen, 20, f"{words} to answer")
     finally:
         end_app_sessions(conn)  # a call that waits for the row without end
     [(text, took)] = seen
-    assert 0.9 < took < 3, f"answered after {took:.2f}s"
+    assert 0.9 < took < 3, f"answered after {took:.2f}s: {text}"
     assert f"job {message.message_id}'s row is held by the transaction of backend" in text, text
-    assert f"application {APP!r}" in text and f"{call}() waited" in text, text
+    assert f"application {APP!r}" in text and f"{words} waited" in text, text
     wait_status(store, conn, schema, message.message_id, "succeeded")

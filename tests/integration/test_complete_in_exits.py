@@ -79,7 +79,7 @@ def test_a_block_that_met_a_serialization_failure_is_tried_again_in_the_same_att
     """The application's usual retry loop: the block's transaction fails with a real
     serialization failure (another transaction changed a row it read), the actor catches
     it and runs the block again, which commits: one effect, one attempt."""
-    broker = h.broker(lease_seconds=1)
+    broker = h.broker()
     engine = sa.create_engine(sa_url(pg_url), connect_args={"application_name": APP})
     seen: list[str] = []
     read = sql.SQL("SELECT n FROM {}").format(counter).as_string(conn)
@@ -231,11 +231,12 @@ def test_an_exception_right_after_the_pin_leaves_the_attempt_unmarked(
 def test_an_actor_that_outlives_its_lease_after_a_failed_block_keeps_its_job(
     h, conn, schema, store, effects, pg_url, app_sessions, level
 ):
-    """The block raises (nothing written); the actor catches it and works on for three
-    leases, then ends normally. Its lease is renewed all along: a second worker of the
-    queue never runs the job, and the job succeeds once, at attempt 1."""
-    first = h.broker(lease_seconds=1)
-    second = h.broker(lease_seconds=1)
+    """The block raises (nothing written); the actor catches it and works on for two and a
+    half leases, then ends normally, while the reapers look for expired leases every half
+    second. Its lease is renewed all along: a second worker of the queue never runs the
+    job, and the job succeeds once, at attempt 1."""
+    first = h.broker(lease_seconds=2, reaper_interval=0.5)
+    second = h.broker(lease_seconds=2, reaper_interval=0.5)
     runs: list[int] = []
     done = threading.Event()
 
@@ -252,7 +253,7 @@ def test_an_actor_that_outlives_its_lease_after_a_failed_block_keeps_its_job(
                         raise ValueError("the block fails")
                 except ValueError:
                     pass
-            time.sleep(3)
+            time.sleep(5)
             done.set()
 
         return work

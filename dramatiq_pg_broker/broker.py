@@ -44,6 +44,7 @@ from .jobs.store import JobStore
 from .sending import messages
 from .sending.blocks import Batch
 from .sending.sender import Sender, TransactionBlock
+from .sending.unique import UNIQUE_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,8 @@ class PostgresBroker(dramatiq.Broker):
             ]
             middleware.append(CurrentMessage())
         super().__init__(middleware=middleware)
+        #: Unique jobs are the send path's (see :mod:`.sending.unique`), no middleware's.
+        self.actor_options |= UNIQUE_OPTIONS
         if defaults:
             kinds = [*dramatiq.middleware.default_middleware, CurrentMessage]
             self._defaults = dict(zip(kinds, self.middleware, strict=True))
@@ -353,7 +356,10 @@ class PostgresBroker(dramatiq.Broker):
         memory. Priority is the actor's ``priority``, overridable per message with the
         ``priority`` option; lower runs first. The ``idempotency_key`` option makes a second
         send of the same actor with the same key return the first job's message instead of
-        a new job.
+        a new job. The ``unique`` option (``unique=True``, or ``unique_for`` in
+        milliseconds; also an actor option) keeps at most one job per actor, queue and
+        arguments while one waits or runs (and for ``unique_for`` from its send): a second
+        send returns the existing job's message (see :mod:`.sending.unique`).
 
         The send returns once its row is committed, and flushed to the server's WAL unless
         the message's ``durable`` option (default: the ``durable_sends`` setting) is False.
@@ -367,7 +373,9 @@ class PostgresBroker(dramatiq.Broker):
 
         Raises:
           InvalidMessage: an option is out of range (``priority``, ``delay``, ``eta``,
-            ``max_retries``, ``idempotency_key``) or the encoder cannot encode a value.
+            ``max_retries``, ``idempotency_key``, ``unique``, ``unique_for``; a unique job
+            with an ``idempotency_key``, or with arguments that are not JSON values) or the
+            encoder cannot encode a value.
           JobAlreadyFinished: the message's id is a job that already finished.
           dramatiq.errors.ConnectionError: the database stayed unreachable after
             ``enqueue_retries`` attempts.

@@ -66,6 +66,12 @@ class Claim:
     at_limit: bool = False
 
 
+#: The scope of the keys of unique jobs in ``job_keys`` (an application's idempotency keys
+#: have the empty scope, the admin API's one per member: ``member:<id>``); see
+#: :mod:`dramatiq_pg_broker.sending.unique`.
+UNIQUE_SCOPE = "unique"
+
+
 # Not frozen: a frozen dataclass's __init__ costs three times as much, which a bulk enqueue
 # of 100,000 messages pays 100,000 times. Nothing changes a NewJob once built.
 @dataclasses.dataclass(slots=True)
@@ -99,6 +105,10 @@ class NewJob:
     #: epoch): its job cannot have finished before it, so the send's probe of the history
     #: for the same id reads only the partitions from then on. None probes them all.
     sent_at_ms: int | None = None
+    #: A unique job's period (``unique_for``, milliseconds from the send) during which its
+    #: key stays held whatever the job's state; None: no period (see
+    #: :mod:`dramatiq_pg_broker.sending.unique`).
+    unique_for_ms: int | None = None
 
 
 class EnqueueResult(NamedTuple):
@@ -175,6 +185,7 @@ SEND_FIELDS: tuple[tuple[str, str], ...] = (
     ("idempotency_key", "text"),
     ("idempotency_scope", "text"),
     ("sent_at_ms", "int8"),
+    ("unique_for_ms", "int8"),
 )
 SEND_NAMES = tuple(name for name, _ in SEND_FIELDS)
 
@@ -195,6 +206,7 @@ def send_values(job: NewJob) -> tuple:
         job.idempotency_key,
         job.idempotency_scope,
         job.sent_at_ms,
+        job.unique_for_ms,
     )
 
 

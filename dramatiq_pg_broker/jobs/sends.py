@@ -29,7 +29,15 @@ from .copy_rows import (
     _text_field,
     _timestamp_us,
 )
-from .rows import SEND_FIELDS, SEND_NAMES, EnqueueResult, NewJob, _delay_ms, send_values
+from .rows import (
+    SEND_FIELDS,
+    SEND_NAMES,
+    UNIQUE_SCOPE,
+    EnqueueResult,
+    NewJob,
+    _delay_ms,
+    send_values,
+)
 
 #: What the server raises for a row it refuses (a constraint, a value it cannot store), as
 #: opposed to a lost connection.
@@ -219,6 +227,12 @@ class SendWrites(StoreBase):
         """What a send whose insert was a no-op gets: the job with its idempotency key, or
         the job with its id rescheduled (see :meth:`enqueue`)."""
         job, params, again = send.job, send.params, send.again
+        if job.idempotency_scope == UNIQUE_SCOPE and not send.key_released:
+            # A unique job's key is freed when its job ends; one still held by a job that
+            # ended (its period ran past the end, or an older worker ended it) is freed
+            # here once it may be, and the send inserts again.
+            if c.execute(self.queries["release_unique_key"], params).fetchone() is not None:
+                return self._insert_one(c, replace(send, key_released=True))
         existing = c.execute(self.queries["find_existing"], params).fetchone()
         if existing is None and job.idempotency_key is not None and not send.key_released:
             # The key's job was deleted by hand (not by retention or flush, which free its
@@ -493,7 +507,7 @@ class SendWrites(StoreBase):
                             copy.write(block(event_rows))
                             build(split, following, next_jobs, next_events)
                     job_rows, event_rows, start = next_jobs, next_events, stop
-                in_history, isolation = self._copied_in_history(c, jobs)
+                in_history, isolation = self._copied_in_history(c, jobs, now)
                 if in_history:
                     raise _RepeatedId("a job's id or idempotency key is in history")
                 self._confirm_new(c, jobs, isolation, pooled)
@@ -501,7 +515,9 @@ class SendWrites(StoreBase):
             return False
         return True
 
-    def _copied_in_history(self, c: psycopg.Connection, jobs: Sequence[NewJob]) -> tuple[bool, str]:
+    def _copied_in_history(
+        self, c: psycopg.Connection, jobs: Sequence[NewJob], now: dt.datetime | None = None
+    ) -> tuple[bool, str]:
         """Register the idempotency keys of the jobs :meth:`_copy_new` wrote (a key already
         held raises a unique violation), and say whether one of their ids is in history
         (with the transaction's isolation level): a statement each for the whole bulk (COPY
@@ -515,6 +531,8 @@ class SendWrites(StoreBase):
                     "key_scopes": [job.idempotency_scope for job in keyed],
                     "keys": [job.idempotency_key for job in keyed],
                     "key_ids": [job.id for job in keyed],
+                    "key_periods": [job.unique_for_ms for job in keyed],
+                    "now": now,
                 },
             )
         stamps = [job.sent_at_ms for job in jobs]

@@ -30,6 +30,7 @@ from dramatiq.middleware.retries import Retries as DramatiqRetries
 from ..config import Settings
 from ..errors import InvalidMessage
 from ..jobs.rows import NewJob
+from .unique import UNIQUE_SCOPE, unique_key, unique_of
 
 #: The range of ``priority`` (a PostgreSQL integer).
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
@@ -109,6 +110,8 @@ def idempotency_scope(namespace: str | None = None) -> str:
         return APPLICATION_SCOPE
     if "\x00" in namespace:
         raise ValueError("an idempotency scope cannot contain a NUL character")
+    if namespace == UNIQUE_SCOPE:
+        raise ValueError(f"the idempotency scope {UNIQUE_SCOPE!r} is the unique jobs' own")
     return str(namespace)
 
 
@@ -291,7 +294,8 @@ def job_from_message(
       actor_options(dict): the actor's options (``max_retries``), if the actor is known.
       default_max_retries(int): the ``max_retries`` of an actor that sets none, from
         :func:`default_max_retries` (None: unlimited).
-      scope(str): the idempotency scope (see :func:`idempotency_scope`).
+      scope(str): the idempotency scope (see :func:`idempotency_scope`); a unique job's
+        key has a scope of its own (see :mod:`.unique`).
       durable(bool): the broker's ``durable_sends``; the message's ``durable`` option wins.
 
     Returns:
@@ -320,6 +324,15 @@ def job_from_message(
     if max_retries is not None:
         _check_int("max_retries", max_retries, 0, UNLIMITED_ATTEMPTS - 1)
     key = _check_key(options.get("idempotency_key"))
+    unique, unique_for_ms = unique_of(options, actor_options or {})
+    if unique:
+        if key is not None:
+            raise InvalidMessage(
+                "a unique job cannot have an idempotency_key: its key is derived from its "
+                "actor, queue and arguments (send with unique=False to use your own key)"
+            )
+        # One key for every sender: the application's and the admin API's members alike.
+        key, scope = unique_key(message), UNIQUE_SCOPE
     durable = options.get("durable", durable)
     if not isinstance(durable, bool):
         raise InvalidMessage(f"durable must be True or False, got {durable!r}")
@@ -338,6 +351,7 @@ def job_from_message(
         idempotency_scope=scope,
         durable=durable,
         sent_at_ms=_sent_at_ms(message),
+        unique_for_ms=unique_for_ms,
     )
     return job, message
 

@@ -61,10 +61,13 @@ FOR UPDATE OF j
 
 -- move_to_history --
 -- A fragment, not a statement: the move of every job that ends (succeeded, failed or
--- cancelled), two CTEs of its statement. `done` deletes from jobs the rows j {:using}
+-- cancelled), three CTEs of its statement. `done` deletes from jobs the rows j {:using}
 -- and {:on} select, returning j.* and the {:returning} columns; `moved` inserts them into
 -- jobs_history as {finished_row: ...} with the statement's assignments to the job's
--- columns (its {:row}), returning the {:ended} columns. A statement writes, say,
+-- columns (its {:row}), returning the {:ended} columns; `freed` deletes the keys of the
+-- unique jobs that end (scope 'unique', see sending/unique.py), unless a unique_for
+-- period still runs: every exit frees them in the transaction that ends the job (a plain
+-- job's row fails the scope test, and job_keys is not read). A statement writes, say,
 -- {move_to_history: using = owned, on = j.id = owned.id, returning = owned.owner,
 -- status = 'succeeded'}, then reads `done` (and `moved`) in its own CTEs.
 done AS (
@@ -75,6 +78,13 @@ done AS (
     INSERT INTO {schema}.jobs_history ({job_columns})
     SELECT {finished_row: {:row}}
     FROM done{:ended}
+), freed AS (
+    DELETE FROM {schema}.job_keys AS k
+    USING done
+    WHERE done.idempotency_scope = 'unique'
+      AND k.actor_name = done.actor_name AND k.idempotency_scope = 'unique'
+      AND k.idempotency_key = done.idempotency_key AND k.job_id = done.id
+      AND (k.expires_at IS NULL OR k.expires_at <= coalesce(%(now)s::timestamptz, now()))
 )
 
 -- sent_columns --
@@ -109,8 +119,10 @@ NOT EXISTS (
 -- (insert_jobs, insert_staged_jobs), reading the rows to send from {:rows} (the send's
 -- fields and each row's position in the batch; an id {:cast} to uuid where it is text).
 new_keys AS (
-    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
-    SELECT actor_name, idempotency_scope, idempotency_key, id{:cast}
+    INSERT INTO {schema}.job_keys
+        (actor_name, idempotency_scope, idempotency_key, job_id, expires_at)
+    SELECT actor_name, idempotency_scope, idempotency_key, id{:cast},
+           coalesce(%(now)s::timestamptz, now()) + unique_for_ms * interval '1 millisecond'
     FROM {:rows}
     WHERE idempotency_key IS NOT NULL
     ORDER BY position
@@ -151,7 +163,10 @@ new_keys AS (
 -- execution even in a generic plan. Without a timestamp every partition is probed. A key
 -- is registered in job_keys, which holds it for its job's whole life: the job is inserted
 -- only if the key was new (keyed sends only; a real unique index, so no race with a move
--- to history can let a second job in). message_bytes is what workers decode; the jsonb view is for display only: it is
+-- to history can let a second job in). A unique job's key (scope 'unique') is a key like
+-- any other here, with the end of its unique_for period (NULL: none); it is freed when
+-- its job ends (move_to_history) or, failing that, by the next send that finds it
+-- (release_unique_key). message_bytes is what workers decode; the jsonb view is for display only: it is
 -- given when it differs from the bytes (a display-safe copy) and null when jsonb holds the
 -- bytes as they are: the view all_jobs parses them on read (migration 0018), so the
 -- message crosses the wire and lands in the row once.
@@ -160,8 +175,11 @@ new_keys AS (
 -- a caller's transaction always passes durable). A server crash can then lose the sends
 -- of its last moments (up to three times wal_writer_delay); nothing else changes.
 WITH new_key AS (
-    INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
-    SELECT %(actor_name)s, %(idempotency_scope)s, %(idempotency_key)s, %(id)s::uuid
+    INSERT INTO {schema}.job_keys
+        (actor_name, idempotency_scope, idempotency_key, job_id, expires_at)
+    SELECT %(actor_name)s, %(idempotency_scope)s, %(idempotency_key)s, %(id)s::uuid,
+           coalesce(%(now)s::timestamptz, now())
+               + %(unique_for_ms)s::bigint * interval '1 millisecond'
     WHERE %(idempotency_key)s::text IS NOT NULL
     ON CONFLICT DO NOTHING
     RETURNING job_id
@@ -221,6 +239,20 @@ WHERE k.idempotency_key = %(idempotency_key)s AND k.actor_name = %(actor_name)s
   AND k.idempotency_scope = %(idempotency_scope)s
   AND NOT EXISTS (SELECT 1 FROM {schema}.all_jobs AS j WHERE j.id = k.job_id)
 
+-- release_unique_key --
+-- The key of a unique job that is free to take again (see sending/unique.py): its job has
+-- ended (it is not in jobs: a move to history is one transaction, so the statement's
+-- snapshot sees it in one table or the other) and its unique_for period, if any, has run
+-- out. The move to history frees such a key itself; one is left when its period ran past
+-- the job's end, or when a worker of a release before 0024 ended the job. Returns the
+-- job the key was freed from; the send then inserts again.
+DELETE FROM {schema}.job_keys AS k
+WHERE k.idempotency_key = %(idempotency_key)s AND k.actor_name = %(actor_name)s
+  AND k.idempotency_scope = %(idempotency_scope)s
+  AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = k.job_id)
+  AND (k.expires_at IS NULL OR k.expires_at <= coalesce(%(now)s::timestamptz, now()))
+RETURNING k.job_id
+
 -- reenqueue_job --
 -- A message enqueued again with the id of a job that is waiting or running (a snooze:
 -- `broker.enqueue(message.copy(), delay=...)`): the row goes back to queued with the new
@@ -272,10 +304,10 @@ WITH given AS (
         %(id)s::uuid[], %(queue_name)s::text[], %(actor_name)s::text[],
         %(message)s::jsonb[], %(message_bytes)s::bytea[], %(priority)s::integer[],
         %(delay_ms)s::bigint[], %(max_attempts)s::integer[], %(idempotency_key)s::text[],
-        %(idempotency_scope)s::text[], %(sent_at_ms)s::bigint[]
+        %(idempotency_scope)s::text[], %(sent_at_ms)s::bigint[], %(unique_for_ms)s::bigint[]
     ) WITH ORDINALITY AS g (
         id, queue_name, actor_name, message, message_bytes, priority, delay_ms, max_attempts,
-        idempotency_key, idempotency_scope, sent_at_ms, position
+        idempotency_key, idempotency_scope, sent_at_ms, unique_for_ms, position
     )
 ), {insert_sent: rows = given}, woken AS (
     SELECT count(pg_notify(channel, '')) FROM unnest(%(channels)s::text[]) AS channel
@@ -307,9 +339,13 @@ COPY {schema}.job_events (job_id, type, attempt, created_at) FROM STDIN (FORMAT 
 -- The idempotency keys of the jobs copy_jobs wrote, registered as insert_jobs registers
 -- them, but with no ON CONFLICT: a key already held aborts with a unique violation, and
 -- the caller takes the resolving path (as for a conflict of copy_jobs itself).
-INSERT INTO {schema}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)
-SELECT * FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[],
-                     %(key_ids)s::uuid[])
+INSERT INTO {schema}.job_keys
+    (actor_name, idempotency_scope, idempotency_key, job_id, expires_at)
+SELECT actor_name, scope, key, job_id,
+       coalesce(%(now)s::timestamptz, now()) + period * interval '1 millisecond'
+FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[],
+            %(key_ids)s::uuid[], %(key_periods)s::bigint[])
+    AS k (actor_name, scope, key, job_id, period)
 
 -- copied_in_history --
 -- Whether a job just written by copy_jobs (%(ids)s) has its id in history (COPY cannot
@@ -355,7 +391,8 @@ $$
 CREATE TEMPORARY TABLE dramatiq_pg_broker_staged_jobs (
     id text, queue_name text, actor_name text, message jsonb, message_bytes bytea,
     priority integer, delay_ms bigint, max_attempts integer,
-    idempotency_key text, idempotency_scope text, sent_at_ms bigint, position bigint
+    idempotency_key text, idempotency_scope text, sent_at_ms bigint, unique_for_ms bigint,
+    position bigint
 ) ON COMMIT DROP
 
 -- copy_staged_jobs --
@@ -914,6 +951,10 @@ FROM changed
 -- could leave one, see DuplicateJobId) is not moved, which would give the id a second row
 -- in jobs or fail on its primary key: it is returned with skipped true (and no queue), so
 -- that the batches go on past it and the operator is told.
+-- A unique job takes its key back (retaken) if no other job holds it (or still holds it
+-- itself: a unique_for period not run out); if another unique job with the same
+-- arguments was sent since and holds it, the retried job runs without its key (the row
+-- keeps none: the operator asked for this job to run again, beside the newer one).
 WITH candidates AS (
     SELECT id, finished_at
     FROM {schema}.jobs_history
@@ -941,9 +982,21 @@ WITH candidates AS (
     USING picked
     WHERE h.id = picked.id AND h.status = 'failed' AND h.finished_at = picked.finished_at
     RETURNING h.*
+), retaken AS (
+    INSERT INTO {schema}.job_keys AS k (actor_name, idempotency_scope, idempotency_key, job_id)
+    SELECT actor_name, idempotency_scope, idempotency_key, id
+    FROM removed
+    WHERE idempotency_scope = 'unique' AND idempotency_key IS NOT NULL
+    ON CONFLICT (actor_name, idempotency_scope, idempotency_key)
+        DO UPDATE SET job_id = excluded.job_id WHERE k.job_id = excluded.job_id
+    RETURNING job_id
 ), moved AS (
     INSERT INTO {schema}.jobs ({job_columns})
     SELECT {job_row:
+        idempotency_key = CASE
+            WHEN idempotency_scope <> 'unique' OR id IN (SELECT job_id FROM retaken)
+            THEN idempotency_key
+        END,
         status = 'queued',
         available_at = coalesce(%(now)s::timestamptz, now()),
         attempts = 0,

@@ -1,0 +1,21 @@
+-- compatibility: compatible
+-- One nullable column on job_keys: earlier releases keep registering idempotency keys (their rows leave it empty, as before) and never read it; a unique job's key they leave behind when they finish it is freed by the next send that needs it.
+--
+-- 0024: unique jobs, a key derived from the job's actor, queue and arguments.
+--
+-- A send with the `unique` option registers a key in job_keys, as an idempotency key is
+-- registered, in the scope 'unique' (the key: a hash of the job's queue and arguments, see
+-- sending/unique.py). Unlike an idempotency key it is freed: when its job ends (every move
+-- to history deletes it in the same statement), or, with `unique_for`, once its job has
+-- ended and the period from its send has run out. expires_at is the end of that period
+-- (NULL: none); the idempotency keys of the application and of the admin API never get
+-- one, and are held for their job's whole life as before.
+--
+-- Locking and duration: adding a nullable column without a default is a catalog change
+-- only, under a brief ACCESS EXCLUSIVE lock on job_keys, which only keyed sends (one
+-- statement each), the moves to history and retention touch; nothing is scanned or
+-- rewritten.
+--
+-- Applied with search_path set to the broker's schema, so the names here are unqualified.
+
+ALTER TABLE job_keys ADD COLUMN expires_at timestamptz;

@@ -34,6 +34,7 @@ from ..errors import InvalidMessage
 from ..jobs.rows import UNIQUE_SCOPE
 
 __all__ = ["UNIQUE_OPTIONS", "UNIQUE_SCOPE", "unique_key", "unique_of"]
+
 #: The message and actor options of unique jobs (the broker declares them).
 UNIQUE_OPTIONS = frozenset({"unique", "unique_for"})
 #: The version of the key's encoding, its prefix.

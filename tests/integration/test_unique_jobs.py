@@ -338,6 +338,21 @@ def test_a_batch_and_enqueue_many_keep_one_job_per_arguments(broker, unique_task
     assert len(jobs_of(conn, schema, unique_task.actor_name)) == 3
 
 
+def test_a_bulk_send_through_copy_registers_each_key_with_its_period(
+    broker, unique_task, conn, schema
+):
+    sent = broker.enqueue_many(
+        [unique_task.message_with_options(args=(n,), unique_for=60_000) for n in range(250)]
+    )
+    assert len({m.message_id for m in sent}) == 250
+    keys = keys_of(conn, schema, unique_task.actor_name)
+    assert len(keys) == 250 and all(expires is not None for _, expires in keys)
+    again = broker.enqueue_many(
+        [unique_task.message_with_options(args=(n,), unique_for=60_000) for n in range(250)]
+    )
+    assert [m.message_id for m in again] == [m.message_id for m in sent]
+
+
 # -- races -----------------------------------------------------------------------------------
 
 
@@ -393,12 +408,15 @@ def test_concurrent_sends_in_transactions_make_exactly_one_job(
 
 
 def test_concurrent_sends_through_the_pool_make_exactly_one_job(broker, unique_task, conn, schema):
+    """The broker's own sends from many threads share statements (group commit): the
+    first of the group with the arguments makes the job, with its period."""
     barrier = threading.Barrier(THREADS)
     results: list[str] = []
 
     def send() -> None:
         barrier.wait(30)
-        results.append(unique_task.send_with_options(args=("pool",), unique=True).message_id)
+        sent = unique_task.send_with_options(args=("pool",), unique_for=600_000)
+        results.append(sent.message_id)
 
     threads = [threading.Thread(target=send) for _ in range(THREADS)]
     for t in threads:
@@ -407,6 +425,8 @@ def test_concurrent_sends_through_the_pool_make_exactly_one_job(broker, unique_t
         t.join(60)
     rows = jobs_of(conn, schema, unique_task.actor_name)
     assert len(rows) == 1 and set(results) == {rows[0][0]} and len(results) == THREADS
+    ((job_id, expires_at),) = keys_of(conn, schema, unique_task.actor_name)
+    assert job_id == rows[0][0] and expires_at is not None
 
 
 def _send_from_a_process(pg_url, schema, queue, actor_name, barrier, out) -> None:

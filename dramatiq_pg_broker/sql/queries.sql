@@ -983,10 +983,14 @@ WITH candidates AS (
     WHERE h.id = picked.id AND h.status = 'failed' AND h.finished_at = picked.finished_at
     RETURNING h.*
 ), retaken AS (
+    -- One job per key: a batch may retry two failed jobs of the same arguments (the
+    -- earlier failure takes the key), and one statement cannot write a key row twice.
     INSERT INTO {schema}.job_keys AS k (actor_name, idempotency_scope, idempotency_key, job_id)
-    SELECT actor_name, idempotency_scope, idempotency_key, id
+    SELECT DISTINCT ON (actor_name, idempotency_key)
+           actor_name, idempotency_scope, idempotency_key, id
     FROM removed
     WHERE idempotency_scope = 'unique' AND idempotency_key IS NOT NULL
+    ORDER BY actor_name, idempotency_key, finished_at, id
     ON CONFLICT (actor_name, idempotency_scope, idempotency_key)
         DO UPDATE SET job_id = excluded.job_id WHERE k.job_id = excluded.job_id
     RETURNING job_id

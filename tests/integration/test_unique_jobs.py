@@ -271,6 +271,20 @@ def test_an_operator_s_retry_takes_the_key_back_unless_a_newer_job_holds_it(
     assert unique_task.send_with_options(args=(3,), unique=True).message_id == newer.message_id
 
 
+def test_retrying_every_failed_job_gives_the_key_to_one_job_of_the_same_arguments(
+    broker, unique_task, queue, conn, schema
+):
+    failed = []
+    for _ in range(2):
+        failed.append(unique_task.send_with_options(args=(4,), unique=True).message_id)
+        _fail(broker, queue, failed[-1])
+    retried = [i for batch in broker.store.retry_all_failed(queue_name=queue) for i in batch]
+    assert sorted(retried) == sorted(failed)
+    keyed = {i: broker.store.get(i)["idempotency_key"] is not None for i in failed}
+    assert keyed == {failed[0]: True, failed[1]: False}, "the earlier failure takes the key"
+    assert [k for k, _ in keys_of(conn, schema, unique_task.actor_name)] == [failed[0]]
+
+
 # -- unique_for ----------------------------------------------------------------------------
 
 

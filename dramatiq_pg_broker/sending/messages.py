@@ -324,7 +324,9 @@ def job_from_message(
     if max_retries is not None:
         _check_int("max_retries", max_retries, 0, UNLIMITED_ATTEMPTS - 1)
     key = _check_key(options.get("idempotency_key"))
-    unique, unique_for_ms = unique_of(options, actor_options or {})
+    # A message's own idempotency key wins over its actor's unique option (a periodic
+    # schedule's tick key, say), as any message option wins over the actor's.
+    unique, unique_for_ms = unique_of(options, {} if key is not None else actor_options or {})
     if unique:
         if key is not None:
             raise InvalidMessage(

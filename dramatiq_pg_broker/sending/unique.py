@@ -51,6 +51,9 @@ def unique_of(options: dict[str, Any], actor_options: dict[str, Any]) -> tuple[b
     makes a job unique by itself; ``unique=False`` on a message turns off its actor's
     ``unique`` and ``unique_for`` alike.
 
+    A message with an ``idempotency_key`` of its own is not unique by its actor's options
+    (the caller passes no actor options then, see ``messages.job_from_message``).
+
     Raises:
       InvalidMessage: ``unique`` is not a bool, or ``unique_for`` not a whole number of
         milliseconds from 1 to ten years.

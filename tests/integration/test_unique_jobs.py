@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker import PostgresBroker, periodic
 from dramatiq_pg_broker.errors import InvalidMessage
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.sending.unique import UNIQUE_SCOPE, unique_key
@@ -153,7 +153,33 @@ def test_the_actor_option_makes_every_send_unique_and_a_message_can_turn_it_off(
     assert a.message_id == b.message_id
     c = always.send_with_options(args=(1,), unique=False)
     assert c.message_id != a.message_id
-    assert len(jobs_of(conn, schema, always.actor_name)) == 2
+    # A message's own key wins over the actor's option (a periodic schedule's tick key).
+    d = always.send_with_options(args=(1,), idempotency_key="tick-1")
+    e = always.send_with_options(args=(1,), idempotency_key="tick-1")
+    assert d.message_id == e.message_id and d.message_id not in {a.message_id, c.message_id}
+    assert len(jobs_of(conn, schema, always.actor_name)) == 3
+
+
+def test_a_periodic_schedule_of_a_unique_actor_sends_one_job_per_tick(pg_url, schema, queue, conn):
+    broker = PostgresBroker(url=pg_url, schema=schema, retention=False)
+    try:
+
+        @periodic(every=60)
+        @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"tick_{queue}", unique=True)
+        def ticking():
+            pass
+
+        scheduler = broker.periodic.new_scheduler()
+        minute = dt.datetime.now(dt.timezone.utc).replace(second=0, microsecond=0)
+        scheduler.register(broker.schedules[0], minute)
+        sent = [
+            scheduler.enqueue_tick(broker.schedules[0], tick).message_id
+            for tick in (minute, minute, minute + dt.timedelta(minutes=1))
+        ]
+    finally:
+        broker.close()
+    assert sent[0] == sent[1] != sent[2], "one job per tick, the tick's key deciding"
+    assert len(jobs_of(conn, schema, ticking.actor_name)) == 2
 
 
 def test_a_unique_job_in_another_queue_is_another_job(broker, unique_task, conn, schema):

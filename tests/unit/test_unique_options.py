@@ -49,6 +49,17 @@ def test_a_plain_send_s_row_has_no_key_and_no_period():
     assert (job.idempotency_key, job.idempotency_scope, job.unique_for_ms) == (None, "", None)
 
 
+def test_a_message_s_own_key_wins_over_its_actor_s_unique_option():
+    job, _ = messages.job_from_message(
+        message(idempotency_key="tick"), actor_options={"unique": True}, default_max_retries=3
+    )
+    assert (job.idempotency_key, job.idempotency_scope) == ("tick", "")
+    with pytest.raises(InvalidMessage, match="cannot have an idempotency_key"):
+        messages.job_from_message(
+            message(idempotency_key="tick", unique=True), default_max_retries=3
+        )
+
+
 def test_no_other_writer_can_take_the_unique_scope():
     with pytest.raises(ValueError, match="unique jobs' own"):
         messages.idempotency_scope(UNIQUE_SCOPE)

@@ -454,23 +454,39 @@ class CompletionBlock:
         if pinned is None:
             raise self._lost("its success cannot be written, and the block does not begin")
         check_database()
-        fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)
+        try:
+            fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)
+        except psycopg.errors.SerializationFailure as e:
+            # The lock itself may refuse a snapshot older than the row's latest version
+            # (whether it does depends on what else wrote the row meanwhile: the worker's
+            # lease renewal in flight when the block began). Once pinned, only an
+            # operator's abort writes the row; anything else means the same as a stale view.
+            if self._row_taken():
+                raise self._lost(
+                    "its success cannot be written, and the block does not begin"
+                ) from e
+            raise self._stale_snapshot(isolation) from e
         if not fresh:
             # (What an older snapshot says of the row's owner is of no use: the pin, just
             # before, found the attempt this worker's.)
-            raise TransactionError(
-                f"this complete_in() block is inside a {isolation.upper()} transaction that "
-                "read the database before the block began: its snapshot is older than the "
-                "job's row, which the worker writes while the actor runs (its start, its "
-                "lease), and PostgreSQL refuses, at this isolation level, the write of the "
-                "job's success on a row changed since the snapshot. Begin the transaction "
-                "with the block (no transaction open, or one that has read nothing yet, "
-                "when the block starts), or run it at READ COMMITTED"
-            )
+            raise self._stale_snapshot(isolation)
         if not owned:
             # An operator's abort came between the pin and the transaction's snapshot.
             raise self._lost("its success cannot be written, and the block does not begin")
         self._pinned = True
+
+    @staticmethod
+    def _stale_snapshot(isolation: str) -> TransactionError:
+        """The refusal of a block whose transaction took its snapshot before it began."""
+        return TransactionError(
+            f"this complete_in() block is inside a {isolation.upper()} transaction that "
+            "read the database before the block began: its snapshot is older than the "
+            "job's row, which the worker writes while the actor runs (its start, its "
+            "lease), and PostgreSQL refuses, at this isolation level, the write of the "
+            "job's success on a row changed since the snapshot. Begin the transaction "
+            "with the block (no transaction open, or one that has read nothing yet, "
+            "when the block starts), or run it at READ COMMITTED"
+        )
 
     def _before_commit(self, write: Callable[[], str | None]) -> None:
         """The application commits the block's transaction from inside the block

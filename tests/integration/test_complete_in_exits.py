@@ -224,6 +224,43 @@ def test_an_exception_right_after_the_pin_leaves_the_attempt_unmarked(
     assert row[1] == 1 and effects() == [(message.message_id, 1)]
 
 
+@pytest.mark.parametrize("level", STRICT)
+def test_a_stale_snapshot_refused_by_the_row_s_lock_itself_is_named_as_such(
+    h, conn, schema, store, effects, pg_url, app_sessions, monkeypatch, level
+):
+    """A transaction that read before the block: the lock of the job's row may raise the
+    serialization failure itself, rather than say the snapshot misses the pinned version
+    (as it did on a loaded machine, a lease renewal in flight when the snapshot was
+    taken). The block is refused with the TransactionError that names the level, as when
+    the lock answers, and writes nothing."""
+    broker = h.broker()
+
+    def lock_refused(*args, **kwargs):
+        raise psycopg.errors.SerializationFailure(
+            "could not serialize access due to concurrent update"
+        )
+
+    monkeypatch.setattr(broker.store, "lock_for_completion", lock_refused)
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"lock_{h.queue}", max_retries=0)
+    def work():
+        job = current_job()
+        with psycopg.connect(pg_url, application_name=APP) as app:
+            app.isolation_level = level_of(level)
+            with app.transaction():
+                app.execute("SELECT 1")
+                with job.complete_in(app):
+                    app.execute(effects.insert, (job.id, job.attempt))
+
+    message = work.send()
+    h.start(broker)
+    wait_status(store, conn, schema, message.message_id, "failed")
+    error = store.get(message.message_id)["last_error"]
+    assert "TransactionError" in error and level.upper() in error, error
+    assert "read the database before the block began" in error, error
+    assert effects() == []
+
+
 # -- the lease after a block that raised -------------------------------------------------------
 
 

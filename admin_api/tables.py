@@ -61,6 +61,8 @@ def _job_columns(*, primary_key: bool) -> list[Column]:
         # Who asked for the job's abort, and when (0011).
         Column("abort_requested_at", Timestamp),
         Column("abort_requested_by", Text),
+        # The workflow step the job runs (0025; null for a job outside a workflow).
+        Column("workflow_node", UUID(as_uuid=False)),
     ]
 
 

@@ -22,10 +22,14 @@ from .errors import (
     MigrationChecksumError,
     MigrationError,
     MigrationsPending,
+    NotAWorkflowStep,
     PgBrokerError,
     SchemaMissing,
     SchemaVersionError,
     TransactionError,
+    WorkflowInvalidTransition,
+    WorkflowNotFound,
+    WorkflowTimeout,
 )
 from .history.retention import RetentionPolicy
 from .jobs.rows import Attempt
@@ -37,6 +41,7 @@ from .jobs.store import JobStore
 from .periodic import Schedule, periodic
 from .sending.async_sending import send_async, send_with_options_async
 from .version import __version__  # noqa: F401
+from .workflows import Workflow, WorkflowRun, workflow
 
 __all__ = [
     "AmbiguousJobId",
@@ -68,9 +73,16 @@ __all__ = [
     "SchemaMissing",
     "SchemaVersionError",
     "TransactionError",
+    "NotAWorkflowStep",
+    "Workflow",
+    "WorkflowInvalidTransition",
+    "WorkflowNotFound",
+    "WorkflowRun",
+    "WorkflowTimeout",
     "Settings",
     "current_job",
     "periodic",
+    "workflow",
     "send_async",
     "send_with_options_async",
 ]

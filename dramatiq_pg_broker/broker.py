@@ -45,6 +45,8 @@ from .sending import messages
 from .sending.blocks import Batch
 from .sending.sender import Sender, TransactionBlock
 from .sending.unique import UNIQUE_OPTIONS
+from .workflows.runs import store_of
+from .workflows.steps import WorkflowSteps
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +247,8 @@ class PostgresBroker(dramatiq.Broker):
         self.add_middleware(self.periodic)
         self.add_middleware(self.queue_limits)
         self.add_middleware(self.presence)
+        #: A workflow step's piped input and result (see :mod:`.workflows`).
+        self.add_middleware(WorkflowSteps(store_of(self)))
         # Last, so that its after-hooks run first (see AbortGuard).
         self.add_middleware(AbortGuard(self.ledger))
         for schedule in schedules or ():

@@ -99,6 +99,30 @@ class InvalidTransition(PgBrokerError):
         super().__init__(f"job {job_id} is {status}: only {allowed} jobs can be {done}")
 
 
+class WorkflowNotFound(JobNotFound):
+    """No workflow has this id."""
+
+
+class WorkflowInvalidTransition(InvalidTransition):
+    """The workflow is not in a status that allows this change."""
+
+    def __init__(self, workflow_id: object, status: str, done: str, allowed: str) -> None:
+        self.job_id = workflow_id
+        self.workflow_id = workflow_id
+        self.status = status
+        PgBrokerError.__init__(
+            self, f"workflow {workflow_id} is {status}: only {allowed} workflows can be {done}"
+        )
+
+
+class WorkflowTimeout(PgBrokerError):
+    """The workflow did not end within the time given to wait for it."""
+
+
+class NotAWorkflowStep(PgBrokerError):
+    """spawn() adds children to a workflow's step: the current job is not one."""
+
+
 class DuplicateJobId(InvalidTransition):
     """A job id has more than one row (queued or running in jobs and finished in history,
     or finished twice in history), which earlier releases could leave: the job is not

@@ -104,6 +104,8 @@ class CurrentJob:
     def __init__(self, parts: CurrentParts, message: PgMessageProxy) -> None:
         self.parts = parts
         self.message = message
+        #: Children spawned by this attempt so far (each one's id follows from its rank).
+        self._spawned = 0
 
     @property
     def id(self) -> str:
@@ -192,6 +194,29 @@ class CurrentJob:
         from .completion import CompletionBlock
 
         return CompletionBlock(self, conn)
+
+    def spawn(self, *messages: dramatiq.Message) -> list[dramatiq.Message]:
+        """Add children to this workflow step and send their jobs: the next step waits
+        for them as for this one (fan-out decided at run time). Children are ordinary
+        messages (``actor.message(...)``); their results are not piped on. An attempt
+        that runs again spawns nothing twice: the nth child of a step has the same id in
+        every attempt.
+
+        Parameters:
+          messages: the children's messages.
+
+        Returns:
+          list[Message]: the children as sent (their ids are their jobs').
+
+        Raises:
+          NotAWorkflowStep: this job is not a workflow's step.
+          WorkflowInvalidTransition: the step's part of the workflow is over.
+        """
+        from ..workflows.runs import store_of
+        from ..workflows.steps import spawn
+
+        broker = self.parts.actors[self.message.actor_name].broker
+        return spawn(self, store_of(broker), self.parts.sender, messages)
 
     @property
     def abort_requested(self) -> bool:

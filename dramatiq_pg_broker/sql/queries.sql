@@ -27,7 +27,8 @@
 id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
 attempts, max_attempts, idempotency_key, locked_by, locked_until, last_error, result,
 created_at, updated_at, started_at, finished_at, started, failures, interruptions,
-idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by
+idempotency_scope, abandoned_claims, abort_requested_at, abort_requested_by,
+workflow_node
 
 -- finished_row --
 -- A fragment, not a statement: what every move to history writes on the row of a job

@@ -21,6 +21,7 @@ ROOMS = (
     "jobs",
     "control",
     "sending",
+    "workflows",
     "attempt",
     "backends",
     "health",

@@ -1,0 +1,175 @@
+-- Named statements of workflows (dramatiq_pg_broker.workflows). Same layout as
+-- queries.sql. A workflow moves on in the database, in the transaction that ends each of
+-- its jobs (the trigger of migration 0025, workflow_job_ended); these statements create
+-- it, spawn children, pass results on, and carry out an operator's abort and retry. Every
+-- start of a step's job is the function workflow_start_node, whoever starts it.
+
+-- insert_workflow --
+-- A new workflow, running; remaining: its last nodes (those nothing waits for).
+INSERT INTO {schema}.workflows (id, name, remaining, created_by)
+VALUES (%(id)s, %(name)s, %(remaining)s, %(created_by)s)
+
+-- insert_node --
+-- One node of a workflow, pending, with the job row it sends when it starts.
+INSERT INTO {schema}.workflow_nodes (
+    id, workflow_id, step, position, parent_id, waiting, dependents, job_id, queue_name,
+    actor_name, message, message_bytes, priority, max_attempts, channel, input)
+VALUES (
+    %(id)s, %(workflow_id)s, %(step)s, %(position)s, %(parent_id)s, %(waiting)s,
+    %(dependents)s::uuid[], %(job_id)s, %(queue_name)s, %(actor_name)s, %(message)s::jsonb,
+    %(message_bytes)s, %(priority)s, %(max_attempts)s, %(channel)s, %(input)s::jsonb)
+ON CONFLICT (id) DO NOTHING
+RETURNING id
+
+-- start_nodes --
+-- Send the jobs of these nodes (each a pending node of a running workflow; others are
+-- left). Returns the nodes that started.
+SELECT node FROM unnest(%(ids)s::uuid[]) AS node
+WHERE {schema}.workflow_start_node(node)
+
+-- lock_spawning_node --
+-- The node whose actor spawns children, locked until the spawn commits (two spawns of
+-- one node, or its job's end, wait for each other), with what its children inherit.
+-- No row: no such node, or its part of the workflow is over.
+SELECT n.workflow_id, n.step, w.status,
+       (SELECT max(position) FROM {schema}.workflow_nodes WHERE workflow_id = n.workflow_id)
+FROM {schema}.workflow_nodes AS n
+JOIN {schema}.workflows AS w ON w.id = n.workflow_id
+WHERE n.id = %(id)s AND n.status = 'running'
+FOR UPDATE OF n
+
+-- add_children --
+-- The node waits for `count` more children.
+UPDATE {schema}.workflow_nodes SET open = open + %(count)s, updated_at = now()
+WHERE id = %(id)s
+
+-- node_input --
+-- How a node's piped input is made, and the results of the nodes it is made of.
+SELECT n.input, array_agg(s.id::text ORDER BY s.id), array_agg(s.result ORDER BY s.id)
+FROM {schema}.workflow_nodes AS n
+LEFT JOIN {schema}.workflow_nodes AS s
+    ON s.workflow_id = n.workflow_id AND s.id::text = ANY(%(sources)s::text[])
+WHERE n.id = %(id)s
+GROUP BY n.input
+
+-- store_node_result --
+-- The result of a node's actor, encoded, kept for the nodes that take it as input (its
+-- current job's only: a retried node's earlier job writes nothing).
+UPDATE {schema}.workflow_nodes SET result = %(result)s, updated_at = now()
+WHERE id = %(id)s AND job_id = %(job_id)s
+
+-- workflow_status --
+-- A workflow's status (running, succeeded, failed, cancelled).
+SELECT status FROM {schema}.workflows WHERE id = %(id)s
+
+-- find_workflow --
+-- A workflow by its id or the start of it (8 hex characters at least).
+SELECT id::text FROM {schema}.workflows
+WHERE id::text LIKE %(prefix)s || '%%'
+ORDER BY id
+LIMIT 2
+
+-- list_workflows --
+-- The newest workflows first, with how many of their nodes are in each status; filtered
+-- by status and by who created them when given; keyset pages by (created_at, id).
+SELECT w.id::text, w.name, w.status, w.created_by, w.created_at, w.updated_at,
+       w.finished_at, w.error,
+       count(n.id) AS nodes,
+       count(n.id) FILTER (WHERE n.status = 'succeeded') AS succeeded,
+       count(n.id) FILTER (WHERE n.status = 'running') AS running,
+       count(n.id) FILTER (WHERE n.status = 'pending') AS pending,
+       count(n.id) FILTER (WHERE n.status = 'failed') AS failed,
+       count(n.id) FILTER (WHERE n.status = 'cancelled') AS cancelled
+FROM {schema}.workflows AS w
+LEFT JOIN {schema}.workflow_nodes AS n ON n.workflow_id = w.id
+WHERE (%(status)s::text IS NULL OR w.status = %(status)s)
+  AND (%(created_by)s::text IS NULL OR w.created_by = %(created_by)s)
+  AND (%(before_at)s::timestamptz IS NULL OR (w.created_at, w.id) < (%(before_at)s, %(before_id)s::uuid))
+GROUP BY w.id
+ORDER BY w.created_at DESC, w.id DESC
+LIMIT %(limit)s
+
+-- get_workflow --
+-- A workflow's row.
+SELECT id::text, name, status, created_by, created_at, updated_at, finished_at,
+       ended_by_job::text, error, cancelled_by, remaining
+FROM {schema}.workflows WHERE id = %(id)s
+
+-- workflow_nodes --
+-- Every node of a workflow in its order, with its current job's status (unfinished in
+-- jobs, finished in history, or none yet).
+SELECT n.id::text, n.step, n.position, n.parent_id::text, n.status, n.waiting, n.open,
+       n.dependents::text[], n.job_id::text, n.queue_name, n.actor_name,
+       coalesce(j.status, h.status) AS job_status, coalesce(j.attempts, h.attempts),
+       coalesce(j.last_error, h.last_error), n.input, n.updated_at
+FROM {schema}.workflow_nodes AS n
+LEFT JOIN {schema}.jobs AS j ON j.id = n.job_id
+LEFT JOIN LATERAL (
+    SELECT status, attempts, last_error FROM {schema}.jobs_history AS h
+    WHERE h.id = n.job_id AND j.id IS NULL
+    ORDER BY finished_at DESC LIMIT 1
+) AS h ON true
+WHERE n.workflow_id = %(id)s
+ORDER BY n.position, n.id
+
+-- workflow_of_job --
+-- The workflow a job belongs to, if any (a node's current or earlier job).
+SELECT n.workflow_id::text, n.id::text
+FROM {schema}.all_jobs AS j
+JOIN {schema}.workflow_nodes AS n ON n.id = j.workflow_node
+WHERE j.id = %(job_id)s
+LIMIT 1
+
+-- cancel_workflow --
+-- running -> cancelled by an operator: the nodes that have not started never will.
+-- Returns the jobs of its running nodes, which the operator's abort then ends, and the
+-- status it had.
+WITH w AS (
+    SELECT id, status FROM {schema}.workflows WHERE id = %(id)s FOR UPDATE
+), cancelled AS (
+    UPDATE {schema}.workflows AS u
+    SET status = 'cancelled', cancelled_by = %(by)s, updated_at = now(), finished_at = now()
+    FROM w WHERE u.id = w.id AND w.status = 'running'
+    RETURNING u.id
+), pending AS (
+    UPDATE {schema}.workflow_nodes AS n SET status = 'cancelled', updated_at = now()
+    FROM cancelled WHERE n.workflow_id = cancelled.id AND n.status = 'pending'
+)
+SELECT w.status, EXISTS (SELECT 1 FROM cancelled),
+       ARRAY(SELECT job_id::text FROM {schema}.workflow_nodes
+             WHERE workflow_id = w.id AND status = 'running' ORDER BY position)
+FROM w
+
+-- lock_workflow --
+-- A workflow's status, its row locked until the operator's change commits.
+SELECT status FROM {schema}.workflows WHERE id = %(id)s FOR UPDATE
+
+-- nodes_to_retry --
+-- The failed and cancelled nodes of a workflow, with their job rows to send again and
+-- whether their job was ever sent (a row in jobs or history).
+SELECT n.id::text, n.job_id::text, n.message_bytes, n.message,
+       EXISTS (SELECT 1 FROM {schema}.all_jobs AS j WHERE j.id = n.job_id)
+FROM {schema}.workflow_nodes AS n
+WHERE n.workflow_id = %(id)s AND n.status IN ('failed', 'cancelled')
+ORDER BY n.position
+
+-- renew_node --
+-- A failed or cancelled node is pending again, with a new job (another message id) when
+-- its job was sent.
+UPDATE {schema}.workflow_nodes
+SET status = 'pending', job_id = %(job_id)s, message_bytes = %(message_bytes)s,
+    message = %(message)s::jsonb, result = NULL, updated_at = now()
+WHERE id = %(id)s
+
+-- reopen_workflow --
+-- failed or cancelled -> running by an operator; returns the nodes ready to start.
+WITH reopened AS (
+    UPDATE {schema}.workflows
+    SET status = 'running', finished_at = NULL, ended_by_job = NULL, error = NULL,
+        cancelled_by = NULL, updated_at = now()
+    WHERE id = %(id)s
+    RETURNING id
+)
+SELECT n.id::text FROM {schema}.workflow_nodes AS n JOIN reopened ON n.workflow_id = reopened.id
+WHERE n.status = 'pending' AND n.waiting = 0
+ORDER BY n.position

@@ -1,0 +1,99 @@
+"""The worker's side of a workflow's steps: the piped input in, the result out, and
+children spawned at run time."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import dramatiq
+from dramatiq.middleware import Middleware
+
+from ..errors import InvalidMessage, NotAWorkflowStep
+from .building import INPUT_OPTION, NODE_OPTION, Node, build_input, input_sources
+from .store import WorkflowStore, decode_result, encode_result
+
+logger = logging.getLogger("dramatiq_pg_broker.workflows")
+
+#: The namespace of the ids of spawned children: an attempt that runs again spawns the
+#: same ids (the nth child of a node is always the same node), so that it adds nothing.
+_SPAWN_NAMESPACE = uuid.UUID("0f7d1c34-5a0e-4e52-9d0c-6a3f1b8e2d71")
+
+
+class WorkflowSteps(Middleware):
+    """Installed by the broker. For a message of a workflow's step only (its options name
+    its node; every other message passes through untouched, with no statement):
+
+    - before its actor runs, the previous step's result is appended to its arguments
+      (unless its message asked ``pipe_ignore``);
+    - after its actor returned, the result is stored on its node, before the worker writes
+      the job's success (whose transaction moves the workflow on).
+
+    Parameters:
+      store(WorkflowStore): the workflows of the broker's schema.
+    """
+
+    def __init__(self, store: WorkflowStore) -> None:
+        self.store = store
+
+    def before_process_message(self, broker, message) -> None:
+        options = message.options
+        if NODE_OPTION not in options or not options.get(INPUT_OPTION):
+            return
+        node = options[NODE_OPTION]
+        spec, _ = self.store.node_input(node, [])
+        if spec is None:
+            return
+        _, results = self.store.node_input(node, input_sources(spec))
+        value = build_input(spec, {k: decode_result(v) for k, v in results.items()})
+        inner = message._message
+        message._message = inner.copy(args=(*inner.args, value))
+
+    def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
+        node = message.options.get(NODE_OPTION)
+        if node is None or exception is not None:
+            return
+        data = encode_result(result)
+        if data is None and result is not None:
+            logger.warning(
+                "The result of job %s (workflow step %s) cannot be encoded; the next step "
+                "gets None.",
+                message.message_id,
+                node,
+            )
+        self.store.store_result(node, message.message_id, data)
+
+
+def spawn(current: Any, store: WorkflowStore, sender: Any, messages: tuple) -> list:
+    """:meth:`CurrentJob.spawn <dramatiq_pg_broker.CurrentJob.spawn>`."""
+    parent = current.message.options.get(NODE_OPTION)
+    if parent is None:
+        raise NotAWorkflowStep(
+            f"job {current.id} is not a workflow's step: spawn() adds children to one"
+        )
+    children = []
+    for message in messages:
+        if not isinstance(message, dramatiq.Message):
+            raise InvalidMessage(
+                f"spawn() takes messages (actor.message(...)), not {type(message).__name__}"
+            )
+        current._spawned += 1
+        name = f"{parent}/{current._spawned}"
+        node_id = str(uuid.uuid5(_SPAWN_NAMESPACE, name))
+        job_id = str(uuid.uuid5(_SPAWN_NAMESPACE, name + "/job"))
+        options = {k: v for k, v in message.options.items() if k != "pipe_target"}
+        options[NODE_OPTION] = node_id
+        child = dramatiq.Message(
+            queue_name=message.queue_name,
+            actor_name=message.actor_name,
+            args=tuple(message.args),
+            kwargs=dict(message.kwargs),
+            options=options,
+            message_id=job_id,
+            message_timestamp=message.message_timestamp,
+        )
+        node = Node(id=node_id, message=child, step=0, position=0, waits_for=[], input=None)
+        children.append((node, sender.job_for(child)[0]))
+    store.spawn(parent, children)
+    return [node.message for node, _ in children]

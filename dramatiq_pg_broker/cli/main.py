@@ -617,6 +617,7 @@ def _everywhere(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .control import add_control_commands
     from .jobs import add_operator_commands
+    from .workflows import add_workflow_commands
 
     parser = OneLineErrorParser(
         prog="dramatiq-pg-broker", description="Operate the dramatiq-pg-broker database."
@@ -629,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embedded_commands(sub)
     add_operator_commands(sub)
     add_control_commands(sub)
+    add_workflow_commands(sub)
     add_doctor_command(sub)
     add_entry_point_commands(sub)
     _everywhere(parser)

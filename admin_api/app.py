@@ -62,6 +62,7 @@ from .resources.sessions import Login, Logout, Me
 from .resources.settings import Config
 from .resources.users import TokenDetail, UserDetail, UserList, UserTokens
 from .resources.workers import ActorList, WorkerList
+from .resources.workflows import AbortWorkflow, RetryWorkflow, WorkflowDetail, WorkflowList
 from .schema_check import SchemaCheck
 from .throttle import LoginThrottle
 
@@ -94,6 +95,10 @@ API = (
     ResumeQueue,
     QueueLimit,
     RequeueExpired,
+    WorkflowList,
+    WorkflowDetail,
+    AbortWorkflow,
+    RetryWorkflow,
     WorkerList,
     ActorList,
     EventFeed,

@@ -180,6 +180,11 @@ PATH_PARAMETERS = {
         {"type": "string", "format": "uuid"},
         lambda raw: refuse("job id", read_uuid, raw),
     ),
+    "workflow_id": PathParameter(
+        "The workflow's id.",
+        {"type": "string", "format": "uuid"},
+        lambda raw: refuse("workflow id", read_uuid, raw),
+    ),
     "user_id": PathParameter("The user's id.", {"type": "integer", "minimum": 0}, _id("user")),
     "token_id": PathParameter("The token's id.", {"type": "integer", "minimum": 0}, _id("token")),
     "queue_name": PathParameter(

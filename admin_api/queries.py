@@ -83,6 +83,7 @@ JOB_COLUMNS = (
     "finished_at",
     "abort_requested_at",
     "abort_requested_by",
+    "workflow_node",
 )
 
 #: The columns of a job list row: the job's page has the rest. The arguments and the last

@@ -515,3 +515,77 @@ WorkerList = _list_of(Worker)
 ActorList = _list_of(Actor)
 UserList = _list_of(User)
 TokenList = _list_of(Token)
+
+
+WorkflowStatus = Literal["running", "succeeded", "failed", "cancelled"]
+StepStatus = Literal["pending", "running", "succeeded", "failed", "cancelled"]
+
+
+class WorkflowSteps(BaseModel):
+    """How many of a workflow's steps (nodes: one job each) are in each status."""
+
+    pending: int
+    running: int
+    succeeded: int
+    failed: int
+    cancelled: int
+
+
+class WorkflowSummary(BaseModel):
+    """A workflow as a list shows it."""
+
+    id: uuid.UUID
+    name: str | None
+    status: WorkflowStatus
+    created_by: str | None = Field(description="Who ran it (a user id), when it was given.")
+    created_at: Time
+    updated_at: Time
+    finished_at: Time | None
+    error: str | None = Field(description="The error of the step's job that failed it.")
+    nodes: int = Field(description="Its steps' jobs, spawned children included.")
+    steps: WorkflowSteps
+
+
+class WorkflowPage(BaseModel):
+    """Workflows, newest first."""
+
+    results: list[WorkflowSummary]
+
+
+class WorkflowNode(BaseModel):
+    """One step's job: a message of the workflow, or a child a step spawned."""
+
+    id: uuid.UUID = Field(description="The node's id (a retried node keeps it).")
+    step: int = Field(description="The top-level step it belongs to, from 0.")
+    position: int = Field(description="Its place in the workflow's order.")
+    parent: uuid.UUID | None = Field(description="The node whose actor spawned it.")
+    status: StepStatus
+    waiting_for: int = Field(description="How many nodes it still waits for.")
+    open: int = Field(description="Its own job and its spawned children not done yet.")
+    dependents: list[uuid.UUID] = Field(description="The nodes that wait for it.")
+    job_id: uuid.UUID = Field(description="Its current job (a new one after a retry).")
+    queue_name: str
+    actor_name: str
+    job_status: Literal[STATUSES] | None = Field(description="Its job's status; null: not sent.")
+    attempts: int | None
+    last_error: str | None
+    input: Any = Field(description="How its piped input is made: null, {one: node} or "
+                       "{list: [...]}.")  # fmt: skip
+    updated_at: Time
+
+
+class WorkflowDetail(BaseModel):
+    """A workflow and every step, in order."""
+
+    id: uuid.UUID
+    name: str | None
+    status: WorkflowStatus
+    created_by: str | None
+    created_at: Time
+    updated_at: Time
+    finished_at: Time | None
+    ended_by_job: uuid.UUID | None = Field(description="The job whose failure ended it.")
+    error: str | None
+    cancelled_by: str | None
+    remaining: int = Field(description="Its last steps not done yet.")
+    nodes: list[WorkflowNode]

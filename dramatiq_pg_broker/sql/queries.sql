@@ -1180,7 +1180,8 @@ WHERE h.id = ANY(%(ids)s::uuid[]) AND h.status = %(status)s AND h.attempts = o.a
 -- One job row, unfinished or finished (the view all_jobs reads both tables).
 SELECT id, queue_name, actor_name, message, message_bytes, status, priority, available_at,
        attempts, max_attempts, failures, interruptions, abandoned_claims, started, idempotency_key, locked_by, locked_until, last_error, result,
-       created_at, updated_at, started_at, finished_at, abort_requested_at, abort_requested_by
+       created_at, updated_at, started_at, finished_at, abort_requested_at, abort_requested_by,
+       workflow_node
 FROM {schema}.all_jobs
 WHERE id = %(id)s
 

@@ -128,6 +128,33 @@ class AdminEnv:
 
     # -- jobs in each state, through the state machine -------------------------------------
 
+    def workflow(self, *, cancelled: bool = False, created_by: str | None = None) -> str:
+        """A workflow of one step (its job queued), cancelled when asked; its id."""
+        import dramatiq
+
+        from dramatiq_pg_broker.sending import messages
+        from dramatiq_pg_broker.workflows.building import NODE_OPTION, Node
+        from dramatiq_pg_broker.workflows.store import WorkflowStore
+
+        store = WorkflowStore(self.pool, self.settings.schema)
+        node_id = str(uuid.uuid4())
+        message = dramatiq.Message("walk", "tests.noop", (), {}, {NODE_OPTION: node_id})
+        stored = messages.encode(message)
+        job = NewJob(
+            message.message_id,
+            "walk",
+            "tests.noop",
+            message=stored.view,
+            message_bytes=stored.data,
+            max_attempts=1,
+        )
+        workflow_id = str(uuid.uuid4())
+        node = Node(node_id, message, 0, 0, [], None)
+        store.create(workflow_id, [(node, job)], 1, name="walk", created_by=created_by)
+        if cancelled:
+            store.abort(workflow_id, self.store, by="tests")
+        return workflow_id
+
     def enqueue(self, actor: str = "tests.noop", queue: str | None = None, **fields: Any) -> str:
         """A queued job, through the state machine; its queue is declared (as a worker of
         the queue would have done)."""
@@ -291,6 +318,8 @@ class Walk:
                 "queues/{queue_name}/pause",
                 "queues/{queue_name}/resume",
                 "queues/{queue_name}/requeue-expired",
+                "workflows/{workflow_id}/abort",
+                "workflows/{workflow_id}/retry",
             )
         },
     }
@@ -315,6 +344,7 @@ class Walk:
             "{queue_name}": self.queue,
             "{job_id}": job_id,
             "{user_id}": lambda: str(env.users["viewer"].id),
+            "{workflow_id}": lambda: env.workflow(cancelled=template.endswith("/retry")),
             "{token_id}": lambda: str(
                 env.accounts.create_token(env.users["viewer"].id, "walk").token.id
             ),

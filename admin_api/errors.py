@@ -28,6 +28,7 @@ from dramatiq_pg_broker.errors import (
     QueueNotDeclared,
     SchemaMissing,
     SchemaVersionError,
+    WorkflowNotFound,
 )
 
 from .accounts import (
@@ -169,6 +170,7 @@ def add_error_handlers(app: falcon.App) -> None:
     # The most generic first: Falcon picks the handler of the nearest base class.
     app.add_error_handler(Exception, _internal)
     app.add_error_handler(JobNotFound, _raise(404, "{ex}: check the job id."))
+    app.add_error_handler(WorkflowNotFound, _raise(404, "{ex}: check the workflow id."))
     app.add_error_handler(InvalidTransition, _raise(409, "{ex}."))
     app.add_error_handler(JobBusy, _raise(409, "{ex}."))
     app.add_error_handler(QueueNotDeclared, _raise(404, "{ex}."))

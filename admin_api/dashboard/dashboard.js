@@ -283,6 +283,7 @@ function route() {
   const path = location.pathname.replace(/\/+$/, "");
   const jobMatch = path.match(/^\/dashboard\/jobs\/([^/]+)$/);
   const queueMatch = path.match(/^\/dashboard\/queues\/([^/]+)$/);
+  const workflowMatch = path.match(/^\/dashboard\/workflows\/([^/]+)$/);
   let section = "overview";
   let run;
   const named = (match, what, page) => {
@@ -297,6 +298,12 @@ function route() {
   if (jobMatch) {
     section = "jobs";
     run = named(jobMatch, "job", jobPage);
+  } else if (workflowMatch) {
+    section = "workflows";
+    run = named(workflowMatch, "workflow", workflowPage);
+  } else if (path === "/dashboard/workflows") {
+    section = "workflows";
+    run = workflowsPage;
   } else if (queueMatch && OBSERVERS.includes(me.role)) {
     run = named(queueMatch, "queue", queuePage);
   } else if (path === "/dashboard/jobs" || !OBSERVERS.includes(me.role)) {
@@ -840,6 +847,7 @@ async function jobPage(jobId) {
     throw error;
   }
   renderJob(job, events.results);
+  workflowField(job).catch(failed);
   // A finished job changes only by an operator's action here (Retry reloads the page).
   if (FINISHED.includes(job.status)) return stopPolling();
   schedule(async function pollJob() {
@@ -853,6 +861,7 @@ async function jobPage(jobId) {
     // Leave the page alone while a confirmation is open.
     if (document.getElementById("confirm").open) return true;
     renderJob(fresh, freshEvents.results);
+    workflowField(fresh).catch(failed);
     return !FINISHED.includes(fresh.status);
   }, JOB_EVERY_MS);
 }
@@ -1052,3 +1061,187 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("loading").remove();
   start();
 });
+
+// -- workflows ---------------------------------------------------------------------------
+
+const WORKFLOW_EVERY_MS = 2000; // a workflow's page while it runs
+// The colours of a workflow's steps by status (a step's job has its own state on its page).
+const STEP_COLOURS = {
+  pending: "#8c959f", running: "#0969da", succeeded: "#1a7f37", failed: "#b42318", cancelled: "#57606a",
+};
+
+function workflowAddress(id) {
+  return "/dashboard/workflows/" + encodeURIComponent(id);
+}
+
+function workflowBadge(status) {
+  return el("span", { class: "badge s-" + status, id: "workflow-status", "data-status": status, text: status });
+}
+
+async function workflowsPage() {
+  const body = el("tbody", {});
+  setView("Workflows",
+    el("h1", { text: "Workflows" }),
+    el("table", { id: "workflows" },
+      el("thead", {}, el("tr", {}, ["Workflow", "Name", "Status", "Steps done", "Created", "Finished"].map((h) => el("th", { text: h })))),
+      body));
+  async function refresh() {
+    const page = await api("GET", "/api/workflows?limit=100");
+    body.replaceChildren(...page.results.map((w) => el("tr", { "data-workflow": w.id },
+      el("td", {}, el("a", { class: "mono", href: workflowAddress(w.id), text: w.id.slice(0, 8) })),
+      el("td", {}, nameCell(w.name || "")),
+      el("td", {}, workflowBadge(w.status)),
+      el("td", { text: `${w.steps.succeeded} of ${w.nodes}` }),
+      el("td", {}, timeText(w.created_at)),
+      el("td", {}, timeText(w.finished_at)))));
+    if (!page.results.length) body.append(el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No workflow yet." })));
+  }
+  await refresh();
+  schedule(refresh, LIST_EVERY_MS);
+}
+
+// Each node's column: one after the deepest node it waits for; a spawned child sits in its
+// parent's column, below the steps.
+function workflowColumns(nodes) {
+  const before = new Map(nodes.map((n) => [n.id, []]));
+  for (const node of nodes) for (const next of node.dependents) before.get(next)?.push(node.id);
+  const column = new Map();
+  for (const node of nodes) { // nodes come in order: every node after those it waits for
+    if (node.parent) continue;
+    const waits = before.get(node.id);
+    column.set(node.id, waits.length ? Math.max(...waits.map((id) => column.get(id) ?? 0)) + 1 : 0);
+  }
+  for (const node of nodes) if (node.parent) column.set(node.id, column.get(node.parent) ?? 0);
+  return column;
+}
+
+function drawWorkflow(flow) {
+  const nodes = flow.nodes;
+  const column = workflowColumns(nodes);
+  const rows = new Map();
+  const place = new Map();
+  const boxW = 150, boxH = 38, gapX = 60, gapY = 14, pad = 10;
+  for (const node of nodes) {
+    const c = column.get(node.id);
+    const r = rows.get(c) || 0;
+    rows.set(c, r + 1);
+    place.set(node.id, { x: pad + c * (boxW + gapX), y: pad + r * (boxH + gapY) });
+  }
+  const columns = Math.max(0, ...column.values()) + 1;
+  const height = pad * 2 + Math.max(1, ...rows.values()) * (boxH + gapY);
+  const width = pad * 2 + columns * (boxW + gapX) - gapX;
+  const graph = svg("svg", { id: "workflow-graph", class: "chart", viewBox: `0 0 ${width} ${height}`, role: "img",
+    "aria-label": `${nodes.length} steps: ` + Object.keys(STEP_COLOURS).map((s) => `${nodes.filter((n) => n.status === s).length} ${s}`).join(", ") });
+  const edge = (from, to, dashed) => {
+    const a = place.get(from), b = place.get(to);
+    if (!a || !b) return;
+    const same = a.x === b.x;
+    const x1 = same ? a.x + boxW / 2 : a.x + boxW, y1 = same ? a.y + boxH : a.y + boxH / 2;
+    const x2 = same ? b.x + boxW / 2 : b.x, y2 = same ? b.y : b.y + boxH / 2;
+    graph.append(svg("path", { d: `M${x1},${y1} C${(x1 + x2) / 2},${y1} ${(x1 + x2) / 2},${y2} ${x2},${y2}`,
+      fill: "none", stroke: "#8c959f", "stroke-width": 1.5, "stroke-dasharray": dashed ? "4 3" : "none" }));
+  };
+  for (const node of nodes) {
+    for (const next of node.dependents) edge(node.id, next, false);
+    if (node.parent) edge(node.parent, node.id, true);
+  }
+  for (const node of nodes) {
+    const { x, y } = place.get(node.id);
+    const colour = STEP_COLOURS[node.status] || "#8c959f";
+    const link = svg("a", { href: "/dashboard/jobs/" + encodeURIComponent(node.job_id), class: "step",
+      "data-node": node.id, "data-status": node.status, "data-job": node.job_id });
+    link.append(
+      svg("title", { text: `${visible(node.actor_name)}: ${node.status}` + (node.job_status ? ` (job ${node.job_status})` : " (no job yet)") }),
+      svg("rect", { x, y, width: boxW, height: boxH, rx: 6, fill: colour, "fill-opacity": 0.15, stroke: colour, "stroke-width": 2 }),
+      svg("text", { x: x + 8, y: y + 16, "font-size": 12, "font-weight": 600, fill: "#24292f", text: visible(node.actor_name).slice(0, 20) }),
+      svg("text", { x: x + 8, y: y + 31, "font-size": 11, fill: colour, text: node.status + (node.parent ? " · spawned" : "") }));
+    graph.append(link);
+  }
+  return graph;
+}
+
+async function workflowPage(id) {
+  const path = "/api/workflows/" + encodeURIComponent(id);
+  let flow;
+  try {
+    flow = await api("GET", path);
+  } catch (error) {
+    if (error instanceof ApiError && (error.status === 404 || error.status === 400)) {
+      notice("");
+      return badAddress(error.message);
+    }
+    throw error;
+  }
+  const heading = el("h1", {});
+  const actions = el("div", { class: "actions", id: "workflow-actions" });
+  const fields = el("dl", { class: "fields", id: "workflow-fields" });
+  const figure = el("figure", { id: "workflow-figure" });
+  const legend = el("p", { class: "muted", id: "workflow-legend" },
+    Object.entries(STEP_COLOURS).map(([status, colour]) => el("span", { style: `color:${colour};margin-right:1rem`, text: "■ " + status })));
+  setView("Workflow " + flow.id.slice(0, 8),
+    el("p", {}, el("a", { href: "/dashboard/workflows", text: "← All workflows" })),
+    heading, actions, fields, el("h2", { text: "Steps" }), legend, figure);
+
+  function render(flow) {
+    heading.replaceChildren("Workflow ", el("span", { class: "mono", text: flow.id.slice(0, 8) }), " ",
+      flow.name ? el("span", { text: visible(flow.name) + " " }) : "", workflowBadge(flow.status));
+    const field = (label, value) => [el("dt", { text: label }), el("dd", { "data-field": label }, value ?? "—")];
+    fields.replaceChildren(...[
+      field("id", el("span", { class: "mono", text: flow.id })),
+      field("created", timeText(flow.created_at)),
+      field("finished", timeText(flow.finished_at)),
+      flow.cancelled_by ? field("cancelled by", visible(flow.cancelled_by)) : [],
+      flow.error ? field("failed", el("span", {}, el("a", { href: "/dashboard/jobs/" + encodeURIComponent(flow.ended_by_job), text: "job " + flow.ended_by_job.slice(0, 8) }),
+        ": ", el("span", { class: "error-text", text: visible(flow.error.trim().split("\n").pop()) }))) : []].flat());
+    figure.replaceChildren(drawWorkflow(flow));
+    if (!OPERATORS.includes(me.role)) return;
+    const act = (verb, label, classes, question) => el("button", { type: "button", id: "workflow-" + verb, class: classes, text: label,
+      onclick: async (event) => {
+        if (!(await confirmed(label, question))) return;
+        event.target.disabled = true;
+        try {
+          await api("POST", `${path}/${verb}`);
+          notice("");
+        } catch (error) {
+          failed(error);
+        }
+        await refresh();
+      } });
+    const buttons = [];
+    if (flow.status === "running") {
+      buttons.push(act("abort", "Abort workflow", "danger",
+        "Abort this workflow? Its steps that have not started never will, its queued jobs are cancelled and its running ones interrupted."));
+    }
+    if (flow.status === "failed" || flow.status === "cancelled") {
+      buttons.push(act("retry", "Retry workflow", "primary",
+        "Run this workflow again from its failed and cancelled steps? What succeeded is kept."));
+    }
+    actions.replaceChildren(...buttons);
+  }
+
+  async function refresh() {
+    flow = await api("GET", path);
+    render(flow);
+    return flow.status === "running";
+  }
+
+  render(flow);
+  schedule(refresh, WORKFLOW_EVERY_MS);
+}
+
+// The link from a job's page to its workflow's.
+// Its workflow is looked up once per job page (the page's refreshes draw it again).
+let jobWorkflow = { job: null, flow: null };
+async function workflowField(job) {
+  if (!job.workflow_node) return;
+  if (jobWorkflow.job !== job.id) {
+    const found = await api("GET", "/api/workflows?job=" + encodeURIComponent(job.id));
+    jobWorkflow = { job: job.id, flow: found.results[0] || null };
+  }
+  const flow = jobWorkflow.flow;
+  const fields = document.getElementById("job-fields");
+  if (!flow || !fields || fields.querySelector('[data-field="workflow"]')) return;
+  fields.append(el("dt", { text: "workflow" }), el("dd", { "data-field": "workflow" },
+    el("a", { id: "job-workflow", href: workflowAddress(flow.id), text: (flow.name ? visible(flow.name) + " " : "") + flow.id.slice(0, 8) }),
+    " ", workflowBadge(flow.status)));
+}

@@ -92,7 +92,8 @@ class Root:
 
 class DashboardPage:
     """``/dashboard``, ``/dashboard/jobs``, ``/dashboard/jobs/{job_id}`` and
-    ``/dashboard/queues/{name}``: one shell; the script reads the path. As
+    ``/dashboard/queues/{name}``, ``/dashboard/workflows`` and
+    ``/dashboard/workflows/{id}``: one shell; the script reads the path. As
     :class:`NotFoundPage`, any other address under ``/dashboard/``, answered 404."""
 
     routes = (
@@ -100,6 +101,8 @@ class DashboardPage:
         "/dashboard/jobs",
         "/dashboard/jobs/{job_id}",
         "/dashboard/queues/{queue_name}",
+        "/dashboard/workflows",
+        "/dashboard/workflows/{workflow_id}",
     )
     status = falcon.HTTP_200
 

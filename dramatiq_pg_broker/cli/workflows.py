@@ -11,7 +11,16 @@ import datetime as dt
 from typing import Any
 
 from ..workflows import STATUSES, WorkflowStore
-from .jobs import Context, command, operator_name, positive_int, relative, table, to_json
+from .jobs import (
+    Context,
+    _json_flag,
+    command,
+    operator_name,
+    positive_int,
+    relative,
+    table,
+    to_json,
+)
 
 
 def _store(ctx: Context) -> WorkflowStore:
@@ -123,8 +132,6 @@ def run_workflows_retry(ctx: Context, args) -> int:
 
 
 def add_workflow_commands(sub: argparse._SubParsersAction) -> None:
-    from .main import _json_flag
-
     flows = sub.add_parser("workflows", help="list, show, abort and retry workflows")
     flows_sub = flows.add_subparsers(dest="workflows_command", required=True)
     help_id = "the workflow's id, or its first 8 characters or more"

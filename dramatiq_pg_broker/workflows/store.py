@@ -172,7 +172,7 @@ class WorkflowStore:
         with self.pool.connection() as conn:
             rows = self._fetch("workflow_status", {"id": workflow_id}, conn)
         if not rows:
-            raise WorkflowNotFound(f"no workflow has the id {workflow_id}")
+            raise WorkflowNotFound(f"No workflow has the id {workflow_id}")
         return rows[0][0]
 
     def list(
@@ -213,7 +213,7 @@ class WorkflowStore:
         with self.pool.connection() as conn:
             rows = self._fetch("get_workflow", {"id": workflow_id}, conn)
             if not rows or (created_by is not None and rows[0][3] != created_by):
-                raise WorkflowNotFound(f"no workflow has the id {workflow_id}")
+                raise WorkflowNotFound(f"No workflow has the id {workflow_id}")
             nodes = self._fetch("workflow_nodes", {"id": workflow_id}, conn)
         keys = (
             "id name status created_by created_at updated_at finished_at ended_by_job error "
@@ -251,7 +251,7 @@ class WorkflowStore:
         with self.pool.connection() as conn, conn.transaction():
             rows = self._fetch("cancel_workflow", {"id": workflow_id, "by": by}, conn)
         if not rows:
-            raise WorkflowNotFound(f"no workflow has the id {workflow_id}")
+            raise WorkflowNotFound(f"No workflow has the id {workflow_id}")
         status, cancelled, job_ids = rows[0]
         if not cancelled:
             raise WorkflowInvalidTransition(workflow_id, status, "aborted", "running")
@@ -274,7 +274,7 @@ class WorkflowStore:
         with self.pool.connection() as conn, conn.transaction():
             rows = self._fetch("lock_workflow", {"id": workflow_id}, conn)
             if not rows:
-                raise WorkflowNotFound(f"no workflow has the id {workflow_id}")
+                raise WorkflowNotFound(f"No workflow has the id {workflow_id}")
             status = rows[0][0]
             if status not in ("failed", "cancelled"):
                 raise WorkflowInvalidTransition(

@@ -183,7 +183,7 @@ def run_queues_resume(ctx: Context, args) -> int:
 @command
 def run_queues_limit(ctx: Context, args) -> int:
     if args.clear == (args.limit is not None):
-        from .main import fail
+        from .common import fail
 
         return fail("give either a limit (a whole number of at least 1) or --clear")
     with ctx.pool.connection() as conn:

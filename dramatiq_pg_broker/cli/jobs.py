@@ -155,7 +155,7 @@ class Context:
     """What every command needs: settings, a pool, the job store and the named reads."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from .main import settings_from
+        from .common import settings_from
 
         self.settings: Settings = settings_from(args)
         self.pool = ProcessPool(self.settings)
@@ -251,7 +251,7 @@ def warn_undeclared(ctx: Context, name: str | None) -> None:
     given, with a warning on stderr when no worker declared it (a misspelt name then says
     so, instead of an empty answer). The commands that would change a queue's state refuse
     such a name instead (``queues pause``, ``queues limit``: see their ``--force``)."""
-    from .main import warn
+    from .common import warn
 
     if name is None:
         return

@@ -13,6 +13,8 @@ Commands:
                      the operator's commands (:mod:`.cli_jobs`)
   queues list|pause|resume, workers, actors
                      operator control (:mod:`.cli_control`)
+  workflows list|show|abort|retry
+                     workflows and their steps (:mod:`.workflows`)
   doctor [--json]    the live database's health as the broker sees it, each finding with
                      what to do; exit 0 healthy, 1 warnings, 2 problems
   user ..., token ...  admin API accounts (the ``admin`` extra adds them: its entry points
@@ -37,7 +39,6 @@ too), so the parser is the same whether this module runs as ``dramatiq-pg-broker
 from __future__ import annotations
 
 import argparse
-import contextvars
 import json
 import logging
 import os
@@ -50,8 +51,9 @@ import psycopg
 
 from ..config import Settings
 from ..db.core import BrokerConnectionError
-from ..errors import ConfigurationError, PgBrokerError
+from ..errors import PgBrokerError
 from ..version import __version__
+from .common import _json_errors, django_project, fail, settings_from, warn  # noqa: F401
 
 #: The entry point group of the commands another part of the distribution adds (see
 #: :func:`add_entry_point_commands`).
@@ -67,31 +69,9 @@ EVERYWHERE = (
     ("--schema", "schema name (default: DRAMATIQ_PG_SCHEMA or dramatiq)"),
 )
 
-#: Whether the command line asked for JSON: its errors are JSON too (argparse's own
-#: included, which come before the arguments are parsed).
-_json_errors: contextvars.ContextVar[bool] = contextvars.ContextVar("json_errors", default=False)
-
 
 class DatabaseUnreachable(PgBrokerError):
     """The command cannot reach the database."""
-
-
-def fail(message: str) -> int:
-    """Print an error as the command line asked (one line of text, or a JSON object with
-    ``--json``) on stderr; return the exit status, 2."""
-    if _json_errors.get():
-        print(json.dumps({"error": message}), file=sys.stderr)
-    else:
-        print(f"error: {message}", file=sys.stderr)
-    return 2
-
-
-def warn(message: str) -> None:
-    """Print a warning on stderr (a JSON object with ``--json``); the command goes on."""
-    if _json_errors.get():
-        print(json.dumps({"warning": message}), file=sys.stderr)
-    else:
-        print(f"warning: {message}", file=sys.stderr)
 
 
 def one_line_error(error: BaseException) -> str:
@@ -119,37 +99,6 @@ def reach_database(args: argparse.Namespace) -> None:
     a command fails fast and says why, where the pool it then uses would retry for its
     whole timeout, quietly, as a worker's does."""
     connect(args).close()
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    """The command's settings: ``--url`` and ``--schema``, then ``DRAMATIQ_PG_*``.
-
-    Raises:
-      ConfigurationError: no URL is given inside a Django project (see
-        :func:`django_project`): its jobs are in the database its settings name, which only
-        ``python manage.py dramatiq_pg`` reads; the embedded server would show other jobs.
-    """
-    settings = Settings.load(url=args.url, schema=args.schema)
-    if not settings.url:
-        where = django_project()
-        if where:
-            command = " ".join(getattr(args, "argv", None) or [args.command])
-            raise ConfigurationError(
-                f"no database URL, and this is a Django project ({where}): run "
-                f"`python manage.py dramatiq_pg {command}` to use the database and schema "
-                "of the project's broker, or name a database with --url or DRAMATIQ_PG_URL"
-            )
-    return settings
-
-
-def django_project(cwd: str | None = None) -> str | None:
-    """Why this looks like a Django project (``DJANGO_SETTINGS_MODULE`` is set, or a
-    ``manage.py`` is in the working directory), or None."""
-    if os.environ.get("DJANGO_SETTINGS_MODULE"):
-        return f"DJANGO_SETTINGS_MODULE={os.environ['DJANGO_SETTINGS_MODULE']}"
-    if os.path.isfile(os.path.join(cwd or os.getcwd(), "manage.py")):
-        return "manage.py in this directory"
-    return None
 
 
 def database_url(args: argparse.Namespace) -> str:

@@ -149,6 +149,12 @@ def noop(i: int = 0) -> None:
 
 
 @dramatiq.actor(queue_name=QUEUE, max_retries=0)
+def sink(*args) -> None:
+    """Takes whatever a workflow's step passes on, and does nothing (the workflow
+    workload)."""
+
+
+@dramatiq.actor(queue_name=QUEUE, max_retries=0)
 def stamp(sent_at: float) -> None:
     """Records how long ago ``sent_at`` (taken right before ``send()``) was."""
     global _latency_fd

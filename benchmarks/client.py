@@ -1,5 +1,6 @@
 """Client-side steps, each run in its own process so that brokers never share one:
-``python -m benchmarks.client {enqueue,enqueue-threads,bulk,send,delayed,latency,flush} ...``.
+``python -m benchmarks.client {enqueue,enqueue-threads,bulk,send,delayed,latency,workflows,flush}
+...``.
 
 The broker is the one ``benchmarks.actors`` builds from ``BENCH_BROKER``. Each step prints
 one JSON object on stdout.
@@ -60,12 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.client")
     parser.add_argument(
         "step",
-        choices=["enqueue", "enqueue-threads", "bulk", "send", "delayed", "latency", "flush"],
+        choices=[
+            "enqueue",
+            "enqueue-threads",
+            "bulk",
+            "send",
+            "delayed",
+            "latency",
+            "workflows",
+            "flush",
+        ],  # fmt: skip
     )
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--count", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--gap", type=float, default=0.01, help="seconds between two sends")
+    parser.add_argument("--width", type=int, default=100, help="a workflow's group's width")
     args = parser.parse_args(argv)
 
     from . import actors
@@ -100,6 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         elif args.step == "delayed":
             seconds = _send_many(actors.noop, args.count, delay=3_600_000)
             out.update(seconds=seconds)
+        elif args.step == "workflows":
+            # `count` workflows of a step, a `width`-wide group and a step, run one after
+            # the other (each one transaction), results piped as by default.
+            import dramatiq
+
+            from dramatiq_pg_broker import workflow
+
+            sink = actors.sink
+            started = time.perf_counter()
+            for i in range(args.count):
+                workflow(
+                    sink.message(i),
+                    dramatiq.group([sink.message(j) for j in range(args.width)]),
+                    sink.message(),
+                ).run(broker=broker)
+            seconds = time.perf_counter() - started
+            out.update(seconds=seconds, jobs=args.count * (args.width + 2))
         elif args.step == "latency":
             for _ in range(args.count):
                 actors.stamp.send(time.time())

@@ -412,6 +412,61 @@ class Harness:
             self.flush(variant)
         return {**cost.figures(count, sent, drained), "notes": cost.notes(sent, drained)}
 
+    def workflow_life(self, variant: Variant, workflows: int, width: int, plain: bool) -> dict:
+        """The whole life of the jobs of ``workflows`` workflows of three steps (one job, a
+        ``width``-wide group, one job), or (``plain``) of as many plain jobs: sent from
+        one client thread (a workflow at a time, each one transaction; a plain job at a
+        time), then drained by one worker process x 8 threads. Per job: the microseconds
+        of the send and of the drain (the worker's first start to its last outcome
+        written), and the WAL of both phases (:mod:`.cost`)."""
+        from . import cost
+
+        count = workflows * (width + 2)
+        self.flush(variant)
+        self._empty_workflows(variant)
+        phases: list[cost.Phase] = []
+        try:
+            meter = cost.Meter(self.url).start()
+            if plain:
+                sent_out = self.client(variant, "send", timeout=count / 50 + 60, count=count)
+            else:
+                sent_out = self.client(
+                    variant, "workflows", timeout=count / 50 + 60, count=workflows, width=width
+                )
+            phases.append(sent := meter.stop())
+            meter = cost.Meter(self.url).start()
+            with self.worker(variant, "workflow", expect=count) as (proc, state):
+                self.wait_ready(proc, state)
+                done = self.wait_file(proc, os.path.join(state, "drain.json"), count / 20 + 60)
+                phases.append(drained := meter.stop())
+        finally:
+            for phase in phases:
+                phase.release()
+            self.flush(variant)
+            self._empty_workflows(variant)
+        drain_s = done["done"] - done["first_start"]
+        figures = cost.figures(count, sent, drained)
+        return {
+            "job_us": (sent_out["seconds"] + drain_s) / count * 1e6,
+            "send_us": sent_out["seconds"] / count * 1e6,
+            "drain_us": drain_s / count * 1e6,
+            "wal_raw_b": figures["wal_raw_b"],
+            "wal_send_raw_b": figures["wal_send_raw_b"],
+            "wal_drain_raw_b": figures["wal_drain_raw_b"],
+            **({"cpu_us": figures["cpu_us"]} if "cpu_us" in figures else {}),
+        }
+
+    def _empty_workflows(self, variant: Variant) -> None:
+        import psycopg
+        from psycopg import sql
+
+        schema = variant.schema or self.schema
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (f"{schema}.workflows",)).fetchone()[0]:
+                conn.execute(
+                    sql.SQL("TRUNCATE {} CASCADE").format(sql.Identifier(schema, "workflows"))
+                )
+
     def life_floor(self, count: int) -> dict:
         """The floor of a job's whole life on this server (:func:`.floor.life`)."""
         from . import floor

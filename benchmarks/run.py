@@ -42,7 +42,7 @@ from .harness import VARIANTS, BenchError, Harness, group_drain, idle_cost, reac
 
 WORKLOADS = (
     "enqueue", "enqueue8", "bulk", "drain", "latency", "life", "backlog", "memory", "retention",
-    "churn", "scaling", "pgbouncer", "idle",
+    "churn", "scaling", "pgbouncer", "idle", "workflow",
 )  # fmt: skip
 SERVERS = ("embedded", "tcp")
 DEFAULT_TCP_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -69,6 +69,8 @@ FULL = {
     "retention_finished": 1_000_000,
     "churn_seconds": 600,
     "churn_rate": 500,
+    "workflows": 1_000,
+    "workflow_width": 100,
 }
 QUICK = {
     "repeat": 1,
@@ -92,6 +94,8 @@ QUICK = {
     "retention_finished": 100_000,
     "churn_seconds": 60,
     "churn_rate": 300,
+    "workflows": 20,
+    "workflow_width": 100,
 }
 
 #: Which variants each workload runs on.
@@ -109,6 +113,7 @@ APPLIES = {
     "idle": ("postgres",),
     "retention": ("postgres",),
     "churn": ("postgres",),
+    "workflow": ("postgres",),
 }
 #: Server settings recorded with the results (never changed by the benchmark).
 SERVER_SETTINGS = (
@@ -160,6 +165,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--churn-seconds", type=int, help="length of the churn workload (default 600)")
     p.add_argument(
         "--churn-rate", type=int, help="jobs a second of the churn workload (default 500)"
+    )
+    p.add_argument(
+        "--workflows",
+        type=int,
+        help="workflows of a step, a group and a step the workflow workload runs at once "
+        "(default 1,000; --quick 20)",
     )
     p.add_argument(
         "--hot-table-options",
@@ -263,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg["churn_seconds"] = args.churn_seconds
     if args.churn_rate:
         cfg["churn_rate"] = args.churn_rate
+    if args.workflows:
+        cfg["workflows"] = args.workflows
     if args.hot_table_options:
         cfg["hot_table_options"] = args.hot_table_options
     if args.backlog_finished:
@@ -545,6 +558,23 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
                             h, v, cfg["scaling"], p, threads=2, pool_size=pool
                         ),
                     )
+    elif workload == "workflow":
+        # Workflows of a step, a group and a step beside as many plain jobs, in turns (the
+        # order swaps every round), on each server: ratios within a round.
+        for server in server_order:
+            h = harnesses[server]
+            kinds = [("plain", True), ("workflow", False)]
+            _WORKFLOW_TURNS[0] += 1
+            if _WORKFLOW_TURNS[0] % 2 == 0:
+                kinds.reverse()
+            for label, plain in kinds:
+                measure(
+                    "workflow",
+                    pg_key(label, server),
+                    lambda h=h, plain=plain: h.workflow_life(
+                        VARIANTS["postgres"], cfg["workflows"], cfg["workflow_width"], plain
+                    ),
+                )
     elif workload == "idle":
         for n in names:
             each(
@@ -553,6 +583,11 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
                     h, v, cfg["idle_queues"], cfg["idle_seconds"], IDLE_DATABASE
                 ),
             )
+
+
+#: How many times the workflow workload ran on a server: plain jobs go first every other
+#: time.
+_WORKFLOW_TURNS = [0]
 
 
 def backlog_round(harness: Harness, variant, cfg: dict) -> dict:

@@ -434,11 +434,15 @@ class Harness:
                     variant, "workflows", timeout=count / 50 + 60, count=workflows, width=width
                 )
             phases.append(sent := meter.stop())
+            if self.walinspect:
+                cost.inspect(self.url, sent)
             meter = cost.Meter(self.url).start()
             with self.worker(variant, "workflow", expect=count) as (proc, state):
                 self.wait_ready(proc, state)
                 done = self.wait_file(proc, os.path.join(state, "drain.json"), count / 20 + 60)
                 phases.append(drained := meter.stop())
+            if self.walinspect:
+                cost.inspect(self.url, drained)
         finally:
             for phase in phases:
                 phase.release()
@@ -453,7 +457,7 @@ class Harness:
             "wal_raw_b": figures["wal_raw_b"],
             "wal_send_raw_b": figures["wal_send_raw_b"],
             "wal_drain_raw_b": figures["wal_drain_raw_b"],
-            **({"cpu_us": figures["cpu_us"]} if "cpu_us" in figures else {}),
+            **{k: figures[k] for k in ("wal_b", "wal_nofpi_b", "cpu_us") if k in figures},
         }
 
     def _empty_workflows(self, variant: Variant) -> None:

@@ -102,12 +102,13 @@ CREATE TABLE workflow_nodes (
     waiting       integer NOT NULL CONSTRAINT workflow_nodes_waiting_check CHECK (waiting >= 0),
     open          integer NOT NULL DEFAULT 1 CONSTRAINT workflow_nodes_open_check CHECK (open >= 0),
     dependents    uuid[] NOT NULL DEFAULT '{}',
-    -- The job row it sends when it starts (the job's id is the message's).
+    -- The job row it sends when it starts (the job's id is the message's); the message
+    -- is dropped from the node once its job is sent (the job's row has it).
     job_id        uuid NOT NULL,
     queue_name    text NOT NULL,
     actor_name    text NOT NULL,
     message       jsonb,
-    message_bytes bytea NOT NULL,
+    message_bytes bytea,
     priority      integer NOT NULL DEFAULT 0,
     max_attempts  integer NOT NULL,
     channel       text NOT NULL,
@@ -117,7 +118,7 @@ CREATE TABLE workflow_nodes (
     result        bytea,
     created_at    timestamptz NOT NULL DEFAULT now(),
     updated_at    timestamptz NOT NULL DEFAULT now()
-);
+) WITH (fillfactor = 50);
 
 CREATE INDEX workflow_nodes_workflow_idx ON workflow_nodes (workflow_id, position);
 CREATE INDEX workflow_nodes_parent_idx ON workflow_nodes (parent_id) WHERE parent_id IS NOT NULL;
@@ -131,14 +132,16 @@ LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n workflow_nodes;
 BEGIN
-    UPDATE workflow_nodes AS wn SET status = 'running', updated_at = now()
-    FROM workflows AS w
-    WHERE wn.id = node_id AND wn.status = 'pending' AND w.id = wn.workflow_id
-      AND w.status = 'running'
-    RETURNING wn.* INTO n;
+    SELECT wn.* INTO n
+    FROM workflow_nodes AS wn JOIN workflows AS w ON w.id = wn.workflow_id
+    WHERE wn.id = node_id AND wn.status = 'pending' AND w.status = 'running'
+    FOR UPDATE OF wn;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
+    UPDATE workflow_nodes
+    SET status = 'running', message = NULL, message_bytes = NULL, updated_at = now()
+    WHERE id = node_id;
     INSERT INTO jobs (id, queue_name, actor_name, message, message_bytes, priority,
                       available_at, max_attempts, idempotency_key, idempotency_scope,
                       created_at, updated_at, status, workflow_node)
@@ -151,25 +154,25 @@ BEGIN
 END
 $$;
 
--- A node is done (its job succeeded, and every child it spawned is done): its parent has
--- one open child fewer, each dependent waits for one node fewer and starts when it waits
--- for none; a node nobody waits for takes the workflow one step nearer its end.
-CREATE FUNCTION workflow_node_done(node_id uuid) RETURNS void
+-- A node is done (its job succeeded, and every child it spawned is done; the caller
+-- marked it succeeded): its parent has one open child fewer, and is done when none is
+-- left; each dependent waits for one node fewer and starts when it waits for none; a node
+-- nobody waits for takes the workflow one step nearer its end.
+CREATE FUNCTION workflow_node_done(n workflow_nodes) RETURNS void
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
-    n workflow_nodes;
+    parent workflow_nodes;
     dependent uuid;
     left_over integer;
 BEGIN
-    UPDATE workflow_nodes SET status = 'succeeded', updated_at = now()
-    WHERE id = node_id
-    RETURNING * INTO n;
     IF n.parent_id IS NOT NULL THEN
-        UPDATE workflow_nodes SET open = open - 1, updated_at = now()
+        UPDATE workflow_nodes
+        SET open = open - 1, updated_at = now(),
+            status = CASE WHEN open = 1 THEN 'succeeded' ELSE status END
         WHERE id = n.parent_id
-        RETURNING open INTO left_over;
-        IF left_over = 0 THEN
-            PERFORM workflow_node_done(n.parent_id);
+        RETURNING * INTO parent;
+        IF parent.open = 0 THEN
+            PERFORM workflow_node_done(parent);
         END IF;
         RETURN;
     END IF;
@@ -208,7 +211,8 @@ DECLARE
 BEGIN
     UPDATE workflow_nodes
     SET open = CASE WHEN NEW.status = 'succeeded' THEN open - 1 ELSE open END,
-        status = CASE WHEN NEW.status = 'succeeded' THEN status ELSE NEW.status END,
+        status = CASE WHEN NEW.status <> 'succeeded' THEN NEW.status
+                      WHEN open = 1 THEN 'succeeded' ELSE status END,
         updated_at = now()
     WHERE id = NEW.workflow_node AND job_id = NEW.id AND status = 'running'
     RETURNING * INTO n;
@@ -217,7 +221,7 @@ BEGIN
     END IF;
     IF NEW.status = 'succeeded' THEN
         IF n.open = 0 THEN
-            PERFORM workflow_node_done(n.id);
+            PERFORM workflow_node_done(n);
         END IF;
         RETURN NULL;
     END IF;

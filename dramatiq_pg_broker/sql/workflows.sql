@@ -44,11 +44,12 @@ UPDATE {schema}.workflow_nodes SET open = open + %(count)s, updated_at = now()
 WHERE id = %(id)s
 
 -- node_input --
--- How a node's piped input is made, and the results of the nodes it is made of.
-SELECT n.input, array_agg(s.id::text ORDER BY s.id), array_agg(s.result ORDER BY s.id)
+-- How a node's piped input is made, and the results of the nodes it is made of (every
+-- "one" of the input, at any depth), in one round trip.
+SELECT n.input, array_agg(s.id::text), array_agg(s.result)
 FROM {schema}.workflow_nodes AS n
 LEFT JOIN {schema}.workflow_nodes AS s
-    ON s.workflow_id = n.workflow_id AND s.id::text = ANY(%(sources)s::text[])
+    ON s.id IN (SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid)
 WHERE n.id = %(id)s
 GROUP BY n.input
 
@@ -145,11 +146,16 @@ FROM w
 SELECT status FROM {schema}.workflows WHERE id = %(id)s FOR UPDATE
 
 -- nodes_to_retry --
--- The failed and cancelled nodes of a workflow, with their job rows to send again and
--- whether their job was ever sent (a row in jobs or history).
-SELECT n.id::text, n.job_id::text, n.message_bytes, n.message,
-       EXISTS (SELECT 1 FROM {schema}.all_jobs AS j WHERE j.id = n.job_id)
+-- The failed and cancelled nodes of a workflow, with their messages to send again (the
+-- node's, or its job's once it was sent) and whether their job was ever sent (a row in
+-- jobs or history).
+SELECT n.id::text, n.job_id::text, coalesce(n.message_bytes, j.message_bytes),
+       CASE WHEN n.message_bytes IS NULL THEN j.message ELSE n.message END,
+       j.id IS NOT NULL
 FROM {schema}.workflow_nodes AS n
+LEFT JOIN LATERAL (
+    SELECT id, message_bytes, message FROM {schema}.all_jobs WHERE id = n.job_id LIMIT 1
+) AS j ON true
 WHERE n.workflow_id = %(id)s AND n.status IN ('failed', 'cancelled')
 ORDER BY n.position
 

@@ -11,7 +11,7 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from ..errors import InvalidMessage, NotAWorkflowStep
-from .building import INPUT_OPTION, NODE_OPTION, Node, build_input, input_sources
+from .building import INPUT_OPTION, NODE_OPTION, Node, build_input
 from .store import WorkflowStore, decode_result, encode_result
 
 logger = logging.getLogger("dramatiq_pg_broker.workflows")
@@ -27,8 +27,9 @@ class WorkflowSteps(Middleware):
 
     - before its actor runs, the previous step's result is appended to its arguments
       (unless its message asked ``pipe_ignore``);
-    - after its actor returned, the result is stored on its node, before the worker writes
-      the job's success (whose transaction moves the workflow on).
+    - after its actor returned, the result is stored on its node (one statement; none for
+      None, which a node without a result passes on), before the worker writes the job's
+      success (whose transaction moves the workflow on).
 
     Parameters:
       store(WorkflowStore): the workflows of the broker's schema.
@@ -41,18 +42,17 @@ class WorkflowSteps(Middleware):
         options = message.options
         if NODE_OPTION not in options or not options.get(INPUT_OPTION):
             return
-        node = options[NODE_OPTION]
-        spec, _ = self.store.node_input(node, [])
+        spec, results = self.store.node_input(options[NODE_OPTION])
         if spec is None:
             return
-        _, results = self.store.node_input(node, input_sources(spec))
         value = build_input(spec, {k: decode_result(v) for k, v in results.items()})
         inner = message._message
         message._message = inner.copy(args=(*inner.args, value))
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         node = message.options.get(NODE_OPTION)
-        if node is None or exception is not None:
+        if node is None or exception is not None or result is None:
+            # None is what a node without a stored result passes on: nothing to write.
             return
         data = encode_result(result)
         if data is None and result is not None:

@@ -125,10 +125,11 @@ class WorkflowStore:
                 self._fetch("start_nodes", {"ids": added}, conn)
             return added
 
-    def node_input(self, node_id: str, sources: list[str]) -> tuple[Any, dict[str, bytes]]:
-        """A node's input spec, and the stored results of ``sources`` by node id."""
+    def node_input(self, node_id: str) -> tuple[Any, dict[str, bytes]]:
+        """A node's input spec, and the stored results of the nodes it names, by node id
+        (one statement)."""
         with self.pool.connection() as conn:
-            rows = self._fetch("node_input", {"id": node_id, "sources": sources}, conn)
+            rows = self._fetch("node_input", {"id": node_id}, conn)
         if not rows:
             return None, {}
         spec, ids, results = rows[0]

@@ -121,11 +121,13 @@ SERVER_SETTINGS = (
     "shared_buffers", "max_connections", "deadlock_timeout",
 )  # fmt: skip
 
-SCHEMA = "bench"
+#: The run's schemas are named from this (``BENCH_SCHEMA``, default ``bench``): two runs
+#: on one shared server at once need two names, or each empties the other's tables.
+SCHEMA = os.environ.get("BENCH_SCHEMA", "bench")
 IDLE_DATABASE = "dramatiq_bench_idle"
-BACKLOG_SCHEMA = "bench_backlog"
+BACKLOG_SCHEMA = f"{SCHEMA}_backlog"
 #: The schema of the release named by ``--against``, migrated by that release.
-REF_SCHEMA = "bench_ref"
+REF_SCHEMA = f"{SCHEMA}_ref"
 HERE = Path(__file__).resolve().parent
 
 

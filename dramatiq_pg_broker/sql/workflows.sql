@@ -48,8 +48,8 @@ WHERE id = %(id)s
 -- "one" of the input, at any depth), in one round trip.
 SELECT n.input, array_agg(s.id::text), array_agg(s.result)
 FROM {schema}.workflow_nodes AS n
-LEFT JOIN {schema}.workflow_nodes AS s
-    ON s.id IN (SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid)
+LEFT JOIN LATERAL jsonb_path_query(n.input, 'strict $.**.one') AS source ON true
+LEFT JOIN {schema}.workflow_nodes AS s ON s.id = btrim(source::text, '"')::uuid
 WHERE n.id = %(id)s
 GROUP BY n.input
 

@@ -6,7 +6,7 @@
 -- A workflow (dramatiq_pg_broker.workflow) is a row of `workflows` and one row of
 -- `workflow_nodes` per message it runs: a node is one job to be, with the job's row
 -- prepared in advance (queue, actor, encoded message, priority, max_attempts), the nodes
--- it waits for counted in `waiting`, the nodes that wait for it in `dependents`, and how
+-- it waits for counted in `workflow_waits`, the nodes that wait for it in `dependents`, and how
 -- its piped input is made from their results in `input`. A node's job carries the node's
 -- id in the new column `workflow_node` of jobs and jobs_history; a plain job leaves it
 -- null.
@@ -99,7 +99,8 @@ CREATE TABLE workflow_nodes (
     status        text NOT NULL DEFAULT 'pending'
                   CONSTRAINT workflow_nodes_status_check
                   CHECK (status IN ('pending', 'running', 'succeeded', 'failed', 'cancelled')),
-    waiting       integer NOT NULL CONSTRAINT workflow_nodes_waiting_check CHECK (waiting >= 0),
+    -- How many nodes it waits for (workflow_waits counts those not done yet).
+    waits_for     integer NOT NULL CONSTRAINT workflow_nodes_waits_for_check CHECK (waits_for >= 0),
     open          integer NOT NULL DEFAULT 1 CONSTRAINT workflow_nodes_open_check CHECK (open >= 0),
     dependents    uuid[] NOT NULL DEFAULT '{}',
     -- The job row it sends when it starts (the job's id is the message's); the message
@@ -123,6 +124,14 @@ CREATE TABLE workflow_nodes (
 CREATE INDEX workflow_nodes_workflow_idx ON workflow_nodes (workflow_id, position);
 CREATE INDEX workflow_nodes_parent_idx ON workflow_nodes (parent_id) WHERE parent_id IS NOT NULL;
 CREATE UNIQUE INDEX workflow_nodes_job_idx ON workflow_nodes (job_id);
+
+-- The nodes a node still waits for, for each node that waits for any: a small row of its
+-- own, so that the end of each of a group's members updates a few bytes, not its
+-- successor's whole row.
+CREATE TABLE workflow_waits (
+    node_id uuid PRIMARY KEY REFERENCES workflow_nodes (id) ON DELETE CASCADE,
+    waiting integer NOT NULL CONSTRAINT workflow_waits_waiting_check CHECK (waiting >= 0)
+) WITH (fillfactor = 50);
 
 -- A node's job is sent: the send's row (as insert_job writes it, with the node's id in
 -- workflow_node), its `created` event, and the NOTIFY that wakes its queue's consumers.
@@ -180,8 +189,8 @@ BEGIN
     FOREACH dependent IN ARRAY
         coalesce((SELECT array_agg(d ORDER BY d) FROM unnest(n.dependents) AS d), '{}')
     LOOP
-        UPDATE workflow_nodes SET waiting = waiting - 1, updated_at = now()
-        WHERE id = dependent
+        UPDATE workflow_waits SET waiting = waiting - 1
+        WHERE node_id = dependent
         RETURNING waiting INTO left_over;
         IF left_over = 0 THEN
             PERFORM workflow_start_node(dependent);

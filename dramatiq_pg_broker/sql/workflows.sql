@@ -12,14 +12,20 @@ VALUES (%(id)s, %(name)s, %(remaining)s, %(created_by)s)
 -- insert_node --
 -- One node of a workflow, pending, with the job row it sends when it starts.
 INSERT INTO {schema}.workflow_nodes (
-    id, workflow_id, step, position, parent_id, waiting, dependents, job_id, queue_name,
+    id, workflow_id, step, position, parent_id, waits_for, dependents, job_id, queue_name,
     actor_name, message, message_bytes, priority, max_attempts, channel, input)
 VALUES (
-    %(id)s, %(workflow_id)s, %(step)s, %(position)s, %(parent_id)s, %(waiting)s,
+    %(id)s, %(workflow_id)s, %(step)s, %(position)s, %(parent_id)s, %(waits_for)s,
     %(dependents)s::uuid[], %(job_id)s, %(queue_name)s, %(actor_name)s, %(message)s::jsonb,
     %(message_bytes)s, %(priority)s, %(max_attempts)s, %(channel)s, %(input)s::jsonb)
 ON CONFLICT (id) DO NOTHING
 RETURNING id
+
+-- insert_waits --
+-- The counters of a new workflow's nodes that wait for others.
+INSERT INTO {schema}.workflow_waits (node_id, waiting)
+SELECT id, waits_for FROM {schema}.workflow_nodes
+WHERE workflow_id = %(id)s AND waits_for > 0
 
 -- start_nodes --
 -- Send the jobs of these nodes (each a pending node of a running workflow; others are
@@ -99,11 +105,13 @@ FROM {schema}.workflows WHERE id = %(id)s
 -- workflow_nodes --
 -- Every node of a workflow in its order, with its current job's status (unfinished in
 -- jobs, finished in history, or none yet).
-SELECT n.id::text, n.step, n.position, n.parent_id::text, n.status, n.waiting, n.open,
+SELECT n.id::text, n.step, n.position, n.parent_id::text, n.status,
+       coalesce(w.waiting, 0), n.open,
        n.dependents::text[], n.job_id::text, n.queue_name, n.actor_name,
        coalesce(j.status, h.status) AS job_status, coalesce(j.attempts, h.attempts),
        coalesce(j.last_error, h.last_error), n.input, n.updated_at
 FROM {schema}.workflow_nodes AS n
+LEFT JOIN {schema}.workflow_waits AS w ON w.node_id = n.id
 LEFT JOIN {schema}.jobs AS j ON j.id = n.job_id
 LEFT JOIN LATERAL (
     SELECT status, attempts, last_error FROM {schema}.jobs_history AS h
@@ -177,5 +185,7 @@ WITH reopened AS (
     RETURNING id
 )
 SELECT n.id::text FROM {schema}.workflow_nodes AS n JOIN reopened ON n.workflow_id = reopened.id
-WHERE n.status = 'pending' AND n.waiting = 0
+WHERE n.status = 'pending'
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.workflow_waits AS w WHERE w.node_id = n.id AND w.waiting > 0)
 ORDER BY n.position

@@ -56,7 +56,7 @@ class WorkflowStore:
             "step": node.step,
             "position": node.position,
             "parent_id": parent,
-            "waiting": len(node.waits_for),
+            "waits_for": len(node.waits_for),
             "dependents": node.dependents,
             "job_id": job.id,
             "queue_name": job.queue_name,
@@ -97,6 +97,7 @@ class WorkflowStore:
                     self.queries["insert_node"],
                     [self._node_row(workflow_id, node, job, None) for node, job in nodes],
                 )
+            conn.execute(self.queries["insert_waits"], {"id": workflow_id})
             first = [node.id for node, _ in nodes if not node.waits_for]
             return [str(r[0]) for r in self._fetch("start_nodes", {"ids": first}, conn)]
 

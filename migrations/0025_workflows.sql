@@ -96,9 +96,10 @@ CREATE TABLE workflow_nodes (
     position      integer NOT NULL,
     -- The node whose actor spawned it (current_job().spawn), if one did.
     parent_id     uuid REFERENCES workflow_nodes (id) ON DELETE CASCADE,
+    -- pending until it ends: a pending node whose job was sent runs (the readers say so).
     status        text NOT NULL DEFAULT 'pending'
                   CONSTRAINT workflow_nodes_status_check
-                  CHECK (status IN ('pending', 'running', 'succeeded', 'failed', 'cancelled')),
+                  CHECK (status IN ('pending', 'succeeded', 'failed', 'cancelled')),
     -- How many nodes it waits for (workflow_waits counts those not done yet).
     waits_for     integer NOT NULL CONSTRAINT workflow_nodes_waits_for_check CHECK (waits_for >= 0),
     open          integer NOT NULL DEFAULT 1 CONSTRAINT workflow_nodes_open_check CHECK (open >= 0),
@@ -123,7 +124,6 @@ CREATE TABLE workflow_nodes (
 
 CREATE INDEX workflow_nodes_workflow_idx ON workflow_nodes (workflow_id, position);
 CREATE INDEX workflow_nodes_parent_idx ON workflow_nodes (parent_id) WHERE parent_id IS NOT NULL;
-CREATE UNIQUE INDEX workflow_nodes_job_idx ON workflow_nodes (job_id);
 
 -- The nodes a node still waits for, for each node that waits for any: a small row of its
 -- own, so that the end of each of a group's members updates a few bytes, not its
@@ -135,7 +135,9 @@ CREATE TABLE workflow_waits (
 
 -- A node's job is sent: the send's row (as insert_job writes it, with the node's id in
 -- workflow_node), its `created` event, and the NOTIFY that wakes its queue's consumers.
--- Only a pending node of a running workflow starts; returns whether it did.
+-- Only a pending node of a running workflow whose job is not in jobs starts (the jobs
+-- table's primary key refuses a second start besides); returns whether it did. The node's
+-- row is not written: a pending node whose job exists runs (its job's end writes it).
 CREATE FUNCTION workflow_start_node(node_id uuid) RETURNS boolean
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
@@ -144,13 +146,10 @@ BEGIN
     SELECT wn.* INTO n
     FROM workflow_nodes AS wn JOIN workflows AS w ON w.id = wn.workflow_id
     WHERE wn.id = node_id AND wn.status = 'pending' AND w.status = 'running'
-    FOR UPDATE OF wn;
+      AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = wn.job_id);
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    UPDATE workflow_nodes
-    SET status = 'running', message = NULL, message_bytes = NULL, updated_at = now()
-    WHERE id = node_id;
     INSERT INTO jobs (id, queue_name, actor_name, message, message_bytes, priority,
                       available_at, max_attempts, idempotency_key, idempotency_scope,
                       created_at, updated_at, status, workflow_node)
@@ -210,20 +209,22 @@ $$;
 
 -- A workflow's job ended (the row trigger below): succeeded, the node has one open part
 -- fewer and is done when none is left; failed, the workflow fails; cancelled, it is
--- cancelled. Either way the nodes that have not started are cancelled with it. A job
--- that is not its node's current one (a retried node's earlier job), or whose node is no
--- longer running, changes nothing.
+-- cancelled. Either way the nodes whose job is not in jobs (not sent, or ended) and that
+-- have not ended are cancelled with it. A job that is not its node's current one (a
+-- retried node's earlier job), or whose node has ended, changes nothing.
 CREATE FUNCTION workflow_job_ended() RETURNS trigger
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n workflow_nodes;
 BEGIN
+    -- The message goes with the node's row here: its job's row has it (a retry reads it
+    -- there).
     UPDATE workflow_nodes
     SET open = CASE WHEN NEW.status = 'succeeded' THEN open - 1 ELSE open END,
         status = CASE WHEN NEW.status <> 'succeeded' THEN NEW.status
                       WHEN open = 1 THEN 'succeeded' ELSE status END,
-        updated_at = now()
-    WHERE id = NEW.workflow_node AND job_id = NEW.id AND status = 'running'
+        message = NULL, message_bytes = NULL, updated_at = now()
+    WHERE id = NEW.workflow_node AND job_id = NEW.id AND status = 'pending'
     RETURNING * INTO n;
     IF NOT FOUND THEN
         RETURN NULL;
@@ -239,8 +240,9 @@ BEGIN
         ended_by_job = NEW.id, error = NEW.last_error
     WHERE id = n.workflow_id AND status = 'running';
     IF FOUND THEN
-        UPDATE workflow_nodes SET status = 'cancelled', updated_at = now()
-        WHERE workflow_id = n.workflow_id AND status = 'pending';
+        UPDATE workflow_nodes AS wn SET status = 'cancelled', updated_at = now()
+        WHERE wn.workflow_id = n.workflow_id AND wn.status = 'pending'
+          AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = wn.job_id);
     END IF;
     RETURN NULL;
 END

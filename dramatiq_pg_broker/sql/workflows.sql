@@ -41,7 +41,7 @@ SELECT n.workflow_id, n.step, w.status,
        (SELECT max(position) FROM {schema}.workflow_nodes WHERE workflow_id = n.workflow_id)
 FROM {schema}.workflow_nodes AS n
 JOIN {schema}.workflows AS w ON w.id = n.workflow_id
-WHERE n.id = %(id)s AND n.status = 'running'
+WHERE n.id = %(id)s AND n.status = 'pending'
 FOR UPDATE OF n
 
 -- add_children --
@@ -77,18 +77,21 @@ ORDER BY id
 LIMIT 2
 
 -- list_workflows --
--- The newest workflows first, with how many of their nodes are in each status; filtered
+-- The newest workflows first, with how many of their nodes are in each status (a pending
+-- node whose job is unfinished runs; one whose own job ended waits for its children, and
+-- counts as pending here); filtered
 -- by status and by who created them when given; keyset pages by (created_at, id).
 SELECT w.id::text, w.name, w.status, w.created_by, w.created_at, w.updated_at,
        w.finished_at, w.error,
        count(n.id) AS nodes,
        count(n.id) FILTER (WHERE n.status = 'succeeded') AS succeeded,
-       count(n.id) FILTER (WHERE n.status = 'running') AS running,
-       count(n.id) FILTER (WHERE n.status = 'pending') AS pending,
+       count(n.id) FILTER (WHERE n.status = 'pending' AND j.id IS NOT NULL) AS running,
+       count(n.id) FILTER (WHERE n.status = 'pending' AND j.id IS NULL) AS pending,
        count(n.id) FILTER (WHERE n.status = 'failed') AS failed,
        count(n.id) FILTER (WHERE n.status = 'cancelled') AS cancelled
 FROM {schema}.workflows AS w
 LEFT JOIN {schema}.workflow_nodes AS n ON n.workflow_id = w.id
+LEFT JOIN {schema}.jobs AS j ON j.id = n.job_id
 WHERE (%(status)s::text IS NULL OR w.status = %(status)s)
   AND (%(created_by)s::text IS NULL OR w.created_by = %(created_by)s)
   AND (%(before_at)s::timestamptz IS NULL OR (w.created_at, w.id) < (%(before_at)s, %(before_id)s::uuid))
@@ -104,8 +107,11 @@ FROM {schema}.workflows WHERE id = %(id)s
 
 -- workflow_nodes --
 -- Every node of a workflow in its order, with its current job's status (unfinished in
--- jobs, finished in history, or none yet).
-SELECT n.id::text, n.step, n.position, n.parent_id::text, n.status,
+-- jobs, finished in history, or none yet). A pending node whose job was sent runs (its
+-- own job, or the children it spawned).
+SELECT n.id::text, n.step, n.position, n.parent_id::text,
+       CASE WHEN n.status = 'pending' AND (j.id IS NOT NULL OR h.status IS NOT NULL)
+            THEN 'running' ELSE n.status END,
        coalesce(w.waiting, 0), n.open,
        n.dependents::text[], n.job_id::text, n.queue_name, n.actor_name,
        coalesce(j.status, h.status) AS job_status, coalesce(j.attempts, h.attempts),
@@ -131,8 +137,8 @@ LIMIT 1
 
 -- cancel_workflow --
 -- running -> cancelled by an operator: the nodes that have not started never will.
--- Returns the jobs of its running nodes, which the operator's abort then ends, and the
--- status it had.
+-- Returns the status it had, whether it was cancelled, and the unfinished jobs of its
+-- nodes, which the operator's abort then ends.
 WITH w AS (
     SELECT id, status FROM {schema}.workflows WHERE id = %(id)s FOR UPDATE
 ), cancelled AS (
@@ -143,10 +149,12 @@ WITH w AS (
 ), pending AS (
     UPDATE {schema}.workflow_nodes AS n SET status = 'cancelled', updated_at = now()
     FROM cancelled WHERE n.workflow_id = cancelled.id AND n.status = 'pending'
+      AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = n.job_id)
 )
 SELECT w.status, EXISTS (SELECT 1 FROM cancelled),
-       ARRAY(SELECT job_id::text FROM {schema}.workflow_nodes
-             WHERE workflow_id = w.id AND status = 'running' ORDER BY position)
+       ARRAY(SELECT n.job_id::text FROM {schema}.workflow_nodes AS n
+             JOIN {schema}.jobs AS j ON j.id = n.job_id
+             WHERE n.workflow_id = w.id ORDER BY n.position)
 FROM w
 
 -- lock_workflow --
@@ -176,7 +184,8 @@ SET status = 'pending', job_id = %(job_id)s, message_bytes = %(message_bytes)s,
 WHERE id = %(id)s
 
 -- reopen_workflow --
--- failed or cancelled -> running by an operator; returns the nodes ready to start.
+-- failed or cancelled -> running by an operator; returns the nodes ready to start (pending,
+-- waiting for none, their job never sent).
 WITH reopened AS (
     UPDATE {schema}.workflows
     SET status = 'running', finished_at = NULL, ended_by_job = NULL, error = NULL,
@@ -188,4 +197,5 @@ SELECT n.id::text FROM {schema}.workflow_nodes AS n JOIN reopened ON n.workflow_
 WHERE n.status = 'pending'
   AND NOT EXISTS (
       SELECT 1 FROM {schema}.workflow_waits AS w WHERE w.node_id = n.id AND w.waiting > 0)
+  AND NOT EXISTS (SELECT 1 FROM {schema}.all_jobs AS j WHERE j.id = n.job_id)
 ORDER BY n.position

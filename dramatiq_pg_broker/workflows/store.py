@@ -112,7 +112,7 @@ class WorkflowStore:
         with self.pool.connection() as conn, conn.transaction():
             rows = self._fetch("lock_spawning_node", {"id": parent}, conn)
             if not rows:
-                raise WorkflowInvalidTransition(parent, "not running", "spawned from", "running")
+                raise WorkflowInvalidTransition(parent, "ended", "spawned from", "running")
             workflow_id, step, _, last = rows[0]
             added = []
             for offset, (node, job) in enumerate(children, start=1):

@@ -89,6 +89,9 @@ CREATE INDEX workflows_created_by_idx ON workflows (created_by, created_at, id)
     WHERE created_by IS NOT NULL;
 
 CREATE TABLE workflow_nodes (
+    -- What never changes first, what its end changes last: an update's WAL record then
+    -- carries the changed end of the row only (PostgreSQL logs the new row less the
+    -- prefix it shares with the old one on the same page).
     id            uuid PRIMARY KEY,
     workflow_id   uuid NOT NULL REFERENCES workflows (id) ON DELETE CASCADE,
     -- The top-level step it belongs to (from 0), and its place in the workflow's order.
@@ -96,38 +99,41 @@ CREATE TABLE workflow_nodes (
     position      integer NOT NULL,
     -- The node whose actor spawned it (current_job().spawn), if one did.
     parent_id     uuid REFERENCES workflow_nodes (id) ON DELETE CASCADE,
-    -- pending until it ends: a pending node whose job was sent runs (the readers say so).
-    status        text NOT NULL DEFAULT 'pending'
-                  CONSTRAINT workflow_nodes_status_check
-                  CHECK (status IN ('pending', 'succeeded', 'failed', 'cancelled')),
-    -- How many nodes it waits for (workflow_waits counts those not done yet).
+    -- How many nodes it waits for (for more than one, workflow_waits counts those not
+    -- done yet), and the nodes that wait for it.
     waits_for     integer NOT NULL CONSTRAINT workflow_nodes_waits_for_check CHECK (waits_for >= 0),
-    open          integer NOT NULL DEFAULT 1 CONSTRAINT workflow_nodes_open_check CHECK (open >= 0),
     dependents    uuid[] NOT NULL DEFAULT '{}',
-    -- The job row it sends when it starts (the job's id is the message's); the message
-    -- is dropped from the node once its job is sent (the job's row has it).
+    -- The job row it sends when it starts (the job's id is the message's).
     job_id        uuid NOT NULL,
     queue_name    text NOT NULL,
     actor_name    text NOT NULL,
-    message       jsonb,
-    message_bytes bytea,
     priority      integer NOT NULL DEFAULT 0,
     max_attempts  integer NOT NULL,
     channel       text NOT NULL,
     -- Its piped input: null (none), {"one": node} or {"list": [input, ...]}.
     input         jsonb,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    -- pending until it ends: a pending node whose job was sent runs (the readers say so).
+    status        text NOT NULL DEFAULT 'pending'
+                  CONSTRAINT workflow_nodes_status_check
+                  CHECK (status IN ('pending', 'succeeded', 'failed', 'cancelled')),
+    -- Its own job and the children it spawned that are not done yet.
+    open          integer NOT NULL DEFAULT 1 CONSTRAINT workflow_nodes_open_check CHECK (open >= 0),
     -- Its actor's result, encoded with the message encoder.
     result        bytea,
-    created_at    timestamptz NOT NULL DEFAULT now(),
-    updated_at    timestamptz NOT NULL DEFAULT now()
+    updated_at    timestamptz NOT NULL DEFAULT now(),
+    -- The message its job runs, until its job ends (the job's row has it; a retry reads
+    -- it there).
+    message       jsonb,
+    message_bytes bytea
 ) WITH (fillfactor = 50);
 
 CREATE INDEX workflow_nodes_workflow_idx ON workflow_nodes (workflow_id, position);
 CREATE INDEX workflow_nodes_parent_idx ON workflow_nodes (parent_id) WHERE parent_id IS NOT NULL;
 
--- The nodes a node still waits for, for each node that waits for any: a small row of its
--- own, so that the end of each of a group's members updates a few bytes, not its
--- successor's whole row.
+-- The nodes a node still waits for, for each node that waits for more than one (a node
+-- that waits for one starts when that one is done): a small row of its own, so that the
+-- end of each of a group's members updates a few bytes, not its successor's whole row.
 CREATE TABLE workflow_waits (
     node_id uuid PRIMARY KEY REFERENCES workflow_nodes (id) ON DELETE CASCADE,
     waiting integer NOT NULL CONSTRAINT workflow_waits_waiting_check CHECK (waiting >= 0)
@@ -191,7 +197,8 @@ BEGIN
         UPDATE workflow_waits SET waiting = waiting - 1
         WHERE node_id = dependent
         RETURNING waiting INTO left_over;
-        IF left_over = 0 THEN
+        -- No counter: it waits for this node alone.
+        IF NOT FOUND OR left_over = 0 THEN
             PERFORM workflow_start_node(dependent);
         END IF;
     END LOOP;

@@ -22,10 +22,10 @@ ON CONFLICT (id) DO NOTHING
 RETURNING id
 
 -- insert_waits --
--- The counters of a new workflow's nodes that wait for others.
+-- The counters of a new workflow's nodes that wait for more than one other.
 INSERT INTO {schema}.workflow_waits (node_id, waiting)
 SELECT id, waits_for FROM {schema}.workflow_nodes
-WHERE workflow_id = %(id)s AND waits_for > 0
+WHERE workflow_id = %(id)s AND waits_for > 1
 
 -- start_nodes --
 -- Send the jobs of these nodes (each a pending node of a running workflow; others are
@@ -112,7 +112,10 @@ FROM {schema}.workflows WHERE id = %(id)s
 SELECT n.id::text, n.step, n.position, n.parent_id::text,
        CASE WHEN n.status = 'pending' AND (j.id IS NOT NULL OR h.status IS NOT NULL)
             THEN 'running' ELSE n.status END,
-       coalesce(w.waiting, 0), n.open,
+       CASE WHEN w.waiting IS NOT NULL THEN w.waiting
+            WHEN n.status <> 'pending' OR j.id IS NOT NULL OR h.status IS NOT NULL THEN 0
+            ELSE n.waits_for END,
+       n.open,
        n.dependents::text[], n.job_id::text, n.queue_name, n.actor_name,
        coalesce(j.status, h.status) AS job_status, coalesce(j.attempts, h.attempts),
        coalesce(j.last_error, h.last_error), n.input, n.updated_at
@@ -185,7 +188,8 @@ WHERE id = %(id)s
 
 -- reopen_workflow --
 -- failed or cancelled -> running by an operator; returns the nodes ready to start (pending,
--- waiting for none, their job never sent).
+-- waiting for none: no counter left, or the one node it waits for succeeded; their job
+-- never sent).
 WITH reopened AS (
     UPDATE {schema}.workflows
     SET status = 'running', finished_at = NULL, ended_by_job = NULL, error = NULL,
@@ -197,5 +201,9 @@ SELECT n.id::text FROM {schema}.workflow_nodes AS n JOIN reopened ON n.workflow_
 WHERE n.status = 'pending'
   AND NOT EXISTS (
       SELECT 1 FROM {schema}.workflow_waits AS w WHERE w.node_id = n.id AND w.waiting > 0)
+  AND (n.waits_for <> 1 OR EXISTS (
+      SELECT 1 FROM {schema}.workflow_nodes AS p
+      WHERE p.workflow_id = n.workflow_id AND n.id = ANY(p.dependents)
+        AND p.status = 'succeeded'))
   AND NOT EXISTS (SELECT 1 FROM {schema}.all_jobs AS j WHERE j.id = n.job_id)
 ORDER BY n.position

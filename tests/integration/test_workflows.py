@@ -249,3 +249,22 @@ def test_spawn_outside_a_workflow_says_so(broker, queue):
 
     with pytest.raises(NotAWorkflowStep):
         spawn(Current(), store_of(broker), broker.sender, ())
+
+
+def test_a_retry_of_a_chain_starts_the_failed_step_and_the_next_after_it(broker, queue, actors):
+    a, b = actors
+    flow = workflow(a.message(1), b.message(2), a.message(3)).run(broker=broker)
+    broker.store.complete(claim_all(broker, queue))
+    (second,) = claim_all(broker, queue)
+    broker.store.fail([second], ["ValueError: no"])
+    assert [n["status"] for n in flow.show()["nodes"]] == ["succeeded", "failed", "cancelled"]
+    store_of(broker).retry(flow.id)
+    nodes = flow.show()["nodes"]
+    # Only the failed step is queued again: the last one waits for it.
+    assert [n["status"] for n in nodes] == ["succeeded", "running", "pending"]
+    assert nodes[2]["waiting_for"] == 1
+    assert list(queued(broker, queue)) == [nodes[1]["job_id"]]
+    broker.store.complete(claim_all(broker, queue))
+    assert list(queued(broker, queue)) == [nodes[2]["job_id"]]
+    broker.store.complete(claim_all(broker, queue))
+    assert flow.wait(timeout=1) == "succeeded"

@@ -563,10 +563,12 @@ class PostgresBroker(dramatiq.Broker):
 
     def close(self) -> None:
         """Stop the scheduler, write pending outcomes, stop the outcome writer and the
-        heartbeat, and close this process's pool."""
+        heartbeat, send the wake-ups this process's sends owe (see
+        :mod:`~dramatiq_pg_broker.sending.notifier`), and close this process's pool."""
         if self.periodic.scheduler is not None:
             self.periodic.scheduler.stop()
         self.outcomes.flush(timeout=30)
         self.outcomes.stop()
         self.leases.stop()
+        self.sender.close()
         self.pool.close()

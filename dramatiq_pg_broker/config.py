@@ -27,6 +27,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+#: The values of the ``notify_sends`` setting (see :mod:`.sending.notifier`).
+NOTIFY_SENDS = ("coalesced", "statement", "off")
+
 #: The groups settings are listed in, in order (the docs' settings reference has one table
 #: per group).
 GROUPS = (
@@ -198,6 +201,18 @@ class Settings:
         "sends commit without waiting for the flush (`synchronous_commit = off` for that "
         "transaction only), faster, and a server crash can lose the last 3 × "
         "`wal_writer_delay` of them. A message's `durable` option wins.",
+        group="Sending",
+    )
+    notify_sends: str = _setting(
+        "coalesced",
+        "How the broker's own sends (through its pool) wake idle workers. `coalesced`: "
+        "the send commits without a NOTIFY, and a thread of the process notifies each "
+        "queue filled, at once after a quiet moment, then at most once every 5 ms "
+        "(PostgreSQL serializes the commits of transactions that notified: under "
+        "concurrent sends, a NOTIFY in each one's commit costs most of their rate). "
+        "`statement`: each send notifies in its own statement, at its commit. `off`: no "
+        "notification; workers find the jobs at their next poll. A send in the "
+        "application's transaction always notifies at that transaction's commit.",
         group="Sending",
     )
     migration_wait_seconds: float = _setting(
@@ -377,6 +392,10 @@ class Settings:
         object.__setattr__(self, "queue_limits", _queue_limits(self.queue_limits))
         if self.enqueue_retries < 0:
             raise ConfigurationError("enqueue_retries must not be negative")
+        if self.notify_sends not in NOTIFY_SENDS:
+            raise ConfigurationError(
+                f"notify_sends {self.notify_sends!r} is not one of {', '.join(NOTIFY_SENDS)}"
+            )
 
     @property
     def connection_budget(self) -> int:

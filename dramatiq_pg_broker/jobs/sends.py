@@ -85,6 +85,7 @@ class SendWrites(StoreBase):
         conn: psycopg.Connection | None = None,
         now: dt.datetime | None = None,
         again: bool = True,
+        notify: bool = True,
     ) -> EnqueueResult:
         """Store a message as a queued job (with its ``created`` event) and wake consumers.
 
@@ -96,11 +97,13 @@ class SendWrites(StoreBase):
           ownership (its later outcome matches nothing).
         - ``again=False`` (a retry of a send whose first try may have committed) returns a
           job with the same id as it is.
+        - ``notify=False``: the statement does not wake the queue's consumers (the caller
+          has them woken once the row is committed, see :mod:`~..sending.notifier`).
 
         Raises:
           JobAlreadyFinished: a job with the same id already finished.
         """
-        params = self._new_job_params(job, now)
+        params = self._new_job_params(job, now, notify)
         if conn is not None:
             # The caller's transaction: its commit is the caller's to make durable or not.
             params["durable"] = True
@@ -137,12 +140,15 @@ class SendWrites(StoreBase):
             self.history.forget()
             return _execute(c, self.queries[name], params, pooled)
 
-    def send_many(self, sends: Sequence[tuple[NewJob, bool]]) -> list[EnqueueResult | Exception]:
+    def send_many(
+        self, sends: Sequence[tuple[NewJob, bool]], *, notify: bool = True
+    ) -> list[EnqueueResult | Exception]:
         """Single sends of several threads written together (group commit): one autocommit
-        statement inserts them all, with their ``created`` events, and wakes their queues;
-        a send whose job conflicts with a stored one is then handled alone, as
-        :meth:`enqueue` handles it. ``sends`` pairs each job with its ``again`` (see
-        :meth:`enqueue`). The commit is durable unless no send in the group asked for it.
+        statement inserts them all, with their ``created`` events, and wakes their queues
+        (unless ``notify`` is False, see :meth:`enqueue`); a send whose job conflicts with
+        a stored one is then handled alone, as :meth:`enqueue` handles it. ``sends`` pairs
+        each job with its ``again`` (see :meth:`enqueue`). The commit is durable unless no
+        send in the group asked for it.
 
         Returns:
           list: in the order of ``sends``, each send's result, or the error that only this
@@ -154,7 +160,8 @@ class SendWrites(StoreBase):
         """
         jobs = [job for job, _ in sends]
         params = self._bulk_params(jobs, None)
-        params["channels"] = sorted({self.channel(job.queue_name) for job in jobs})
+        if notify:
+            params["channels"] = sorted({self.channel(job.queue_name) for job in jobs})
         params["durable"] = any(job.durable for job in jobs)
         stamps = [job.sent_at_ms for job in jobs]
         stamp = None if None in stamps else min(stamps)
@@ -174,7 +181,8 @@ class SendWrites(StoreBase):
                     )
                     continue
                 try:
-                    alone = _Send(job, self._new_job_params(job, None), again, pooled=True)
+                    params = self._new_job_params(job, None, notify)
+                    alone = _Send(job, params, again, pooled=True)
                     results.append(self._insert_one(c, alone))
                 except (JobAlreadyFinished, *_REFUSED) as e:
                     results.append(e)
@@ -271,10 +279,11 @@ class SendWrites(StoreBase):
         conn: psycopg.Connection | None = None,
         now: dt.datetime | None = None,
         again: bool = True,
+        notify: bool = True,
     ) -> list[EnqueueResult]:
         """Store many messages in one transaction (a savepoint inside the caller's, on
         ``conn``): all of them or, if anything fails, none. Each job is handled as
-        :meth:`enqueue` handles one; results are in the order of ``jobs``.
+        :meth:`enqueue` handles one (``notify`` too); results are in the order of ``jobs``.
 
         From :attr:`BULK_COPY_MIN` jobs on, the rows are first copied straight into the
         tables (:meth:`_copy_new`); a batch with a conflict is then written again by
@@ -290,7 +299,7 @@ class SendWrites(StoreBase):
         with self.pool.use(conn) as c:
             if not pooled:
                 with c.transaction():
-                    return self._enqueue_many(c, jobs, now, again, pooled)
+                    return self._enqueue_many(c, jobs, now, again, pooled, notify)
             # The broker's own transaction begins READ COMMITTED whatever the server's
             # default_transaction_isolation: each statement's snapshot then sees every move
             # to history committed before it (see _confirm_new). The pooled connection gets
@@ -299,7 +308,7 @@ class SendWrites(StoreBase):
             c.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             try:
                 with c.transaction():
-                    return self._enqueue_many(c, jobs, now, again, pooled)
+                    return self._enqueue_many(c, jobs, now, again, pooled, notify)
             finally:
                 with contextlib.suppress(psycopg.Error):
                     c.isolation_level = previous
@@ -311,6 +320,7 @@ class SendWrites(StoreBase):
         now: dt.datetime | None,
         again: bool,
         pooled: bool,
+        notify: bool = True,
     ) -> list[EnqueueResult]:
         """:meth:`enqueue_many` inside its transaction (or savepoint) on ``c``."""
         if (
@@ -318,14 +328,15 @@ class SendWrites(StoreBase):
             and len(jobs) >= self.BULK_COPY_MIN
             and self._copy_new(c, jobs, now, pooled)
         ):
-            queues = {job.queue_name for job in jobs}
-            channels = sorted(self.channel(q) for q in queues)
-            c.execute(self.queries["notify_queues"], {"channels": channels})
+            if notify:
+                queues = {job.queue_name for job in jobs}
+                channels = sorted(self.channel(q) for q in queues)
+                c.execute(self.queries["notify_queues"], {"channels": channels})
             return [
                 EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
                 for job in jobs
             ]
-        return self._insert_resolving(c, jobs, now, again, pooled)
+        return self._insert_resolving(c, jobs, now, again, pooled, notify)
 
     def _insert_resolving(
         self,
@@ -334,6 +345,7 @@ class SendWrites(StoreBase):
         now: dt.datetime | None,
         again: bool,
         pooled: bool = False,
+        notify: bool = True,
     ) -> list[EnqueueResult]:
         """The bulk path that resolves conflicts row by row (ON CONFLICT DO NOTHING, then
         each job not inserted as :meth:`enqueue` does)."""
@@ -364,7 +376,7 @@ class SendWrites(StoreBase):
         for index, job in enumerate(jobs):
             if results[index] is not None:
                 continue
-            send = _Send(job, self._new_job_params(job, now), again, pooled)
+            send = _Send(job, self._new_job_params(job, now, notify), again, pooled)
             try:
                 results[index] = result = self._not_inserted(c, send)
             except JobAlreadyFinished as e:
@@ -372,7 +384,7 @@ class SendWrites(StoreBase):
                 raise
             if result.rescheduled:
                 queues.add(job.queue_name)
-        if queues:
+        if queues and notify:
             channels = sorted(self.channel(q) for q in queues)
             c.execute(self.queries["notify_queues"], {"channels": channels})
         return results  # type: ignore[return-value]
@@ -564,10 +576,16 @@ class SendWrites(StoreBase):
         params.update(channels=[], durable=True, now=now, events=self.events)
         return params
 
-    def _new_job_params(self, job: NewJob, now: dt.datetime | None) -> dict[str, Any]:
-        """The parameters of ``insert_job`` (and of ``find_existing``, ``reenqueue_job``)."""
+    def _new_job_params(
+        self, job: NewJob, now: dt.datetime | None, notify: bool = True
+    ) -> dict[str, Any]:
+        """The parameters of ``insert_job`` (and of ``find_existing``, ``reenqueue_job``);
+        no channel when the statements are not to notify."""
         params: dict[str, Any] = dict(zip(SEND_NAMES, send_values(job)))
         params.update(
-            channel=self.channel(job.queue_name), durable=job.durable, now=now, events=self.events
+            channel=self.channel(job.queue_name) if notify else None,
+            durable=job.durable,
+            now=now,
+            events=self.events,
         )
         return params

@@ -17,7 +17,10 @@
   transaction the :attr:`Sender.resolver` finds (Django's ``atomic()`` block, see
   :mod:`dramatiq_pg_broker.contrib.django`); otherwise through the pool, sharing one
   statement and its commit with the sends other threads make at that moment
-  (:class:`GroupCommit`), and tried again after a connection error (:func:`retrying`).
+  (:class:`GroupCommit`), and tried again after a connection error (:func:`retrying`);
+- wakes the workers of the queues it filled: a send in the application's transaction in
+  its own statement (delivered at that commit), the broker's own sends through the
+  process's :class:`~.notifier.Notifier` once committed (see :mod:`.notifier` for why).
 
 The blocks are bound to the current thread (and asyncio task): a context variable holds a
 stack of the blocks entered, and a send goes to the innermost one. Another thread's sends
@@ -51,6 +54,7 @@ from . import messages
 from .app_transactions import JoinedTransaction
 from .blocks import Batch, LazyJobs, SendContext, Transaction, identity, resolve_connection
 from .group_commit import GroupCommit, retrying
+from .notifier import Notifier
 
 if TYPE_CHECKING:
     from ..jobs.store import JobStore
@@ -155,6 +159,8 @@ class Sender:
         (a single send's ``enqueue`` hooks).
       emitter(callable): see :data:`Emitter` (the hooks of a batch of sends, looked up
         once for the batch).
+      notifier(Notifier): wakes the queues the broker's own sends filled (default: one
+        on ``store.wake_queues``), as the ``notify_sends`` setting says.
     """
 
     store: JobStore
@@ -167,6 +173,7 @@ class Sender:
     emit_before: Callable[..., None]
     emit_after: Callable[..., None]
     emitter: Emitter
+    notifier: Notifier | None = None
     #: Asked for the transaction a send joins when no ``broker.transaction()`` or
     #: ``batch()`` block is open: ``resolver()`` returns a :class:`Transaction` on the
     #: application's connection, or None to send through the pool. The Django
@@ -178,6 +185,14 @@ class Sender:
         #: Concurrent sends through the pool share a statement: one group per process.
         self._group = forks.PerProcess(lambda: GroupCommit(self._write_group))
         self._identity: tuple | None = None
+        if self.notifier is None:
+            self.notifier = Notifier(self.store.wake_queues)
+        #: Whether the broker's own sends notify in their statement (the old way).
+        self._notify_in_statement = self.settings.notify_sends == "statement"
+        self._owes = self.settings.notify_sends == "coalesced"
+        #: A job delayed by this many milliseconds or more is not notified: every idle
+        #: consumer looks at its queue within its poll interval, before the job is due.
+        self._quiet_delay_ms = self.settings.poll_interval * 1000
 
     def _block(self) -> Transaction | Batch | None:
         """Where a send of this thread (or task) goes: the innermost block it opened, else
@@ -265,10 +280,36 @@ class Sender:
         return result
 
     def _write_group(self, items: list[tuple[NewJob, bool]]) -> dict[int, Any]:
+        notify = self._notify_in_statement
         if len(items) == 1:
             job, first = items[0]
-            return {id(items[0]): self.store.enqueue(job, again=first)}
-        return {id(item): result for item, result in zip(items, self.store.send_many(items))}
+            result = self.store.enqueue(job, again=first, notify=notify)
+            self._wake([job], [result])
+            return {id(items[0]): result}
+        results = self.store.send_many(items, notify=notify)
+        self._wake([job for job, _ in items], results)
+        return {id(item): result for item, result in zip(items, results)}
+
+    def _wake(self, jobs: Sequence[NewJob], results: Sequence[Any]) -> None:
+        """Owe the notifier the queues that committed sends of the broker's own filled
+        with a job runnable before the workers' next look (see :mod:`.notifier`)."""
+        if not self._owes:
+            return
+        quiet = self._quiet_delay_ms
+        queues = {
+            job.queue_name
+            for job, result in zip(jobs, results)
+            if isinstance(result, EnqueueResult)
+            and (result.created or result.rescheduled)
+            and job.delay_ms < quiet
+        }
+        if queues:
+            self.notifier.owe(queues)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Send the wake-ups this process owes (within a few seconds) and stop the
+        notifier's thread (see :mod:`.notifier`)."""
+        self.notifier.stop()  # type: ignore[union-attr]
 
     @staticmethod
     def _as_stored(job: NewJob, stored: dramatiq.Message, result: EnqueueResult):
@@ -407,9 +448,12 @@ class Sender:
             results = self.store.enqueue_many(jobs, conn=conn)
         else:
             results = retrying(
-                lambda first: self.store.enqueue_many(jobs, again=first),
+                lambda first: self.store.enqueue_many(
+                    jobs, again=first, notify=self._notify_in_statement
+                ),
                 self.settings.enqueue_retries,
             )
+            self._wake(jobs, results)
         after = self.emitter("after", "enqueue")
         sent = []
         for job, message, delay, result in zip(jobs, stored, delays, results):

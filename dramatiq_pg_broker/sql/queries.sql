@@ -148,7 +148,12 @@ new_keys AS (
 
 -- insert_job --
 -- Store one message as a queued job with its `created` event, and wake the queue's
--- consumers. NOTIFY is delivered at commit and carries no payload: it only says "look".
+-- consumers when %(channel)s is given. NOTIFY is delivered at commit and carries no
+-- payload: it only says "look". A send in an application's transaction passes its queue's
+-- channel (the wake-up must follow that transaction's commit); the broker's own sends pass
+-- none and are told to the process's notifier once committed (sending/notifier.py): a
+-- commit that notified holds PostgreSQL's database-wide notify lock through its WAL flush,
+-- which would serialize every concurrent send's commit.
 -- An existing id or idempotency key (per actor and scope) inserts nothing and returns no
 -- row, whether its job is unfinished (jobs) or finished (jobs_history, see 0012). The id
 -- is looked up in both tables with the statement's snapshot, not only left to the primary
@@ -202,7 +207,9 @@ WITH new_key AS (
 ), no_flush_wait AS (
     SELECT set_config('synchronous_commit', 'off', true) WHERE NOT %(durable)s
 )
-SELECT id, pg_notify(%(channel)s, ''), current_setting('transaction_isolation')
+SELECT id,
+       CASE WHEN %(channel)s::text IS NOT NULL THEN pg_notify(%(channel)s, '') END,
+       current_setting('transaction_isolation')
 FROM inserted LEFT JOIN no_flush_wait ON true
 
 -- find_existing --
@@ -287,7 +294,8 @@ WITH moved AS (
                               'available_at', available_at)
     FROM moved WHERE %(events)s
 )
-SELECT id, pg_notify(%(channel)s, '') FROM moved
+SELECT id, CASE WHEN %(channel)s::text IS NOT NULL THEN pg_notify(%(channel)s, '') END
+FROM moved
 
 -- insert_jobs --
 -- Many messages in one statement (bulk enqueue), each with its `created` event; the arrays
@@ -297,8 +305,11 @@ SELECT id, pg_notify(%(channel)s, '') FROM moved
 -- rows that were inserted are returned with the transaction's isolation level. All the rows get the same now(), so created_at is advanced by one microsecond per
 -- position: jobs of equal priority and availability are then claimed in the order sent.
 -- Concurrent single sends share this statement (group commit, one autocommit transaction):
--- they pass the %(channels)s to wake, and %(durable)s false when none of them needs the
--- WAL flush (as insert_job). A bulk enqueue passes no channel (it notifies at its end).
+-- they pass %(durable)s false when none of them needs the WAL flush (as insert_job), and
+-- the %(channels)s to wake only where every send notifies in its own statement (the
+-- notify_sends setting `statement`); by default their queues are told to the notifier
+-- once the statement committed (see insert_job). A bulk enqueue passes no channel (it
+-- notifies at its end).
 WITH given AS (
     SELECT *
     FROM unnest(
@@ -414,6 +425,19 @@ DROP TABLE dramatiq_pg_broker_staged_jobs
 -- Wake the consumers of several queues at once (after a bulk enqueue, an operator's retry, a
 -- release or a reaper run), at commit.
 SELECT pg_notify(channel, '') FROM unnest(%(channels)s::text[]) AS channel
+
+-- wake_queues --
+-- The process's notifier (sending/notifier.py): wake the consumers of the queues whose
+-- sends committed since its last statement, in a transaction of its own that wrote
+-- nothing else. Its commit does not wait for the WAL flush (set_config(..., true) is local
+-- to this autocommit statement), so it holds the notify lock for moments only; a server
+-- crash that lost it loses nothing the LISTEN connections' reconnection does not redo (their
+-- consumers look again).
+WITH no_flush_wait AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+)
+SELECT count(pg_notify(channel, ''))
+FROM no_flush_wait CROSS JOIN unnest(%(channels)s::text[]) AS channel
 
 -- server_now --
 -- The server's clock, for comparisons with timestamps the server wrote.

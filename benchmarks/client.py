@@ -2,6 +2,10 @@
 ``python -m benchmarks.client {enqueue,enqueue-threads,bulk,send,delayed,latency,workflows,flush}
 ...``.
 
+``enqueue-threads --go PATH`` (the notify workload's processes, :mod:`.notify`): after the
+warm-up, each process writes ``PATH.ready-<pid>`` and waits for ``PATH`` to exist before
+its threads start together; it reports the wall-clock time of its start and end.
+
 The broker is the one ``benchmarks.actors`` builds from ``BENCH_BROKER``. Each step prints
 one JSON object on stdout.
 """
@@ -26,9 +30,13 @@ def _send_many(actor, count: int, **options) -> float:
     return time.perf_counter() - started
 
 
-def _send_from_threads(actor, count: int, threads: int, warmup: int) -> float:
+def _send_from_threads(
+    actor, count: int, threads: int, warmup: int, go: str | None = None, times: dict | None = None
+) -> float:
     """``count`` sends split over ``threads`` threads released together (a web app's
-    request threads); returns the seconds from the release to the last send returning."""
+    request threads); returns the seconds from the release to the last send returning.
+    With ``go``, the release also waits for that file (see the module docstring), and
+    ``times`` gets the wall-clock ``start`` and ``end``."""
     barrier = threading.Barrier(threads + 1)
     errors: list[BaseException] = []
 
@@ -47,14 +55,33 @@ def _send_from_threads(actor, count: int, threads: int, warmup: int) -> float:
     workers = [threading.Thread(target=run, args=(share,)) for share in shares]
     for t in workers:
         t.start()
+    if go is not None:
+        _wait_for_go(go)
     barrier.wait()
     started = time.perf_counter()
+    if times is not None:
+        times["start"] = time.time()
     for t in workers:
         t.join()
     seconds = time.perf_counter() - started
+    if times is not None:
+        times["end"] = time.time()
     if errors:
         raise errors[0]
     return seconds
+
+
+def _wait_for_go(path: str, timeout: float = 120.0) -> None:
+    """Say this process is ready (``path.ready-<pid>``), then wait for ``path``."""
+    import os
+
+    with open(f"{path}.ready-{os.getpid()}", "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no go ({path}) within {timeout:.0f}s")
+        time.sleep(0.001)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--gap", type=float, default=0.01, help="seconds between two sends")
     parser.add_argument("--width", type=int, default=100, help="a workflow's group's width")
+    parser.add_argument("--go", help="enqueue-threads: start when this file exists")
     args = parser.parse_args(argv)
 
     from . import actors
@@ -94,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             seconds = _send_many(actors.noop, args.count)
             out.update(seconds=seconds, rate=args.count / seconds, cpu_s=time.process_time() - cpu)
         elif args.step == "enqueue-threads":
-            seconds = _send_from_threads(actors.noop, args.count, args.threads, args.warmup)
-            out.update(seconds=seconds, rate=args.count / seconds, threads=args.threads)
+            times: dict = {}
+            seconds = _send_from_threads(
+                actors.noop, args.count, args.threads, args.warmup, args.go, times
+            )
+            out.update(seconds=seconds, rate=args.count / seconds, threads=args.threads, **times)
         elif args.step == "bulk":
             # One broker.enqueue_many() of `count` messages (built first, not timed), after
             # an untimed warm-up batch.

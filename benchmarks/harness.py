@@ -73,6 +73,19 @@ VARIANTS = {
         "postgres",
         {"DRAMATIQ_PG_EVENTS": "1", "DRAMATIQ_PG_DURABLE_SENDS": "false"},
     ),
+    # The notify workload's comparisons (benchmarks/notify.py).
+    "postgres-notify-statement": Variant(
+        "postgres-notify-statement",
+        "postgres, NOTIFY in every send's statement",
+        "postgres",
+        {"DRAMATIQ_PG_EVENTS": "1", "DRAMATIQ_PG_NOTIFY_SENDS": "statement"},
+    ),
+    "postgres-notify-off": Variant(
+        "postgres-notify-off",
+        "postgres, no NOTIFY",
+        "postgres",
+        {"DRAMATIQ_PG_EVENTS": "1", "DRAMATIQ_PG_NOTIFY_SENDS": "off"},
+    ),
     "redis": Variant("redis", "redis (dramatiq)", "redis"),
     "rabbitmq": Variant("rabbitmq", "rabbitmq (dramatiq)", "rabbitmq"),
 }

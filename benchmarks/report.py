@@ -50,6 +50,8 @@ TARGETS = (
      "<=", 1.25),
     ("delayed-memory", "worker memory with delayed messages ≤ 1.1 × idle",
      ("memory", "postgres", "delayed_mb"), ("memory", "postgres", "idle_mb"), "<=", 1.1),
+    ("notify-vs-off", "sends, 4 processes × 8 threads, idle workers woken ≥ 0.9 × no NOTIFY",
+     ("notify", "postgres", "rate"), ("notify", "postgres-notify-off", "rate"), ">=", 0.9),
     ("idle-statements", "idle worker: ≤ 1 statement per queue per poll interval",
      ("idle", "postgres", "per_queue_per_poll"), None, "<=", 1.0),
 )  # fmt: skip
@@ -74,6 +76,8 @@ LABELS = {
     "postgres-noevents": "postgres, events off",
     "postgres-nondurable": "postgres, durable=False",
     "postgres-ref": "postgres, earlier release (--against)",
+    "postgres-notify-statement": "postgres, NOTIFY in every send's statement",
+    "postgres-notify-off": "postgres, no NOTIFY",
     "redis": "redis (dramatiq)",
     "rabbitmq": "rabbitmq (dramatiq)",
 }
@@ -81,7 +85,7 @@ SERVER_LABELS = {"embedded": "embedded server", "tcp": "standalone server (TCP)"
 #: Figures that depend on the PostgreSQL server set-up (the rest are Redis and RabbitMQ).
 PG_NAMES = (
     "floor", "raw-insert", "raw-insert-autocommit", "raw-copy", "postgres", "postgres-noevents",
-    "postgres-nondurable", "postgres-ref",
+    "postgres-nondurable", "postgres-ref", "postgres-notify-statement", "postgres-notify-off",
 )  # fmt: skip
 
 
@@ -133,6 +137,8 @@ ROWS = (
     ("worker RSS, idle", "memory", "idle_mb", "MiB", False),
     ("worker RSS, delayed msgs", "memory", "delayed_mb", "MiB", False),
     ("idle: statements per queue per poll interval", "idle", "per_queue_per_poll", "", False),
+    ("sends, 4 processes × 8 threads", "notify", "rate", "msg/s", True),
+    ("notify: notifications per 1,000 sends", "notify", "notifications_per_1000", "", False),
 )
 
 
@@ -317,12 +323,18 @@ RATIOS = (
      "rate"),
     ("bulk enqueue / raw COPY", "bulk", "postgres", "raw-copy", "rate"),
     ("drain / RabbitMQ", "drain", "postgres", "rabbitmq", "rate"),
+    ("sends 4×8, notifier / no NOTIFY", "notify", "postgres", "postgres-notify-off", "rate"),
+    ("sends 4×8, NOTIFY in each statement / no NOTIFY", "notify",
+     "postgres-notify-statement", "postgres-notify-off", "rate"),
+    ("sends 4×8, notifier / NOTIFY in each statement", "notify", "postgres",
+     "postgres-notify-statement", "rate"),
 )  # fmt: skip
 # (figure, workload, metric, unit, higher is better): this checkout against the release of
 # --against, measured in turns in the same rounds.
 REF_FIGURES = (
     ("one-thread sends", "enqueue", "rate", "msg/s", True),
     ("sends from 8 threads", "enqueue8", "rate", "msg/s", True),
+    ("sends from 4 processes × 8 threads", "notify", "rate", "msg/s", True),
     ("bulk enqueue", "bulk", "rate", "msg/s", True),
     ("drain", "drain", "rate", "msg/s", True),
     ("latency p50", "latency", "p50_ms", "ms", False),

@@ -37,12 +37,12 @@ from pathlib import Path
 
 from dramatiq_pg_broker.config import mask_url
 
-from . import cost, pgdata, release, report, retention
+from . import cost, notify, pgdata, release, report, retention
 from .harness import VARIANTS, BenchError, Harness, group_drain, idle_cost, reachable
 
 WORKLOADS = (
     "enqueue", "enqueue8", "bulk", "drain", "latency", "life", "backlog", "memory", "retention",
-    "churn", "scaling", "pgbouncer", "idle", "workflow",
+    "churn", "scaling", "pgbouncer", "idle", "workflow", "notify",
 )  # fmt: skip
 SERVERS = ("embedded", "tcp")
 DEFAULT_TCP_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -71,6 +71,7 @@ FULL = {
     "churn_rate": 500,
     "workflows": 1_000,
     "workflow_width": 100,
+    "notify": 40_000,
 }
 QUICK = {
     "repeat": 1,
@@ -96,6 +97,7 @@ QUICK = {
     "churn_rate": 300,
     "workflows": 20,
     "workflow_width": 100,
+    "notify": 8_000,
 }
 
 #: Which variants each workload runs on.
@@ -114,6 +116,7 @@ APPLIES = {
     "retention": ("postgres",),
     "churn": ("postgres",),
     "workflow": ("postgres",),
+    "notify": ("postgres", "postgres-notify-statement", "postgres-notify-off"),
 }
 #: Server settings recorded with the results (never changed by the benchmark).
 SERVER_SETTINGS = (
@@ -577,6 +580,9 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
                         VARIANTS["postgres"], cfg["workflows"], cfg["workflow_width"], plain
                     ),
                 )
+    elif workload == "notify":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: notify.sends(h, v, cfg["notify"]))
     elif workload == "idle":
         for n in names:
             each(

@@ -204,9 +204,7 @@ def test_what_is_owed_is_sent_when_the_broker_closes(pg_url, schema, queue, hear
     assert time.monotonic() - started < 10, "sent at close, not after the interval"
 
 
-def test_what_is_owed_is_sent_when_the_process_exits_without_closing(
-    pg_url, schema, queue, heard
-):
+def test_what_is_owed_is_sent_when_the_process_exits_without_closing(pg_url, schema, queue, heard):
     listener = heard(queue)
     script = f"""
 import dramatiq

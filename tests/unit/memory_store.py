@@ -77,6 +77,8 @@ class InMemoryJobStore:
         self.rows: dict[str, Row] = {}
         #: Every call of a store method: (method name, the job ids it was given).
         self.calls: list[tuple[str, list[str]]] = []
+        #: The queues the send path's notifier woke (see :meth:`wake_queues`).
+        self.woken: list[set[str]] = []
         #: Every claim: (the most it asked for, how many it claimed).
         self.claims: list[tuple[int, int]] = []
         #: Queues an operator paused: their claims claim nothing.
@@ -168,7 +170,9 @@ class InMemoryJobStore:
     def channel(self, queue_name: str) -> str:
         return f"memory.{queue_name}"
 
-    def enqueue(self, job: NewJob, *, conn=None, now=None, again: bool = True) -> EnqueueResult:
+    def enqueue(
+        self, job: NewJob, *, conn=None, now=None, again: bool = True, notify: bool = True
+    ) -> EnqueueResult:
         """A new id is stored; a known one is returned as it is (re-enqueues are the
         integration tests')."""
         self._call("enqueue", [job.id])
@@ -179,8 +183,14 @@ class InMemoryJobStore:
             self.add(job)
         return EnqueueResult(job.id, True, "queued", job.message, job.message_bytes)
 
-    def send_many(self, sends: Sequence[tuple[NewJob, bool]]) -> list[EnqueueResult]:
+    def send_many(
+        self, sends: Sequence[tuple[NewJob, bool]], *, notify: bool = True
+    ) -> list[EnqueueResult]:
         return [self.enqueue(job, again=again) for job, again in sends]
+
+    def wake_queues(self, queue_names) -> None:
+        """Nothing listens here: the queues are recorded."""
+        self.woken.append(set(queue_names))
 
     # -- claiming ----------------------------------------------------------------------
 

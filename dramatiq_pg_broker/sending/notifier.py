@@ -91,6 +91,10 @@ class Notifier(Service):
         #: No statement before this time (monotonic): the interval, or a retry's backoff.
         self._not_before = 0.0
         self._sending = False
+        #: Whether the thread waits for something to be owed (only then does owe() wake
+        #: it: during a statement or an interval it finds what was owed when it is done,
+        #: and a wake-up per send would cost each sending process a thread switch).
+        self._idle = False
         #: Statements sent by this process (tests and benchmarks read it).
         self.statements = 0
 
@@ -100,7 +104,8 @@ class Notifier(Service):
         self.start()  # first: in a forked child, this resets what the parent owed
         with self._cond:
             self._owed.update(queue_names)
-            self._cond.notify_all()
+            if self._idle:
+                self._cond.notify_all()
 
     def flush(self, timeout: float = EXIT_FLUSH_SECONDS) -> bool:
         """Send what is owed now, without waiting for the interval; True once nothing is
@@ -141,7 +146,9 @@ class Notifier(Service):
                             break
                         self._cond.wait(wait)
                     else:
+                        self._idle = True
                         self._cond.wait()
+                        self._idle = False
                 owed, self._owed = self._owed, set()
                 self._sending = True
             pause = self.interval

@@ -71,7 +71,7 @@ FULL = {
     "churn_rate": 500,
     "workflows": 1_000,
     "workflow_width": 100,
-    "notify": 40_000,
+    "notify": 20_000,
 }
 QUICK = {
     "repeat": 1,

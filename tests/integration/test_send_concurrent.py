@@ -53,9 +53,9 @@ class HeldWrite:
                 assert self.release.wait(30), "the other sends never queued up"
             return enqueue(job, **options)
 
-        def together(sends):
+        def together(sends, **options):
             self.writes.append(len(sends))
-            return send_many(sends)
+            return send_many(sends, **options)
 
         monkeypatch.setattr(store, "enqueue", held)
         monkeypatch.setattr(store, "send_many", together)

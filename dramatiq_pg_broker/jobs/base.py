@@ -153,9 +153,9 @@ class StoreBase:
             c.execute(self.queries["notify_queues"], {"channels": channels})
 
     def wake_queues(self, queue_names) -> None:
-        """Wake the consumers of these queues now, in a transaction of their own (the send
-        path's notifier, see :mod:`~..sending.notifier`): one statement on a pooled
-        connection."""
+        """Wake the consumers of these queues now, in a transaction of their own whose
+        commit does not wait for the WAL flush (the send path's notifier, see
+        :mod:`~..sending.notifier`): one statement on a pooled connection."""
         if not queue_names:
             return
         channels = sorted({self.channel(queue_name) for queue_name in queue_names})

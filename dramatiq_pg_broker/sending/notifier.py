@@ -9,8 +9,9 @@ insert each: 0.40x the rate without ``pg_notify``. The broker's own sends (throu
 pool, autocommit or a transaction of its own) therefore commit without notifying and tell
 the process's :class:`Notifier` which queues they filled. Its thread sends one short
 statement (``wake_queues``: one ``pg_notify`` per queue owed) on a pooled connection, in a
-transaction that writes nothing else: the lock is then held by the notifiers' commits
-alone, which wait for each other's flushes, never by a send's:
+transaction that writes nothing else and does not wait for the WAL flush (the wake-up
+follows the send's own flush at once): the lock is then taken by the notifiers' commits
+alone, for moments, never by a send's:
 
 - **Leading edge at once**: a send to a quiet process is notified as soon as the thread
   runs, one round trip after the send's commit (an idle worker's wake-up).

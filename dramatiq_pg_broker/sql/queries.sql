@@ -429,11 +429,18 @@ SELECT pg_notify(channel, '') FROM unnest(%(channels)s::text[]) AS channel
 -- wake_queues --
 -- The process's notifier (sending/notifier.py): wake the consumers of the queues whose
 -- sends committed since its last statement, in a transaction of its own that writes
--- nothing else, so that the notify lock (held through the commit's WAL flush) is only
--- ever waited for by other processes' notifiers, never by a send. Its commit is an
--- ordinary durable one: tried with `synchronous_commit` off (to hold the lock for less),
--- the sends beside it ran no faster on this machine (docs/benchmarks.md).
-SELECT count(pg_notify(channel, '')) FROM unnest(%(channels)s::text[]) AS channel
+-- nothing else, so that the notify lock is only ever waited for by other processes'
+-- notifiers, never by a send. Its commit does not wait for the WAL flush
+-- (set_config(..., true) is local to this autocommit statement): a NOTIFY is delivered
+-- once its transaction commits, and a durable commit here put a second flush between a
+-- send's commit and the worker's wake-up (a p50 1.3 to 2 x the previous one's under load,
+-- docs/benchmarks.md); it also holds the lock for less. A server crash that lost it loses
+-- nothing: the LISTEN connections' reconnection makes every consumer look.
+WITH no_flush_wait AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+)
+SELECT count(pg_notify(channel, ''))
+FROM no_flush_wait CROSS JOIN unnest(%(channels)s::text[]) AS channel
 
 -- server_now --
 -- The server's clock, for comparisons with timestamps the server wrote.

@@ -369,7 +369,8 @@ def test_join_fail_fast_ignores_an_earlier_failure_when_this_host_runs_behind(
 
 def test_a_send_is_one_prepared_statement_in_one_round_trip(pg_url, schema, queue, tmp_path):
     """A durable send is a single autocommit statement: no BEGIN, no separate COMMIT, and
-    (once psycopg has prepared it) no query text sent again."""
+    (once psycopg has prepared it) no query text sent again. (The wake-up of its queue is
+    the notifier's statement, after it: held back here by a long interval.)"""
     broker = PostgresBroker(url=pg_url, schema=schema, pool_min_size=1, pool_max_size=1)
     try:
 
@@ -379,6 +380,8 @@ def test_a_send_is_one_prepared_statement_in_one_round_trip(pg_url, schema, queu
 
         for n in range(10):  # psycopg prepares a statement on its fifth execution
             task.send(n)
+        broker.sender.notifier.interval = 60.0
+        assert broker.sender.notifier.flush(5)  # its next statement is a minute away
         trace = tmp_path / "trace.txt"
         with open(trace, "w") as f:
             with broker.pool.connection() as c:

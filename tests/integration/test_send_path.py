@@ -381,7 +381,8 @@ def test_a_send_is_one_prepared_statement_in_one_round_trip(pg_url, schema, queu
         for n in range(10):  # psycopg prepares a statement on its fifth execution
             task.send(n)
         broker.sender.notifier.interval = 60.0
-        assert broker.sender.notifier.flush(5)  # its next statement is a minute away
+        task.send(10)  # its wake-up: the notifier's next statement is a minute after it
+        assert broker.sender.notifier.flush(5)
         trace = tmp_path / "trace.txt"
         with open(trace, "w") as f:
             with broker.pool.connection() as c:

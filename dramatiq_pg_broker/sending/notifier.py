@@ -96,6 +96,9 @@ class Notifier(Service):
         #: it: during a statement or an interval it finds what was owed when it is done,
         #: and a wake-up per send would cost each sending process a thread switch).
         self._idle = False
+        #: Threads in :meth:`flush`: while any waits, what is owed goes at once (a flag the
+        #: thread reads, not a deadline: a statement ending meanwhile sets the deadline).
+        self._flushing = 0
         #: Statements sent by this process (tests and benchmarks read it).
         self.statements = 0
 
@@ -115,13 +118,16 @@ class Notifier(Service):
             return True  # nothing was owed in this process (owe() starts the thread)
         end = time.monotonic() + timeout
         with self._cond:
-            self._not_before = 0.0
+            self._flushing += 1
             self._cond.notify_all()
-            while self._owed or self._sending:
-                left = end - time.monotonic()
-                if left <= 0 or not self.started:
-                    return False
-                self._cond.wait(left)
+            try:
+                while self._owed or self._sending:
+                    left = end - time.monotonic()
+                    if left <= 0 or not self.started:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._flushing -= 1
         return True
 
     def stop(self, timeout: float | None = EXIT_FLUSH_SECONDS) -> None:
@@ -143,7 +149,9 @@ class Notifier(Service):
                         return
                     if self._owed:
                         wait = self._not_before - time.monotonic()
-                        if wait <= 0 or self.stopping.is_set():
+                        # A flush or a stop sends at once, unless a failure's backoff runs.
+                        hurry = self._flushing or self.stopping.is_set()
+                        if wait <= 0 or (hurry and not failures):
                             break
                         self._cond.wait(wait)
                     else:

@@ -140,3 +140,23 @@ def test_a_forked_child_owes_nothing_of_its_parents_and_has_its_own_thread():
         assert wake.queues() == [{"a"}, {"owed-by-the-parent"}], "the child's leaked here"
     finally:
         notifier.stop()
+
+
+def test_a_flush_during_a_statement_is_not_held_up_by_the_interval_that_statement_sets():
+    wake = Recorder()
+    notifier = Notifier(wake, interval=60.0)
+    try:
+        wake.hold.clear()
+        notifier.owe({"a"})
+        assert wake.entered.wait(5)
+        notifier.owe({"b"})  # owed while "a" is written; the next statement is 60 s after
+        flushed: list[bool] = []
+        flusher = threading.Thread(target=lambda: flushed.append(notifier.flush(5)))
+        flusher.start()
+        time.sleep(0.05)  # the flush waits for the statement in flight
+        wake.hold.set()
+        flusher.join(10)
+        assert flushed == [True], "the flush waited for the interval"
+        assert wake.queues() == [{"a"}, {"b"}]
+    finally:
+        notifier.stop()

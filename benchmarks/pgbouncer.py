@@ -162,10 +162,31 @@ class PgBouncer:
                 time.sleep(0.1)
 
     def server_connections(self, conn: psycopg.Connection) -> int:
-        """Server-side connections PgBouncer holds now, counted by the server."""
+        """Server-side connections PgBouncer holds now, counted by the server: by the
+        ``application_name`` it logs in with, or by the client port of one of its sockets
+        (in transaction mode a client's own ``application_name`` is set on the server
+        connection it is lent, so a busy pool may carry none of the tag at a given moment)."""
         return conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (self.tag,)
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE application_name = %s OR client_port = ANY(%s)",
+            (self.tag, self._own_ports()),
         ).fetchone()[0]
+
+    def _own_ports(self) -> list[int]:
+        """The local ports of PgBouncer's connections to the server (none when unknown)."""
+        if self.proc is None:
+            return []
+        try:
+            import psutil
+
+            server_port = int(self._server["port"])
+            process = psutil.Process(self.proc.pid)
+            # net_connections from psutil 6 on; connections before it.
+            listing = getattr(process, "net_connections", None) or process.connections
+            sockets = listing(kind="tcp")
+        except Exception:  # noqa: BLE001 - the application_name count stands alone
+            return []
+        return [c.laddr.port for c in sockets if c.raddr and c.raddr.port == server_port]
 
     def client_connections(self) -> int:
         """Client connections to the pooled database now, from PgBouncer's ``SHOW CLIENTS``."""

@@ -79,27 +79,40 @@ def flow(pg_url, schema, conn):
     broker.close()
 
 
+def graph_view(driver) -> dict | None:
+    """The workflow page's graph and status, read at once (None until four steps show)."""
+    steps = css(driver, "#workflow-graph a.step")
+    if len(steps) != 4:
+        return None
+    rects = [s.find_element("css selector", "rect") for s in steps]
+    return {
+        "status": [s.get_attribute("data-status") for s in steps],
+        "jobs": [s.get_attribute("data-job") for s in steps],
+        "fills": [r.get_attribute("stroke") for r in rects],
+        "xs": [float(r.get_attribute("x")) for r in rects],
+        "state": text_of(driver, "#workflow-status"),
+        "title": text_of(driver, "#view h1") or "",
+    }
+
+
 def test_the_graph_of_a_workflow_s_steps_coloured_by_state(stack, accounts, browser, flow):
     log_in(browser, stack, "operator", f"/dashboard/workflows/{flow.id}")
-    wait(
-        browser, stack, "the workflow's graph", lambda d: len(css(d, "#workflow-graph a.step")) == 4
-    )
-    steps = css(browser, "#workflow-graph a.step")
-    assert [s.get_attribute("data-status") for s in steps] == [
-        "succeeded", "running", "running", "pending"
-    ]  # fmt: skip
+    # The page redraws itself every few seconds: what it shows is read in one go, again
+    # if a redraw replaced the elements meanwhile.
+    view = wait(browser, stack, "the workflow's graph", graph_view)
+    assert view["status"] == ["succeeded", "running", "running", "pending"]
     # Each box is drawn in its state's colour.
-    fills = [s.find_element("css selector", "rect").get_attribute("stroke") for s in steps]
+    fills = view["fills"]
     assert fills[0] == "#1a7f37" and fills[1] == fills[2] == "#0969da" and fills[3] == "#8c959f"
-    assert text_of(browser, "#workflow-status") == "running"
-    assert "nightly report" in text_of(browser, "#view h1")
+    assert view["state"] == "running"
+    assert "nightly report" in view["title"]
     # Three columns: the group's members stand side by side in the middle one.
-    xs = [float(s.find_element("css selector", "rect").get_attribute("x")) for s in steps]
+    xs = view["xs"]
     assert xs[0] < xs[1] == xs[2] < xs[3]
     screenshot(browser, "dashboard-workflow.png")
 
     # A step is a link to its job's page, which links back to the workflow.
-    job_id = steps[1].get_attribute("data-job")
+    job_id = view["jobs"][1]
     browser.get(stack.base + f"/dashboard/jobs/{job_id}")
     link = wait(browser, stack, "the job's workflow link", lambda d: css(d, "#job-workflow"))
     assert flow.id[:8] in link[0].text

@@ -467,12 +467,21 @@ def history_partitions(conn, schema: str, *, days_back: int, days_ahead: int = 7
     )
 
 
+#: A table, or the leaf partitions of a partitioned one (a partitioned hot table).
+_LEAVES = (
+    "SELECT relid FROM pg_partition_tree(%(t)s::regclass) WHERE isleaf UNION SELECT %(t)s::regclass"
+)
+
+
 def dead_rows(url: str, schema: str, table: str) -> int:
-    """The table's dead rows, by the statistics collector (``n_dead_tup``)."""
+    """The table's dead rows, by the statistics collector (``n_dead_tup``): a partitioned
+    table's (a partitioned hot table) summed over its partitions."""
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
-            (schema, table),
+            "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relid IN ("
+            "SELECT relid FROM pg_partition_tree(%(t)s::regclass) WHERE isleaf"
+            " UNION SELECT %(t)s::regclass)",
+            {"t": f'"{schema}"."{table}"'},
         ).fetchone()
     return row[0] if row else 0
 
@@ -493,9 +502,10 @@ def vacuum_count(url: str, schema: str, table: str) -> int:
     """How many times the table was vacuumed, by autovacuum or by hand."""
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables "
-            "WHERE schemaname = %s AND relname = %s",
-            (schema, table),
+            "SELECT coalesce(sum(autovacuum_count + vacuum_count), 0) FROM pg_stat_user_tables "
+            "WHERE relid IN (SELECT relid FROM pg_partition_tree(%(t)s::regclass) WHERE isleaf"
+            " UNION SELECT %(t)s::regclass)",
+            {"t": f'"{schema}"."{table}"'},
         ).fetchone()
     return row[0] if row else 0
 

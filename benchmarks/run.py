@@ -37,13 +37,15 @@ from pathlib import Path
 
 from dramatiq_pg_broker.config import mask_url
 
-from . import cost, notify, pgdata, release, report, retention
+from . import cost, notify, pgdata, release, report, retention, xmin
 from .harness import VARIANTS, BenchError, Harness, group_drain, idle_cost, reachable
 
 WORKLOADS = (
     "enqueue", "enqueue8", "bulk", "drain", "latency", "life", "backlog", "memory", "retention",
-    "churn", "scaling", "pgbouncer", "idle", "workflow", "notify",
+    "churn", "scaling", "pgbouncer", "idle", "workflow", "notify", "xmin", "soak",
 )  # fmt: skip
+#: Long workloads that a full run leaves out unless they are named (``--workloads xmin``).
+NAMED_ONLY = ("xmin", "soak")
 SERVERS = ("embedded", "tcp")
 DEFAULT_TCP_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -72,6 +74,11 @@ FULL = {
     "workflows": 1_000,
     "workflow_width": 100,
     "notify": 20_000,
+    "xmin_seconds": 600,
+    "xmin_rate": 300,
+    "xmin_recover_seconds": 180,
+    "soak_seconds": 1800,
+    "soak_rate": 300,
 }
 QUICK = {
     "repeat": 1,
@@ -98,6 +105,11 @@ QUICK = {
     "workflows": 20,
     "workflow_width": 100,
     "notify": 8_000,
+    "xmin_seconds": 180,
+    "xmin_rate": 300,
+    "xmin_recover_seconds": 120,
+    "soak_seconds": 600,
+    "soak_rate": 300,
 }
 
 #: Which variants each workload runs on.
@@ -117,6 +129,8 @@ APPLIES = {
     "churn": ("postgres",),
     "workflow": ("postgres",),
     "notify": ("postgres", "postgres-notify-statement", "postgres-notify-off"),
+    "xmin": ("postgres",),
+    "soak": ("postgres",),
 }
 #: Server settings recorded with the results (never changed by the benchmark).
 SERVER_SETTINGS = (
@@ -149,7 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--workloads",
-        default=",".join(WORKLOADS),
+        default=",".join(w for w in WORKLOADS if w not in NAMED_ONLY),
         help=f"comma-separated subset of: {', '.join(WORKLOADS)}",
     )
     p.add_argument(
@@ -176,6 +190,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="workflows of a step, a group and a step the workflow workload runs at once "
         "(default 1,000; --quick 20)",
+    )
+    p.add_argument(
+        "--xmin-seconds", type=int, help="length of each run of the xmin workload (default 600)"
+    )
+    p.add_argument("--xmin-rate", type=int, help="jobs a second of the xmin workload (default 300)")
+    p.add_argument(
+        "--xmin-recover-seconds",
+        type=int,
+        help="how long the held run of the xmin workload watches the hot table after the "
+        "release (default 180)",
+    )
+    p.add_argument("--soak-seconds", type=int, help="length of the soak workload (default 1800)")
+    p.add_argument("--soak-rate", type=int, help="jobs a second of the soak workload (default 300)")
+    p.add_argument(
+        "--soak-hold",
+        metavar="START:END",
+        help="hold a REPEATABLE READ snapshot from minute START to minute END of the soak",
     )
     p.add_argument(
         "--hot-table-options",
@@ -283,6 +314,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg["workflows"] = args.workflows
     if args.hot_table_options:
         cfg["hot_table_options"] = args.hot_table_options
+    for name in (
+        "xmin_seconds",
+        "xmin_rate",
+        "xmin_recover_seconds",
+        "soak_seconds",
+        "soak_rate",
+    ):
+        if getattr(args, name):
+            cfg[name] = getattr(args, name)
+    if args.soak_hold:
+        try:
+            start, end = (int(x) for x in args.soak_hold.split(":"))
+        except ValueError:
+            print("--soak-hold takes START:END in minutes, e.g. 10:20")
+            return 2
+        cfg["soak_hold"] = (start, end)
     if args.backlog_finished:
         cfg["backlog_finished"] = args.backlog_finished
     if args.backlog_queued:
@@ -378,9 +425,14 @@ def main(argv: list[str] | None = None) -> int:
                           if isinstance(v, float) and ":" not in k)  # fmt: skip
         print(f"  {workload:9} {name:24} {shown}  ({time.monotonic() - t0:.0f}s)", flush=True)
 
+    shared = False
     try:
+        # The xmin and soak workloads use schemas of their own: a run of them alone leaves
+        # the shared one alone (another run on the same server may be using it).
+        shared = any(w not in NAMED_ONLY for w in args.workloads)
         for h in harnesses.values():
-            pgdata.reset_schema(h.url, SCHEMA)
+            if shared:
+                pgdata.reset_schema(h.url, SCHEMA)
         if against:
             for server, h in harnesses.items():
                 try:
@@ -403,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(cfg["repeat"]):
             print(f"Round {rep + 1} of {cfg['repeat']}", flush=True)
             current_round[0] = rep + 1
+            cfg["round"] = rep + 1
             # Brokers and servers take turns; the order rotates every round.
             order = [n for n in args.brokers if available[n]]
             shift = rep % len(order) if order else 0
@@ -422,8 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server, h in harnesses.items():
             try:
-                pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
-                pgdata.drop_schema(h.url, SCHEMA)
+                if shared:
+                    pgdata.drop_schema(h.url, BACKLOG_SCHEMA)
+                    pgdata.drop_schema(h.url, SCHEMA)
                 if against:
                     pgdata.drop_schema(h.url, REF_SCHEMA)
                 cost.cleanup(h.url, walinspect.get(server, False))
@@ -475,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"JSON: {json_path}\nChart: {png_path}")
     full = (
         not args.quick
-        and set(args.workloads) == set(WORKLOADS)
+        and set(args.workloads) == set(WORKLOADS) - set(NAMED_ONLY)
         and cfg["retention_finished"] == FULL["retention_finished"]
         and cfg["churn_seconds"] == FULL["churn_seconds"]
         and cfg["churn_rate"] == FULL["churn_rate"]
@@ -551,6 +605,15 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
         step = retention.retention_round if workload == "retention" else retention.churn_round
         for n in names:
             each(n, lambda h, v=VARIANTS[n], step=step: step(h, v, cfg))
+    elif workload == "xmin":
+        for n in names:
+            for server in server_order:
+                xmin.xmin_round(harnesses[server], VARIANTS[n], cfg,
+                                lambda w, name, fn: measure(w, name, fn),
+                                lambda name, server=server: pg_key(name, server))  # fmt: skip
+    elif workload == "soak":
+        for n in names:
+            each(n, lambda h, v=VARIANTS[n]: xmin.soak_round(h, v, cfg))
     elif workload in ("scaling", "pgbouncer"):
         pool = cfg["pool_size"] if workload == "pgbouncer" else None
         for n in names:

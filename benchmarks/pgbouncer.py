@@ -162,31 +162,28 @@ class PgBouncer:
                 time.sleep(0.1)
 
     def server_connections(self, conn: psycopg.Connection) -> int:
-        """Server-side connections PgBouncer holds now, counted by the server: by the
-        ``application_name`` it logs in with, or by the client port of one of its sockets
-        (in transaction mode a client's own ``application_name`` is set on the server
-        connection it is lent, so a busy pool may carry none of the tag at a given moment)."""
+        """Server-side connections PgBouncer holds now, counted by the server: its backends
+        that carry the ``application_name`` PgBouncer logs in with, or whose process id
+        PgBouncer's ``SHOW SERVERS`` gives (in transaction mode a client's own
+        ``application_name`` is set on the server connection it is lent, so a busy pool may
+        carry none of the tag at a given moment)."""
         return conn.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE application_name = %s OR client_port = ANY(%s)",
-            (self.tag, self._own_ports()),
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s OR pid = ANY(%s)",
+            (self.tag, self._server_pids()),
         ).fetchone()[0]
 
-    def _own_ports(self) -> list[int]:
-        """The local ports of PgBouncer's connections to the server (none when unknown)."""
-        if self.proc is None:
-            return []
+    def _server_pids(self) -> list[int]:
+        """The server process ids of PgBouncer's connections to the pooled database, from
+        its ``SHOW SERVERS`` (none when the console does not answer)."""
+        admin = self.url.rsplit("/", 1)[0] + "/pgbouncer"
         try:
-            import psutil
-
-            server_port = int(self._server["port"])
-            process = psutil.Process(self.proc.pid)
-            # net_connections from psutil 6 on; connections before it.
-            listing = getattr(process, "net_connections", None) or process.connections
-            sockets = listing(kind="tcp")
-        except Exception:  # noqa: BLE001 - the application_name count stands alone
+            with psycopg.connect(admin, autocommit=True, cursor_factory=psycopg.ClientCursor) as c:
+                cur = c.execute("SHOW SERVERS")
+                names = [d.name for d in cur.description]
+                database, pid = names.index("database"), names.index("remote_pid")
+                return [int(r[pid]) for r in cur.fetchall() if r[database] == self.dbname]
+        except (psycopg.Error, ValueError):
             return []
-        return [c.laddr.port for c in sockets if c.raddr and c.raddr.port == server_port]
 
     def client_connections(self) -> int:
         """Client connections to the pooled database now, from PgBouncer's ``SHOW CLIENTS``."""

@@ -165,8 +165,21 @@ def test_an_abort_while_the_application_holds_the_row_answers_within_its_wait(
         timeout=60,
     )
     took = time.monotonic() - began
-    # The command's own start (Python, imports) is part of what the operator waits for.
-    assert took < 2 + 2.5, f"the abort answered after {took:.1f}s (its wait: 2 s)"
+    # What the abort adds to starting the command (its --help, timed now, on the machine as
+    # loaded as it is: a loaded test machine can take seconds to import the package). The
+    # holder keeps the row for 8 s: an abort that waited for it (before: 7.5 s) is far over.
+    began = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "dramatiq_pg_broker", "jobs", "abort", "--help"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    started = time.monotonic() - began
+    assert took - started < 2 + 1.5, (
+        f"the abort answered after {took:.1f}s (its wait: 2 s; {started:.1f} s to start)"
+    )
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert "held by the transaction of backend" in done.stderr, done.stderr
     assert "application 'holder'" in done.stderr and "nothing was changed" in done.stderr

@@ -67,15 +67,22 @@ def migrations_ahead(
 
 def idle_in_transaction(conn: psycopg.Connection, application_name: str) -> list[str]:
     """The states of the connections named ``application_name`` that sit inside a
-    transaction nobody ended. The server reports a backend's state before it tells the
-    client a statement is done; but a connection the client dropped inside a transaction is
-    ended by its backend only when that backend notices the closed socket."""
-    rows = conn.execute(
-        "SELECT state FROM pg_stat_activity WHERE application_name = %s"
-        " AND state LIKE 'idle in transaction%%'",
-        (application_name,),
-    ).fetchall()
-    return [state for (state,) in rows]
+    transaction nobody ended: idle inside the same transaction at two looks half a second
+    apart (a worker of the application caught between two statements of a short
+    transaction, on a loaded machine, has moved on by the second look). The server reports
+    a backend's state before it tells the client a statement is done; but a connection the
+    client dropped inside a transaction is ended by its backend only when that backend
+    notices the closed socket."""
+    query = (
+        "SELECT pid, xact_start, state FROM pg_stat_activity WHERE application_name = %s"
+        " AND state LIKE 'idle in transaction%%'"
+    )
+    first = {(pid, began) for pid, began, _ in conn.execute(query, (application_name,))}
+    if not first:
+        return []
+    time.sleep(0.5)
+    rows = conn.execute(query, (application_name,)).fetchall()
+    return [state for pid, began, state in rows if (pid, began) in first]
 
 
 def wait_for(

@@ -322,6 +322,21 @@ function route() {
   run().catch(failed);
 }
 
+// What a page shows, read from the API; null once the page said that the address names
+// nothing (a 404 or 400: an unknown or malformed name or id in the address).
+async function readShown(path) {
+  try {
+    return await api("GET", path);
+  } catch (error) {
+    if (error instanceof ApiError && (error.status === 404 || error.status === 400)) {
+      notice("");
+      badAddress(error.message);
+      return null;
+    }
+    throw error;
+  }
+}
+
 function badAddress(message) {
   stopPolling();
   setView("Not found",
@@ -581,16 +596,8 @@ function queueState(queue, withButton = true) {
 
 async function queuePage(name) {
   const path = "/api/queues/" + encodeURIComponent(name);
-  let queue;
-  try {
-    queue = await api("GET", path);
-  } catch (error) {
-    if (error instanceof ApiError && (error.status === 404 || error.status === 400)) {
-      notice("");
-      return badAddress(error.message);
-    }
-    throw error;
-  }
+  let queue = await readShown(path);
+  if (queue === null) return;
   const heading = el("h1", {});
   const why = el("section", { id: "why", "aria-labelledby": "h-why" });
   const actions = el("div", { class: "actions", id: "queue-actions" });
@@ -1162,16 +1169,8 @@ function drawWorkflow(flow) {
 
 async function workflowPage(id) {
   const path = "/api/workflows/" + encodeURIComponent(id);
-  let flow;
-  try {
-    flow = await api("GET", path);
-  } catch (error) {
-    if (error instanceof ApiError && (error.status === 404 || error.status === 400)) {
-      notice("");
-      return badAddress(error.message);
-    }
-    throw error;
-  }
+  let flow = await readShown(path);
+  if (flow === null) return;
   const heading = el("h1", {});
   const actions = el("div", { class: "actions", id: "workflow-actions" });
   const fields = el("dl", { class: "fields", id: "workflow-fields" });

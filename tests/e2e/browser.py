@@ -15,8 +15,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -222,3 +225,29 @@ class Stack:
         return wait_for(
             check, timeout, what, on_timeout=self.tails, interval=0.2, ignore=(OSError,)
         )
+
+
+@contextmanager
+def api_stack(pg_url: str, schema: str, directory: Path) -> Iterator[Stack]:
+    """The admin API under gunicorn for a module's browser tests (skipped, or failed when
+    the browser is required, without Chromium), stopped at the end."""
+    require_browser()
+    stack = Stack(pg_url, schema, directory)
+    try:
+        stack.start_api()
+        yield stack
+    finally:
+        stack.stop()
+
+
+@contextmanager
+def chromium():
+    """A headless Chromium for one test. It gets a short directory of its own (Chromium
+    puts a Unix socket in it, whose path has a length limit a deep tmp_path would break),
+    removed once the browser has quit."""
+    with tempfile.TemporaryDirectory(prefix="dpb-chromium-") as temp:
+        driver = new_driver(Path(temp))
+        try:
+            yield driver
+        finally:
+            driver.quit()

@@ -23,7 +23,7 @@ from dramatiq_pg_broker.config import Settings
 from tests.helpers import server_up_for
 from tests.integration.admin_support import PASSWORD, AdminEnv
 
-from .browser import Stack, new_driver, require_browser
+from .browser import api_stack, chromium, new_driver
 
 pytestmark = pytest.mark.slow
 
@@ -54,25 +54,14 @@ def accounts(pg_url, schema):
 
 @pytest.fixture(scope="module")
 def stack(pg_url, schema, accounts, tmp_path_factory):
-    require_browser()
-    stack = Stack(pg_url, schema, tmp_path_factory.mktemp("dashboard-e2e"))
-    try:
-        stack.start_api()
+    with api_stack(pg_url, schema, tmp_path_factory.mktemp("dashboard-e2e")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture
 def browser(stack):
-    # A short path of its own (Chromium puts a Unix socket in it, whose path has a length
-    # limit a deep tmp_path would break), removed once the browser has quit.
-    with tempfile.TemporaryDirectory(prefix="dpb-chromium-") as temp:
-        driver = new_driver(Path(temp))
-        try:
-            yield driver
-        finally:
-            driver.quit()
+    with chromium() as driver:
+        yield driver
 
 
 def wait(driver, stack, what: str, condition, timeout: float = 60):

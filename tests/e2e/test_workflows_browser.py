@@ -5,9 +5,6 @@ workflow they did not create."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import dramatiq
 import pytest
 from psycopg import sql
@@ -16,7 +13,7 @@ from dramatiq_pg_broker import PostgresBroker, workflow
 from dramatiq_pg_broker.jobs import Attempt
 from tests.integration.admin_support import AdminEnv
 
-from .browser import Stack, new_driver, require_browser
+from .browser import api_stack, chromium
 from .test_dashboard_browser import css, log_in, screenshot, text_of, wait
 
 pytestmark = pytest.mark.slow
@@ -33,23 +30,14 @@ def accounts(pg_url, schema):
 
 @pytest.fixture(scope="module")
 def stack(pg_url, schema, accounts, tmp_path_factory):
-    require_browser()
-    stack = Stack(pg_url, schema, tmp_path_factory.mktemp("workflows-e2e"))
-    try:
-        stack.start_api()
+    with api_stack(pg_url, schema, tmp_path_factory.mktemp("workflows-e2e")) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture
 def browser(stack):
-    with tempfile.TemporaryDirectory(prefix="dpb-chromium-") as temp:
-        driver = new_driver(Path(temp))
-        try:
-            yield driver
-        finally:
-            driver.quit()
+    with chromium() as driver:
+        yield driver
 
 
 @pytest.fixture

@@ -774,6 +774,37 @@ def check_replication_slots(ex: Examination) -> Finding:
 
 
 #: Every check, in the order the report lists them. A check gives one finding or several.
+def check_workflows(ex: Examination) -> Finding:
+    """Steps of running workflows whose job ended without moving the workflow on (a worker
+    of a release before migration 0025 finished it): their workflows wait for ever."""
+    steps, flows, examples = ex.rows("stalled_workflow_steps", {"limit": 3})[0]
+    figures = {"stalled_steps": steps, "workflows": flows}
+    if not steps:
+        return Finding(
+            "workflows",
+            "ok",
+            "no running workflow waits for a step whose job already ended",
+            figures=figures,
+        )
+    lines = [
+        f"{steps:,} step(s) of {flows:,} running workflow(s) ended without moving their "
+        "workflow on: their jobs were finished by a worker of a release before migration "
+        "0025, which leaves the workflow out of the job's history row"
+    ]
+    lines += [f"workflow {flow}: job {job} {status}" for flow, job, status in examples]
+    return Finding(
+        "workflows",
+        "warning",
+        lines[0],
+        tuple(lines[1:]),
+        "Upgrade every worker of these queues to this release (`dramatiq-pg-broker workers` "
+        "lists the live ones by host). Then `dramatiq-pg-broker workflows abort ID` and "
+        "`dramatiq-pg-broker workflows retry ID` run each such workflow on from the stalled "
+        "step, which runs once more (its result was not kept).",
+        figures,
+    )
+
+
 CHECKS: dict[str, Callable[[Examination], Finding | list[Finding]]] = {
     "schema": check_schema,
     "snapshot": check_snapshot,
@@ -784,6 +815,7 @@ CHECKS: dict[str, Callable[[Examination], Finding | list[Finding]]] = {
     "partitions": check_partitions,
     "connections": check_connections,
     "replication_slots": check_replication_slots,
+    "workflows": check_workflows,
 }
 
 

@@ -114,3 +114,23 @@ ORDER BY a.state_change
 SELECT (array_agg(id::text ORDER BY id))[1:%(limit)s], count(*)
 FROM {schema}.jobs
 WHERE xmax = %(xid)s::xid
+
+-- stalled_workflow_steps --
+-- Steps of running workflows whose job ended without moving the workflow on: the node is
+-- pending, its job is in jobs_history and no longer in jobs. A worker of a release before
+-- migration 0025 moves a job to history with the columns it knows, without
+-- workflow_node, so the trigger that advances workflows never sees it, and the workflow
+-- waits for ever. How many steps, of how many workflows, and at most %(limit)s of them as
+-- (workflow, job, the job's status), the earliest ended first.
+WITH stalled AS (
+    SELECT n.workflow_id, n.job_id, h.status, h.finished_at
+    FROM {schema}.workflow_nodes AS n
+    JOIN {schema}.workflows AS w ON w.id = n.workflow_id
+    JOIN {schema}.jobs_history AS h ON h.id = n.job_id
+    WHERE w.status = 'running' AND n.status = 'pending' AND h.workflow_node IS NULL
+      AND NOT EXISTS (SELECT FROM {schema}.jobs AS j WHERE j.id = n.job_id)
+)
+SELECT count(*), count(DISTINCT workflow_id),
+       coalesce((array_agg(ARRAY[workflow_id::text, job_id::text, status]
+                           ORDER BY finished_at))[1:%(limit)s], ARRAY[]::text[])
+FROM stalled

@@ -400,3 +400,53 @@ def test_dead_rows_past_the_warning_name_autovacuum_s_naptime(
     assert code == 1 and finding["level"] == "warning", finding
     assert "autovacuum_naptime" in finding["advice"] and finding["figures"]["dead_tuples"] >= 50
     assert finding["figures"]["autovacuum_naptime_seconds"] > 0
+
+
+def test_a_workflow_step_ended_by_an_earlier_release_is_a_warning_until_retried(
+    run, broker, queue, conn, schema
+):
+    """A worker of a release before migration 0025 moves a step's job to history without
+    its workflow_node (its statement names the columns it knows): the workflow would wait
+    for ever. The check names it; an abort and a retry run it on from that step."""
+    import dramatiq
+
+    from dramatiq_pg_broker import workflow
+    from dramatiq_pg_broker.jobs import Attempt
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name=f"wf_{queue}", max_retries=0)
+    def step(*args):
+        return None
+
+    code, report = doctor_json(run, "--check", "workflows")
+    assert code == 0 and report["workflows"]["level"] == "ok", report
+    flow = workflow(step.message(1), step.message(2)).run(broker=broker)
+    first = flow.show()["nodes"][0]["job_id"]
+    (claimed,) = broker.store.claim(queue, 10, "old-worker", 30)
+    assert claimed.id == first
+    # What the earlier release's move leaves: the job's history row without the column.
+    conn.execute(
+        sql.SQL("UPDATE {}.jobs SET workflow_node = NULL WHERE id = %s").format(
+            sql.Identifier(schema)
+        ),
+        (first,),
+    )
+    broker.store.complete([Attempt(claimed.id, "old-worker", claimed.attempts)])
+    assert flow.status() == "running"
+    assert [n["status"] for n in flow.show()["nodes"]] == ["running", "pending"]
+
+    code, out, _ = run("doctor", "--check", "workflows")
+    line = next(line for line in out.splitlines() if " workflows " in f" {line} ")
+    assert code == 1 and line.startswith("WARNING"), out
+    assert "1 step(s) of 1 running workflow(s) ended without moving their workflow on" in line
+    assert f"workflow {flow.id}: job {first} succeeded" in out
+    assert "dramatiq-pg-broker workflows abort ID" in out
+    code, report = doctor_json(run, "--check", "workflows")
+    assert report["workflows"]["figures"] == {"stalled_steps": 1, "workflows": 1}
+
+    # The advice works: the stalled step gets a job again, the check is ok.
+    assert run("workflows", "abort", flow.id)[0] == 0
+    assert run("workflows", "retry", flow.id)[0] == 0
+    again = flow.show()["nodes"][0]
+    assert again["job_id"] != first and again["status"] == "running", again
+    code, report = doctor_json(run, "--check", "workflows")
+    assert code == 0 and report["workflows"]["level"] == "ok", report

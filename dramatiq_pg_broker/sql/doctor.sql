@@ -11,6 +11,9 @@
 -- slots with an xmin (a physical slot fed by hot_standby_feedback, or a logical slot's
 -- own). Autovacuum workers are left out: vacuum ignores their snapshots. A session's age
 -- is its transaction's (or, outside one, its statement's); a slot has none in seconds.
+-- Holders of the same horizon come longest held first: an open transaction that wrote
+-- holds the horizon at its own id, and every snapshot taken since has that id as its
+-- xmin (a worker's claim of a moment ago ties with it).
 SELECT kind, pid, application_name, usename, client, state, age_seconds, xmin_age, query
 FROM (
     SELECT 'session' AS kind, a.pid, a.application_name, a.usename::text AS usename,
@@ -36,7 +39,7 @@ FROM (
     FROM pg_replication_slots AS s
     WHERE s.xmin IS NOT NULL AND (s.database IS NULL OR s.database = current_database())
 ) AS holders
-ORDER BY xmin_age DESC
+ORDER BY xmin_age DESC, age_seconds DESC NULLS LAST
 LIMIT %(limit)s
 
 -- hot_table --

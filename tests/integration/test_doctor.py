@@ -450,3 +450,31 @@ def test_a_workflow_step_ended_by_an_earlier_release_is_a_warning_until_retried(
     assert again["job_id"] != first and again["status"] == "running", again
     code, report = doctor_json(run, "--check", "workflows")
     assert code == 0 and report["workflows"]["level"] == "ok", report
+
+
+def test_the_longest_held_of_snapshots_that_hold_the_same_horizon_decides(run, session, schema):
+    """An open transaction that wrote holds the horizon at its transaction id, and every
+    snapshot taken since has that id as its xmin: they all hold the horizon as far back.
+    The one held the longest is the one to name, and its age decides the level (not
+    whichever of the tied sessions the server lists first)."""
+    others = [session(f"short-{n}") for n in range(6)]
+    writer = session("forgotten-writer")
+    writer.execute("BEGIN")
+    writer.execute("SELECT txid_current()")  # the transaction has an id: the horizon's
+    pid = writer.info.backend_pid
+    time.sleep(1.1)
+    for other in others:
+        other.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        other.execute("SELECT 1")
+    code, report = doctor_json(
+        run,
+        "--check",
+        "snapshot",
+        "--snapshot-warning-seconds",
+        "1",
+        "--snapshot-problem-seconds",
+        "1000",
+    )
+    finding = report["snapshot"]
+    assert finding["title"].startswith(f"pid {pid} (forgotten-writer,"), finding
+    assert (code, finding["level"]) == (1, "warning"), finding

@@ -297,6 +297,16 @@ class Examination:
     def live_workers(self) -> list[dict[str, Any]]:
         return self.once("workers", lambda: list_workers(self.conn, self.schema))
 
+    def blind(self, what: str) -> tuple[str, ...]:
+        """A finding's detail saying this role sees only its own sessions' ``what`` (none
+        when it sees every session's)."""
+        if self.sees_every_session():
+            return ()
+        return (
+            f"This role sees only its own sessions' {what}: grant it pg_monitor (or "
+            "pg_read_all_stats) for the others'.",
+        )
+
     def sees_every_session(self) -> bool:
         """Whether this role sees other roles' sessions (their queries and snapshots)."""
         return self.once(
@@ -348,14 +358,7 @@ def check_snapshot(ex: Examination) -> Finding:
         "horizon_xid_age": holders[0][7] if holders else 0,
         "holders": len(holders),
     }
-    blind = (
-        ()
-        if ex.sees_every_session()
-        else (
-            "This role sees only its own sessions' snapshots: grant it pg_monitor (or "
-            "pg_read_all_stats) for the others'.",
-        )
-    )
+    blind = ex.blind("snapshots")
     if not holders:
         return Finding("snapshot", "ok", "no session holds a snapshot", blind, figures=figures)
     kind, pid, application, user, client, state, seconds, xids, query = holders[0]
@@ -503,6 +506,7 @@ def check_idle_transactions(ex: Examination) -> Finding:
             "idle_transactions",
             "ok",
             "no session idle in a transaction holds job rows",
+            ex.blind("states"),
             figures=figures,
         )
     level = "ok"
@@ -544,7 +548,7 @@ def check_idle_transactions(ex: Examination) -> Finding:
         "idle_transactions",
         level,
         lines[0],
-        tuple(lines[1:]),
+        (*lines[1:], *ex.blind("states")),
         advice,
         figures,
     )

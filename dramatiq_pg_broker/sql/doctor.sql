@@ -61,15 +61,24 @@ WHERE t.relid = to_regclass(format('%%I.jobs', %(schema)s::text))
 -- The server's connection slots: client backends now (the package's own, named
 -- dramatiq-pg-broker/<pid> and, the admin API's, dramatiq-pg-admin/<pid>, among them),
 -- max_connections, and the slots reserved for superusers (and, from PostgreSQL 16, for
--- roles with pg_use_reserved_connections).
-SELECT count(*) FILTER (WHERE backend_type = 'client backend'),
-       count(*) FILTER (WHERE backend_type = 'client backend'
+-- roles with pg_use_reserved_connections). A role that is not a member of
+-- pg_read_all_stats sees every other role's session with its type hidden (NULL), not its
+-- database, role and application_name: a session of a role in a database is counted as a
+-- client (the server's background processes have no database or no role; a worker of
+-- a parallel query or of autovacuum that may be counted too lasts a moment).
+SELECT count(*) FILTER (WHERE client),
+       count(*) FILTER (WHERE client
                         AND (application_name LIKE 'dramatiq-pg-broker/%%'
                              OR application_name LIKE 'dramatiq-pg-admin/%%')),
        current_setting('max_connections')::int,
        current_setting('superuser_reserved_connections')::int,
        coalesce(current_setting('reserved_connections', true), '0')::int
-FROM pg_stat_activity
+FROM (
+    SELECT application_name,
+           coalesce(backend_type = 'client backend',
+                    datid IS NOT NULL AND usesysid IS NOT NULL) AS client
+    FROM pg_stat_activity
+) AS a
 
 -- worker_budgets --
 -- The live worker processes and the connections they may open between them: each one's

@@ -478,3 +478,32 @@ def test_the_longest_held_of_snapshots_that_hold_the_same_horizon_decides(run, s
     finding = report["snapshot"]
     assert finding["title"].startswith(f"pid {pid} (forgotten-writer,"), finding
     assert (code, finding["level"]) == (1, "warning"), finding
+
+
+def test_a_role_that_sees_only_its_own_sessions_still_counts_every_connection(
+    pg_url, schema, conn, session
+):
+    """A role without pg_monitor (or pg_read_all_stats) sees the other roles' sessions in
+    pg_stat_activity with their type and state hidden: each still takes a slot."""
+    role = f"doctor_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        conn.execute(
+            sql.SQL(
+                "GRANT USAGE ON SCHEMA {0} TO {1}; GRANT SELECT ON ALL TABLES IN SCHEMA {0} TO {1}"
+            ).format(sql.Identifier(schema), sql.Identifier(role))
+        )
+        for n in range(5):
+            session(f"app-{n}")
+        url = psycopg.conninfo.make_conninfo(pg_url, user=role)
+        with psycopg.connect(url, autocommit=True) as c:
+            blind = examine(c, schema, checks=["connections", "snapshot", "idle_transactions"])
+        sees_all = examine(conn, schema, checks=["connections"]).finding("connections")
+        for check in ("snapshot", "idle_transactions"):
+            details = blind.finding(check).details
+            assert any("sees only its own sessions'" in d for d in details), (check, details)
+        found = blind.finding("connections")
+        assert found.figures["used"] >= 7, found.title  # 5 sessions, conn, the role's own
+        assert found.figures["used"] <= sees_all.figures["used"] + 1, (found.title, sees_all.title)
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(role)))

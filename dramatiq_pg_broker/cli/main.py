@@ -415,7 +415,13 @@ def run_doctor(args: argparse.Namespace) -> int:
         }
     )
     with connect(database_url(args)) as conn:
-        report = examine(conn, settings.schema, thresholds=thresholds, checks=args.check or None)
+        report = examine(
+            conn,
+            settings.schema,
+            thresholds=thresholds,
+            checks=args.check or None,
+            lease_seconds=settings.lease_seconds,
+        )
     if args.json:
         print(to_json(report.as_dict()))
     else:

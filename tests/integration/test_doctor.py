@@ -507,3 +507,27 @@ def test_a_role_that_sees_only_its_own_sessions_still_counts_every_connection(
         assert found.figures["used"] <= sees_all.figures["used"] + 1, (found.title, sees_all.title)
     finally:
         conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(role)))
+
+
+def test_expired_leases_count_as_the_workers_reaper_counts_them(
+    run, store, conn, schema, pg_url, monkeypatch
+):
+    """A lease that ran out counts once the server has been up a whole lease: the
+    workers' ``lease_seconds`` (DRAMATIQ_PG_LEASE_SECONDS), not a default of the command's.
+    With a lease longer than the server has been up, the reaper takes nothing back, and
+    a live worker that has not is no cause for a warning."""
+    server_up_for(pg_url, Settings().lease_seconds + 1)
+    up = conn.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time())").fetchone()
+    lease = float(up[0]) + 3600
+    monkeypatch.setenv("DRAMATIQ_PG_LEASE_SECONDS", str(lease))
+    queue = declared_queue(store)
+    job = enqueue(store, queue)
+    worker = register_worker(conn, schema, [queue])
+    store.claim(queue, 1, f"{worker}:MainThread:x", 0.1)
+    time.sleep(0.3)
+    reaped = store.reap(batch=10, backoff_ms=[0], max_interruptions=5, lease_seconds=lease)
+    assert job not in reaped.requeued, "the reaper took back a lease the server never saw end"
+    code, report = doctor_json(
+        run, "--check", "expired_leases", "--expired-lease-grace-seconds", "0.1"
+    )
+    assert (code, report["expired_leases"]["level"]) == (0, "ok"), report["expired_leases"]

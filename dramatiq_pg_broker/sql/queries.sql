@@ -122,11 +122,12 @@ NOT EXISTS (
 new_keys AS (
     INSERT INTO {schema}.job_keys
         (actor_name, idempotency_scope, idempotency_key, job_id, expires_at)
-    SELECT actor_name, idempotency_scope, idempotency_key, id{:cast},
-           coalesce(%(now)s::timestamptz, now()) + unique_for_ms * interval '1 millisecond'
-    FROM {:rows}
-    WHERE idempotency_key IS NOT NULL
-    ORDER BY position
+    SELECT k.actor_name, k.idempotency_scope, k.idempotency_key, k.id{:cast},
+           coalesce(%(now)s::timestamptz, now()) + k.unique_for_ms * interval '1 millisecond'
+    FROM {:rows} AS k
+    WHERE k.idempotency_key IS NOT NULL
+      AND {not_sent: id = k.id{:cast}, sent_at_ms = k.sent_at_ms}
+    ORDER BY k.position
     ON CONFLICT DO NOTHING
     RETURNING job_id
 ), inserted AS (
@@ -169,7 +170,8 @@ new_keys AS (
 -- execution even in a generic plan. Without a timestamp every partition is probed. A key
 -- is registered in job_keys, which holds it for its job's whole life: the job is inserted
 -- only if the key was new (keyed sends only; a real unique index, so no race with a move
--- to history can let a second job in). A unique job's key (scope 'unique') is a key like
+-- to history can let a second job in), and the key only for an id not sent yet (a send
+-- of a finished job's message, refused, must not take back the key its job freed). A unique job's key (scope 'unique') is a key like
 -- any other here, with the end of its unique_for period (NULL: none); it is freed when
 -- its job ends (move_to_history) or, failing that, by the next send that finds it
 -- (release_unique_key). message_bytes is what workers decode; the jsonb view is for display only: it is
@@ -187,6 +189,7 @@ WITH new_key AS (
            coalesce(%(now)s::timestamptz, now())
                + %(unique_for_ms)s::bigint * interval '1 millisecond'
     WHERE %(idempotency_key)s::text IS NOT NULL
+      AND {not_sent: id = %(id)s::uuid, sent_at_ms = %(sent_at_ms)s::bigint}
     ON CONFLICT DO NOTHING
     RETURNING job_id
 ), inserted AS (

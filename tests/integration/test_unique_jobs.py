@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker, periodic
-from dramatiq_pg_broker.errors import InvalidMessage
+from dramatiq_pg_broker.errors import InvalidMessage, JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.sending.unique import UNIQUE_SCOPE, unique_key
 
@@ -350,6 +350,32 @@ def test_an_exit_after_the_period_frees_the_key(broker, unique_task, queue, conn
     attempt = claim(broker, queue, now=T0)
     assert broker.store.complete([attempt], now=T0 + ms(5_000)) == {first.id}
     assert keys_of(conn, schema, unique_task.actor_name) == []
+
+
+def test_a_refused_send_of_a_finished_job_s_message_takes_no_key(
+    broker, unique_task, queue, conn, schema
+):
+    """Sending again the message of a unique job that finished raises JobAlreadyFinished
+    and writes nothing: it does not take the key back for its job, nor start a period."""
+    message = unique_task.message_with_options(args=(9,), unique_for=1_000)
+    first = new_job(broker, message, now=T0)
+    attempt = claim(broker, queue, now=T0)
+    assert broker.store.complete([attempt], now=T0 + ms(5_000)) == {first.id}
+    assert keys_of(conn, schema, unique_task.actor_name) == []
+    with pytest.raises(JobAlreadyFinished):
+        new_job(broker, message, now=T0 + ms(6_000))
+    assert keys_of(conn, schema, unique_task.actor_name) == [], "a refused send took the key"
+    # A batch tried again (its first try may have committed) is given the finished job,
+    # and takes no key for it either: by arrays, and through a staging table.
+    job, _ = broker.sender.job_for(message)
+    (retried,) = broker.store.enqueue_many([job], again=False, now=T0 + ms(6_000))
+    assert (retried.id, retried.created) == (first.id, False)
+    others = [broker.sender.job_for(_fresh(message.copy(args=[-n])))[0] for n in range(1, 200)]
+    staged = broker.store.enqueue_many([job, *others], again=False, now=T0 + ms(6_000))
+    assert (staged[0].id, staged[0].created) == (first.id, False)
+    assert first.id not in {i for i, _ in keys_of(conn, schema, unique_task.actor_name)}
+    later = new_job(broker, _fresh(message), now=T0 + ms(6_500))
+    assert later.created and later.id != first.id
 
 
 def _fresh(message):

@@ -983,7 +983,8 @@ FROM changed
 -- in jobs or fail on its primary key: it is returned with skipped true (and no queue), so
 -- that the batches go on past it and the operator is told.
 -- A unique job takes its key back (retaken) if no other job holds it (or still holds it
--- itself: a unique_for period not run out); if another unique job with the same
+-- itself: a unique_for period not run out; a key left by another job that ended, its
+-- period run out, holds nothing); if another unique job with the same
 -- arguments was sent since and holds it, the retried job runs without its key (the row
 -- keeps none: the operator asked for this job to run again, beside the newer one).
 WITH candidates AS (
@@ -1023,7 +1024,14 @@ WITH candidates AS (
     WHERE idempotency_scope = 'unique' AND idempotency_key IS NOT NULL
     ORDER BY actor_name, idempotency_key, finished_at, id
     ON CONFLICT (actor_name, idempotency_scope, idempotency_key)
-        DO UPDATE SET job_id = excluded.job_id WHERE k.job_id = excluded.job_id
+        DO UPDATE SET job_id = excluded.job_id,
+                      expires_at = CASE WHEN k.job_id = excluded.job_id THEN k.expires_at END
+        WHERE k.job_id = excluded.job_id
+           -- A key free to take again (release_unique_key's rule): its job ended and its
+           -- period, if any, ran out.
+           OR (NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = k.job_id)
+               AND (k.expires_at IS NULL
+                    OR k.expires_at <= coalesce(%(now)s::timestamptz, now())))
     RETURNING job_id
 ), moved AS (
     INSERT INTO {schema}.jobs ({job_columns})

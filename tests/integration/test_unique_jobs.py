@@ -297,6 +297,26 @@ def test_an_operator_s_retry_takes_the_key_back_unless_a_newer_job_holds_it(
     assert unique_task.send_with_options(args=(3,), unique=True).message_id == newer.message_id
 
 
+def test_an_operator_s_retry_takes_back_a_key_whose_job_ended_and_period_ran_out(
+    broker, unique_task, queue, conn, schema
+):
+    """A newer job's key left after it ended (its unique_for period ran past its end)
+    holds nothing once the period has run out: a retried job takes it, and the next send
+    of the same arguments returns the retried job instead of making a second one."""
+    failed = unique_task.send_with_options(args=(10,), unique=True)
+    _fail(broker, queue, failed.message_id)
+    message = unique_task.message_with_options(args=(10,), unique_for=1_000)
+    newer = new_job(broker, message, now=T0)
+    attempt = claim(broker, queue, now=T0)
+    assert broker.store.complete([attempt], now=T0 + ms(500)) == {newer.id}
+    assert [k for k, _ in keys_of(conn, schema, unique_task.actor_name)] == [newer.id]
+    retried = broker.store.retry_failed(failed.message_id, by="ops", now=T0 + ms(2_000))
+    assert retried["idempotency_key"] is not None, "the retried job runs without its key"
+    assert [k for k, _ in keys_of(conn, schema, unique_task.actor_name)] == [failed.message_id]
+    again = new_job(broker, _fresh(message), now=T0 + ms(3_000))
+    assert (again.id, again.created) == (failed.message_id, False)
+
+
 def test_retrying_every_failed_job_gives_the_key_to_one_job_of_the_same_arguments(
     broker, unique_task, queue, conn, schema
 ):

@@ -137,6 +137,11 @@ class Notifier(Service):
         super().stop(timeout)
 
     def wake(self) -> None:
+        if not self._process.here:
+            # No thread of this process to wake (a forked child that sent nothing): the
+            # lock is still the parent's, which a thread of the parent may have held at
+            # the fork, and no thread of this process would ever release.
+            return
         with self._cond:
             self._cond.notify_all()
 

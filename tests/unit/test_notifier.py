@@ -4,6 +4,7 @@ at most one statement per interval, failures owed again, a flush, a stop, a fork
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -159,4 +160,46 @@ def test_a_flush_during_a_statement_is_not_held_up_by_the_interval_that_statemen
         assert flushed == [True], "the flush waited for the interval"
         assert wake.queues() == [{"a"}, {"b"}]
     finally:
+        notifier.stop()
+
+
+def test_a_forked_child_stops_a_notifier_whose_lock_a_parent_thread_held_at_the_fork():
+    """A thread of the parent in owe() (a send) holds the notifier's lock at the moment
+    of a fork: the child has no thread to wake, and its broker.close() must not wait for
+    a lock that no thread of the child will release."""
+    notifier = Notifier(Recorder(), interval=60.0)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with notifier._cond:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    try:
+        notifier.owe({"a"})
+        holder.start()
+        assert held.wait(5)
+
+        def child():
+            # On the child's main thread, as broker.close() runs (a new thread of the child
+            # may get the holder's stack, and so its id: the lock would take it for its
+            # owner). A lock's wait is interrupted by a signal.
+            def too_long(*_):
+                raise TimeoutError
+
+            signal.signal(signal.SIGALRM, too_long)
+            signal.setitimer(signal.ITIMER_REAL, 5)
+            try:
+                notifier.stop(1.0)
+                return "stopped"
+            except TimeoutError:
+                return "hung"
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+
+        assert in_child(child) == "stopped"
+    finally:
+        release.set()
+        holder.join(10)
         notifier.stop()

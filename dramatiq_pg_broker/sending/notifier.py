@@ -131,10 +131,13 @@ class Notifier(Service):
         return True
 
     def stop(self, timeout: float | None = EXIT_FLUSH_SECONDS) -> None:
-        """Send what is owed (within ``timeout``), then stop the thread."""
+        """Send what is owed, then stop the thread: both within ``timeout`` seconds (a
+        statement the database never answers is left to the daemon thread)."""
+        limit = EXIT_FLUSH_SECONDS if timeout is None else timeout
+        end = time.monotonic() + limit
         if self.started:
-            self.flush(EXIT_FLUSH_SECONDS if timeout is None else timeout)
-        super().stop(timeout)
+            self.flush(limit)
+        super().stop(max(0.0, end - time.monotonic()))
 
     def wake(self) -> None:
         if not self._process.here:

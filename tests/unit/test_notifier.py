@@ -203,3 +203,23 @@ def test_a_forked_child_stops_a_notifier_whose_lock_a_parent_thread_held_at_the_
         release.set()
         holder.join(10)
         notifier.stop()
+
+
+def test_stop_returns_within_its_timeout_when_a_statement_never_ends():
+    """A statement stuck on the database (a connection that hangs): stop(timeout) waits
+    for the flush and for the thread together at most ``timeout``, not twice that (an
+    exiting process waits for it, see EXIT_FLUSH_SECONDS)."""
+    wake = Recorder()
+    notifier = Notifier(wake, interval=0.0)
+    try:
+        wake.hold.clear()
+        notifier.owe({"a"})
+        assert wake.entered.wait(5)
+        notifier.owe({"b"})
+        started = time.monotonic()
+        notifier.stop(0.5)
+        took = time.monotonic() - started
+        assert 0.45 <= took < 0.8, f"stop(0.5) took {took:.2f}s"
+    finally:
+        wake.hold.set()
+        notifier.stop()

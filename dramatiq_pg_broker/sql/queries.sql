@@ -1027,9 +1027,12 @@ WITH candidates AS (
         DO UPDATE SET job_id = excluded.job_id,
                       expires_at = CASE WHEN k.job_id = excluded.job_id THEN k.expires_at END
         WHERE k.job_id = excluded.job_id
-           -- A key free to take again (release_unique_key's rule): its job ended and its
-           -- period, if any, ran out.
-           OR (NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = k.job_id)
+           -- A key free to take again: its job ended (it is in history, and not in jobs)
+           -- and its period, if any, ran out. Ended, not merely absent from jobs: a key
+           -- this statement waited for belongs to a send committed after its snapshot,
+           -- whose job the snapshot does not see in either table.
+           OR (EXISTS (SELECT 1 FROM {schema}.jobs_history AS h WHERE h.id = k.job_id)
+               AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = k.job_id)
                AND (k.expires_at IS NULL
                     OR k.expires_at <= coalesce(%(now)s::timestamptz, now())))
     RETURNING job_id

@@ -24,6 +24,8 @@ from dramatiq_pg_broker.errors import InvalidMessage, JobAlreadyFinished
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.sending.unique import UNIQUE_SCOPE, unique_key
 
+from ..helpers import wait_for
+
 LEVELS = ["read committed", "repeatable read", "serializable"]
 T0 = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.timezone.utc)
 
@@ -315,6 +317,40 @@ def test_an_operator_s_retry_takes_back_a_key_whose_job_ended_and_period_ran_out
     assert [k for k, _ in keys_of(conn, schema, unique_task.actor_name)] == [failed.message_id]
     again = new_job(broker, _fresh(message), now=T0 + ms(3_000))
     assert (again.id, again.created) == (failed.message_id, False)
+
+
+def test_a_retry_racing_a_send_leaves_the_key_to_the_sent_job(
+    broker, unique_task, queue, pg_url, conn, schema
+):
+    """A send commits its key while an operator's retry of a failed job with the same
+    arguments waits for it: the retry's snapshot, older than the send, does not see the
+    new job, which holds the key all the same; the retried job runs without it."""
+    failed = unique_task.send_with_options(args=(11,), unique=True)
+    _fail(broker, queue, failed.message_id)
+    retried: list[dict] = []
+    with psycopg.connect(pg_url) as app:
+        app.execute("SELECT 1")  # the application's transaction, open until its commit
+        with broker.transaction(app):
+            sent = unique_task.send_with_options(args=(11,), unique=True)
+
+        def retry_it():
+            try:
+                retried.append(broker.store.retry_failed(failed.message_id, by="ops"))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                retried.append({"error": e})
+
+        retry = threading.Thread(target=retry_it)
+        retry.start()
+        wait_for(
+            lambda: conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0],
+            10,
+            "the retry waiting for the send's key",
+        )
+        app.commit()
+    retry.join(10)
+    assert len(retried) == 1 and "error" not in retried[0], retried
+    assert retried[0]["status"] == "queued" and retried[0]["idempotency_key"] is None
+    assert [k for k, _ in keys_of(conn, schema, unique_task.actor_name)] == [sent.message_id]
 
 
 def test_retrying_every_failed_job_gives_the_key_to_one_job_of_the_same_arguments(

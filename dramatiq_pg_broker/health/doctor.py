@@ -187,8 +187,10 @@ class Report:
 
     @property
     def level(self) -> str:
-        """The worst level of the findings (``skipped`` ones left out)."""
-        levels = [f.level for f in self.findings if f.level in LEVELS]
+        """The worst level of the findings, a ``skipped`` one counting as a warning: a
+        check that could not look (no permission, a statement that ran out of time) does
+        not let the report, and the command's exit status, say that all is well."""
+        levels = [f.level if f.level in LEVELS else "warning" for f in self.findings]
         return max(levels, key=LEVELS.index, default="ok")
 
     @property

@@ -21,8 +21,11 @@ def report(*levels: str) -> Report:
     [
         ((), "ok", 0),
         (("ok", "ok"), "ok", 0),
-        (("ok", "skipped"), "ok", 0),
+        # A check that could not look is not "all is well".
+        (("ok", "skipped"), "warning", 1),
+        (("skipped", "skipped"), "warning", 1),
         (("ok", "warning", "skipped"), "warning", 1),
+        (("problem", "skipped"), "problem", 2),
         (("problem", "warning", "ok"), "problem", 2),
     ],
 )

@@ -24,10 +24,15 @@ T = TypeVar("T")
 
 _pid = os.getpid()
 
+#: Guards the replacement of a :class:`ProcessLock`'s lock in a new process; itself made
+#: anew in every child, so never held there.
+_guard = threading.Lock()
+
 
 def _after_fork_in_child() -> None:
-    global _pid
+    global _pid, _guard
     _pid = os.getpid()
+    _guard = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -39,6 +44,39 @@ def pid() -> int:
 
 
 _UNSET: Any = object()
+
+
+class ProcessLock:
+    """A lock that a forked child gets anew, released. A plain ``threading.Lock`` is copied
+    into the child as it was: held, if a thread of the parent held it at the moment of the
+    fork (opening the pool, starting a thread), and no thread of the child would ever
+    release it. Used as a context manager, as a lock."""
+
+    __slots__ = ("_lock", "_pid")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = _pid
+
+    def _here(self) -> threading.Lock:
+        if self._pid != _pid:
+            with _guard:
+                if self._pid != _pid:
+                    self._lock = threading.Lock()
+                    self._pid = _pid
+        return self._lock
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._here().acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self._here().acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class PerProcess(Generic[T]):
@@ -56,7 +94,7 @@ class PerProcess(Generic[T]):
 
     def __init__(self, build: Callable[[], T], value: T = _UNSET) -> None:
         self._build = build
-        self._lock = threading.Lock()
+        self._lock = ProcessLock()
         self._value: T | None = None if value is _UNSET else value
         self._pid: int | None = None if value is _UNSET else _pid
 

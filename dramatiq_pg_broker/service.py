@@ -37,7 +37,8 @@ class Service:
     def __init__(self) -> None:
         #: Set by :meth:`stop`; :meth:`run` returns once it is.
         self.stopping = threading.Event()
-        self._start_lock = threading.Lock()
+        #: A forked child's is its own (a parent's thread may hold it at the fork).
+        self._start_lock = forks.ProcessLock()
         self._thread: threading.Thread | None = None
         self._process = forks.PerProcess(self._enter_process, value=None)
 

@@ -5,6 +5,7 @@ belongs to one process (forks.PerProcess) and the start/stop base of background 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 from dramatiq_pg_broker import forks, service
@@ -118,3 +119,75 @@ def test_a_forked_child_starts_its_own_thread_from_a_reset_state():
         assert ticker.started and ticker.resets == 0, "the child's start touched the parent"
     finally:
         ticker.stop(timeout=5)
+
+
+def on_child_main_thread(fn, seconds: float = 5.0) -> str:
+    """``fn()`` in a forked child, on its main thread, as "hung" if it has not returned
+    within ``seconds`` (a lock's wait is interrupted by the signal; a new thread of the
+    child could get the id of a parent's thread, which a lock would take for its owner)."""
+
+    def child():
+        def too_long(*_):
+            raise TimeoutError
+
+        signal.signal(signal.SIGALRM, too_long)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            return fn()
+        except TimeoutError:
+            return "hung"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    return in_child(child)
+
+
+def test_a_child_forked_while_a_parent_thread_builds_a_value_builds_its_own():
+    """The dramatiq CLI forks after importing the app: a thread of the parent may be
+    opening its pool (PerProcess's lock held) at that moment. The child's first use must
+    not wait for a lock no thread of the child will release."""
+    building, release = threading.Event(), threading.Event()
+
+    def build():
+        if forks.pid() != parent:
+            return "child's"
+        building.set()
+        release.wait(10)
+        return "parent's"
+
+    parent = forks.pid()
+    value = forks.PerProcess(build)
+    builder = threading.Thread(target=value.get)
+    builder.start()
+    try:
+        assert building.wait(5)
+        assert on_child_main_thread(value.get) == "child's"
+    finally:
+        release.set()
+        builder.join(10)
+    assert value.get() == "parent's"
+
+
+def test_a_child_forked_while_a_parent_thread_starts_a_service_starts_its_own():
+    ticker = Ticker()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with ticker._start_lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+
+        def child():
+            started = ticker.start()
+            ticker.stop(timeout=5)
+            return started
+
+        assert on_child_main_thread(child) == "True"
+    finally:
+        release.set()
+        holder.join(10)

@@ -843,7 +843,11 @@ async function jobPage(jobId) {
   tagged.clear();
   let job, events;
   try {
-    [job, events] = await Promise.all([poll(jobPath), poll(jobPath + "/events")]);
+    // The job, then its timeline: read after the job, the timeline holds every event
+    // committed with the state shown (read side by side, a finished job could be drawn
+    // without its last event, and a finished job's page is not read again).
+    job = await poll(jobPath);
+    events = await poll(jobPath + "/events");
   } catch (error) {
     // An unknown id, someone else's job (for a member), or no job id at all: a page that
     // says so, with the way back, instead of an empty page under a notice.
@@ -863,7 +867,8 @@ async function jobPage(jobId) {
     // lease is asked for again only once it has passed, so that a job whose worker renews
     // it never shows an expired lease (one whole answer a lease, not one a renewal).
     const leasePassed = job.locked_until && Date.parse(job.locked_until) <= Date.now();
-    const [fresh, freshEvents] = await Promise.all([poll(jobPath, leasePassed), poll(jobPath + "/events")]);
+    const fresh = await poll(jobPath, leasePassed);
+    const freshEvents = await poll(jobPath + "/events");
     job = fresh;
     // Leave the page alone while a confirmation is open.
     if (document.getElementById("confirm").open) return true;

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import falcon
-from pydantic import Field, StringConstraints
+from pydantic import ConfigDict, Field, StringConstraints
 
 from .. import responses
 from ..accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
@@ -35,6 +35,9 @@ class UserRequest(Body):
 
 class UserUpdate(Body):
     """The body of PATCH /api/users/{user_id}: at least one of its fields."""
+
+    # Said in the document too: a client reading it must not send {}.
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1})
 
     role: Role = Field(None, description="What the user may do.")
     active: bool = Field(None, description="Deactivating ends the user's sessions.")

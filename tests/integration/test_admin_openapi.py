@@ -144,6 +144,24 @@ def test_every_documented_query_parameter_is_accepted(env):
                 assert result.status_code < 300, f"{label}: {result.status_code} {result.text}"
 
 
+def test_an_empty_object_is_refused_exactly_where_the_document_refuses_it(env):
+    """Every body the API takes: ``{}`` is a 400 when the document's schema refuses it
+    (a required field, or at least one field), and passes the body's check when the
+    schema accepts it, so that a client (or a generator such as schemathesis) reading the
+    document sends what the API takes."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            if "requestBody" not in op:
+                continue
+            schema = op["requestBody"]["content"]["application/json"]["schema"]
+            valid = jsonschema.Draft202012Validator(schema).is_valid({})
+            result = walk.call(method, template, op, "admin", json={})
+            label = f"{method.upper()} {template} {{}}: {result.status_code} {result.text}"
+            assert (result.status_code == 400) is not valid, label
+
+
 def test_every_answer_of_the_api_tests_is_checked_against_the_served_document(env):
     """The tests' client (admin_support.CheckedClient) holds the document the app serves
     and refuses an answer it does not describe: an undocumented status, a body with a

@@ -144,6 +144,24 @@ def test_every_documented_query_parameter_is_accepted(env):
                 assert result.status_code < 300, f"{label}: {result.status_code} {result.text}"
 
 
+def test_a_query_parameter_given_empty_is_left_out_as_the_document_says(env):
+    """``?queue=`` is ``?queue`` left out (a form's empty field, the dashboard's filters):
+    the document says so of every query parameter (allowEmptyValue), so that a client
+    reading it, or a generator such as schemathesis, need not guess why an empty
+    date-time or UUID is taken."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            for param in op.get("parameters", ()):
+                if param["in"] != "query":
+                    continue
+                label = f"{method.upper()} {template}?{param['name']}="
+                assert param.get("allowEmptyValue") is True, label
+                result = walk.call(method, template, op, "admin", query_string=f"{param['name']}=")
+                assert result.status_code < 300, f"{label}: {result.status_code} {result.text}"
+
+
 def test_an_empty_object_is_refused_exactly_where_the_document_refuses_it(env):
     """Every body the API takes: ``{}`` is a 400 when the document's schema refuses it
     (a required field, or at least one field), and passes the body's check when the

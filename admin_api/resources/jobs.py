@@ -112,8 +112,8 @@ class JobRequest(Body):
 
 class ActionRequest(Body):
     """The body of the action endpoints (retry, cancel, abort; pause and resume of a
-    queue): none, or an empty JSON object. Any field is refused, like every endpoint's
-    unknown fields."""
+    queue), of logging out and of revoking a token: none, or an empty JSON object. Any
+    field is refused, like every endpoint's unknown fields."""
 
 
 #: The list's state filter: a state (:mod:`dramatiq_pg_broker.jobs.states`), or ``queued``,

@@ -14,6 +14,7 @@ from ..errors import bad_request
 from ..operations import operation
 from ..pagination import link_to
 from ..validation import Body, Secret, Text, choice, given
+from .jobs import ActionRequest
 
 Role = choice(ROLES)
 #: A new password: its least length is in the document as it is in the check.
@@ -168,8 +169,10 @@ class TokenDetail:
     @operation(
         roles=ADMINS,
         summary="Revoke an API token.",
+        body=ActionRequest,
+        body_required=False,
         responses={204: "Revoked.", 404: "No such token."},
     )
-    def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: int) -> None:
+    def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: int, body) -> None:
         self.accounts.revoke_token(token_id)
         resp.status = falcon.HTTP_204

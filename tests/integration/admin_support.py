@@ -308,6 +308,8 @@ class Walk:
         ("post", "/api/users/{user_id}/tokens"): lambda: {"name": "walk"},
         ("post", "/api/auth/login"): lambda: {"email": "viewer@example.com", "password": PASSWORD},
         ("put", "/api/queues/{queue_name}/limit"): lambda: {"limit": 3},
+        ("post", "/api/auth/logout"): dict,
+        ("delete", "/api/tokens/{token_id}"): dict,
         **{
             ("post", f"/api/{path}"): dict
             for path in (

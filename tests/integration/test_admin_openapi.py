@@ -225,6 +225,23 @@ def test_every_operation_refuses_a_query_parameter_it_does_not_take(env):
     assert env.get("/metrics", "viewer").status_code == 200
 
 
+def test_every_operation_that_changes_something_refuses_a_body_field_it_does_not_take(env):
+    """As the guide says: an unknown body field is a 400, not silently ignored, by every
+    endpoint; those that take no body (log out, revoke a token) take none or ``{}``, as the
+    actions do, and say so in the document."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            if method == "get":
+                continue
+            label = f"{method.upper()} {template} {{'surely_not': 1}}"
+            result = walk.call(method, template, op, "admin", json={"surely_not": 1})
+            assert result.status_code == 400, f"{label}: {result.status_code} {result.text}"
+            assert "unknown field(s) 'surely_not'" in result.json["message"], label
+            assert "requestBody" in op, label
+
+
 def test_the_docs_page_at_a_trailing_slash_sends_to_its_address_where_its_requests_reach(env):
     """The page's requests are relative to its address: at /api/docs/ each would 404, so
     that address sends the browser to /api/docs, from where each reaches the API."""

@@ -180,6 +180,29 @@ def test_an_empty_object_is_refused_exactly_where_the_document_refuses_it(env):
             assert (result.status_code == 400) is not valid, label
 
 
+def test_a_blank_string_is_refused_exactly_where_the_document_refuses_it(env):
+    """Every string field of every body, sent as eight spaces in an otherwise valid body:
+    the API refuses it (naming the field) exactly when the document's schema does, so
+    that a client reading the document does not send a blank name, email or password."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            if "requestBody" not in op:
+                continue
+            schema = op["requestBody"]["content"]["application/json"]["schema"]
+            for name, field in schema["properties"].items():
+                # A format (a date-time) says what it takes; a blank is none.
+                if "string" not in field.get("type", ()) or "format" in field:
+                    continue
+                body = {**Walk.BODIES[(method, template)](), name: " " * 8}
+                valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+                result = walk.call(method, template, op, "admin", json=body)
+                label = f"{method.upper()} {template} {name}: {result.status_code} {result.text}"
+                refused = result.status_code == 400 and result.json["message"].startswith(name)
+                assert refused is not valid, label
+
+
 def test_every_answer_of_the_api_tests_is_checked_against_the_served_document(env):
     """The tests' client (admin_support.CheckedClient) holds the document the app serves
     and refuses an answer it does not describe: an undocumented status, a body with a

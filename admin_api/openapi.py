@@ -117,9 +117,10 @@ def _operation(path: str, op: Operation) -> dict[str, Any]:
     ] + ([_IF_NONE_MATCH] if op.etag else [])  # fmt: skip
     if op.query not in (None, ANY_QUERY):
         properties = op.query.model_json_schema(schema_generator=Schemas)["properties"]
+        # Given empty (a form's empty field), a parameter is left out: see Params.
         parameters += [
-            {"name": name, "in": "query", "required": False, "schema": schema,
-             "description": schema.pop("description", "")}
+            {"name": name, "in": "query", "required": False, "allowEmptyValue": True,
+             "schema": schema, "description": schema.pop("description", "")}
             for name, schema in properties.items()
         ]  # fmt: skip
     if parameters:
@@ -184,7 +185,8 @@ def build() -> dict[str, Any]:
             "version": __version__,
             "description": "See and steer the jobs of a dramatiq-pg-broker queue. Errors are "
             '{"error": code, "message": sentence}. State-changing requests authenticated by '
-            "the session cookie must send the header X-Requested-With.",
+            "the session cookie must send the header X-Requested-With. A query parameter "
+            "given empty (?queue=) is the same as one left out.",
         },
         "servers": [{"url": "/"}],
         "security": [{"bearerToken": []}, {"sessionCookie": []}],

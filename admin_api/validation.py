@@ -142,17 +142,29 @@ def read_uuid(raw: str) -> tuple[Any, str | None]:
     return None, f"must be a UUID such as 6f1c1f9e-6a43-4f7e-9b1f-0a5a1c6e2d3b, not {shown!r}"
 
 
+#: Not only whitespace, in the document's words. Each type's validator says what is wrong
+#: first: placed after the constraints, it runs before them, and the constraints (their
+#: pattern too) are in the document.
+_NOT_BLANK = r"\S"
 #: A string, whitespace at either end stripped, that may not be empty.
 Text = Annotated[
-    str, BeforeValidator(_not_blank), StringConstraints(strip_whitespace=True, min_length=1)
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, pattern=_NOT_BLANK),
+    BeforeValidator(_not_blank),
 ]
 #: A string taken as sent (a password), that may not be empty or only whitespace.
-Secret = Annotated[str, BeforeValidator(_not_blank), StringConstraints(min_length=1)]
+Secret = Annotated[
+    str, StringConstraints(min_length=1, pattern=_NOT_BLANK), BeforeValidator(_not_blank)
+]
 #: A name (an actor's, a queue's): whitespace at either end, control characters (tabs and
 #: line breaks included) and the line and paragraph separators U+2028 and U+2029 are
 #: refused, never stripped, so that the name stored is the name sent, and two names that
-#: look alike are not made one.
+#: look alike are not made one. A field of this type without a pattern of its own gives
+#: :data:`NAME_PATTERN` (a type's pattern would replace the field's in the validation).
 Name = Annotated[str, BeforeValidator(_name), StringConstraints(min_length=1)]
+#: A name's ends, in the document's words (``.`` takes no line break); its description
+#: says the rest.
+NAME_PATTERN = r"^\S(.*\S)?$"
 #: An ISO 8601 date-time (in a body or a query string); without an offset it is UTC.
 DateTime = Annotated[dt.datetime, BeforeValidator(_validator(_read_datetime))]
 

@@ -32,6 +32,7 @@ from ..operations import operation
 from ..pagination import decode_job_cursor, job_links, link_to
 from ..queries import JOB_COLUMNS, JobFilters, JobQueries, TooManyActors
 from ..validation import (
+    NAME_PATTERN,
     Body,
     DateTime,
     Name,
@@ -61,6 +62,7 @@ class JobRequest(Body):
 
     actor_name: Name = Field(
         max_length=255,
+        pattern=NAME_PATTERN,
         description="The actor's name, as declared with @dramatiq.actor. Whitespace at "
         "either end, control characters (tabs, line breaks) and U+2028/U+2029 are refused, "
         "not stripped.",
@@ -112,8 +114,8 @@ class JobRequest(Body):
 
 class ActionRequest(Body):
     """The body of the action endpoints (retry, cancel, abort; pause and resume of a
-    queue): none, or an empty JSON object. Any field is refused, like every endpoint's
-    unknown fields."""
+    queue), of logging out and of revoking a token: none, or an empty JSON object. Any
+    field is refused, like every endpoint's unknown fields."""
 
 
 #: The list's state filter: a state (:mod:`dramatiq_pg_broker.jobs.states`), or ``queued``,

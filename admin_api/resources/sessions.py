@@ -14,6 +14,7 @@ from ..errors import ApiError
 from ..operations import PUBLIC, operation
 from ..throttle import LoginThrottle, client_address
 from ..validation import Body, Secret, Text
+from .jobs import ActionRequest
 
 #: The 403 of a public state change (see :class:`admin_api.auth.Authentication`).
 CROSS_SITE = "X-Requested-With missing, or an origin not allowed."
@@ -98,9 +99,11 @@ class Logout:
         roles=PUBLIC,
         summary="Log out: ends the session on the server and clears the cookie.",
         description="Send the header X-Requested-With (any value).",
+        body=ActionRequest,
+        body_required=False,
         responses={204: "Logged out (also when no session was open).", 403: CROSS_SITE},
     )
-    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+    def on_post(self, req: falcon.Request, resp: falcon.Response, body) -> None:
         session_id = req.cookies.get(SESSION_COOKIE)
         if session_id:
             self.accounts.delete_session(session_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import falcon
-from pydantic import Field, StringConstraints
+from pydantic import ConfigDict, Field, StringConstraints
 
 from .. import responses
 from ..accounts import MIN_PASSWORD_LENGTH, ROLES, AccountStore
@@ -14,6 +14,7 @@ from ..errors import bad_request
 from ..operations import operation
 from ..pagination import link_to
 from ..validation import Body, Secret, Text, choice, given
+from .jobs import ActionRequest
 
 Role = choice(ROLES)
 #: A new password: its least length is in the document as it is in the check.
@@ -35,6 +36,9 @@ class UserRequest(Body):
 
 class UserUpdate(Body):
     """The body of PATCH /api/users/{user_id}: at least one of its fields."""
+
+    # Said in the document too: a client reading it must not send {}.
+    model_config = ConfigDict(json_schema_extra={"minProperties": 1})
 
     role: Role = Field(None, description="What the user may do.")
     active: bool = Field(None, description="Deactivating ends the user's sessions.")
@@ -165,8 +169,10 @@ class TokenDetail:
     @operation(
         roles=ADMINS,
         summary="Revoke an API token.",
+        body=ActionRequest,
+        body_required=False,
         responses={204: "Revoked.", 404: "No such token."},
     )
-    def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: int) -> None:
+    def on_delete(self, req: falcon.Request, resp: falcon.Response, token_id: int, body) -> None:
         self.accounts.revoke_token(token_id)
         resp.status = falcon.HTTP_204

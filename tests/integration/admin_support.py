@@ -308,6 +308,8 @@ class Walk:
         ("post", "/api/users/{user_id}/tokens"): lambda: {"name": "walk"},
         ("post", "/api/auth/login"): lambda: {"email": "viewer@example.com", "password": PASSWORD},
         ("put", "/api/queues/{queue_name}/limit"): lambda: {"limit": 3},
+        ("post", "/api/auth/logout"): dict,
+        ("delete", "/api/tokens/{token_id}"): dict,
         **{
             ("post", f"/api/{path}"): dict
             for path in (
@@ -356,7 +358,7 @@ class Walk:
 
     def call(self, method: str, template: str, op, role, **kwargs):
         body = self.BODIES.get((method, template))
-        if "requestBody" in op:
+        if "requestBody" in op and "json" not in kwargs:
             assert body is not None, f"give a sample body for {method.upper()} {template}"
             kwargs["json"] = body()
         headers = {**self.env.auth(role), **CSRF}

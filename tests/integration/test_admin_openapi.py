@@ -144,6 +144,65 @@ def test_every_documented_query_parameter_is_accepted(env):
                 assert result.status_code < 300, f"{label}: {result.status_code} {result.text}"
 
 
+def test_a_query_parameter_given_empty_is_left_out_as_the_document_says(env):
+    """``?queue=`` is ``?queue`` left out (a form's empty field, the dashboard's filters):
+    the document says so of every query parameter (allowEmptyValue), so that a client
+    reading it, or a generator such as schemathesis, need not guess why an empty
+    date-time or UUID is taken."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            for param in op.get("parameters", ()):
+                if param["in"] != "query":
+                    continue
+                label = f"{method.upper()} {template}?{param['name']}="
+                assert param.get("allowEmptyValue") is True, label
+                result = walk.call(method, template, op, "admin", query_string=f"{param['name']}=")
+                assert result.status_code < 300, f"{label}: {result.status_code} {result.text}"
+
+
+def test_an_empty_object_is_refused_exactly_where_the_document_refuses_it(env):
+    """Every body the API takes: ``{}`` is a 400 when the document's schema refuses it
+    (a required field, or at least one field), and passes the body's check when the
+    schema accepts it, so that a client (or a generator such as schemathesis) reading the
+    document sends what the API takes."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            if "requestBody" not in op:
+                continue
+            schema = op["requestBody"]["content"]["application/json"]["schema"]
+            valid = jsonschema.Draft202012Validator(schema).is_valid({})
+            result = walk.call(method, template, op, "admin", json={})
+            label = f"{method.upper()} {template} {{}}: {result.status_code} {result.text}"
+            assert (result.status_code == 400) is not valid, label
+
+
+def test_a_blank_string_is_refused_exactly_where_the_document_refuses_it(env):
+    """Every string field of every body, sent as eight spaces in an otherwise valid body:
+    the API refuses it (naming the field) exactly when the document's schema does, so
+    that a client reading the document does not send a blank name, email or password."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            if "requestBody" not in op:
+                continue
+            schema = op["requestBody"]["content"]["application/json"]["schema"]
+            for name, field in schema["properties"].items():
+                # A format (a date-time) says what it takes; a blank is none.
+                if "string" not in field.get("type", ()) or "format" in field:
+                    continue
+                body = {**Walk.BODIES[(method, template)](), name: " " * 8}
+                valid = jsonschema.Draft202012Validator(schema).is_valid(body)
+                result = walk.call(method, template, op, "admin", json=body)
+                label = f"{method.upper()} {template} {name}: {result.status_code} {result.text}"
+                refused = result.status_code == 400 and result.json["message"].startswith(name)
+                assert refused is not valid, label
+
+
 def test_every_answer_of_the_api_tests_is_checked_against_the_served_document(env):
     """The tests' client (admin_support.CheckedClient) holds the document the app serves
     and refuses an answer it does not describe: an undocumented status, a body with a
@@ -187,6 +246,23 @@ def test_every_operation_refuses_a_query_parameter_it_does_not_take(env):
     metrics = env.get("/metrics", "viewer", params={"surely_not": "1"})
     assert metrics.status_code == 400, metrics.text
     assert env.get("/metrics", "viewer").status_code == 200
+
+
+def test_every_operation_that_changes_something_refuses_a_body_field_it_does_not_take(env):
+    """As the guide says: an unknown body field is a 400, not silently ignored, by every
+    endpoint; those that take no body (log out, revoke a token) take none or ``{}``, as the
+    actions do, and say so in the document."""
+    document = openapi.build()
+    walk = Walk(env)
+    for template, ops in document["paths"].items():
+        for method, op in ops.items():
+            if method == "get":
+                continue
+            label = f"{method.upper()} {template} {{'surely_not': 1}}"
+            result = walk.call(method, template, op, "admin", json={"surely_not": 1})
+            assert result.status_code == 400, f"{label}: {result.status_code} {result.text}"
+            assert "unknown field(s) 'surely_not'" in result.json["message"], label
+            assert "requestBody" in op, label
 
 
 def test_the_docs_page_at_a_trailing_slash_sends_to_its_address_where_its_requests_reach(env):

@@ -4,6 +4,8 @@ and the models alone (the integration tests check every real answer against it).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from admin_api import openapi
@@ -86,9 +88,12 @@ def test_a_bodys_documented_bounds_are_the_ones_it_is_checked_with(label, model)
                 ("minimum", lambda n: n, lambda n: n - 1),
                 ("maximum", lambda n: n, lambda n: n + 1),
             ):
-                if bound not in variant or "pattern" in variant:
+                if bound not in variant:
                     continue
                 value = variant[bound]
+                # A pattern the bound's value does not match refuses it whatever its length.
+                if "pattern" in variant and not re.search(variant["pattern"], inside(value)):
+                    continue
                 body = VALID[model.__name__]
                 assert _accepted(model, {**body, name: inside(value)}), (label, name, bound)
                 assert not _accepted(model, {**body, name: outside(value)}), (label, name, bound)

@@ -51,13 +51,18 @@ WHERE id = %(id)s
 
 -- node_input --
 -- How a node's piped input is made, and the results of the nodes it is made of (every
--- "one" of the input, at any depth), in one round trip.
-SELECT n.input, array_agg(s.id::text), array_agg(s.result)
+-- "one" of the input, at any depth), in one round trip. The sources are looked up by
+-- their ids (= ANY of an array: the primary key's index), never by a join on an
+-- expression, which the planner serves with a scan of every workflow's nodes.
+SELECT n.input, r.ids, r.results
 FROM {schema}.workflow_nodes AS n
-LEFT JOIN LATERAL jsonb_path_query(n.input, 'strict $.**.one') AS source ON true
-LEFT JOIN {schema}.workflow_nodes AS s ON s.id = btrim(source::text, '"')::uuid
+LEFT JOIN LATERAL (
+    SELECT array_agg(s.id::text) AS ids, array_agg(s.result) AS results
+    FROM {schema}.workflow_nodes AS s
+    WHERE s.id = ANY (ARRAY(
+        SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid))
+) AS r ON true
 WHERE n.id = %(id)s
-GROUP BY n.input
 
 -- store_node_result --
 -- The result of a node's actor, encoded, kept for the nodes that take it as input (its

@@ -340,9 +340,7 @@ def profile_workflow_drain(
     if plain:
         harness.client(variant, "send", timeout=count / 50 + 60, count=count)
     else:
-        harness.client(
-            variant, "workflows", timeout=count / 50 + 60, count=workflows, width=width
-        )
+        harness.client(variant, "workflows", timeout=count / 50 + 60, count=workflows, width=width)
     app = f"bench-profile-{os.getpid()}"
     sampler = pgdata.Sampler(harness.url, SCHEMA, app)
     activity = Activity(harness.url, app)
@@ -430,8 +428,10 @@ def per_message_table(name: str, r: dict) -> str:
     if r.get("functions"):
         lines += ["", "| function | calls per message | µs per message (self) |", "|---|---|---|"]
         for f in r["functions"]:
-            lines.append(f"| `{f['name']}` | {f['calls'] / n:.3f} | "
-                         f"{f['total_ms'] / n * us:,.0f} ({f['self_ms'] / n * us:,.0f}) |")
+            lines.append(
+                f"| `{f['name']}` | {f['calls'] / n:.3f} | "
+                f"{f['total_ms'] / n * us:,.0f} ({f['self_ms'] / n * us:,.0f}) |"
+            )
     if r.get("activity"):
         lines += ["", "| the worker's backends, sampled every 20 ms | share |", "|---|---|"]
         lines += [f"| `{k[:90]}` | {share * 100:.0f} % |" for k, share in r["activity"]]

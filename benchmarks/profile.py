@@ -195,15 +195,18 @@ def counters(url: str) -> dict:
             "ORDER BY total_exec_time DESC"
         ).fetchall()
         wal = conn.execute(
-            "SELECT wal_records, wal_bytes, wal_write, wal_sync, wal_write_time, wal_sync_time "
-            "FROM pg_stat_wal"
+            "SELECT wal_records, wal_bytes, wal_write, wal_sync, wal_write_time, wal_sync_time, "
+            "wal_fpi FROM pg_stat_wal"
         ).fetchone()
     statements = [
         {"query": " ".join(q.split())[:90], "calls": c, "total_ms": t, "rows": r}
         for q, c, t, r in rows
         if not any(word in q for word in _NOT_OURS)
     ]
-    keys = ("wal_records", "wal_bytes", "wal_write", "wal_sync", "wal_write_ms", "wal_sync_ms")
+    keys = (
+        "wal_records", "wal_bytes", "wal_write", "wal_sync", "wal_write_ms", "wal_sync_ms",
+        "wal_fpi",
+    )  # fmt: skip
     return {"statements": statements, "wal": dict(zip(keys, (float(v) for v in wal)))}
 
 
@@ -402,6 +405,7 @@ def per_message_table(name: str, r: dict) -> str:
          f"{wal['wal_sync_ms'] / n * us:,.0f} µs flushing a message"),
         ("WAL writes", f"{wal['wal_write'] / n:.2f}", f"{wal['wal_write_ms'] / n * us:,.0f} µs"),
         ("WAL bytes", f"{wal['wal_bytes'] / n:,.0f} B", f"{wal['wal_records'] / n:.1f} records"),
+        ("WAL full-page images", f"{wal['wal_fpi'] / n:.3f}", "after each checkpoint"),
         ("lock waits (share of 50 ms samples)",
          "" if r["lock_wait_share"] is None else f"{r['lock_wait_share'] * 100:.0f} %", ""),
         ("client process CPU (Python and libpq)",
@@ -453,9 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workflows", type=int, default=20, help="workflows of --what workflow")
     p.add_argument("--width", type=int, default=100, help="their group's width")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a server setting of the private cluster (max_wal_size=128MB: the embedded "
+        "server's); again for more",
+    )
     args = p.parse_args(argv)
     from .pgbouncer import free_port
 
+    for setting in args.setting:
+        name, _, value = setting.partition("=")
+        CLUSTER_SETTINGS[name.strip()] = value.strip()
     cluster = Cluster(free_port(PORTS)).start()
     out_dir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     try:

@@ -99,6 +99,7 @@ class Cluster:
                   "-o", f"-p {self.port} {options}", "start")  # fmt: skip
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION pg_stat_statements")
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
         return self
 
     def stop(self) -> None:
@@ -351,7 +352,10 @@ def profile_workflow_drain(
     raw = out_dir / f"{tag}.pyspy.txt"
     spy = py_spy()
     spy_proc = None
+    from . import cost
+
     reset(harness.url)
+    meter = cost.Meter(harness.url).start()
     with harness.worker(variant, "workflow", expect=count, PGAPPNAME=app) as (proc, state):
         pid = harness.wait_ready(proc, state)
         worker = psutil.Process(pid)
@@ -367,6 +371,7 @@ def profile_workflow_drain(
         result = harness.wait_file(proc, os.path.join(state, "drain.json"),
                                    timeout=count / 20 + 120)  # fmt: skip
         cpu = sum(worker.cpu_times()[:2]) - cpu0
+        phase = meter.stop()
         sampler.stop()
         activity.stop()
         if spy_proc is not None:
@@ -375,6 +380,7 @@ def profile_workflow_drain(
                 spy_proc.wait(30)
     stats = counters(harness.url)
     inner = nested(harness.url)
+    cost.inspect(harness.url, phase)
     pgdata.empty(harness.url, SCHEMA)
     harness._empty_workflows(variant)
     return {
@@ -386,6 +392,15 @@ def profile_workflow_drain(
         **inner,
         "activity": activity.shares(),
         "py_spy": top_functions(raw) if spy else None,
+        # The drain's WAL by relation (pg_walinspect), full-page images apart.
+        "wal_by_relation": sorted(
+            (
+                (name, size, size - phase.by_relation_nofpi.get(name, 0))
+                for name, size in phase.by_relation.items()
+            ),
+            key=lambda item: -item[1],
+        ),
+        "wal_inspect_error": phase.inspect_error,
     }
 
 
@@ -436,6 +451,13 @@ def per_message_table(name: str, r: dict) -> str:
                 f"| `{f['name']}` | {f['calls'] / n:.3f} | "
                 f"{f['total_ms'] / n * us:,.0f} ({f['self_ms'] / n * us:,.0f}) |"
             )
+    if r.get("wal_by_relation"):
+        lines += ["", "| the drain's WAL by relation | B per message | full-page images |",
+                  "|---|---|---|"]  # fmt: skip
+        for name, size, image in r["wal_by_relation"][:12]:
+            lines.append(f"| `{name}` | {size / n:,.0f} | {image / n:,.0f} |")
+    elif r.get("wal_inspect_error"):
+        lines += ["", f"WAL by relation: {r['wal_inspect_error']}"]
     if r.get("activity"):
         lines += ["", "| the worker's backends, sampled every 20 ms | share |", "|---|---|"]
         lines += [f"| `{k[:90]}` | {share * 100:.0f} % |" for k, share in r["activity"]]

@@ -1,5 +1,5 @@
 -- compatibility: compatible
--- One new function and new bodies for three functions of 0025 with the same signatures and the same effects: earlier releases call them as before (workflow_start_node still starts one node and says whether it did), and no table changes.
+-- One new function and new bodies for two functions of 0025 with the same signatures and the same effects: earlier releases call them as before (workflow_start_node still starts one node and says whether it did), and no table changes.
 --
 -- 0026: a step's end starts the steps after it in one statement, not one per step.
 --
@@ -16,8 +16,7 @@
 -- than one node) in one statement, counts those down one by one in id order (so that two
 -- transactions ending members of the same joins lock their counters in the same order,
 -- as before), and starts all that are ready in one call. A node with one dependent (a
--- group's member, a pipeline's step) runs the statements it ran before, from the
--- trigger's function itself (workflow_job_ended) rather than through workflow_node_done.
+-- group's member, a pipeline's step) runs the statements it ran before.
 --
 -- Locking and duration: CREATE FUNCTION and CREATE OR REPLACE FUNCTION change the
 -- catalog only; no table is locked, scanned or rewritten.
@@ -130,57 +129,5 @@ BEGIN
     IF cardinality(ready) > 0 THEN
         PERFORM workflow_start_nodes(ready);
     END IF;
-END
-$$;
-
--- A workflow's job ended (0025's trigger function, the same effects): a group's member or
--- a pipeline's step that is done, with one node after it, counts that node down here
--- rather than through workflow_node_done (the end of most of a workflow's jobs: one
--- function call fewer each); any other end goes on as in 0025.
-CREATE OR REPLACE FUNCTION workflow_job_ended() RETURNS trigger
-LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
-DECLARE
-    n workflow_nodes;
-    left_over integer;
-BEGIN
-    -- The message goes with the node's row here: its job's row has it (a retry reads it
-    -- there).
-    UPDATE workflow_nodes
-    SET open = CASE WHEN NEW.status = 'succeeded' THEN open - 1 ELSE open END,
-        status = CASE WHEN NEW.status <> 'succeeded' THEN NEW.status
-                      WHEN open = 1 THEN 'succeeded' ELSE status END,
-        message = NULL, message_bytes = NULL, updated_at = now()
-    WHERE id = NEW.workflow_node AND job_id = NEW.id AND status = 'pending'
-    RETURNING * INTO n;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    IF NEW.status = 'succeeded' THEN
-        IF n.open > 0 THEN
-            RETURN NULL;
-        END IF;
-        IF n.parent_id IS NULL AND cardinality(n.dependents) = 1 THEN
-            -- No counter: the one after it waits for this node alone.
-            UPDATE workflow_waits SET waiting = waiting - 1
-            WHERE node_id = n.dependents[1]
-            RETURNING waiting INTO left_over;
-            IF NOT FOUND OR left_over = 0 THEN
-                PERFORM workflow_start_nodes(n.dependents);
-            END IF;
-        ELSE
-            PERFORM workflow_node_done(n);
-        END IF;
-        RETURN NULL;
-    END IF;
-    UPDATE workflows
-    SET status = NEW.status, updated_at = now(), finished_at = now(),
-        ended_by_job = NEW.id, error = NEW.last_error
-    WHERE id = n.workflow_id AND status = 'running';
-    IF FOUND THEN
-        UPDATE workflow_nodes AS wn SET status = 'cancelled', updated_at = now()
-        WHERE wn.workflow_id = n.workflow_id AND wn.status = 'pending'
-          AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = wn.job_id);
-    END IF;
-    RETURN NULL;
 END
 $$;

@@ -52,17 +52,14 @@ WHERE id = %(id)s
 -- How a node's piped input is made, and the results of the nodes it is made of (every
 -- "one" of the input, at any depth), in one round trip. The sources are looked up by
 -- their ids (= ANY of an array: the primary key's index), never by a join on an
--- expression, which the planner serves with a scan of every workflow's nodes; an input
--- of one node (a group's member, a pipeline's step) names it without a path query.
+-- expression, which the planner serves with a scan of every workflow's nodes.
 SELECT n.input, r.ids, r.results
 FROM {schema}.workflow_nodes AS n
 LEFT JOIN LATERAL (
     SELECT array_agg(s.id::text) AS ids, array_agg(s.result) AS results
     FROM {schema}.workflow_nodes AS s
-    WHERE s.id = ANY (CASE
-        WHEN n.input ? 'one' THEN ARRAY[(n.input ->> 'one')::uuid]
-        ELSE ARRAY(SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid)
-    END)
+    WHERE s.id = ANY (ARRAY(
+        SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid))
 ) AS r ON true
 WHERE n.id = %(id)s
 
@@ -73,10 +70,8 @@ FROM {schema}.workflow_nodes AS n
 LEFT JOIN LATERAL (
     SELECT array_agg(s.id::text) AS ids, array_agg(s.result) AS results
     FROM {schema}.workflow_nodes AS s
-    WHERE s.id = ANY (CASE
-        WHEN n.input ? 'one' THEN ARRAY[(n.input ->> 'one')::uuid]
-        ELSE ARRAY(SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid)
-    END)
+    WHERE s.id = ANY (ARRAY(
+        SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid))
 ) AS r ON true
 WHERE n.id = ANY (%(ids)s::uuid[])
 

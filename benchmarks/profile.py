@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import psycopg
@@ -49,6 +50,7 @@ CLUSTER_SETTINGS = {
     "pg_stat_statements.track": "all",
     "track_io_timing": "on",
     "track_wal_io_timing": "on",
+    "track_functions": "pl",
     "listen_addresses": "127.0.0.1",
     "unix_socket_directories": "",
 }
@@ -97,6 +99,7 @@ class Cluster:
                   "-o", f"-p {self.port} {options}", "start")  # fmt: skip
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION pg_stat_statements")
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
         return self
 
     def stop(self) -> None:
@@ -113,7 +116,73 @@ _NOT_OURS = ("pg_stat", "pg_locks", "pg_settings", "pg_stat_statements", "pg_bac
 def reset(url: str) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_statements_reset()")
+        conn.execute("SELECT pg_stat_reset()")
         conn.execute("SELECT pg_stat_reset_shared('wal')")
+
+
+def nested(url: str) -> dict:
+    """The statements run inside others (a trigger's, a function's: not round trips) and
+    the PL/pgSQL functions' times (``track_functions = pl``): where a statement's own time
+    goes."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
+            "WHERE NOT toplevel AND dbid = (SELECT oid FROM pg_database "
+            "WHERE datname = current_database()) "
+            "ORDER BY total_exec_time DESC LIMIT 15"
+        ).fetchall()
+        functions = conn.execute(
+            "SELECT funcname, calls, total_time, self_time FROM pg_stat_user_functions "
+            "ORDER BY total_time DESC"
+        ).fetchall()
+    return {
+        "nested": [
+            {"query": " ".join(q.split())[:90], "calls": c, "total_ms": t, "rows": r}
+            for q, c, t, r in rows
+        ],
+        "functions": [
+            {"name": f, "calls": c, "total_ms": t, "self_ms": s} for f, c, t, s in functions
+        ],
+    }
+
+
+class Activity(threading.Thread):
+    """Samples, every 20 ms until stopped, what each of the worker's backends is doing
+    (``pg_stat_activity`` by application name): idle (the worker's side: Python, the
+    network), running a statement (its first words), or waiting (for what)."""
+
+    def __init__(self, url: str, app: str) -> None:
+        super().__init__(daemon=True, name="bench-activity")
+        self.url = url
+        self.app = app
+        self.states: collections.Counter[str] = collections.Counter()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            while not self._halt.is_set():
+                for state, wait_type, wait, query in conn.execute(
+                    "SELECT state, wait_event_type, wait_event, query FROM pg_stat_activity "
+                    "WHERE application_name = %s",
+                    (self.app,),
+                ):
+                    if state != "active":
+                        key = state
+                    else:
+                        words = " ".join(query.split())
+                        what = words[:60]
+                        key = f"{wait_type}:{wait} " if wait_type else ""
+                        key += what
+                    self.states[key] += 1
+                self._halt.wait(0.02)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+    def shares(self, limit: int = 12) -> list[tuple[str, float]]:
+        total = sum(self.states.values())
+        return [(k, n / total) for k, n in self.states.most_common(limit)] if total else []
 
 
 def counters(url: str) -> dict:
@@ -127,15 +196,18 @@ def counters(url: str) -> dict:
             "ORDER BY total_exec_time DESC"
         ).fetchall()
         wal = conn.execute(
-            "SELECT wal_records, wal_bytes, wal_write, wal_sync, wal_write_time, wal_sync_time "
-            "FROM pg_stat_wal"
+            "SELECT wal_records, wal_bytes, wal_write, wal_sync, wal_write_time, wal_sync_time, "
+            "wal_fpi FROM pg_stat_wal"
         ).fetchone()
     statements = [
         {"query": " ".join(q.split())[:90], "calls": c, "total_ms": t, "rows": r}
         for q, c, t, r in rows
         if not any(word in q for word in _NOT_OURS)
     ]
-    keys = ("wal_records", "wal_bytes", "wal_write", "wal_sync", "wal_write_ms", "wal_sync_ms")
+    keys = (
+        "wal_records", "wal_bytes", "wal_write", "wal_sync", "wal_write_ms", "wal_sync_ms",
+        "wal_fpi",
+    )  # fmt: skip
     return {"statements": statements, "wal": dict(zip(keys, (float(v) for v in wal)))}
 
 
@@ -256,6 +328,82 @@ def profile_drain(harness: Harness, count: int, out_dir: Path) -> dict:
     }
 
 
+def profile_workflow_drain(
+    harness: Harness, workflows: int, width: int, out_dir: Path, *, plain: bool = False
+) -> dict:
+    """The drain of ``workflows`` workflows of a step, a ``width``-wide group and a step
+    (results piped, as the ``workflow`` workload runs them), or (``plain``) of as many
+    plain jobs: sent first, then drained by one worker process x 8 threads while the
+    server's counters, the worker's backends and the worker's Python are sampled."""
+    import psutil
+
+    variant = VARIANTS["postgres"]
+    count = workflows * (width + 2)
+    pgdata.empty(harness.url, SCHEMA)
+    harness._empty_workflows(variant)
+    if plain:
+        harness.client(variant, "send", timeout=count / 50 + 60, count=count)
+    else:
+        harness.client(variant, "workflows", timeout=count / 50 + 60, count=workflows, width=width)
+    app = f"bench-profile-{os.getpid()}"
+    sampler = pgdata.Sampler(harness.url, SCHEMA, app)
+    activity = Activity(harness.url, app)
+    tag = "plain" if plain else "workflow"
+    raw = out_dir / f"{tag}.pyspy.txt"
+    spy = py_spy()
+    spy_proc = None
+    from . import cost
+
+    reset(harness.url)
+    meter = cost.Meter(harness.url).start()
+    with harness.worker(variant, "workflow", expect=count, PGAPPNAME=app) as (proc, state):
+        pid = harness.wait_ready(proc, state)
+        worker = psutil.Process(pid)
+        cpu0 = sum(worker.cpu_times()[:2])
+        if spy:
+            spy_proc = subprocess.Popen(
+                [spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                 "--gil", "--nonblocking", "-o", str(raw)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        sampler.start()
+        activity.start()
+        result = harness.wait_file(proc, os.path.join(state, "drain.json"),
+                                   timeout=count / 20 + 120)  # fmt: skip
+        cpu = sum(worker.cpu_times()[:2]) - cpu0
+        phase = meter.stop()
+        sampler.stop()
+        activity.stop()
+        if spy_proc is not None:
+            spy_proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy_proc.wait(30)
+    stats = counters(harness.url)
+    inner = nested(harness.url)
+    cost.inspect(harness.url, phase)
+    pgdata.empty(harness.url, SCHEMA)
+    harness._empty_workflows(variant)
+    return {
+        "messages": count,
+        "seconds": result["done"] - result["first_start"],
+        "cpu_s": cpu,
+        "lock_wait_share": sampler.lock_wait_share,
+        **stats,
+        **inner,
+        "activity": activity.shares(),
+        "py_spy": top_functions(raw) if spy else None,
+        # The drain's WAL by relation (pg_walinspect), full-page images apart.
+        "wal_by_relation": sorted(
+            (
+                (name, size, size - phase.by_relation_nofpi.get(name, 0))
+                for name, size in phase.by_relation.items()
+            ),
+            key=lambda item: -item[1],
+        ),
+        "wal_inspect_error": phase.inspect_error,
+    }
+
+
 def per_message_table(name: str, r: dict) -> str:
     n = r["messages"]
     calls = sum(s["calls"] for s in r["statements"])
@@ -272,6 +420,7 @@ def per_message_table(name: str, r: dict) -> str:
          f"{wal['wal_sync_ms'] / n * us:,.0f} µs flushing a message"),
         ("WAL writes", f"{wal['wal_write'] / n:.2f}", f"{wal['wal_write_ms'] / n * us:,.0f} µs"),
         ("WAL bytes", f"{wal['wal_bytes'] / n:,.0f} B", f"{wal['wal_records'] / n:.1f} records"),
+        ("WAL full-page images", f"{wal['wal_fpi'] / n:.3f}", "after each checkpoint"),
         ("lock waits (share of 50 ms samples)",
          "" if r["lock_wait_share"] is None else f"{r['lock_wait_share'] * 100:.0f} %", ""),
         ("client process CPU (Python and libpq)",
@@ -288,6 +437,30 @@ def per_message_table(name: str, r: dict) -> str:
             f"| `{s['query'][:70]}` | {s['calls'] / n:.3f} | "
             f"{s['total_ms'] / per_call * us:,.0f} | {s['rows'] / per_call:.1f} |"
         )
+    if r.get("nested"):
+        lines += ["", "| statement inside another (a trigger's) | calls per message | mean µs |",
+                  "|---|---|---|"]  # fmt: skip
+        for s in r["nested"][:10]:
+            per_call = max(1, s["calls"])
+            lines.append(f"| `{s['query'][:70]}` | {s['calls'] / n:.3f} | "
+                         f"{s['total_ms'] / per_call * us:,.0f} |")  # fmt: skip
+    if r.get("functions"):
+        lines += ["", "| function | calls per message | µs per message (self) |", "|---|---|---|"]
+        for f in r["functions"]:
+            lines.append(
+                f"| `{f['name']}` | {f['calls'] / n:.3f} | "
+                f"{f['total_ms'] / n * us:,.0f} ({f['self_ms'] / n * us:,.0f}) |"
+            )
+    if r.get("wal_by_relation"):
+        lines += ["", "| the drain's WAL by relation | B per message | full-page images |",
+                  "|---|---|---|"]  # fmt: skip
+        for name, size, image in r["wal_by_relation"][:12]:
+            lines.append(f"| `{name}` | {size / n:,.0f} | {image / n:,.0f} |")
+    elif r.get("wal_inspect_error"):
+        lines += ["", f"WAL by relation: {r['wal_inspect_error']}"]
+    if r.get("activity"):
+        lines += ["", "| the worker's backends, sampled every 20 ms | share |", "|---|---|"]
+        lines += [f"| `{k[:90]}` | {share * 100:.0f} % |" for k, share in r["activity"]]
     if r.get("py_spy"):
         lines += ["", "| client function holding the GIL (py-spy --gil) | share |", "|---|---|"]
         lines += [f"| `{f[:80]}` | {share * 100:.0f} % |" for f, share in r["py_spy"]]
@@ -297,11 +470,29 @@ def per_message_table(name: str, r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
     p.add_argument("--count", type=int, default=5000, help="messages per measurement")
-    p.add_argument("--what", default="send,drain", help="send, drain or both")
+    p.add_argument(
+        "--what",
+        default="send,drain",
+        help="comma-separated: send, drain, workflow (the drain of --workflows workflows of "
+        "a step, a --width-wide group and a step), workflow-plain (as many plain jobs)",
+    )
+    p.add_argument("--workflows", type=int, default=20, help="workflows of --what workflow")
+    p.add_argument("--width", type=int, default=100, help="their group's width")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a server setting of the private cluster (max_wal_size=128MB: the embedded "
+        "server's); again for more",
+    )
     args = p.parse_args(argv)
     from .pgbouncer import free_port
 
+    for setting in args.setting:
+        name, _, value = setting.partition("=")
+        CLUSTER_SETTINGS[name.strip()] = value.strip()
     cluster = Cluster(free_port(PORTS)).start()
     out_dir = Path(tempfile.mkdtemp(prefix="bench-profile-"))
     try:
@@ -309,8 +500,13 @@ def main(argv: list[str] | None = None) -> int:
         harness = Harness(cluster.url, SCHEMA, out_dir, server="private")
         results = {}
         for what in [w.strip() for w in args.what.split(",") if w.strip()]:
-            fn = {"send": profile_send, "drain": profile_drain}[what]
-            results[what] = fn(harness, args.count, out_dir)
+            if what in ("workflow", "workflow-plain"):
+                results[what] = profile_workflow_drain(
+                    harness, args.workflows, args.width, out_dir, plain=what != "workflow"
+                )
+            else:
+                fn = {"send": profile_send, "drain": profile_drain}[what]
+                results[what] = fn(harness, args.count, out_dir)
             print(per_message_table(what, results[what]), "\n", flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))

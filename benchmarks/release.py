@@ -37,7 +37,9 @@ CACHE = HERE / "results" / ".releases"
 #: The workloads an earlier release takes part in. The others load or read this
 #: checkout's schema (history partitions, the ``all_jobs`` view, its migrations) or
 #: depend on a setting of this checkout (the idle worker's statement count).
-WORKLOADS = ("enqueue", "enqueue8", "bulk", "drain", "latency", "memory", "life", "notify")
+WORKLOADS = (
+    "enqueue", "enqueue8", "bulk", "drain", "latency", "memory", "life", "notify", "workflow",
+)  # fmt: skip
 #: The name of the release's variant in the results (``postgres-ref@tcp``).
 NAME = "postgres-ref"
 

@@ -628,19 +628,24 @@ def run_workload(workload, names, server_order, harnesses, first, cfg, measure, 
                     )
     elif workload == "workflow":
         # Workflows of a step, a group and a step beside as many plain jobs, in turns (the
-        # order swaps every round), on each server: ratios within a round.
+        # order swaps every round), on each server: ratios within a round. With
+        # --against, the release's workflows too (``workflow-ref``), in the same turns.
         for server in server_order:
             h = harnesses[server]
-            kinds = [("plain", True), ("workflow", False)]
+            kinds = [("plain", "postgres", True), ("workflow", "postgres", False)]
+            if release.NAME in names:
+                kinds.append(("workflow-ref", release.NAME, False))
             _WORKFLOW_TURNS[0] += 1
+            shift = _WORKFLOW_TURNS[0] % len(kinds)
+            kinds = kinds[shift:] + kinds[:shift]
             if _WORKFLOW_TURNS[0] % 2 == 0:
                 kinds.reverse()
-            for label, plain in kinds:
+            for label, name, plain in kinds:
                 measure(
                     "workflow",
                     pg_key(label, server),
-                    lambda h=h, plain=plain: h.workflow_life(
-                        VARIANTS["postgres"], cfg["workflows"], cfg["workflow_width"], plain
+                    lambda h=h, name=name, plain=plain: h.workflow_life(
+                        VARIANTS[name], cfg["workflows"], cfg["workflow_width"], plain
                     ),
                 )
     elif workload == "notify":

@@ -215,6 +215,8 @@ class PostgresBroker(dramatiq.Broker):
         self.queue_limits = QueueLimits(
             store=self.store, ledger=self.ledger, settings=settings, pool=self.pool
         )
+        #: A workflow step's piped input and result (see :mod:`.workflows`).
+        workflow_steps = WorkflowSteps(store_of(self))
         #: What every consumer of this broker uses (see :meth:`consume`).
         self._consumer_parts = ConsumerParts(
             core=core,
@@ -222,6 +224,7 @@ class PostgresBroker(dramatiq.Broker):
             leases=self.leases,
             pool=self.pool,
             decode_message=self.decode_message,
+            prepare=workflow_steps.prepare,
         )
         #: Who skipped a message and why: run before every middleware's after_skip_message
         #: (see emit_after), so a skip ends cancelled before a result is stored as None.
@@ -247,8 +250,7 @@ class PostgresBroker(dramatiq.Broker):
         self.add_middleware(self.periodic)
         self.add_middleware(self.queue_limits)
         self.add_middleware(self.presence)
-        #: A workflow step's piped input and result (see :mod:`.workflows`).
-        self.add_middleware(WorkflowSteps(store_of(self)))
+        self.add_middleware(workflow_steps)
         # Last, so that its after-hooks run first (see AbortGuard).
         self.add_middleware(AbortGuard(self.ledger))
         for schedule in schedules or ():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Any
 
 import dramatiq
 from dramatiq.broker import MessageProxy
@@ -62,6 +63,9 @@ class PgMessageProxy(MessageProxy):
         self._attempt = attempt
         #: The retry delay this package's Retries middleware chose, if it chose one.
         self.backoff_ms: int | None = None
+        #: What the consumer's ``prepare`` hook read for it with its claim, if anything
+        #: (a workflow step's piped input).
+        self.prepared: Any = None
 
     @property
     def attempt(self) -> Attempt:

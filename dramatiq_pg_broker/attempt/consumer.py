@@ -83,6 +83,12 @@ class ConsumerParts:
     #: ``decode_message(data, data_bytes)``: a claimed row's message (the broker's
     #: :meth:`~dramatiq_pg_broker.PostgresBroker.decode_message`).
     decode_message: Callable[[Any, bytes | None], dramatiq.Message]
+    #: ``prepare(proxies)``: called once per claim with the messages it brought, before
+    #: any is handed over, to read at once what several of them will need (a workflow's
+    #: steps, their piped inputs: one statement per claim, not one per message). It
+    #: must write nothing, return quickly for messages it has no business with, and may
+    #: fail: a message it did not prepare is prepared where it runs.
+    prepare: Callable[[list[PgMessageProxy]], None] | None = None
 
 
 #: How often a consumer whose last claim found work reads its notifications.
@@ -115,6 +121,7 @@ class PostgresConsumer(Consumer):
         self.leases = parts.leases
         self.pool = parts.pool
         self.decode_message = parts.decode_message
+        self.prepare = parts.prepare
         self.queue_name = queue_name
         self.prefetch = max(1, prefetch)
         self.slots = self.ledger.slots(self.prefetch)
@@ -324,6 +331,7 @@ class PostgresConsumer(Consumer):
             logger.info("Queue %r was resumed.", self.queue_name)
         self._last_empty = None
         undecodable: list[tuple[Attempt, str]] = []
+        claimed: list[PgMessageProxy] = []
         for job in claim.jobs:
             if job.abort_requested:
                 # An operator aborted it (a worker of the previous release requeued it
@@ -334,7 +342,14 @@ class PostgresConsumer(Consumer):
                 continue
             proxy = self._proxy(job, sent + lease, undecodable)
             if proxy is not None:
-                self._buffer.append(proxy)
+                claimed.append(proxy)
+        if claimed and self.prepare is not None:
+            try:
+                self.prepare(claimed)
+            except Exception as e:
+                # Nothing is lost: each message is prepared where it runs instead.
+                logger.debug("Could not prepare %d claimed message(s): %s", len(claimed), e)
+        self._buffer.extend(claimed)
         if undecodable:
             # After the batch is in hand, so that a failure to write these loses none of it.
             try:

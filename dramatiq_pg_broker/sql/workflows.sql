@@ -2,7 +2,7 @@
 -- queries.sql. A workflow moves on in the database, in the transaction that ends each of
 -- its jobs (the trigger of migration 0025, workflow_job_ended); these statements create
 -- it, spawn children, pass results on, and carry out an operator's abort and retry. Every
--- start of a step's job is the function workflow_start_node, whoever starts it.
+-- start of a step's job is the function workflow_start_nodes (0026), whoever starts it.
 
 -- insert_workflow --
 -- A new workflow, running; remaining: its last nodes (those nothing waits for).
@@ -30,8 +30,7 @@ WHERE workflow_id = %(id)s AND waits_for > 1
 -- start_nodes --
 -- Send the jobs of these nodes (each a pending node of a running workflow; others are
 -- left). Returns the nodes that started.
-SELECT node FROM unnest(%(ids)s::uuid[]) AS node
-WHERE {schema}.workflow_start_node(node)
+SELECT node FROM {schema}.workflow_start_nodes(%(ids)s::uuid[]) AS node
 
 -- lock_spawning_node --
 -- The node whose actor spawns children, locked until the spawn commits (two spawns of
@@ -51,13 +50,30 @@ WHERE id = %(id)s
 
 -- node_input --
 -- How a node's piped input is made, and the results of the nodes it is made of (every
--- "one" of the input, at any depth), in one round trip.
-SELECT n.input, array_agg(s.id::text), array_agg(s.result)
+-- "one" of the input, at any depth), in one round trip. The sources are looked up by
+-- their ids (= ANY of an array: the primary key's index), never by a join on an
+-- expression, which the planner serves with a scan of every workflow's nodes.
+SELECT n.input, r.ids, r.results
 FROM {schema}.workflow_nodes AS n
-LEFT JOIN LATERAL jsonb_path_query(n.input, 'strict $.**.one') AS source ON true
-LEFT JOIN {schema}.workflow_nodes AS s ON s.id = btrim(source::text, '"')::uuid
+LEFT JOIN LATERAL (
+    SELECT array_agg(s.id::text) AS ids, array_agg(s.result) AS results
+    FROM {schema}.workflow_nodes AS s
+    WHERE s.id = ANY (ARRAY(
+        SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid))
+) AS r ON true
 WHERE n.id = %(id)s
-GROUP BY n.input
+
+-- node_inputs --
+-- node_input of several nodes at once (the steps' jobs of one claim), with each node's id.
+SELECT n.id::text, n.input, r.ids, r.results
+FROM {schema}.workflow_nodes AS n
+LEFT JOIN LATERAL (
+    SELECT array_agg(s.id::text) AS ids, array_agg(s.result) AS results
+    FROM {schema}.workflow_nodes AS s
+    WHERE s.id = ANY (ARRAY(
+        SELECT btrim(jsonb_path_query(n.input, 'strict $.**.one')::text, '"')::uuid))
+) AS r ON true
+WHERE n.id = ANY (%(ids)s::uuid[])
 
 -- store_node_result --
 -- The result of a node's actor, encoded, kept for the nodes that take it as input (its

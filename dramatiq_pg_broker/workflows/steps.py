@@ -26,7 +26,9 @@ class WorkflowSteps(Middleware):
     its node; every other message passes through untouched, with no statement):
 
     - before its actor runs, the previous step's result is appended to its arguments
-      (unless its message asked ``pipe_ignore``);
+      (unless its message asked ``pipe_ignore``), read with the claim that brought it
+      (:meth:`prepare`, one statement for every step's job of the claim), or on its own
+      if that read failed;
     - after its actor returned, the result is stored on its node (one statement; none for
       None, which a node without a result passes on), before the worker writes the job's
       success (whose transaction moves the workflow on).
@@ -38,11 +40,34 @@ class WorkflowSteps(Middleware):
     def __init__(self, store: WorkflowStore) -> None:
         self.store = store
 
+    def prepare(self, proxies: list) -> None:
+        """The consumer's hook after a claim: the piped inputs of the claimed messages
+        that take one, read in one statement and kept on each message's proxy for
+        :meth:`before_process_message` (a claim of plain messages costs a look at each
+        one's options, no statement). A step's input is final once its job exists: the
+        nodes it is made of ended before the job was sent, their results written before
+        their successes."""
+        wanted = {}
+        for proxy in proxies:
+            options = proxy.options
+            if NODE_OPTION in options and options.get(INPUT_OPTION):
+                wanted[options[NODE_OPTION]] = proxy
+        if not wanted:
+            return
+        inputs = self.store.node_inputs(list(wanted))
+        for node, proxy in wanted.items():
+            if node in inputs:
+                proxy.prepared = inputs[node]
+
     def before_process_message(self, broker, message) -> None:
         options = message.options
         if NODE_OPTION not in options or not options.get(INPUT_OPTION):
             return
-        spec, results = self.store.node_input(options[NODE_OPTION])
+        prepared = getattr(message, "prepared", None)
+        if prepared is not None:
+            spec, results = prepared
+        else:
+            spec, results = self.store.node_input(options[NODE_OPTION])
         if spec is None:
             return
         value = build_input(spec, {k: decode_result(v) for k, v in results.items()})

@@ -136,6 +136,16 @@ class WorkflowStore:
         spec, ids, results = rows[0]
         return spec, {i: r for i, r in zip(ids or (), results or ()) if i is not None}
 
+    def node_inputs(self, node_ids: Sequence[str]) -> dict[str, tuple[Any, dict[str, bytes]]]:
+        """:meth:`node_input` of several nodes in one statement, by node id (a node that
+        does not exist is left out)."""
+        with self.pool.connection() as conn:
+            rows = self._fetch("node_inputs", {"ids": list(node_ids)}, conn)
+        return {
+            node: (spec, {i: r for i, r in zip(ids or (), results or ()) if i is not None})
+            for node, spec, ids, results in rows
+        }
+
     def store_result(self, node_id: str, job_id: str, result: bytes | None) -> None:
         with self.pool.connection() as conn:
             conn.execute(

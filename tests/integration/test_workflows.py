@@ -268,3 +268,102 @@ def test_a_retry_of_a_chain_starts_the_failed_step_and_the_next_after_it(broker,
     assert list(queued(broker, queue)) == [nodes[2]["job_id"]]
     broker.store.complete(claim_all(broker, queue))
     assert flow.wait(timeout=1) == "succeeded"
+
+
+def test_a_group_after_a_group_joins_each_member_of_the_second_on_every_member_of_the_first(
+    broker, queue, actors
+):
+    a, b = actors
+    flow = workflow(
+        dramatiq.group([a.message(1), a.message(2)]),
+        dramatiq.group([b.message(3), b.message(4), b.message(5)]),
+        a.message(6),
+    ).run(broker=broker)
+    first = claim_all(broker, queue)
+    assert len(first) == 2
+    broker.store.complete(first[:1])
+    # Every member of the second group waits for both of the first: none started.
+    assert set(queued(broker, queue)) == {first[1].id}
+    nodes = flow.show()["nodes"]
+    assert [n["waiting_for"] for n in nodes[2:5]] == [1, 1, 1]
+    broker.store.complete(first[1:])
+    second = claim_all(broker, queue)
+    assert {s.id for s in second} == {n["job_id"] for n in flow.show()["nodes"][2:5]}
+    broker.store.complete(second)
+    broker.store.complete(claim_all(broker, queue))
+    assert flow.wait(timeout=1) == "succeeded"
+
+
+def test_the_inputs_of_a_claim_s_steps_are_read_in_one_statement(broker, queue, actors):
+    from dramatiq_pg_broker.attempt.claiming import PgMessageProxy
+    from dramatiq_pg_broker.workflows.steps import WorkflowSteps
+    from dramatiq_pg_broker.workflows.store import encode_result
+
+    a, b = actors
+    flow = workflow(
+        a.message(1), dramatiq.group([b.message(2), b.message(3), b.message(4)]), a.message()
+    ).run(broker=broker)
+    store = store_of(broker)
+    nodes = flow.show()["nodes"]
+    (first,) = claim_all(broker, queue)
+    store.store_result(nodes[0]["id"], first.id, encode_result(7))
+    broker.store.complete([first])
+    a.send(5)  # a plain job in the same claim
+
+    claimed = broker.store.claim(queue, 100, "w", 30)
+    proxies = [
+        PgMessageProxy(broker.decode_message(c.message, c.message_bytes), Attempt(c.id, "w", 1))
+        for c in claimed
+    ]
+    assert len(proxies) == 4
+    statements = []
+    fetch = store._fetch
+
+    def counted(name, params, conn):
+        statements.append(name)
+        return fetch(name, params, conn)
+
+    store._fetch = counted
+    try:
+        steps = WorkflowSteps(store)
+        steps.prepare(proxies)
+        assert statements == ["node_inputs"], "one statement for the claim's three steps"
+        for proxy in proxies:
+            steps.before_process_message(broker, proxy)
+        assert statements == ["node_inputs"], "no statement of their own when they run"
+        plain = [p for p in proxies if "workflow_node" not in p.options]
+        assert len(plain) == 1 and plain[0].prepared is None and plain[0].args == (5,)
+        members = sorted((p for p in proxies if p not in plain), key=lambda p: p.args)
+        assert [p.args for p in members] == [(2, 7), (3, 7), (4, 7)]
+        steps.prepare(plain)
+        assert statements == ["node_inputs"], "a claim of plain jobs runs no statement"
+    finally:
+        store._fetch = fetch
+    for p in members:
+        assert p.prepared == store.node_input(p.options["workflow_node"])
+
+
+def test_a_claim_whose_inputs_cannot_be_read_hands_its_steps_over_all_the_same(
+    broker, queue, actors, monkeypatch
+):
+    a, b = actors
+    flow = workflow(a.message(1), b.message(2)).run(broker=broker)
+    broker.store.complete(claim_all(broker, queue))
+    second = flow.show()["nodes"][1]
+
+    def fail(node_ids):
+        raise RuntimeError("the database is away")
+
+    monkeypatch.setattr(store_of(broker), "node_inputs", fail)
+    consumer = broker.consume(queue, prefetch=2, timeout=1000)
+    try:
+        message = None
+        for _ in range(20):
+            message = next(consumer)
+            if message is not None:
+                break
+        assert message is not None, "the step's job was not handed over"
+        assert message.options["workflow_node"] == second["id"]
+        assert message.prepared is None, "read where it runs instead"
+    finally:
+        consumer.close()

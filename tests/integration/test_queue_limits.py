@@ -322,6 +322,68 @@ def test_a_worker_gives_back_its_prefetch_when_its_queue_becomes_limited(h, stor
     wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")
 
 
+def test_an_idle_worker_that_missed_a_limit_s_announcement_learns_it_at_its_listen_s_return(
+    h, store
+):
+    """A limit set while a worker's LISTEN connection was away (its NOTIFY unheard; here
+    written without one) is read at the first claim the connection's return prompts, as
+    the guide promises ("a lost notification costs at most that second"). An idle worker
+    read the limits only while its last claim had found work: it claimed the next jobs by
+    the plain statement, 3 running at once under a limit of 1."""
+    queue = declared_queue(store, h.queue)
+    broker = h.broker()
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name="held")
+    def held(n):
+        release.wait(10)
+
+    h.start(broker, threads=3)
+    limits = broker.queue_limits
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE %s"
+    )
+    with psycopg.connect(store.pool.url, autocommit=True) as conn:
+        pattern = f"LISTEN%{channel_name(store.schema, queue)}%"
+        wait_for(lambda: conn.execute(listening, (pattern,)).fetchall(), 10, "the worker to listen")
+        # Idle, with limits read more than REFRESH_SECONDS ago.
+        wait_for(
+            lambda: (
+                limits._read_at is not None
+                and time.monotonic() - limits._read_at > queue_limits.REFRESH_SECONDS
+            ),
+            10,
+            "the worker's last read of the limits to age",
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.queue_limits (queue_name, max_running, source, set_by, set_at) "
+                "VALUES (%s, 1, 'operator', 'ops', now())"
+            ).format(sql.Identifier(store.schema)),
+            (queue,),
+        )
+        # The LISTEN connection breaks and comes back (its announcement was lost).
+        [(pid,)] = conn.execute(listening, (pattern,)).fetchall()
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(
+            lambda: [r for r in conn.execute(listening, (pattern,)).fetchall() if r[0] != pid],
+            10,
+            "the worker to listen again",
+        )
+        wait_for(lambda: limits._limits.get(queue) == 1, 5, "the worker to read the limit")
+    for n in range(3):
+        held.send(n)
+    try:
+        wait_for(lambda: running(store.pool.url, store.schema, queue) >= 1, 10, "a job to run")
+        # A second claim would come within LIMIT_RETRY_SECONDS: give it ten times that.
+        deadline = time.monotonic() + 0.25
+        while time.monotonic() < deadline:
+            assert running(store.pool.url, store.schema, queue) == 1, "over the limit of 1"
+    finally:
+        release.set()
+    wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")
+
+
 # -- the command line -----------------------------------------------------------------------
 
 

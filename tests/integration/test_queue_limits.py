@@ -17,7 +17,9 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.control import limits as queue_limits
+from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
 from dramatiq_pg_broker.queue_rules import MAX_LIMIT
@@ -154,6 +156,57 @@ def test_concurrent_claimers_on_their_own_connections_never_exceed_the_limit(sto
         f"limit is {limit}"
     )
     assert len(ids) == 5 * limit
+
+
+def test_limited_claims_hold_the_limit_without_errors_on_a_repeatable_read_database(pg_url, schema):
+    """A database whose default isolation is REPEATABLE READ (``ALTER DATABASE ... SET
+    default_transaction_isolation``; here the connections' ``options``): the limited
+    claim's room is still read with a snapshot taken once the queue's lock is granted.
+    It was taken by the lock's own statement, before the wait: every claim that waited
+    for another saw the queue as before it, and its claim statement then met the rows
+    that one took, a serialization failure (55 of 60 claims in this test), or counted
+    too few running jobs."""
+    url = psycopg.conninfo.make_conninfo(
+        pg_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = JobStore(ProcessPool(Settings(url=url, schema=schema)), schema)
+    try:
+        with store.pool.connection() as conn:
+            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
+                "repeatable read"
+            ), "the test is void"
+        queue = declared_queue(store)
+        send(store, queue, 100)
+        set_limit(store, queue, 1)
+        claimers = 12
+        barrier = threading.Barrier(claimers)
+        errors: list[BaseException] = []
+        maxima: list[int] = []
+
+        def claim(i: int) -> None:
+            for _ in range(5):
+                try:
+                    barrier.wait(timeout=30)
+                    got = store.claim_limited(queue, 3, f"w{i}", 30)
+                    barrier.wait(timeout=30)
+                    if i == 0:
+                        maxima.append(running(pg_url, store.schema, queue))
+                    barrier.wait(timeout=30)
+                    store.complete([Attempt(j.id, f"w{i}", j.attempts) for j in got.jobs])
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    barrier.abort()
+                    return
+
+        threads = [threading.Thread(target=claim, args=(i,)) for i in range(claimers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, f"{len(errors)} claims failed: {errors[:3]}"
+        assert maxima == [1] * 5, f"running after each round: {maxima}, the limit is 1"
+    finally:
+        store.pool.close()
 
 
 def test_the_plain_claim_statement_is_unchanged_for_an_unlimited_queue(store):

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import importlib
 import sys
@@ -318,6 +319,14 @@ def _async_level(obj: Any) -> _Level:
     return _sqlalchemy_level(obj, lambda: None)
 
 
+#: The ``complete_in()`` block this context is inside, if any: its attempt, the psycopg
+#: connection its transaction is on, and the block (see
+#: :meth:`CompletionBlock._joins_enclosing`).
+_enclosing: contextvars.ContextVar[tuple[Any, Any, CompletionBlock] | None] = (
+    contextvars.ContextVar("dramatiq_pg_broker_completion_block", default=None)
+)
+
+
 class CompletionBlock:
     """What :meth:`CurrentJob.complete_in <dramatiq_pg_broker.CurrentJob.complete_in>`
     returns: ``with`` it for a synchronous connection, ``async with`` it for an asyncio
@@ -367,14 +376,21 @@ class CompletionBlock:
             with level.ctx:
                 try:
                     raw = level.raw()
+                    if self._joins_enclosing(raw):
+                        yield self._given
+                        return
                     view = AppConnection(raw)
                     self._open(view, level, lambda: job.parts.sender.check_database(identity(view)))
 
                     def write() -> str | None:
                         return job.parts.store.complete_in_transaction(job.message.attempt, view)
 
-                    with level.hooked(lambda: self._before_commit(write)):
-                        yield self._given
+                    token = _enclosing.set((job.message.attempt, raw, self))
+                    try:
+                        with level.hooked(lambda: self._before_commit(write)):
+                            yield self._given
+                    finally:
+                        _enclosing.reset(token)
                     # Reached only when the block's body raised nothing.
                     if not self._written:
                         level.check()
@@ -397,6 +413,9 @@ class CompletionBlock:
             async with level.ctx:
                 try:
                     raw = level.raw() or (await resolve_async_connection(self._given))[0]
+                    if self._joins_enclosing(raw):
+                        yield self._given
+                        return
                     sender = job.parts.sender
                     view = LoopConnection(raw, asyncio.get_running_loop())
                     await in_thread(
@@ -411,8 +430,12 @@ class CompletionBlock:
                     def write_in_hook() -> str | None:
                         return store.complete_in_transaction(job.message.attempt, adapted)
 
-                    with level.hooked(lambda: self._before_commit(write_in_hook)):
-                        yield self._given
+                    token = _enclosing.set((job.message.attempt, raw, self))
+                    try:
+                        with level.hooked(lambda: self._before_commit(write_in_hook)):
+                            yield self._given
+                    finally:
+                        _enclosing.reset(token)
                     if not self._written:
                         level.check()
                         await in_thread(
@@ -429,6 +452,22 @@ class CompletionBlock:
         await in_thread(lambda: self._ended(level, raised=False, rolled_back=False))
 
     # -- the steps -------------------------------------------------------------------------
+
+    def _joins_enclosing(self, raw: Any) -> bool:
+        """Whether this block is inside the body of another block of the same attempt on
+        the same connection (a helper that wraps its writes in ``complete_in()``, called
+        from the actor's own block): it is then a savepoint of that block's transaction,
+        which writes the job's success at its end, and does nothing more itself. (Marking
+        the attempt again would refuse the outer block's success: ``LostOwnership`` on
+        every attempt.) Not once that block wrote the success (a SQLAlchemy commit inside
+        it): the job has succeeded, and this block is a second one."""
+        enclosing = _enclosing.get()
+        return (
+            enclosing is not None
+            and enclosing[0] == self._job.message.attempt
+            and enclosing[1] is raw
+            and not enclosing[2]._written
+        )
 
     def _open(self, conn: Any, level: _Level, check_database: Callable[[], None]) -> None:
         """Check that the connection reaches the broker's database (``check_database``),

@@ -272,7 +272,11 @@ class PostgresConsumer(Consumer):
             # The window just shrank below what is held: wait for slots instead.
             return False
         limits = self.queue_limits
-        if limits.limit_of(self.queue_name, busy=self._last_empty is None) is not None:
+        # Read the limits if a second old while the queue has work, and at a claim that a
+        # notification prompted: the look the listener gives when its connection is back
+        # stands for every announcement lost meanwhile, a limit's included.
+        busy = self._last_empty is None or self._notified
+        if limits.limit_of(self.queue_name, busy=busy) is not None:
             self._became_limited()
             # Only what this process's threads can start now: no prefetch.
             free = limits.free_threads()

@@ -13,10 +13,12 @@ this table: unlimited queues pay nothing.
 What a worker caches is only *which* queues are limited, to choose the statement
 (:class:`QueueLimits`). A change is announced on the queue's channel (payload
 ``limit``), so consumers listening read the limits again before their next claim; a
-worker reads them anyway at most once a second while it claims work (or while one of its
-queues is limited), and before every claim at most once a second in poll-only mode
-(``listen=False``). A queue that becomes limited is thus held to its limit within about a
-second, everywhere; until then a worker that has not heard of it may claim as before.
+worker reads them anyway at most once a second while it claims work, when a notification
+wakes it (the listener's look after a reconnection stands for what was lost meanwhile),
+or while one of its queues is limited, and before every claim at most once a second in
+poll-only mode (``listen=False``). A queue that becomes limited is thus held to its limit
+within about a second, everywhere; until then a worker that has not heard of it may claim
+as before.
 
 What counts as running: every ``running`` row of the queue whose lease has not run out:
 claimed by a worker (a limited queue's consumer claims only what its worker threads can
@@ -272,7 +274,8 @@ class QueueLimits(Middleware):
 
     def limit_of(self, queue_name: str, *, busy: bool) -> int | None:
         """The queue's limit as this process last read it (None: unlimited), read again
-        first when a change was announced or, while the caller claims work (``busy``) or
+        first when a change was announced or, while the caller claims work or was woken by
+        a notification (``busy``) or
         the queue is limited or the consumers poll without LISTEN, when the last read is
         older than :data:`REFRESH_SECONDS`.
 

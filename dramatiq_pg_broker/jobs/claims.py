@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
 from ..db.queries import statements_for
@@ -93,14 +94,22 @@ class Claims(StoreBase):
         ``at_limit``.
         """
         queries = _limit_queries(self.schema)
-        with self.pool.use(conn) as c, c.transaction():
-            c.execute(queries["lock_limited_queue"], {"key": f"{self.schema}.{queue_name}"})
-            max_running, room = self._room(queue_name, lease_seconds, now, c)
-            if max_running is not None:
-                limit = min(limit, room)
-            if limit <= 0:
-                return Claim([], queue_limit=max_running, at_limit=True)
-            rows = self._claim_rows(queue_name, limit, owner, lease_seconds, now, c)
+        with self.pool.use(conn) as c:
+            if c.info.transaction_status == TransactionStatus.IDLE:
+                # READ COMMITTED whatever the server's default_transaction_isolation (its
+                # BEGIN says so: no round trip): at REPEATABLE READ or SERIALIZABLE the
+                # lock's own statement would take the snapshot, before its wait, and the
+                # room would be read as it was before the claims the lock waited for (a
+                # serialization failure at the claim statement, or too few counted).
+                c.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+            with c.transaction():
+                c.execute(queries["lock_limited_queue"], {"key": f"{self.schema}.{queue_name}"})
+                max_running, room = self._room(queue_name, lease_seconds, now, c)
+                if max_running is not None:
+                    limit = min(limit, room)
+                if limit <= 0:
+                    return Claim([], queue_limit=max_running, at_limit=True)
+                rows = self._claim_rows(queue_name, limit, owner, lease_seconds, now, c)
         claim = _claim_of(rows)
         return dataclasses.replace(claim, queue_limit=max_running)
 

@@ -55,5 +55,7 @@ SELECT pg_notify(%(channel)s, 'limit')
 -- the transaction, not of the session: nothing is held across statements outside the
 -- transaction, so transaction-mode poolers (PgBouncer) keep working. Its own statement:
 -- the statements after it take their snapshot once the lock is granted, and so see every
--- claim committed before.
+-- claim committed before (the transaction is READ COMMITTED whatever the server's
+-- default_transaction_isolation: at the stricter levels this statement's snapshot, taken
+-- before its wait, would be the transaction's).
 SELECT pg_advisory_xact_lock(hashtext('dramatiq_pg_broker.queue_limit'), hashtext(%(key)s))

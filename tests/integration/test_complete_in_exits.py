@@ -15,6 +15,7 @@ import dramatiq
 import psycopg
 import pytest
 import sqlalchemy as sa
+from dramatiq.middleware import AsyncIO
 from psycopg import IsolationLevel, sql
 from sqlalchemy.orm import Session
 
@@ -442,3 +443,84 @@ def test_what_writes_the_job_s_row_waits_a_bounded_time_for_a_row_the_applicatio
     assert f"job {message.message_id}'s row is held by the transaction of backend" in text, text
     assert f"application {APP!r}" in text and f"{words} waited" in text, text
     wait_status(store, conn, schema, message.message_id, "succeeded")
+
+
+# -- a block inside another block of the same job -------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["read committed", *STRICT])
+@pytest.mark.parametrize("kind", ["psycopg", "sa-session"])
+def test_a_block_inside_another_on_the_same_connection_joins_it_for_one_effect(
+    h, conn, schema, store, effects, pg_url, app_sessions, kind, level
+):
+    """A helper that wraps its writes in ``complete_in()``, called from an actor's own
+    block on the same connection: the inner block is a savepoint of the outer one's
+    transaction, and the job succeeds once, when that transaction commits (it was
+    refused with ``LostOwnership`` at the outer block's end, on every attempt: the job
+    dead-lettered with no effect)."""
+    engine = sa.create_engine(
+        sa_url(pg_url),
+        isolation_level=level.upper(),
+        connect_args={"application_name": APP},
+    )
+    broker = h.broker()
+
+    def record(obj, job, n):
+        if kind == "psycopg":
+            obj.execute(effects.insert, (job.id, n))
+        else:
+            obj.execute(effects.text, {"a": job.id, "b": n})
+
+    @dramatiq.actor(
+        broker=broker, queue_name=h.queue, actor_name=f"nested_{h.queue}", max_retries=0
+    )
+    def work():
+        job = current_job()
+        if kind == "psycopg":
+            app = psycopg.connect(pg_url, application_name=APP)
+            app.isolation_level = level_of(level)
+        else:
+            app = Session(engine)
+        with app:
+            with job.complete_in(app):
+                record(app, job, 1)
+                with job.complete_in(app):  # the helper's block
+                    record(app, job, 2)
+
+    message = work.send()
+    h.start(broker)
+    try:
+        row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    finally:
+        engine.dispose()
+    assert row[1] == 1, f"one attempt, not {row[1]}"
+    assert effects() == [(message.message_id, 1), (message.message_id, 2)]
+    [event] = succeeded_once(store, message.message_id)
+    assert event["data"] == {"in_transaction": True}
+
+
+@pytest.mark.parametrize("level", ["read committed", "repeatable read"])
+def test_an_async_block_inside_another_on_the_same_connection_joins_it_for_one_effect(
+    h, conn, schema, store, effects, pg_url, level
+):
+    """As above, with ``async with`` on a psycopg ``AsyncConnection``."""
+    broker = h.broker()
+    broker.add_middleware(AsyncIO())
+
+    @dramatiq.actor(broker=broker, queue_name=h.queue, actor_name=f"anest_{h.queue}", max_retries=0)
+    async def work():
+        job = current_job()
+        async with await psycopg.AsyncConnection.connect(pg_url, application_name=APP) as app:
+            await app.set_isolation_level(level_of(level))
+            async with job.complete_in(app):
+                await app.execute(effects.insert, (job.id, 1))
+                async with job.complete_in(app):  # the helper's block
+                    await app.execute(effects.insert, (job.id, 2))
+
+    message = work.send()
+    h.start(broker)
+    row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    assert row[1] == 1, f"one attempt, not {row[1]}"
+    assert effects() == [(message.message_id, 1), (message.message_id, 2)]
+    [event] = succeeded_once(store, message.message_id)
+    assert event["data"] == {"in_transaction": True}

@@ -17,7 +17,9 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.control import limits as queue_limits
+from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
 from dramatiq_pg_broker.queue_rules import MAX_LIMIT
@@ -154,6 +156,57 @@ def test_concurrent_claimers_on_their_own_connections_never_exceed_the_limit(sto
         f"limit is {limit}"
     )
     assert len(ids) == 5 * limit
+
+
+def test_limited_claims_hold_the_limit_without_errors_on_a_repeatable_read_database(pg_url, schema):
+    """A database whose default isolation is REPEATABLE READ (``ALTER DATABASE ... SET
+    default_transaction_isolation``; here the connections' ``options``): the limited
+    claim's room is still read with a snapshot taken once the queue's lock is granted.
+    It was taken by the lock's own statement, before the wait: every claim that waited
+    for another saw the queue as before it, and its claim statement then met the rows
+    that one took, a serialization failure (55 of 60 claims in this test), or counted
+    too few running jobs."""
+    url = psycopg.conninfo.make_conninfo(
+        pg_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = JobStore(ProcessPool(Settings(url=url, schema=schema)), schema)
+    try:
+        with store.pool.connection() as conn:
+            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
+                "repeatable read"
+            ), "the test is void"
+        queue = declared_queue(store)
+        send(store, queue, 100)
+        set_limit(store, queue, 1)
+        claimers = 12
+        barrier = threading.Barrier(claimers)
+        errors: list[BaseException] = []
+        maxima: list[int] = []
+
+        def claim(i: int) -> None:
+            for _ in range(5):
+                try:
+                    barrier.wait(timeout=30)
+                    got = store.claim_limited(queue, 3, f"w{i}", 30)
+                    barrier.wait(timeout=30)
+                    if i == 0:
+                        maxima.append(running(pg_url, store.schema, queue))
+                    barrier.wait(timeout=30)
+                    store.complete([Attempt(j.id, f"w{i}", j.attempts) for j in got.jobs])
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    barrier.abort()
+                    return
+
+        threads = [threading.Thread(target=claim, args=(i,)) for i in range(claimers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, f"{len(errors)} claims failed: {errors[:3]}"
+        assert maxima == [1] * 5, f"running after each round: {maxima}, the limit is 1"
+    finally:
+        store.pool.close()
 
 
 def test_the_plain_claim_statement_is_unchanged_for_an_unlimited_queue(store):
@@ -317,6 +370,68 @@ def test_a_worker_gives_back_its_prefetch_when_its_queue_becomes_limited(h, stor
             5,
             "the prefetched messages to go back",
         )
+    finally:
+        release.set()
+    wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")
+
+
+def test_an_idle_worker_that_missed_a_limit_s_announcement_learns_it_at_its_listen_s_return(
+    h, store
+):
+    """A limit set while a worker's LISTEN connection was away (its NOTIFY unheard; here
+    written without one) is read at the first claim the connection's return prompts, as
+    the guide promises ("a lost notification costs at most that second"). An idle worker
+    read the limits only while its last claim had found work: it claimed the next jobs by
+    the plain statement, 3 running at once under a limit of 1."""
+    queue = declared_queue(store, h.queue)
+    broker = h.broker()
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name="held")
+    def held(n):
+        release.wait(10)
+
+    h.start(broker, threads=3)
+    limits = broker.queue_limits
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE %s"
+    )
+    with psycopg.connect(store.pool.url, autocommit=True) as conn:
+        pattern = f"LISTEN%{channel_name(store.schema, queue)}%"
+        wait_for(lambda: conn.execute(listening, (pattern,)).fetchall(), 10, "the worker to listen")
+        # Idle, with limits read more than REFRESH_SECONDS ago.
+        wait_for(
+            lambda: (
+                limits._read_at is not None
+                and time.monotonic() - limits._read_at > queue_limits.REFRESH_SECONDS
+            ),
+            10,
+            "the worker's last read of the limits to age",
+        )
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.queue_limits (queue_name, max_running, source, set_by, set_at) "
+                "VALUES (%s, 1, 'operator', 'ops', now())"
+            ).format(sql.Identifier(store.schema)),
+            (queue,),
+        )
+        # The LISTEN connection breaks and comes back (its announcement was lost).
+        [(pid,)] = conn.execute(listening, (pattern,)).fetchall()
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(
+            lambda: [r for r in conn.execute(listening, (pattern,)).fetchall() if r[0] != pid],
+            10,
+            "the worker to listen again",
+        )
+        wait_for(lambda: limits._limits.get(queue) == 1, 5, "the worker to read the limit")
+    for n in range(3):
+        held.send(n)
+    try:
+        wait_for(lambda: running(store.pool.url, store.schema, queue) >= 1, 10, "a job to run")
+        # A second claim would come within LIMIT_RETRY_SECONDS: give it ten times that.
+        deadline = time.monotonic() + 0.25
+        while time.monotonic() < deadline:
+            assert running(store.pool.url, store.schema, queue) == 1, "over the limit of 1"
     finally:
         release.set()
     wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")

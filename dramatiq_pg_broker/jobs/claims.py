@@ -28,6 +28,11 @@ from .rows import (
     clean_text,
 )
 
+#: How many times a claim statement of its own runs when it meets a serialization failure
+#: (a database whose default isolation is stricter than READ COMMITTED: see
+#: :meth:`Claims._claim_rows`).
+CLAIM_TRIES = 5
+
 #: The statements of limits.sql for a schema (loaded once per process, shared).
 _limit_queries = functools.partial(statements_for, filename="limits.sql")
 
@@ -65,9 +70,24 @@ class Claims(StoreBase):
         return _claim_of(self._claim_rows(queue_name, limit, owner, lease_seconds, now, conn))
 
     def _claim_rows(self, queue_name, limit, owner, lease_seconds, now, conn) -> list[tuple]:
-        """The plain claim statement, limited or not: its rows."""
+        """The plain claim statement, limited or not: its rows.
+
+        On a database whose default isolation is REPEATABLE READ or SERIALIZABLE
+        (``default_transaction_isolation``), the statement alone is a transaction at that
+        level: a row its snapshot saw as runnable, which a racing claim took and committed
+        meanwhile, is a serialization failure where READ COMMITTED would have skipped it.
+        Nothing was written; the statement of its own (no ``conn``) runs again with a new
+        snapshot, up to :data:`CLAIM_TRIES` times. At READ COMMITTED it never fails so."""
         params = {"queue_name": queue_name, "limit": limit, "owner": owner, "now": now}
-        return self._fetch("claim_jobs", {**params, "lease_ms": _ms(lease_seconds)}, conn)
+        params["lease_ms"] = _ms(lease_seconds)
+        tries = 1 if conn is not None else CLAIM_TRIES
+        for attempt in range(1, tries + 1):
+            try:
+                return self._fetch("claim_jobs", dict(params), conn)
+            except psycopg.errors.SerializationFailure:
+                if attempt == tries:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def claim_limited(
         self,

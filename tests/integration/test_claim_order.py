@@ -11,6 +11,7 @@ import threading
 import uuid
 
 import dramatiq
+import psycopg
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
@@ -106,3 +107,59 @@ def test_a_busy_worker_runs_what_it_prefetched_in_priority_order(h):
     release.set()
     broker.join(h.queue, timeout=30_000)
     assert h.runs == [("hi",)] * 10 + [("lo",)] * 10, h.runs
+
+
+def test_racing_claims_on_a_repeatable_read_database_claim_each_job_once_without_errors(
+    pg_url, schema
+):
+    """A database whose default isolation is REPEATABLE READ (``ALTER DATABASE ... SET
+    default_transaction_isolation``; here the connections' ``options``): a claim statement
+    whose snapshot saw a row that a racing claim took and committed meanwhile gets a
+    serialization failure from PostgreSQL, where READ COMMITTED would have skipped the row.
+    The claim tries again with a new snapshot: twelve claimers racing for five rounds each
+    claim without an error, and no job is claimed twice."""
+    url = psycopg.conninfo.make_conninfo(
+        pg_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = JobStore(ProcessPool(Settings.load(url=url, schema=schema)), schema)
+    queue = f"rr-{uuid.uuid4().hex[:8]}"
+    claimers, rounds, each = 12, 5, 3
+    try:
+        with store.pool.connection() as conn:
+            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
+                "repeatable read"
+            ), "the test is void"
+        for _ in range(claimers * rounds * each):
+            store.enqueue(
+                NewJob(
+                    id=str(uuid.uuid4()),
+                    queue_name=queue,
+                    actor_name="a",
+                    message={"args": [], "kwargs": {}, "options": {}},
+                    max_attempts=21,
+                )
+            )
+        barrier = threading.Barrier(claimers)
+        errors: list[BaseException] = []
+        claimed: list[str] = []
+
+        def claim(i: int) -> None:
+            for _ in range(rounds):
+                try:
+                    barrier.wait(timeout=30)
+                    got = store.claim_or_wait(queue, each, f"w{i}", 30)
+                    claimed.extend(job.id for job in got.jobs)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    barrier.abort()
+                    return
+
+        threads = [threading.Thread(target=claim, args=(i,)) for i in range(claimers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, f"{len(errors)} claims failed: {errors[:3]}"
+        assert len(claimed) == len(set(claimed)) == claimers * rounds * each
+    finally:
+        store.pool.close()

@@ -16,6 +16,10 @@ from ..errors import InvalidMessage
 #: whether its actor takes the previous step's result as its last argument.
 NODE_OPTION = "workflow_node"
 INPUT_OPTION = "workflow_input"
+#: Set on the message an attempt runs once its piped input is its last argument: a retry
+#: stores that message on the job's row (Dramatiq's Retries re-enqueues it), and the next
+#: attempt replaces that argument instead of appending a second one.
+PIPED_OPTION = "workflow_piped"
 
 #: Options of Dramatiq's pipeline that a workflow replaces with its own rows.
 _PIPELINE_OPTIONS = ("pipe_target",)

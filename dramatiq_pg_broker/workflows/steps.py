@@ -11,7 +11,7 @@ import dramatiq
 from dramatiq.middleware import Middleware
 
 from ..errors import InvalidMessage, NotAWorkflowStep
-from .building import INPUT_OPTION, NODE_OPTION, Node, build_input
+from .building import INPUT_OPTION, NODE_OPTION, PIPED_OPTION, Node, build_input
 from .store import WorkflowStore, decode_result, encode_result
 
 logger = logging.getLogger("dramatiq_pg_broker.workflows")
@@ -72,7 +72,10 @@ class WorkflowSteps(Middleware):
             return
         value = build_input(spec, {k: decode_result(v) for k, v in results.items()})
         inner = message._message
-        message._message = inner.copy(args=(*inner.args, value))
+        # A retried attempt's message is the one the attempt before it ran (Dramatiq's
+        # Retries stored it on the row): its last argument is that attempt's input.
+        args = inner.args[:-1] if inner.options.get(PIPED_OPTION) else inner.args
+        message._message = inner.copy(args=(*args, value), options={PIPED_OPTION: True})
 
     def after_process_message(self, broker, message, *, result=None, exception=None) -> None:
         node = message.options.get(NODE_OPTION)

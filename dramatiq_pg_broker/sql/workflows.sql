@@ -5,9 +5,12 @@
 -- start of a step's job is the function workflow_start_nodes (0026), whoever starts it.
 
 -- insert_workflow --
--- A new workflow, running; remaining: its last nodes (those nothing waits for).
-INSERT INTO {schema}.workflows (id, name, remaining, created_by)
-VALUES (%(id)s, %(name)s, %(remaining)s, %(created_by)s)
+-- A new workflow, running; remaining: its last nodes (those nothing waits for). One with
+-- no node (its steps are empty groups and pipelines) has nothing to wait for: succeeded.
+INSERT INTO {schema}.workflows (id, name, remaining, created_by, status, finished_at)
+VALUES (%(id)s, %(name)s, %(remaining)s, %(created_by)s,
+        CASE WHEN %(remaining)s = 0 THEN 'succeeded' ELSE 'running' END,
+        CASE WHEN %(remaining)s = 0 THEN now() END)
 
 -- insert_node --
 -- One node of a workflow, pending, with the job row it sends when it starts.

@@ -133,7 +133,9 @@ class _Compiler:
             message=message,
             step=step,
             position=len(self.nodes),
-            waits_for=list(waits_for),
+            # Once each: a group whose members are empty pipelines names the step before
+            # it once per member.
+            waits_for=list(dict.fromkeys(waits_for)),
             input=None if pipe_ignore or piped is None else piped,
         )
         self.nodes.append(node)
@@ -149,6 +151,10 @@ class _Compiler:
             return self.sequence(step.messages, index, waits_for, piped)
         if isinstance(step, Workflow):
             return self.sequence(step.steps, index, waits_for, piped)
+        if not step.children:
+            # A group of no member (a fan-out over no items) is done when the step before
+            # it is, and passes an empty list on.
+            return waits_for, {"list": []}
         ends: list[str] = []
         results = []
         for child in step.children:

@@ -261,6 +261,9 @@ class WorkflowStore:
           WorkflowNotFound; WorkflowInvalidTransition: the workflow is not running.
         """
         with self.pool.connection() as conn, conn.transaction():
+            # First, in a statement of its own: a step's start that another transaction
+            # holds (migration 0027) commits before, and the next statement sees its job.
+            self._fetch("lock_workflow", {"id": workflow_id}, conn)
             rows = self._fetch("cancel_workflow", {"id": workflow_id, "by": by}, conn)
         if not rows:
             raise WorkflowNotFound(f"No workflow has the id {workflow_id}")

@@ -3,9 +3,15 @@ job retried on its own row."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import dramatiq
+from psycopg import sql
 
 from dramatiq_pg_broker import workflow
+from dramatiq_pg_broker.jobs import Attempt
+from dramatiq_pg_broker.workflows.runs import store_of
 
 
 def test_a_retried_step_gets_its_piped_input_once(broker, queue):
@@ -71,3 +77,111 @@ def test_a_group_of_empty_pipelines_hands_the_step_before_it_on_once(broker, que
     ).run(broker=broker)
     broker.start_worker(threads=1)
     assert flow.wait(timeout=30) == "succeeded"
+
+
+def _queued(broker, queue) -> dict[str, str]:
+    with broker.pool.connection() as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT id::text, status FROM {}.jobs WHERE queue_name = %s").format(
+                sql.Identifier(broker.settings.schema)
+            ),
+            (queue,),
+        ).fetchall()
+    return dict(rows)
+
+
+def _until_blocked(broker, done: threading.Event, seconds: float = 10.0) -> bool:
+    """Look at the server until a session of this database waits for a lock (or ``done``
+    is set): True when one does."""
+    deadline = time.monotonic() + seconds
+    with broker.pool.connection() as conn:
+        while time.monotonic() < deadline and not done.is_set():
+            waiting = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()[0]
+            if waiting:
+                return True
+            done.wait(0.01)
+    return False
+
+
+def test_an_abort_that_meets_a_step_s_end_leaves_no_step_running(broker, queue):
+    """A step's end that starts the next step, not committed yet, and an operator's abort
+    of the workflow at that moment: whichever commits first, the next step's job does not
+    outlive the abort (cancelled, or never sent)."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    flow = workflow(step.message(1), step.message(2)).run(broker=broker)
+    (claimed,) = broker.store.claim(queue, 10, "w", 30)
+    first = Attempt(claimed.id, "w", claimed.attempts)
+    store = store_of(broker)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def abort():
+        try:
+            store.abort(flow.id, broker.store, by="tests")
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    with broker.pool.connection() as conn:
+        with conn.transaction():
+            broker.store.complete([first], conn=conn)  # sends the second step's job
+            thread = threading.Thread(target=abort)
+            thread.start()
+            _until_blocked(broker, done)
+        thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    assert flow.status() == "cancelled"
+    assert _queued(broker, queue) == {}, "a step's job was left to run after the abort"
+    nodes = flow.show()["nodes"]
+    assert nodes[1]["job_status"] in (None, "cancelled"), nodes
+
+
+def test_a_failure_that_meets_a_step_s_start_leaves_no_running_step_cancelled(broker, queue):
+    """A group of a pipeline and a job: the pipeline's first step ends (starting its second,
+    not committed yet) while the other member fails. The failure cancels the steps that
+    have not started; a step whose job exists is one that started, and runs to its end
+    with its node showing it, never as a `cancelled` node whose job runs anyway."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    flow = workflow(
+        dramatiq.group([dramatiq.pipeline([step.message(1), step.message(2)]), step.message(3)]),
+        step.message(4),
+    ).run(broker=broker)
+    x1, x2, y, z = (n["job_id"] for n in flow.show()["nodes"])
+    claimed = {c.id: Attempt(c.id, "w", c.attempts) for c in broker.store.claim(queue, 10, "w", 30)}
+    assert set(claimed) == {x1, y}
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def fail():
+        try:
+            broker.store.fail([claimed[y]], ["ValueError: no"])
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    with broker.pool.connection() as conn:
+        with conn.transaction():
+            broker.store.complete([claimed[x1]], conn=conn)  # sends x2's job
+            thread = threading.Thread(target=fail)
+            thread.start()
+            _until_blocked(broker, done)
+        thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    assert flow.status() == "failed"
+    by_job = {n["job_id"]: n for n in flow.show()["nodes"]}
+    for job_id in _queued(broker, queue):
+        assert by_job[job_id]["status"] == "running", (job_id, by_job[job_id])
+    assert by_job[z]["status"] == "cancelled"

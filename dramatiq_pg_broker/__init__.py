@@ -29,6 +29,7 @@ from .errors import (
     TransactionError,
     WorkflowInvalidTransition,
     WorkflowNotFound,
+    WorkflowResultNotEncodable,
     WorkflowTimeout,
 )
 from .history.retention import RetentionPolicy
@@ -74,6 +75,7 @@ __all__ = [
     "SchemaVersionError",
     "TransactionError",
     "NotAWorkflowStep",
+    "WorkflowResultNotEncodable",
     "Workflow",
     "WorkflowInvalidTransition",
     "WorkflowNotFound",

@@ -123,6 +123,12 @@ class NotAWorkflowStep(PgBrokerError):
     """spawn() adds children to a workflow's step: the current job is not one."""
 
 
+class WorkflowResultNotEncodable(PgBrokerError):
+    """A workflow's step returned a value the message encoder cannot write, and a step
+    after it takes that value as its input: the step fails, as a pipeline's send of the
+    next message would."""
+
+
 class DuplicateJobId(InvalidTransition):
     """A job id has more than one row (queued or running in jobs and finished in history,
     or finished twice in history), which earlier releases could leave: the job is not

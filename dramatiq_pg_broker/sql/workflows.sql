@@ -84,6 +84,14 @@ WHERE n.id = ANY (%(ids)s::uuid[])
 UPDATE {schema}.workflow_nodes SET result = %(result)s, updated_at = now()
 WHERE id = %(id)s AND job_id = %(job_id)s
 
+-- node_result_wanted --
+-- Whether a node's result is some other node's input (a dependent that takes an input is
+-- made of the results of the nodes it waits for).
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.workflow_nodes AS n
+    JOIN {schema}.workflow_nodes AS d ON d.id = ANY (n.dependents)
+    WHERE n.id = %(id)s AND d.input IS NOT NULL)
+
 -- workflow_status --
 -- A workflow's status (running, succeeded, failed, cancelled).
 SELECT status FROM {schema}.workflows WHERE id = %(id)s

@@ -10,7 +10,7 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import Middleware
 
-from ..errors import InvalidMessage, NotAWorkflowStep
+from ..errors import InvalidMessage, NotAWorkflowStep, WorkflowResultNotEncodable
 from .building import INPUT_OPTION, NODE_OPTION, PIPED_OPTION, Node, build_input
 from .store import WorkflowStore, decode_result, encode_result
 
@@ -32,6 +32,8 @@ class WorkflowSteps(Middleware):
     - after its actor returned, the result is stored on its node (one statement; none for
       None, which a node without a result passes on), before the worker writes the job's
       success (whose transaction moves the workflow on).
+      A result the encoder cannot write fails the message when a step after it takes
+      that result (:class:`~dramatiq_pg_broker.errors.WorkflowResultNotEncodable`).
 
     Parameters:
       store(WorkflowStore): the workflows of the broker's schema.
@@ -83,13 +85,25 @@ class WorkflowSteps(Middleware):
             # None is what a node without a stored result passes on: nothing to write.
             return
         data = encode_result(result)
-        if data is None and result is not None:
+        if data is None:
+            if self.store.result_wanted(node):
+                # The step fails for good (its result would be the same again), with this
+                # error: the next step never runs with None in place of its input. An
+                # exception raised here would only be logged (Dramatiq's emit_after).
+                error = WorkflowResultNotEncodable(
+                    f"the result of job {message.message_id} (workflow step {node}) cannot "
+                    f"be encoded, and the next step takes it: {type(result).__name__}"
+                )
+                logger.error("%s", error)
+                message.stuff_exception(error)
+                message.fail()
+                return
             logger.warning(
-                "The result of job %s (workflow step %s) cannot be encoded; the next step "
-                "gets None.",
+                "The result of job %s (workflow step %s) cannot be encoded; no step takes it.",
                 message.message_id,
                 node,
             )
+            return
         self.store.store_result(node, message.message_id, data)
 
 

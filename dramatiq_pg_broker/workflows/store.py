@@ -146,6 +146,11 @@ class WorkflowStore:
             for node, spec, ids, results in rows
         }
 
+    def result_wanted(self, node_id: str) -> bool:
+        """Whether a step after node ``node_id`` takes its result as input."""
+        with self.pool.connection() as conn:
+            return bool(self._fetch("node_result_wanted", {"id": node_id}, conn)[0][0])
+
     def store_result(self, node_id: str, job_id: str, result: bytes | None) -> None:
         with self.pool.connection() as conn:
             conn.execute(

@@ -185,3 +185,26 @@ def test_a_failure_that_meets_a_step_s_start_leaves_no_running_step_cancelled(br
     for job_id in _queued(broker, queue):
         assert by_job[job_id]["status"] == "running", (job_id, by_job[job_id])
     assert by_job[z]["status"] == "cancelled"
+
+
+def test_a_result_that_cannot_be_encoded_fails_the_step_that_passes_it_on(broker, queue):
+    """As in Dramatiq's pipeline, whose send of the next message fails: the next step does
+    not run with None in place of a result it was promised. A step whose result nothing
+    takes (the last one here) keeps succeeding."""
+    seen: list[tuple] = []
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def produce(*args):
+        return {1, 2}  # a set: the JSON encoder cannot write it
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def consume(*args):
+        seen.append(args)
+
+    broker.start_worker(threads=1)
+    last = workflow(consume.message(), produce.message()).run(broker=broker)
+    assert last.wait(timeout=30) == "succeeded"
+    flow = workflow(produce.message(), consume.message()).run(broker=broker)
+    assert flow.wait(timeout=30) == "failed"
+    assert seen == [()], f"the next step ran with {seen[1:]}"
+    assert "cannot be encoded" in flow.show()["error"]

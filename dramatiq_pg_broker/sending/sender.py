@@ -202,6 +202,17 @@ class Sender:
             block = self.resolver()
         return block
 
+    def app_transaction(self) -> Transaction | None:
+        """The application's transaction the sends of this thread (or task) are written
+        in: the innermost ``transaction()`` block, the one a ``batch()`` block stands in,
+        or the one the :attr:`resolver` finds; None when they go through the pool."""
+        block = self._blocks.top()
+        if isinstance(block, Batch):
+            block = self._blocks.transaction_below(block)
+        if block is None and self.resolver is not None:
+            block = self.resolver()
+        return block if isinstance(block, Transaction) else None
+
     @property
     def waiting(self) -> int:
         """How many sends of this process wait for the group commit in progress to end

@@ -41,7 +41,16 @@ def run_workflow(flow: Workflow, *, broker: Any = None, created_by: str | None =
     store = store_of(broker)
     rows = [(node, broker.sender.job_for(node.message)[0]) for node in nodes]
     workflow_id = str(uuid.uuid4())
-    store.create(workflow_id, rows, remaining, name=flow.name, created_by=created_by)
+    # Inside broker.transaction(conn) (or Django's atomic()), as a send is: on the
+    # application's connection, committed or rolled back with its transaction.
+    block = broker.sender.app_transaction()
+    if block is None:
+        store.create(workflow_id, rows, remaining, name=flow.name, created_by=created_by)
+    else:
+        with block.writing():
+            store.create(
+                workflow_id, rows, remaining, name=flow.name, created_by=created_by, conn=block.view
+            )
     return WorkflowRun(workflow_id, broker=broker)
 
 

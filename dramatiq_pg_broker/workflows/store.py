@@ -79,10 +79,17 @@ class WorkflowStore:
         *,
         name: str | None = None,
         created_by: str | None = None,
+        conn=None,
     ) -> list[str]:
         """Store a workflow and its nodes, and send the jobs of the nodes that wait for
-        none, in one transaction. Returns the nodes started."""
-        with self.pool.connection() as conn, conn.transaction():
+        none, in one transaction (on ``conn``, the application's, when given: then they
+        commit or roll back with it). Returns the nodes started."""
+        if conn is None:
+            with self.pool.connection() as own:
+                return self.create(
+                    workflow_id, nodes, remaining, name=name, created_by=created_by, conn=own
+                )
+        with conn.transaction():
             conn.execute(
                 self.queries["insert_workflow"],
                 {

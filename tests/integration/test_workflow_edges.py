@@ -7,6 +7,8 @@ import threading
 import time
 
 import dramatiq
+import psycopg
+import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import workflow
@@ -208,3 +210,39 @@ def test_a_result_that_cannot_be_encoded_fails_the_step_that_passes_it_on(broker
     assert flow.wait(timeout=30) == "failed"
     assert seen == [()], f"the next step ran with {seen[1:]}"
     assert "cannot be encoded" in flow.show()["error"]
+
+
+def _workflow_rows(broker, workflow_id: str) -> int:
+    with broker.pool.connection() as conn:
+        return conn.execute(
+            sql.SQL("SELECT count(*) FROM {}.workflows WHERE id = %s").format(
+                sql.Identifier(broker.settings.schema)
+            ),
+            (workflow_id,),
+        ).fetchone()[0]
+
+
+def test_a_workflow_run_in_an_application_transaction_goes_with_it(broker, queue, pg_url):
+    """Inside ``broker.transaction(conn)`` a workflow is written on the application's
+    connection, as a send is: a rollback leaves no workflow and no job, a commit both."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    class Rollback(Exception):
+        pass
+
+    with psycopg.connect(pg_url) as conn:
+        with pytest.raises(Rollback), broker.transaction(conn):
+            flow = workflow(step.message(1), step.message(2)).run(broker=broker)
+            raise Rollback
+    assert _workflow_rows(broker, flow.id) == 0
+    assert _queued(broker, queue) == {}, "the first step's job outlived the rollback"
+
+    with psycopg.connect(pg_url) as conn:
+        with broker.transaction(conn):
+            flow = workflow(step.message(1), step.message(2)).run(broker=broker)
+            assert _workflow_rows(broker, flow.id) == 0, "written before the commit"
+    assert flow.status() == "running"
+    assert list(_queued(broker, queue)) == [flow.show()["nodes"][0]["job_id"]]

@@ -115,6 +115,21 @@ class WorkflowInvalidTransition(InvalidTransition):
         )
 
 
+class WorkflowStillStopping(WorkflowInvalidTransition):
+    """Jobs of the workflow that an abort interrupted have not ended yet: each ends
+    cancelled, and would cancel the workflow again. Retry once they have ended."""
+
+    def __init__(self, workflow_id: object, stopping: int) -> None:
+        self.job_id = workflow_id
+        self.workflow_id = workflow_id
+        self.status = "cancelled"
+        PgBrokerError.__init__(
+            self,
+            f"workflow {workflow_id} has {stopping} aborted job(s) still stopping: retry it "
+            "once they have ended (each would cancel it again)",
+        )
+
+
 class WorkflowTimeout(PgBrokerError):
     """The workflow did not end within the time given to wait for it."""
 

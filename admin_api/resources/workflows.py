@@ -146,7 +146,8 @@ class RetryWorkflow(WorkflowTransition):
         {
             200: (responses.WorkflowDetail, "The workflow, running again."),
             404: NO_WORKFLOW,
-            409: "The workflow is running or succeeded.",
+            409: "The workflow is running or succeeded, or jobs its abort interrupted are "
+            "still stopping.",
         },
     )
     def on_post(self, req: falcon.Request, resp: falcon.Response, workflow_id: str, body):

@@ -191,6 +191,12 @@ FROM w
 -- A workflow's status, its row locked until the operator's change commits.
 SELECT status FROM {schema}.workflows WHERE id = %(id)s FOR UPDATE
 
+-- stopping_jobs --
+-- How many jobs of a workflow's nodes an abort asked to stop and have not ended yet.
+SELECT count(*) FROM {schema}.workflow_nodes AS n
+JOIN {schema}.jobs AS j ON j.id = n.job_id
+WHERE n.workflow_id = %(id)s AND j.abort_requested_at IS NOT NULL
+
 -- nodes_to_retry --
 -- The failed and cancelled nodes of a workflow, with their messages to send again (the
 -- node's, or its job's once it was sent) and whether their job was ever sent (a row in

@@ -21,6 +21,7 @@ from ..errors import (
     JobNotFound,
     WorkflowInvalidTransition,
     WorkflowNotFound,
+    WorkflowStillStopping,
 )
 from ..jobs.rows import NewJob, channel_name
 from ..sending import messages
@@ -296,7 +297,8 @@ class WorkflowStore:
 
         Raises:
           WorkflowNotFound; WorkflowInvalidTransition: the workflow is running or
-          succeeded.
+          succeeded; WorkflowStillStopping (one of those): jobs its abort interrupted
+          have not ended yet (each would cancel it again).
         """
         with self.pool.connection() as conn, conn.transaction():
             rows = self._fetch("lock_workflow", {"id": workflow_id}, conn)
@@ -307,6 +309,9 @@ class WorkflowStore:
                 raise WorkflowInvalidTransition(
                     workflow_id, status, "retried", "failed or cancelled"
                 )
+            stopping = self._fetch("stopping_jobs", {"id": workflow_id}, conn)[0][0]
+            if stopping:
+                raise WorkflowStillStopping(workflow_id, stopping)
             for node_id, job_id, data, view, sent in self._fetch(
                 "nodes_to_retry", {"id": workflow_id}, conn
             ):

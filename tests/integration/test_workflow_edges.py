@@ -12,6 +12,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import workflow
+from dramatiq_pg_broker.errors import WorkflowInvalidTransition
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.workflows.runs import store_of
 
@@ -246,3 +247,27 @@ def test_a_workflow_run_in_an_application_transaction_goes_with_it(broker, queue
             assert _workflow_rows(broker, flow.id) == 0, "written before the commit"
     assert flow.status() == "running"
     assert list(_queued(broker, queue)) == [flow.show()["nodes"][0]["job_id"]]
+
+
+def test_a_retry_waits_for_the_aborted_jobs_to_end(broker, queue):
+    """An abort interrupts a running step's job, which ends `cancelled` once its worker has
+    stopped it, and that end cancels its workflow. A retry accepted before then would be
+    undone by it (the workflow cancelled again, the steps the retry started left running
+    in it): refused until the job has ended, then accepted."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    flow = workflow(step.message(1), step.message(2)).run(broker=broker)
+    (claimed,) = broker.store.claim(queue, 10, "w", 30)
+    store = store_of(broker)
+    store.abort(flow.id, broker.store, by="tests")
+    assert _queued(broker, queue) == {claimed.id: "running"}  # asked to stop
+    with pytest.raises(WorkflowInvalidTransition, match="still stopping"):
+        store.retry(flow.id)
+    broker.store.abort_attempts([Attempt(claimed.id, "w", claimed.attempts)])
+    assert flow.status() == "cancelled"
+    retried = store.retry(flow.id)
+    assert retried["status"] == "running"
+    assert [n["status"] for n in retried["nodes"]] == ["running", "pending"]

@@ -18,6 +18,7 @@ from ..errors import (
     AmbiguousJobId,
     InvalidJobId,
     InvalidTransition,
+    JobBusy,
     JobNotFound,
     WorkflowInvalidTransition,
     WorkflowNotFound,
@@ -272,6 +273,8 @@ class WorkflowStore:
 
         Raises:
           WorkflowNotFound; WorkflowInvalidTransition: the workflow is not running.
+          JobBusy: a job's row was held past the abort's wait (a complete_in() block's
+            transaction); the workflow is cancelled and its other jobs were aborted.
         """
         with self.pool.connection() as conn, conn.transaction():
             # First, in a statement of its own: a step's start that another transaction
@@ -283,11 +286,19 @@ class WorkflowStore:
         status, cancelled, job_ids = rows[0]
         if not cancelled:
             raise WorkflowInvalidTransition(workflow_id, status, "aborted", "running")
+        busy: JobBusy | None = None
         for job_id in job_ids:
             try:
                 jobs.abort(job_id, by=by)
             except (InvalidTransition, JobNotFound):
                 pass  # it ended meanwhile (its end found the workflow cancelled)
+            except JobBusy as e:
+                # Its complete_in() block holds it: the others are aborted all the same,
+                # and this one is named once they are (`jobs abort` it if that block
+                # rolls back).
+                busy = busy or e
+        if busy is not None:
+            raise busy
         return self.get(workflow_id)
 
     def retry(self, workflow_id: str) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import workflow
-from dramatiq_pg_broker.errors import WorkflowInvalidTransition
+from dramatiq_pg_broker.errors import JobBusy, WorkflowInvalidTransition
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.workflows.runs import store_of
 
@@ -271,3 +271,30 @@ def test_a_retry_waits_for_the_aborted_jobs_to_end(broker, queue):
     retried = store.retry(flow.id)
     assert retried["status"] == "running"
     assert [n["status"] for n in retried["nodes"]] == ["running", "pending"]
+
+
+def test_an_abort_ends_every_other_job_when_one_job_s_row_is_busy(broker, queue):
+    """A step's row held past the abort's wait (a complete_in() block's transaction):
+    that job is reported busy, and the workflow's other jobs are aborted all the same."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    flow = workflow(dramatiq.group([step.message(1), step.message(2)]), step.message(3)).run(
+        broker=broker
+    )
+    first, second = (n["job_id"] for n in flow.show()["nodes"][:2])
+    broker.store.claim(queue, 10, "w", 30)
+    table = sql.SQL("{}.jobs").format(sql.Identifier(broker.settings.schema))
+    with broker.pool.connection() as holder, holder.transaction():
+        holder.execute(sql.SQL("SELECT 1 FROM {} WHERE id = %s FOR UPDATE").format(table), (first,))
+        with pytest.raises(JobBusy):
+            store_of(broker).abort(flow.id, broker.store, by="tests")
+    assert flow.status() == "cancelled"
+    with broker.pool.connection() as conn:
+        asked = conn.execute(
+            sql.SQL("SELECT abort_requested_at IS NOT NULL FROM {} WHERE id = %s").format(table),
+            (second,),
+        ).fetchone()[0]
+    assert asked, "the other running job was never asked to stop"

@@ -19,7 +19,11 @@
 -- a start after the end starts nothing; an end after the start finds the new job and
 -- leaves its node to run (a failure) or aborts it (an abort). Two steps that start at once
 -- and the count-down of a workflow's last nodes (UPDATE: FOR NO KEY UPDATE) do not wait
--- for one another, as before.
+-- for one another, as before. The failing end and the abort cancel the nodes that have
+-- not started with SKIP LOCKED: a node another transaction holds then is a parent that
+-- a spawned child's end counts down, and that end may be waiting for the workflow's row
+-- they hold (to start the step after the parent); it finds the workflow ended and starts
+-- nothing.
 --
 -- Locking and duration: CREATE OR REPLACE FUNCTION changes the catalog only; no table is
 -- locked, scanned or rewritten.
@@ -88,9 +92,16 @@ BEGIN
         ended_by_job = NEW.id, error = NEW.last_error
     WHERE id = n.workflow_id AND status = 'running';
     IF FOUND THEN
+        -- SKIP LOCKED: a node locked now is a parent that a spawned child's end is
+        -- counting down, and that end may wait for the workflow's row locked above (to
+        -- start the next step): waiting for it would be a deadlock. It finds the workflow
+        -- ended and starts nothing.
         UPDATE workflow_nodes AS wn SET status = 'cancelled', updated_at = now()
-        WHERE wn.workflow_id = n.workflow_id AND wn.status = 'pending'
-          AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = wn.job_id);
+        WHERE wn.id IN (
+            SELECT p.id FROM workflow_nodes AS p
+            WHERE p.workflow_id = n.workflow_id AND p.status = 'pending'
+              AND NOT EXISTS (SELECT 1 FROM jobs AS j WHERE j.id = p.job_id)
+            FOR UPDATE OF p SKIP LOCKED);
     END IF;
     RETURN NULL;
 END

@@ -177,9 +177,16 @@ WITH w AS (
     FROM w WHERE u.id = w.id AND w.status = 'running'
     RETURNING u.id
 ), pending AS (
+    -- SKIP LOCKED: a node locked now is a parent that a spawned child's end is counting
+    -- down; that end may wait for this workflow's row (to start the next step, migration
+    -- 0027), so waiting for it would be a deadlock. It finds the workflow cancelled and
+    -- starts nothing.
     UPDATE {schema}.workflow_nodes AS n SET status = 'cancelled', updated_at = now()
-    FROM cancelled WHERE n.workflow_id = cancelled.id AND n.status = 'pending'
-      AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = n.job_id)
+    WHERE n.id IN (
+        SELECT p.id FROM {schema}.workflow_nodes AS p JOIN cancelled ON p.workflow_id = cancelled.id
+        WHERE p.status = 'pending'
+          AND NOT EXISTS (SELECT 1 FROM {schema}.jobs AS j WHERE j.id = p.job_id)
+        FOR UPDATE OF p SKIP LOCKED)
 )
 SELECT w.status, EXISTS (SELECT 1 FROM cancelled),
        ARRAY(SELECT n.job_id::text FROM {schema}.workflow_nodes AS n

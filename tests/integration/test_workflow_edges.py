@@ -298,3 +298,72 @@ def test_an_abort_ends_every_other_job_when_one_job_s_row_is_busy(broker, queue)
             (second,),
         ).fetchone()[0]
     assert asked, "the other running job was never asked to stop"
+
+
+@pytest.mark.parametrize("ending", ["abort", "failure"])
+def test_an_end_of_the_workflow_and_a_child_s_end_that_starts_the_next_step_do_not_deadlock(
+    broker, queue, ending
+):
+    """A spawned child's end counts its parent down (the parent's row) and starts the
+    step after it (the workflow's row, FOR KEY SHARE), while an abort, or a member's
+    failure, holds the workflow's row and cancels the nodes that have not started, the
+    waiting parent among them: it passes over the parent the child's end holds, instead
+    of waiting for it in a cycle."""
+    from dramatiq_pg_broker.workflows.building import NODE_OPTION
+    from dramatiq_pg_broker.workflows.steps import spawn
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    flow = workflow(
+        dramatiq.group([dramatiq.pipeline([step.message(1), step.message(2)]), step.message(9)]),
+        step.message(3),
+    ).run(broker=broker)
+    parent = flow.show()["nodes"][0]
+    store = store_of(broker)
+
+    class Current:
+        id = parent["job_id"]
+        message = dramatiq.Message(queue, "step", (), {}, {NODE_OPTION: parent["id"]})
+        _spawned = 0
+
+    claimed = {c.id: c for c in broker.store.claim(queue, 10, "w", 30)}
+    spawn(Current(), store, broker.sender, (step.message(3),))
+    (child,) = broker.store.claim(queue, 10, "w", 30)
+    mine = claimed.pop(parent["job_id"])
+    (failing,) = claimed.values()
+    broker.store.complete([Attempt(mine.id, "w", mine.attempts)])  # the child is left
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def end_child():
+        try:
+            broker.store.complete([Attempt(child.id, "w", child.attempts)])
+        except BaseException as e:  # reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    with broker.pool.connection() as conn:
+        with conn.transaction():
+            conn.execute(store.queries["lock_workflow"], {"id": flow.id})
+            thread = threading.Thread(target=end_child)
+            thread.start()
+            assert _until_blocked(broker, done), "the child's end did not wait for the abort"
+            try:
+                if ending == "abort":
+                    conn.execute(store.queries["cancel_workflow"], {"id": flow.id, "by": "tests"})
+                else:
+                    broker.store.fail(
+                        [Attempt(failing.id, "w", failing.attempts)], ["no"], conn=conn
+                    )
+            except psycopg.errors.DeadlockDetected as e:
+                errors.append(e)
+                raise
+        thread.join(10)
+    assert not errors, errors
+    assert flow.status() == ("cancelled" if ending == "abort" else "failed")
+    # The other member's job (running; the abort's own transaction asks it to stop
+    # after this) and nothing else: the pipeline's next step never started.
+    assert set(_queued(broker, queue)) <= {failing.id}, "a step started in an ended workflow"

@@ -76,6 +76,9 @@ class Workflow:
 
         Returns:
           WorkflowRun: the running workflow's handle (``.id``, ``.status()``, ``.wait()``).
+
+        Raises:
+          InvalidMessage: a message is given more than once (each message is one job).
         """
         from .runs import run_workflow
 
@@ -177,6 +180,16 @@ def compile_steps(flow: Workflow) -> tuple[list[Node], int]:
     compiler = _Compiler()
     compiler.sequence(flow.steps, None, [], None)
     nodes = compiler.nodes
+    seen: set[str] = set()
+    for node in nodes:
+        # A message is one job: given twice, its two nodes' jobs would share an id, and
+        # the end of the step before the second could never be written.
+        if node.message.message_id in seen:
+            raise InvalidMessage(
+                f"message {node.message.message_id} ({node.message.actor_name}) is given more "
+                "than once: a workflow runs each message once, build one per step"
+            )
+        seen.add(node.message.message_id)
     by_id = {node.id: node for node in nodes}
     for node in nodes:
         for before in node.waits_for:

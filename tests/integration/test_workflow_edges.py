@@ -12,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import workflow
-from dramatiq_pg_broker.errors import JobBusy, WorkflowInvalidTransition
+from dramatiq_pg_broker.errors import InvalidMessage, JobBusy, WorkflowInvalidTransition
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.workflows.runs import store_of
 
@@ -367,3 +367,21 @@ def test_an_end_of_the_workflow_and_a_child_s_end_that_starts_the_next_step_do_n
     # The other member's job (running; the abort's own transaction asks it to stop
     # after this) and nothing else: the pipeline's next step never started.
     assert set(_queued(broker, queue)) <= {failing.id}, "a step started in an ended workflow"
+
+
+def test_a_message_given_twice_is_refused_when_the_workflow_is_run(broker, queue):
+    """Two steps of one message (``[m] * 3``, or the same message in two steps) would be
+    two jobs of one id: the end of the step before them could never be written (its
+    transaction's INSERT of their jobs fails), and that step would run again and again.
+    run() refuses it, before anything is written."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    same = step.message(2)
+    with pytest.raises(InvalidMessage, match="more than once"):
+        workflow(step.message(1), dramatiq.group([same, same])).run(broker=broker)
+    with pytest.raises(InvalidMessage, match="more than once"):
+        workflow(same, step.message(1), same).run(broker=broker)
+    assert _queued(broker, queue) == {}

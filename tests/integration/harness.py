@@ -1,14 +1,20 @@
 """In-process workers for the integration tests: brokers on the module's schema, a queue of
-the test's own, and a record of what the actors did; declared queues and job timelines."""
+the test's own, and a record of what the actors did; declared queues and job timelines; a
+store on a database whose default isolation is REPEATABLE READ, and racing threads."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 
 import dramatiq
+import psycopg
 
 from dramatiq_pg_broker import PostgresBroker
+from dramatiq_pg_broker.config import Settings
+from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import JobStore
 
 
@@ -130,3 +136,47 @@ def declared_queue(store: JobStore, name: str | None = None) -> str:
 def of_type(events: list[dict], kind: str) -> list[dict]:
     """The events of a job's timeline (``store.events_of``) of one type."""
     return [e for e in events if e["type"] == kind]
+
+
+@contextlib.contextmanager
+def repeatable_read_store(pg_url: str, schema: str) -> Iterator[JobStore]:
+    """A job store on the module's schema whose connections default to REPEATABLE READ, as
+    on a database with ``ALTER DATABASE ... SET default_transaction_isolation`` (here the
+    connections' ``options``); closed afterwards."""
+    url = psycopg.conninfo.make_conninfo(
+        pg_url, options="-c default_transaction_isolation=repeatable\\ read"
+    )
+    store = JobStore(ProcessPool(Settings(url=url, schema=schema)), schema)
+    try:
+        with store.pool.connection() as conn:
+            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
+                "repeatable read"
+            ), "the test is void"
+        yield store
+    finally:
+        store.pool.close()
+
+
+def race(threads: int, rounds: int, step: Callable[[int], None]) -> list[BaseException]:
+    """``step(i)`` in ``threads`` threads (``i`` the thread's number), ``rounds`` times,
+    every round's steps released together (a barrier); the errors they raised (the first
+    one ends the race)."""
+    barrier = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        for _ in range(rounds):
+            try:
+                barrier.wait(timeout=30)
+                step(i)
+            except BaseException as e:  # noqa: BLE001 - returned to the test
+                errors.append(e)
+                barrier.abort()
+                return
+
+    started = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join(60)
+    return errors

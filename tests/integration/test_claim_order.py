@@ -11,13 +11,13 @@ import threading
 import uuid
 
 import dramatiq
-import psycopg
 
 from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.jobs import JobStore, NewJob
 
 from ..helpers import wait_for
+from .harness import race, repeatable_read_store
 
 
 def test_a_batch_comes_back_in_claim_order(pg_url, schema):
@@ -118,17 +118,9 @@ def test_racing_claims_on_a_repeatable_read_database_claim_each_job_once_without
     serialization failure from PostgreSQL, where READ COMMITTED would have skipped the row.
     The claim tries again with a new snapshot: twelve claimers racing for five rounds each
     claim without an error, and no job is claimed twice."""
-    url = psycopg.conninfo.make_conninfo(
-        pg_url, options="-c default_transaction_isolation=repeatable\\ read"
-    )
-    store = JobStore(ProcessPool(Settings.load(url=url, schema=schema)), schema)
     queue = f"rr-{uuid.uuid4().hex[:8]}"
     claimers, rounds, each = 12, 5, 3
-    try:
-        with store.pool.connection() as conn:
-            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
-                "repeatable read"
-            ), "the test is void"
+    with repeatable_read_store(pg_url, schema) as store:
         for _ in range(claimers * rounds * each):
             store.enqueue(
                 NewJob(
@@ -139,27 +131,12 @@ def test_racing_claims_on_a_repeatable_read_database_claim_each_job_once_without
                     max_attempts=21,
                 )
             )
-        barrier = threading.Barrier(claimers)
-        errors: list[BaseException] = []
         claimed: list[str] = []
 
         def claim(i: int) -> None:
-            for _ in range(rounds):
-                try:
-                    barrier.wait(timeout=30)
-                    got = store.claim_or_wait(queue, each, f"w{i}", 30)
-                    claimed.extend(job.id for job in got.jobs)
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-                    barrier.abort()
-                    return
+            got = store.claim_or_wait(queue, each, f"w{i}", 30)
+            claimed.extend(job.id for job in got.jobs)
 
-        threads = [threading.Thread(target=claim, args=(i,)) for i in range(claimers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = race(claimers, rounds, claim)
         assert not errors, f"{len(errors)} claims failed: {errors[:3]}"
         assert len(claimed) == len(set(claimed)) == claimers * rounds * each
-    finally:
-        store.pool.close()

@@ -17,15 +17,13 @@ import pytest
 from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
-from dramatiq_pg_broker.config import Settings
 from dramatiq_pg_broker.control import limits as queue_limits
-from dramatiq_pg_broker.db import ProcessPool
 from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
 from dramatiq_pg_broker.queue_rules import MAX_LIMIT
 
 from ..helpers import wait_for
-from .harness import declared_queue, start_worker, stop_workers
+from .harness import declared_queue, repeatable_read_store, start_worker, stop_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,15 +164,7 @@ def test_limited_claims_hold_the_limit_without_errors_on_a_repeatable_read_datab
     for another saw the queue as before it, and its claim statement then met the rows
     that one took, a serialization failure (55 of 60 claims in this test), or counted
     too few running jobs."""
-    url = psycopg.conninfo.make_conninfo(
-        pg_url, options="-c default_transaction_isolation=repeatable\\ read"
-    )
-    store = JobStore(ProcessPool(Settings(url=url, schema=schema)), schema)
-    try:
-        with store.pool.connection() as conn:
-            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
-                "repeatable read"
-            ), "the test is void"
+    with repeatable_read_store(pg_url, schema) as store:
         queue = declared_queue(store)
         send(store, queue, 100)
         set_limit(store, queue, 1)
@@ -205,8 +195,6 @@ def test_limited_claims_hold_the_limit_without_errors_on_a_repeatable_read_datab
             t.join(60)
         assert not errors, f"{len(errors)} claims failed: {errors[:3]}"
         assert maxima == [1] * 5, f"running after each round: {maxima}, the limit is 1"
-    finally:
-        store.pool.close()
 
 
 def test_the_plain_claim_statement_is_unchanged_for_an_unlimited_queue(store):

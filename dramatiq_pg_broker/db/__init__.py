@@ -7,6 +7,7 @@ from .core import (
     ProcessPool,
     connect,
     connection_kwargs,
+    read_committed,
     resolve_url,
     translate_errors,
 )

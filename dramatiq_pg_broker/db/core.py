@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 from dramatiq.errors import ConnectionClosed, ConnectionFailed
+from psycopg.pq import TransactionStatus
 
 try:  # Dramatiq 2.2 renamed ConnectionError (the old name warns, and goes in 3.0)
     from dramatiq.errors import BrokerConnectionError
@@ -209,6 +210,18 @@ class ReconnectingPool(ConnectionPool):
     def putconn(self, conn: psycopg.Connection) -> None:
         with outage.quiet_pool():
             super().putconn(conn)
+
+
+def read_committed(conn: psycopg.Connection) -> psycopg.Connection:
+    """``conn``, whose next transaction begins READ COMMITTED (its ``BEGIN`` says so: no
+    round trip) whatever the server's ``default_transaction_isolation``, unless a
+    transaction is already open on it (the caller's, left as it is). For the broker's own
+    transactions that lock a row and then read what the holder they waited for committed
+    (a limited claim's room, a workflow's steps at its abort): at REPEATABLE READ or
+    SERIALIZABLE their snapshot would be taken before the wait."""
+    if conn.info.transaction_status == TransactionStatus.IDLE:
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
 
 
 @contextlib.contextmanager

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
+from ..db.core import read_committed
 from ..db.queries import statements_for
 from .base import BUSY_ROW, StoreBase
 from .rows import (
@@ -115,14 +115,12 @@ class Claims(StoreBase):
         """
         queries = _limit_queries(self.schema)
         with self.pool.use(conn) as c:
-            if c.info.transaction_status == TransactionStatus.IDLE:
-                # READ COMMITTED whatever the server's default_transaction_isolation (its
-                # BEGIN says so: no round trip): at REPEATABLE READ or SERIALIZABLE the
-                # lock's own statement would take the snapshot, before its wait, and the
-                # room would be read as it was before the claims the lock waited for (a
-                # serialization failure at the claim statement, or too few counted).
-                c.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-            with c.transaction():
+            # READ COMMITTED whatever the server's default_transaction_isolation: at
+            # REPEATABLE READ or SERIALIZABLE the lock's own statement would take the
+            # snapshot, before its wait, and the room would be read as it was before the
+            # claims the lock waited for (a serialization failure at the claim statement,
+            # or too few counted).
+            with read_committed(c).transaction():
                 c.execute(queries["lock_limited_queue"], {"key": f"{self.schema}.{queue_name}"})
                 max_running, room = self._room(queue_name, lease_seconds, now, c)
                 if max_running is not None:

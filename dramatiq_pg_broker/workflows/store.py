@@ -12,7 +12,7 @@ from typing import Any
 import dramatiq
 from psycopg.types.json import Jsonb
 
-from ..db.core import ProcessPool
+from ..db.core import ProcessPool, read_committed
 from ..db.queries import statements_for
 from ..errors import (
     AmbiguousJobId,
@@ -276,7 +276,9 @@ class WorkflowStore:
           JobBusy: a job's row was held past the abort's wait (a complete_in() block's
             transaction); the workflow is cancelled and its other jobs were aborted.
         """
-        with self.pool.connection() as conn, conn.transaction():
+        # READ COMMITTED whatever the database's default isolation: the next statement's
+        # snapshot is taken after the lock's wait.
+        with self.pool.connection() as conn, read_committed(conn).transaction():
             # First, in a statement of its own: a step's start that another transaction
             # holds (migration 0027) commits before, and the next statement sees its job.
             self._fetch("lock_workflow", {"id": workflow_id}, conn)

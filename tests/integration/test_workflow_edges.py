@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from dramatiq_pg_broker import workflow
+from dramatiq_pg_broker import PostgresBroker, workflow
 from dramatiq_pg_broker.errors import InvalidMessage, JobBusy, WorkflowInvalidTransition
 from dramatiq_pg_broker.jobs import Attempt
 from dramatiq_pg_broker.workflows.runs import store_of
@@ -109,10 +109,15 @@ def _until_blocked(broker, done: threading.Event, seconds: float = 10.0) -> bool
     return False
 
 
-def test_an_abort_that_meets_a_step_s_end_leaves_no_step_running(broker, queue):
+@pytest.mark.parametrize("default_isolation", ["read committed", "repeatable read"])
+def test_an_abort_that_meets_a_step_s_end_leaves_no_step_running(
+    broker, queue, pg_url, schema, default_isolation
+):
     """A step's end that starts the next step, not committed yet, and an operator's abort
     of the workflow at that moment: whichever commits first, the next step's job does not
-    outlive the abort (cancelled, or never sent)."""
+    outlive the abort (cancelled, or never sent). Also where the operator's database
+    defaults to REPEATABLE READ (``default_transaction_isolation``; here the abort's
+    connections' ``options``): the abort's snapshot is taken after its wait."""
 
     @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
     def step(*args):
@@ -121,13 +126,17 @@ def test_an_abort_that_meets_a_step_s_end_leaves_no_step_running(broker, queue):
     flow = workflow(step.message(1), step.message(2)).run(broker=broker)
     (claimed,) = broker.store.claim(queue, 10, "w", 30)
     first = Attempt(claimed.id, "w", claimed.attempts)
-    store = store_of(broker)
+    url = psycopg.conninfo.make_conninfo(
+        pg_url, options="-c default_transaction_isolation=" + default_isolation.replace(" ", "\\ ")
+    )
+    operator = PostgresBroker(url=url, schema=schema)
+    store = store_of(operator)
     done = threading.Event()
     errors: list[BaseException] = []
 
     def abort():
         try:
-            store.abort(flow.id, broker.store, by="tests")
+            store.abort(flow.id, operator.store, by="tests")
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
         finally:
@@ -140,6 +149,7 @@ def test_an_abort_that_meets_a_step_s_end_leaves_no_step_running(broker, queue):
             thread.start()
             _until_blocked(broker, done)
         thread.join(10)
+    operator.close()
     assert not thread.is_alive() and not errors, errors
     assert flow.status() == "cancelled"
     assert _queued(broker, queue) == {}, "a step's job was left to run after the abort"

@@ -80,14 +80,12 @@ class Claims(StoreBase):
         snapshot, up to :data:`CLAIM_TRIES` times. At READ COMMITTED it never fails so."""
         params = {"queue_name": queue_name, "limit": limit, "owner": owner, "now": now}
         params["lease_ms"] = _ms(lease_seconds)
-        tries = 1 if conn is not None else CLAIM_TRIES
-        for attempt in range(1, tries + 1):
+        for _ in range(CLAIM_TRIES - 1 if conn is None else 0):
             try:
-                return self._fetch("claim_jobs", dict(params), conn)
+                return self._fetch("claim_jobs", params)
             except psycopg.errors.SerializationFailure:
-                if attempt == tries:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+                pass  # nothing was written: again, with a new snapshot
+        return self._fetch("claim_jobs", params, conn)
 
     def claim_limited(
         self,

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     Table,
     Text,
 )
@@ -66,7 +67,14 @@ def _job_columns(*, primary_key: bool) -> list[Column]:
     ]
 
 
-jobs = Table("jobs", metadata, *_job_columns(primary_key=True))
+#: Unfinished jobs, partitioned into lanes (0028): the primary key is (id, lane), an id
+#: is stored once (the sends look it up), ``lane`` says which lane holds the row.
+jobs = Table(
+    "jobs",
+    metadata,
+    *_job_columns(primary_key=True),
+    Column("lane", SmallInteger, primary_key=True, nullable=False),
+)
 
 #: Finished jobs (migration 0012): the same columns, partitioned by status and day; no
 #: primary key (a partitioned table's keys must hold the partition key), ids are indexed.

@@ -29,6 +29,7 @@ from .attempt.consumer import ConsumerParts, PostgresConsumer
 from .attempt.core import WorkerCore
 from .attempt.current import AbortGuard, CurrentParts, JobContext, running_attempt
 from .attempt.inflight import Ledger
+from .attempt.lanes import LaneKeeper
 from .attempt.leases import LeaseKeeper
 from .attempt.outcomes import OutcomeWriter
 from .attempt.retries import Retries, end_reaped_job
@@ -184,6 +185,8 @@ class PostgresBroker(dramatiq.Broker):
             # Dramatiq's failure hooks (Retries, callbacks, Results) are handed the broker.
             reaped_failed=functools.partial(end_reaped_job, self),
         )
+        #: Empties the jobs table's lanes in turn (a worker process's, with its consumers).
+        self.lanes = LaneKeeper(self.store, self.schema_gate, max_moved=settings.lane_max_moved)
         self.outcomes = OutcomeWriter(self.store, self.ledger)
         self.ledger.connect(leases=self.leases, outcomes=self.outcomes)
         #: The send path: every enqueue goes through it.
@@ -512,6 +515,8 @@ class PostgresBroker(dramatiq.Broker):
         if queue_name not in self.queues:
             raise dramatiq.errors.QueueNotFound(queue_name)
         self.leases.start()
+        if self.settings.lane_max_moved > 0:
+            self.lanes.start()
         return PostgresConsumer(self._consumer_parts, queue_name, prefetch, timeout)
 
     # -- maintenance and tests -----------------------------------------------------------
@@ -572,5 +577,6 @@ class PostgresBroker(dramatiq.Broker):
         self.outcomes.flush(timeout=30)
         self.outcomes.stop()
         self.leases.stop()
+        self.lanes.stop()
         self.sender.close()
         self.pool.close()

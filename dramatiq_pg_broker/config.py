@@ -164,6 +164,14 @@ class Settings:
     reaper_batch: int = _setting(
         500, "Most expired rows one reaper run handles.", group="Retries and recovery"
     )
+    lane_max_moved: int = _setting(
+        2_000,
+        "Most rows a lane of the jobs table may have left for the workers to empty it in "
+        "its turn (copy them to the long lane, then TRUNCATE it; migration 0028). A lane "
+        "with more is left to VACUUM for that turn: the copy holds a lock every statement "
+        "on jobs waits for. 0: the workers never empty lanes.",
+        group="Workers",
+    )
     backoff_base_ms: int = _setting(
         15_000,
         "Dramatiq's `min_backoff` for actors and messages that set none: the base of the "
@@ -355,6 +363,8 @@ class Settings:
                 raise ConfigurationError(f"{name} must be greater than 0")
         if self.migration_wait_seconds < 0:
             raise ConfigurationError("migration_wait_seconds must be 0 or more")
+        if self.lane_max_moved < 0:
+            raise ConfigurationError("lane_max_moved must be 0 or more")
         if self.heartbeat_seconds is not None and not (
             0 < self.heartbeat_seconds < self.lease_seconds
         ):

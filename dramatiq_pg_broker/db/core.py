@@ -212,6 +212,23 @@ class ReconnectingPool(ConnectionPool):
             super().putconn(conn)
 
 
+def read_committed_session(conn: psycopg.Connection, settings: Settings) -> None:
+    """Make READ COMMITTED the default of the broker's own pooled connection ``conn`` when
+    the server's default is another level: one SHOW per new connection, and a SET when it
+    differs. Every statement the broker runs on its pool (claims, heartbeats, outcomes, the
+    reaper, an operator's transitions) is written for READ COMMITTED, where a statement
+    that waited for a lock takes its snapshot after the wait: at REPEATABLE READ a
+    statement that met the emptying of a lane of jobs (0028) would see the lane empty and
+    miss the job's row. Not behind a transaction-mode pooler (``prepared_statements``
+    off): a SET there would change the server sessions the pooler hands to other clients;
+    the tuning guide says what to do then."""
+    if not settings.prepared_statements:
+        return
+    level = conn.execute("SHOW default_transaction_isolation").fetchone()[0]
+    if level != "read committed":
+        conn.execute("SET default_transaction_isolation TO 'read committed'")
+
+
 def read_committed(conn: psycopg.Connection) -> psycopg.Connection:
     """``conn``, whose next transaction begins READ COMMITTED (its ``BEGIN`` says so: no
     round trip) whatever the server's ``default_transaction_isolation``, unless a
@@ -337,6 +354,13 @@ class ProcessPool:
     def get(self) -> ConnectionPool:
         return self._pools.get()
 
+    def _configure(self, conn: psycopg.Connection) -> None:
+        """Each new pooled connection: READ COMMITTED by default (see
+        :func:`read_committed_session`), then the caller's ``configure``."""
+        read_committed_session(conn, self.settings)
+        if self.configure is not None:
+            self.configure(conn)
+
     def _open(self) -> ConnectionPool:
         if self._given is not None:
             logger.warning("A pool passed to the broker is used after a fork.")
@@ -345,7 +369,7 @@ class ProcessPool:
             min_size=self.settings.pool_min_size,
             max_size=self.settings.pool_max_size,
             kwargs=connection_kwargs(self.settings, self.application),
-            configure=self.configure,
+            configure=self._configure,
             name=f"{POOL_NAME_PREFIX}{forks.pid()}",
             open=False,
             timeout=self.settings.pool_timeout,

@@ -437,8 +437,9 @@ def _hot_table_cost(ex: Examination) -> str | None:
     live, dead = hot[0], hot[1]
     return (
         f"vacuum can remove no row version of {ex.schema}.jobs that died since, and claims "
-        f"read past them: it holds {dead:,} dead row versions beside {live:,} live ones "
-        f"({size(hot[2])})"
+        f"read past them until the workers empty their lane (TRUNCATE, every 10 s, unless "
+        f"the holder has read jobs; the long lane keeps them): it holds {dead:,} dead row "
+        f"versions beside {live:,} live ones ({size(hot[2])})"
     )
 
 

@@ -71,7 +71,8 @@ class Outcomes(StoreBase):
             return str(c.execute(self.queries["transaction_isolation"]).fetchone()[0])
 
     def lock_for_completion(self, attempt: Attempt, pinned: Any, conn) -> tuple[bool, bool]:
-        """In the application's transaction on ``conn``: lock the job's row (FOR KEY SHARE)
+        """In the application's transaction on ``conn``: wait for any emptying of a lane of
+        jobs (a statement of its own: see the query), lock the job's row (FOR KEY SHARE)
         and say whether the transaction sees the version :meth:`pin_completion` wrote
         (``pinned``), and whether that version is the attempt's with no abort requested."""
         params = {
@@ -80,6 +81,8 @@ class Outcomes(StoreBase):
             "attempt": attempt.attempt,
             "pinned": pinned,
         }
+        with self.pool.use(conn) as c:
+            c.execute(self.queries["lock_lanes_for_completion"])
         rows = self._fetch("lock_for_completion", params, conn)
         return (bool(rows[0][0]), bool(rows[0][1])) if rows else (False, False)
 

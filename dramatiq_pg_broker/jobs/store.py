@@ -24,6 +24,7 @@ worker claimed the job), never an exception.
 from __future__ import annotations
 
 from .claims import Claims
+from .lanes import Lanes
 from .operator import OperatorTransitions
 from .outcomes import Outcomes
 from .reads import Reads
@@ -31,7 +32,7 @@ from .sends import SendWrites
 from .statistics import Statistics
 
 
-class JobStore(SendWrites, Claims, Outcomes, OperatorTransitions, Reads, Statistics):
+class JobStore(SendWrites, Claims, Outcomes, OperatorTransitions, Reads, Statistics, Lanes):
     """The job-store API over one schema.
 
     Parameters:

@@ -43,19 +43,26 @@ ORDER BY xmin_age DESC, age_seconds DESC NULLS LAST
 LIMIT %(limit)s
 
 -- hot_table --
--- The jobs table as the statistics collector and the catalog see it: live and dead row
--- versions, its size (the heap alone, and with its indexes and TOAST), when a vacuum
--- last ran on it (autovacuum or by hand), its autovacuum storage parameters, whether
--- autovacuum runs at all on this server, and how often it visits each database
--- (autovacuum_naptime, in seconds).
-SELECT t.n_live_tup, t.n_dead_tup, pg_relation_size(t.relid), pg_total_relation_size(t.relid),
-       t.last_autovacuum, t.last_vacuum, t.autovacuum_count,
-       extract(epoch FROM now() - greatest(t.last_autovacuum, t.last_vacuum))::float8,
-       c.reloptions, current_setting('autovacuum')::boolean,
+-- The jobs table as the statistics collector and the catalog see it, summed over its
+-- lanes (0028; a table before it is its own one leaf): live and dead row versions, its
+-- size (the heap alone, and with its indexes and TOAST), when a vacuum last ran on any of
+-- them (autovacuum or by hand), the long lane's autovacuum storage parameters (the one
+-- lane only vacuum keeps small; the same as the others'), whether autovacuum
+-- runs at all on this server, and how often it visits each database (autovacuum_naptime,
+-- in seconds). A lane emptied by TRUNCATE counts no dead row from then on.
+SELECT sum(t.n_live_tup)::bigint, sum(t.n_dead_tup)::bigint,
+       sum(pg_relation_size(t.relid))::bigint, sum(pg_total_relation_size(t.relid))::bigint,
+       max(t.last_autovacuum), max(t.last_vacuum), sum(t.autovacuum_count)::bigint,
+       extract(epoch FROM now() - greatest(max(t.last_autovacuum), max(t.last_vacuum)))::float8,
+       (SELECT o.reloptions FROM pg_class AS o
+        WHERE o.oid = coalesce(to_regclass(format('%%I.jobs_lane_long', %(schema)s::text)),
+                               to_regclass(format('%%I.jobs', %(schema)s::text)))),
+       current_setting('autovacuum')::boolean,
        extract(epoch FROM current_setting('autovacuum_naptime')::interval)::float8
-FROM pg_stat_user_tables AS t
-JOIN pg_class AS c ON c.oid = t.relid
-WHERE t.relid = to_regclass(format('%%I.jobs', %(schema)s::text))
+FROM pg_partition_tree(to_regclass(format('%%I.jobs', %(schema)s::text))) AS p
+JOIN pg_stat_user_tables AS t ON t.relid = p.relid
+WHERE p.isleaf
+HAVING count(*) > 0
 
 -- connections --
 -- The server's connection slots: client backends now (the package's own, named

@@ -363,8 +363,9 @@ FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[],
     AS k (actor_name, scope, key, job_id, period)
 
 -- copied_in_history --
--- Whether a job just written by copy_jobs (%(ids)s) has its id in history (COPY cannot
--- probe it as insert_jobs does): the caller then rolls the COPY back and takes the staged
+-- Whether a job just written by copy_jobs (%(ids)s) has its id in history, or in jobs
+-- twice (COPY cannot probe as insert_jobs does, and the primary key is (id, lane) since
+-- 0028: an id stored in another lane is no conflict to it): the caller then rolls the COPY back and takes the staged
 -- path, which resolves each conflict. As in insert_job, the probe reads the partitions
 -- from the oldest message's timestamp on, and the transaction's isolation level comes
 -- with the answer. Under READ COMMITTED this statement's snapshot is taken after the
@@ -373,6 +374,10 @@ SELECT EXISTS (
     SELECT 1 FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])
       AND h.finished_at >= {sent_since: sent_at_ms = %(sent_at_ms)s::bigint}
+) OR EXISTS (
+    SELECT 1 FROM {schema}.jobs AS j
+    WHERE j.id = ANY(%(ids)s::uuid[])
+    GROUP BY j.id HAVING count(*) > 1
 ), current_setting('transaction_isolation')
 
 -- finished_among --
@@ -455,7 +460,8 @@ SELECT now()
 -- another transaction is claiming is simply not ours. Selection and update are one
 -- statement (no check-then-act), committed at once; no transaction stays open while the
 -- actor runs. The order (priority, available_at, created_at, id) is exactly the partial
--- index jobs_claim_order_idx, so the scan stops after %(limit)s rows.
+-- index jobs_claim_order_idx, so the scan stops after %(limit)s rows (merged across the
+-- lanes of jobs, 0028; the update finds each picked row in its own lane).
 -- The claim is a durable commit: a worker runs a claimed message without asking the
 -- database again (its start is written after the actor began), so a claim lost in a
 -- server crash would let the job run twice, once here and once for whoever claims the
@@ -482,7 +488,7 @@ WITH RECURSIVE pause AS (
         SELECT 1 FROM {schema}.queues AS q WHERE q.queue_name = %(queue_name)s AND q.paused
     ) AS paused
 ), picked AS (
-    SELECT id
+    SELECT id, lane
     FROM {schema}.jobs
     WHERE queue_name = %(queue_name)s
       AND status = 'queued'
@@ -500,7 +506,7 @@ WITH RECURSIVE pause AS (
         started_at = coalesce(%(now)s::timestamptz, now()),
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM picked
-    WHERE j.id = picked.id
+    WHERE j.id = picked.id AND j.lane = picked.lane
     RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
               j.message, j.message_bytes, j.failures, j.abandoned_claims,
               j.abort_requested_at IS NOT NULL AS abort_requested
@@ -657,6 +663,15 @@ SET started = true,
     locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
 WHERE j.id = %(id)s AND j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
 RETURNING j.locked_until, j.abort_requested_at IS NOT NULL
+
+-- lock_lanes_for_completion --
+-- Before lock_for_completion, at REPEATABLE READ or SERIALIZABLE: wait for an emptying
+-- of a lane (0028) to commit and keep the next one out until the transaction ends. LOCK
+-- takes no snapshot, and a statement takes the transaction's snapshot before it waits for
+-- the lanes' locks: without this, a block whose first statement met the emptying of its
+-- job's lane would see that lane empty and the row's copy not yet made, and lose its
+-- attempt for nothing. ROW SHARE, what the row lock that follows takes anyway.
+LOCK TABLE {schema}.jobs IN ROW SHARE MODE
 
 -- lock_for_completion --
 -- The first statement of a complete_in() block's use of a REPEATABLE READ or SERIALIZABLE
@@ -1321,17 +1336,23 @@ WITH flushed AS (
 SELECT count(*) FROM flushed
 
 -- stale_statistics --
--- The job tables whose planner statistics fell far behind what they hold: jobs and the
--- leaf partitions of jobs_history that hold more than four times the rows (and at least
+-- The job tables whose planner statistics fell far behind what they hold: the lanes of
+-- jobs (0028) and the leaf partitions of jobs_history that hold more than four times the rows (and at least
 -- %(min_rows)s) their last ANALYZE or VACUUM counted. The live rows are the server's
 -- running count (pg_stat_get_live_tuples, kept by every insert and delete): reading it
 -- costs no scan. See statistics.py.
 SELECT c.oid::regclass::text
 FROM pg_class AS c
 WHERE c.oid IN (
-    SELECT '{schema}.jobs'::regclass
+    SELECT relid FROM pg_partition_tree('{schema}.jobs'::regclass) WHERE isleaf
     UNION ALL
     SELECT relid FROM pg_partition_tree('{schema}.jobs_history'::regclass) WHERE isleaf
 )
   AND pg_stat_get_live_tuples(c.oid) >= greatest(4 * c.reltuples, %(min_rows)s)
 ORDER BY c.oid
+
+-- empty_job_lane --
+-- Empty the lane due in this period (migration 0028, jobs/lanes.py): its number, what was
+-- done, the rows moved to the long lane and the seconds until the next one is due.
+SELECT lane, outcome, moved, next_due_seconds
+FROM {schema}.empty_job_lane(%(max_moved)s, %(lock_wait)s::interval)

@@ -142,16 +142,17 @@ def of_type(events: list[dict], kind: str) -> list[dict]:
 def repeatable_read_store(pg_url: str, schema: str) -> Iterator[JobStore]:
     """A job store on the module's schema whose connections default to REPEATABLE READ, as
     on a database with ``ALTER DATABASE ... SET default_transaction_isolation`` (here the
-    connections' ``options``); closed afterwards."""
+    connections' ``options``; the store's pool sets its own sessions back to READ
+    COMMITTED, as it does on such a database); closed afterwards."""
     url = psycopg.conninfo.make_conninfo(
         pg_url, options="-c default_transaction_isolation=repeatable\\ read"
     )
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
+            "repeatable read"
+        ), "the test is void"
     store = JobStore(ProcessPool(Settings(url=url, schema=schema)), schema)
     try:
-        with store.pool.connection() as conn:
-            assert conn.execute("SHOW default_transaction_isolation").fetchone()[0] == (
-                "repeatable read"
-            ), "the test is void"
         yield store
     finally:
         store.pool.close()

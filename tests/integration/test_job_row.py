@@ -40,6 +40,10 @@ def test_the_named_columns_are_the_migrated_tables_and_view(conn, schema):
     jobs = migrated_columns(conn, schema, "jobs")
     history = migrated_columns(conn, schema, "jobs_history")
     view = migrated_columns(conn, schema, "all_jobs")
+    # The last column of jobs is its lane (0028), which no statement moving a row names:
+    # its default routes the row.
+    assert jobs[-1][0] == "lane"
+    jobs = jobs[:-1]
     assert [name for name, _, _ in jobs] == named_columns(), (
         "a column of jobs is missing from (or extra in) the block job_columns of queries.sql"
     )

@@ -176,7 +176,8 @@ def test_an_index_built_outside_a_transaction_waits_for_the_reader_and_holds_up_
     folder, name = migrations_ahead(
         tmp_path,
         "compatible",
-        "CREATE INDEX CONCURRENTLY jobs_probe_idx ON jobs (queue_name, priority);\n",
+        # On a lane: an index of jobs, partitioned since 0028, is built lane by lane.
+        "CREATE INDEX CONCURRENTLY jobs_probe_idx ON jobs_lane_long (queue_name, priority);\n",
         transaction="none",
     )
     with (
@@ -218,12 +219,15 @@ def test_an_index_build_that_failed_is_dropped_and_the_next_run_builds_it(
     folder, name = migrations_ahead(
         tmp_path,
         "compatible",
-        "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS jobs_probe_unique ON jobs (actor_name);\n",
+        "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS jobs_probe_unique"
+        " ON jobs_lane_long (actor_name);\n",
         transaction="none",
     )
     with emptied_store(pg_url, migrated) as store:
         for _ in range(2):
             store.enqueue(NewJob(str(uuid.uuid4()), "q", "act", message={}, max_attempts=1))
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(f"UPDATE {migrated}.jobs SET lane = 3")  # into the long lane
         with pytest.raises(MigrationError, match=name):
             migrate(pg_url, migrated, directory=folder)
         with psycopg.connect(pg_url, autocommit=True) as conn:

@@ -95,11 +95,17 @@ def test_many_jobs_without_an_idempotency_key_are_fine(insert):
         insert(idempotency_key=None)
 
 
-def test_two_jobs_with_the_same_idempotency_key_are_not(insert):
-    insert(idempotency_key="order-42")
+def test_two_jobs_with_the_same_idempotency_key_are_not(conn, schema):
+    """A key is held by job_keys' primary key (0012), which every send registers before it
+    stores the job; jobs itself cannot hold a unique index without its lane (0028)."""
+    keys = sql.SQL(
+        "INSERT INTO {}.job_keys (actor_name, idempotency_scope, idempotency_key, job_id)"
+        " VALUES ('a', '', 'order-42', gen_random_uuid())"
+    ).format(sql.Identifier(schema))
+    conn.execute(keys)
     with pytest.raises(psycopg.errors.UniqueViolation) as excinfo:
-        insert(idempotency_key="order-42")
-    assert excinfo.value.diag.constraint_name == "jobs_idempotency_key_scoped_uq"
+        conn.execute(keys)
+    assert excinfo.value.diag.constraint_name == "job_keys_pkey"
 
 
 def test_the_same_idempotency_key_for_two_actors_or_scopes_is_two_jobs(insert):
@@ -195,12 +201,14 @@ def test_the_claim_and_reaper_indexes_are_partial(conn, schema):
     assert "(job_id, id)" in indexes["job_events_job_id_idx"]
 
 
-def test_the_queue_table_has_aggressive_autovacuum(conn, schema):
+@pytest.mark.parametrize("lane", ["jobs_lane_0", "jobs_lane_1", "jobs_lane_2", "jobs_lane_long"])
+def test_the_queue_table_has_aggressive_autovacuum(conn, schema, lane):
     options = conn.execute(
         "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
-        (f'"{schema}".jobs',),
+        (f'"{schema}".{lane}',),
     ).fetchone()[0]
     assert "autovacuum_vacuum_scale_factor=0.01" in options
+    assert "fillfactor=45" in options
 
 
 def test_sending_before_migrating_says_to_migrate(pg_url):

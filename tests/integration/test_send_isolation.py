@@ -335,8 +335,13 @@ def test_the_brokers_own_bulk_transactions_begin_read_committed(pg_url, schema, 
         monkeypatch.setattr(broker.store, "_confirm_new", spy)
         broker.enqueue_many([task.message(n) for n in range(3)])
         broker.enqueue_many([task.message(n) for n in range(250)])
-        with broker.pool.connection() as c:
+        with psycopg.connect(pg_url) as c:
             assert c.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
+        # The broker's pooled sessions set themselves back to READ COMMITTED (0028).
+        with broker.pool.connection() as c:
+            assert c.execute("SHOW default_transaction_isolation").fetchone()[0] == (
+                "read committed"
+            )
         assert seen == ["read committed", "read committed"]
     finally:
         broker.close()

@@ -27,7 +27,9 @@ from dramatiq_pg_broker.sending.unique import UNIQUE_SCOPE, unique_key
 from ..helpers import wait_for
 
 LEVELS = ["read committed", "repeatable read", "serializable"]
-T0 = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.timezone.utc)
+#: The injected clock's start: an hour ahead of the real one, so that a job sent on the
+#: real clock is runnable at it (a fixed date became the past on the day it named).
+T0 = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)).replace(microsecond=0)
 
 
 def ms(n: int) -> dt.timedelta:

@@ -1,0 +1,59 @@
+"""The hot table's lanes, emptied in turn (migration 0028).
+
+The jobs table is partitioned into three lanes that take the rows sent during one
+10-second period of the server's clock each, in turn, and a fourth, long lane for the rows
+that outlive their lane. Once a lane has taken no insert for a whole period, its remaining
+rows (delayed, running, a backlog) are copied to the long lane and it is TRUNCATEd: the
+claims' index never holds more than a few periods of dead entries, whatever snapshot
+another session holds open, and the table needs no VACUUM to stay small. The server-side
+function ``empty_job_lane`` does it (the migration's header explains why the moved rows
+are safe); the workers call it once a period (:mod:`..attempt.lanes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import StoreBase
+
+#: A lane with more rows than this left in it is not emptied in its period: the copy
+#: would hold its lock too long (every statement on jobs waits for it). VACUUM keeps
+#: it as it kept the single table.
+MAX_MOVED = 2_000
+
+#: The longest the emptying waits for the lane's lock: statements on jobs queue behind
+#: the wait, so it is short, and the next try comes a second later.
+LOCK_WAIT = "20 milliseconds"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneTurn:
+    """What one call of ``empty_job_lane`` did.
+
+    Attributes:
+      lane: the lane that was due (0 to 2).
+      outcome: ``emptied``, ``not due`` (done in this period already), ``busy`` (another
+        process is at it, or its lock was held) or ``full`` (more than the limit left).
+      moved: the rows copied to the long lane.
+      next_due_seconds: when to call again.
+    """
+
+    lane: int
+    outcome: str
+    moved: int
+    next_due_seconds: float
+
+
+class Lanes(StoreBase):
+    """The job store's emptying of the hot table's lanes (see the module docstring)."""
+
+    def empty_lane(
+        self, *, max_moved: int = MAX_MOVED, lock_wait: str = LOCK_WAIT, conn=None
+    ) -> LaneTurn:
+        """Empty the lane due in this period, if it is not yet: one statement, one
+        transaction (the pool's connections autocommit)."""
+        (row,) = self._fetch(
+            "empty_job_lane", {"max_moved": max_moved, "lock_wait": lock_wait}, conn
+        )
+        lane, outcome, moved, next_due = row
+        return LaneTurn(lane, outcome, moved, next_due)

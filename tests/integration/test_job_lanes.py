@@ -1,0 +1,301 @@
+"""The hot table's lanes (migration 0028): each send lands in the lane of its period, the
+lane due is emptied into the long lane and TRUNCATEd whatever snapshot another session
+holds, a statement that meets the emptying finds its row in the long lane afterwards (at
+READ COMMITTED and as the first statement of a REPEATABLE READ transaction), a long
+transaction on a lane or too many rows left in it leave the lane alone, and a worker's
+consumers empty lanes on their own."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from dramatiq_pg_broker.jobs import NewJob
+from dramatiq_pg_broker.jobs.rows import Attempt
+
+from ..helpers import wait_for
+from .harness import repeatable_read_store
+
+
+def _job(queue: str, **fields) -> NewJob:
+    return NewJob(
+        id=str(uuid.uuid4()),
+        queue_name=queue,
+        actor_name="a",
+        message={"args": [], "kwargs": {}, "options": {}},
+        priority=0,
+        max_attempts=21,
+        **fields,
+    )
+
+
+@pytest.fixture
+def db(pg_url, schema):
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        yield conn
+
+
+def _due_lane(db) -> int:
+    """The lane empty_job_lane() takes in this period, far enough from the period's end
+    (at least 4 s) for a test to set it up and empty it within the same period, and made
+    due again (job_lanes forgets that it was emptied)."""
+    left = db.execute("SELECT 10 - extract(epoch FROM clock_timestamp())::numeric % 10").fetchone()[
+        0
+    ]
+    if left < 4:
+        time.sleep(float(left) + 0.05)
+    db.execute("UPDATE job_lanes SET emptied_in = 0")
+    return db.execute("SELECT ((job_period(clock_timestamp()) + 1) % 3)::int").fetchone()[0]
+
+
+def _lane_of(db, job_id: str) -> list[int]:
+    return [r[0] for r in db.execute("SELECT lane FROM jobs WHERE id = %s", (job_id,))]
+
+
+def _put_in_lane(db, job_id: str, lane: int) -> None:
+    db.execute("UPDATE jobs SET lane = %s WHERE id = %s", (lane, job_id))
+
+
+def test_a_send_lands_in_the_lane_of_its_period(store, db):
+    job = _job("lanes-send")
+    before = db.execute("SELECT job_lane(clock_timestamp())").fetchone()[0]
+    store.enqueue(job)
+    after = db.execute("SELECT job_lane(clock_timestamp())").fetchone()[0]
+    assert _lane_of(db, job.id)[0] in {before, after}
+    assert before in (0, 1, 2)
+
+
+def test_the_due_lane_is_emptied_into_the_long_lane_with_every_column(store, db):
+    queued, running = _job("lanes-empty"), _job("lanes-empty", delay_ms=3_600_000)
+    store.enqueue(queued)
+    store.enqueue(running)
+    lane = _due_lane(db)
+    _put_in_lane(db, queued.id, lane)
+    _put_in_lane(db, running.id, lane)
+    claimed = store.claim("lanes-empty", 5, "owner-lanes", 30)
+    assert [j.id for j in claimed] == [queued.id]
+    rows_before = {
+        r[0]: r
+        for r in db.execute("SELECT * FROM jobs WHERE id = ANY(%s)", ([queued.id, running.id],))
+    }
+
+    turn = store.empty_lane()
+
+    assert (turn.lane, turn.outcome, turn.moved) == (lane, "emptied", 2)
+    assert _lane_of(db, queued.id) == [3] and _lane_of(db, running.id) == [3]
+    part = f"jobs_lane_{lane}"
+    assert (
+        db.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(part))).fetchone()[0]
+        == 0
+    )
+    rows_after = {
+        r[0]: r
+        for r in db.execute("SELECT * FROM jobs WHERE id = ANY(%s)", ([queued.id, running.id],))
+    }
+    # Every column but the lane (the last) is as it was.
+    assert {k: v[:-1] for k, v in rows_after.items()} == {k: v[:-1] for k, v in rows_before.items()}
+    # The claimed attempt's owner finishes it in the long lane.
+    assert store.complete([Attempt(queued.id, "owner-lanes", 1)]) == {queued.id}
+    # And the next call in the same period has nothing to do.
+    assert store.empty_lane().outcome == "not due"
+
+
+def test_a_held_snapshot_does_not_keep_a_lane_s_dead_rows(store, db, pg_url, schema):
+    lane = _due_lane(db)
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pg_class").fetchone()
+        ids = []
+        for _ in range(50):
+            job = _job("lanes-held")
+            store.enqueue(job)
+            _put_in_lane(db, job.id, lane)
+            ids.append(job.id)
+        claimed = store.claim("lanes-held", 50, "owner-held", 30)
+        assert store.complete([Attempt(j.id, "owner-held", 1) for j in claimed]) == set(ids)
+        part = sql.Identifier(f"jobs_lane_{lane}")
+        db.execute(sql.SQL("VACUUM {}").format(part))
+        # VACUUM removes nothing while the snapshot is held: the lane keeps its pages.
+        assert (
+            db.execute("SELECT pg_relation_size(%s)", (f"{schema}.jobs_lane_{lane}",)).fetchone()[0]
+            > 0
+        )
+
+        turn = store.empty_lane()
+
+        assert (turn.lane, turn.outcome, turn.moved) == (lane, "emptied", 0)
+        assert (
+            db.execute("SELECT pg_relation_size(%s)", (f"{schema}.jobs_lane_{lane}",)).fetchone()[0]
+            == 0
+        )
+        holder.execute("ROLLBACK")
+
+
+@pytest.mark.parametrize(
+    "isolation,lock_first",
+    [("read committed", False), ("repeatable read", True), ("serializable", True)],
+)
+def test_a_statement_that_meets_the_emptying_finds_its_row_in_the_long_lane(
+    store, db, pg_url, isolation, lock_first
+):
+    """What the design rests on: at READ COMMITTED a statement that waits for the
+    emptying's lock takes its snapshot after the wait. At REPEATABLE READ and SERIALIZABLE
+    the first statement takes the transaction's snapshot before it waits, so a LOCK (which
+    takes none) goes first, as a complete_in() block's does (lock_lanes_for_completion),
+    and the broker's own sessions are READ COMMITTED whatever the database's default. The
+    emptying is done by hand here, so that the statement surely waits for it."""
+    job = _job("lanes-meet")
+    store.enqueue(job)
+    lane = _due_lane(db)
+    _put_in_lane(db, job.id, lane)
+    (claimed,) = store.claim("lanes-meet", 1, "owner-meet", 30)
+    part = sql.Identifier(f"jobs_lane_{lane}")
+    result: dict = {}
+
+    def renew():
+        with psycopg.connect(pg_url) as worker:
+            worker.execute(f"BEGIN ISOLATION LEVEL {isolation.upper()}")
+            if lock_first:
+                worker.execute(store.queries["lock_lanes_for_completion"])
+            result["rows"] = worker.execute(
+                sql.SQL(
+                    "UPDATE {}.jobs SET locked_until = now() + interval '60 seconds'"
+                    " WHERE id = %s AND locked_by = %s RETURNING lane"
+                ).format(sql.Identifier(store.schema)),
+                (job.id, "owner-meet"),
+            ).fetchall()
+            worker.execute("COMMIT")
+
+    with psycopg.connect(pg_url) as emptier:
+        emptier.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(store.schema)))
+        emptier.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(part))
+        thread = threading.Thread(target=renew)
+        thread.start()
+        wait_for(
+            lambda: db.execute(
+                "SELECT 1 FROM pg_locks WHERE NOT granted AND relation = %s::regclass",
+                (f"{store.schema}.jobs_lane_{lane}",),
+            ).fetchone(),
+            10,
+            "the renewal to wait for the lane's lock",
+        )
+        columns = [
+            r[0]
+            for r in emptier.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = 'jobs'::regclass"
+                " AND attnum > 0 AND NOT attisdropped AND attname <> 'lane' ORDER BY attnum"
+            )
+        ]
+        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+        emptier.execute(
+            sql.SQL("INSERT INTO jobs ({}, lane) SELECT {}, 3 FROM {}").format(cols, cols, part)
+        )
+        emptier.execute(sql.SQL("TRUNCATE {}").format(part))
+        emptier.commit()
+        thread.join(10)
+
+    assert result["rows"] == [(3,)], f"the renewal at {isolation} updated {result['rows']}"
+    assert claimed.id == job.id
+
+
+def test_a_long_transaction_on_the_lane_leaves_it_for_the_period(store, db, pg_url):
+    job = _job("lanes-long-tx")
+    store.enqueue(job)
+    lane = _due_lane(db)
+    _put_in_lane(db, job.id, lane)
+    with psycopg.connect(pg_url) as app:
+        app.execute(
+            sql.SQL("SELECT 1 FROM {}.jobs WHERE id = %s FOR UPDATE").format(
+                sql.Identifier(store.schema)
+            ),
+            (job.id,),
+        )
+        # The emptying leaves alone a lane that a transaction has held for over a second.
+        wait_for(
+            lambda: db.execute(
+                "SELECT clock_timestamp() - xact_start > interval '1.1 seconds'"
+                " FROM pg_stat_activity WHERE pid = %s",
+                (app.info.backend_pid,),
+            ).fetchone()[0],
+            5,
+            "the application's transaction to be a second old",
+        )
+        started = time.monotonic()
+        turn = store.empty_lane()
+        assert (turn.lane, turn.outcome) == (lane, "busy")
+        assert time.monotonic() - started < 1.0
+        assert db.execute("SELECT left_because FROM job_lanes WHERE lane = %s", (lane,)).fetchone()[
+            0
+        ] == ("held by a long transaction")
+        assert _lane_of(db, job.id) == [lane]
+        app.rollback()
+    assert store.empty_lane().outcome == "emptied"
+    assert _lane_of(db, job.id) == [3]
+
+
+def test_a_lane_with_more_rows_left_than_the_limit_is_left_to_vacuum(store, db):
+    ids = []
+    for _ in range(4):
+        job = _job("lanes-full")
+        store.enqueue(job)
+        ids.append(job.id)
+    lane = _due_lane(db)
+    for job_id in ids:
+        _put_in_lane(db, job_id, lane)
+
+    turn = store.empty_lane(max_moved=3)
+
+    assert (turn.lane, turn.outcome, turn.moved) == (lane, "full", 0)
+    assert {_lane_of(db, i)[0] for i in ids} == {lane}
+    assert store.empty_lane(max_moved=4).outcome == "emptied"
+    assert {_lane_of(db, i)[0] for i in ids} == {3}
+
+
+def test_a_resend_of_an_id_in_another_lane_stores_nothing(store, db):
+    job = _job("lanes-resend")
+    store.enqueue(job)
+    _put_in_lane(db, job.id, 3)
+    store.enqueue(job)
+    assert _lane_of(db, job.id) == [3]
+
+
+def test_a_bulk_copy_of_an_id_stored_in_another_lane_stores_it_once(store, db):
+    first = _job("lanes-bulk")
+    store.enqueue(first)
+    _put_in_lane(db, first.id, 3)
+    others = [_job("lanes-bulk") for _ in range(3)]
+    store.enqueue_many([first, *others])
+    assert _lane_of(db, first.id) == [3]
+    assert all(len(_lane_of(db, j.id)) == 1 for j in others)
+
+
+def test_a_worker_s_consumers_empty_the_lanes(broker, db):
+    db.execute("UPDATE job_lanes SET emptied_in = 0, emptied_at = NULL")
+    broker.declare_queue("lanes-worker")
+    consumer = broker.consume("lanes-worker")
+    try:
+        wait_for(
+            lambda: db.execute(
+                "SELECT count(*) FROM job_lanes WHERE emptied_at IS NOT NULL"
+            ).fetchone()[0],
+            25,
+            "a lane emptied by the worker process's lane keeper",
+        )
+        assert broker.lanes.started
+    finally:
+        consumer.close()
+        broker.lanes.stop()
+
+
+def test_the_broker_s_sessions_are_read_committed_on_a_repeatable_read_database(pg_url, schema):
+    with repeatable_read_store(pg_url, schema) as rr:
+        with rr.pool.connection() as conn:
+            assert (
+                conn.execute("SHOW default_transaction_isolation").fetchone()[0] == "read committed"
+            )

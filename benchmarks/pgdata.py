@@ -511,7 +511,8 @@ def vacuum_count(url: str, schema: str, table: str) -> int:
 
 
 def set_table_options(url: str, schema: str, table: str, options: str) -> None:
-    """``ALTER TABLE ... SET (options)``; ``options`` is ``name=value`` pairs separated by
+    """``ALTER TABLE ... SET (options)``, on each leaf of a partitioned table; ``options``
+    is ``name=value`` pairs separated by
     commas (names and values checked: letters, digits, underscores, dots)."""
     pairs = []
     for item in options.split(","):
@@ -520,8 +521,18 @@ def set_table_options(url: str, schema: str, table: str, options: str) -> None:
             raise ValueError(f"not a storage parameter: {item!r}")
         pairs.append(sql.SQL("{} = {}").format(sql.SQL(name), sql.Literal(value)))
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("ALTER TABLE {}.{} SET ({})").format(
-                sql.Identifier(schema), sql.Identifier(table), sql.SQL(", ").join(pairs)
+        # A partitioned table (jobs since 0028) holds no storage parameter: its leaves do.
+        leaves = [
+            r[0]
+            for r in conn.execute(
+                "SELECT c.relname FROM pg_partition_tree(to_regclass(%s)) AS p"
+                " JOIN pg_class AS c ON c.oid = p.relid WHERE p.isleaf",
+                (f'"{schema}"."{table}"',),
             )
-        )
+        ]
+        for leaf in leaves or [table]:
+            conn.execute(
+                sql.SQL("ALTER TABLE {}.{} SET ({})").format(
+                    sql.Identifier(schema), sql.Identifier(leaf), sql.SQL(", ").join(pairs)
+                )
+            )

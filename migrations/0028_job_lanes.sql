@@ -1,5 +1,5 @@
--- compatibility: compatible
--- The jobs table becomes a table partitioned into lanes, under its own name and with its own columns plus `lane`, whose default routes every insert: earlier releases send, claim and finish jobs with the same statements; their workers do not empty lanes, which this release's workers do.
+-- compatibility: breaking
+-- The jobs table becomes a table partitioned into lanes whose primary key is (id, lane): an earlier release's bulk send (COPY) relies on the single table's key to find an id already stored, and its complete_in() blocks at REPEATABLE READ do not wait for a lane's emptying; stop every process of an earlier release (workers and senders) before migrating.
 --
 -- 0028: the hot table in lanes, emptied with TRUNCATE rather than vacuumed.
 --
@@ -50,16 +50,19 @@
 --   id in flight at once on either side of a period's boundary can both store it; sends
 --   with an idempotency key (and unique jobs) are serialized by job_keys' unique index, as
 --   before.
--- - The index on the idempotency key is no longer unique: job_keys (0012) is what keeps a
---   key to one job; the index stays for the lookups by key.
+-- - jobs keeps no index on the idempotency key: a unique one would need the lane, and
+--   job_keys (0012) already keeps each key to one job and finds the key's job (the one
+--   lookup by key, after a refused send, goes through it). Each lane has three indexes:
+--   the primary key, the claim order, the running rows' lease expiry. A statement on jobs
+--   opens every lane and every lane's indexes: fewer indexes are fewer locks to take.
 -- - Storage parameters (fillfactor 45 of 0020, the autovacuum settings of 0001) are set
 --   on each partition: a partitioned table holds none.
 -- - The views all_jobs and history_partitions_pending are recreated as they were (they
 --   read jobs; the second names its oid).
 --
 -- Locking and duration: ACCESS EXCLUSIVE on jobs for the whole migration, which copies
--- every unfinished job once (about 30,000 rows a second on a small machine) and builds the
--- indexes: sends, claims and outcomes wait for it. Run it when the backlog is small.
+-- every unfinished job once (one INSERT ... SELECT) and builds the indexes: sends, claims
+-- and outcomes wait for it. Run it when the backlog is small.
 --
 -- Applied with search_path set to the broker's schema, so the names here are unqualified.
 
@@ -125,6 +128,13 @@ BEGIN
     FOR i IN 1 .. array_length(names, 1) LOOP
         EXECUTE format('CREATE OR REPLACE VIEW %I AS %s', names[i], views[i]);
     END LOOP;
+    -- The privileges granted on the table, granted again on the new one and its lanes (the
+    -- workers of a role that does not own them read and write the lanes, and TRUNCATE
+    -- them), and on job_lanes below.
+    CREATE TEMP TABLE jobs_grants ON COMMIT DROP AS
+    SELECT a.privilege_type, a.grantee, a.is_grantable
+    FROM pg_class AS c CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+    WHERE c.oid = 'jobs_unlaned'::regclass AND a.grantee <> c.relowner;
     DROP TABLE jobs_unlaned;
 END
 $$;
@@ -132,8 +142,6 @@ $$;
 ALTER TABLE jobs ADD CONSTRAINT jobs_pkey PRIMARY KEY (id, lane);
 CREATE INDEX jobs_claim_order_idx ON jobs (queue_name, priority, available_at, created_at, id)
     WHERE status = 'queued';
-CREATE INDEX jobs_idempotency_key_scoped_idx ON jobs (actor_name, idempotency_scope, idempotency_key)
-    WHERE idempotency_key IS NOT NULL;
 CREATE INDEX jobs_lease_expiry_idx ON jobs (locked_until) WHERE status = 'running';
 
 CREATE TRIGGER jobs_refuse_outdated_claims
@@ -147,6 +155,9 @@ CREATE TABLE job_lanes (
     lane        smallint PRIMARY KEY CONSTRAINT job_lanes_lane_check CHECK (lane BETWEEN 0 AND 2),
     emptied_in  bigint NOT NULL DEFAULT 0,
     emptied_at  timestamptz,
+    -- The transaction that emptied it: a send in an application's REPEATABLE READ
+    -- transaction whose snapshot does not see it may not trust a job's absence.
+    emptied_xid xid8,
     moved       bigint NOT NULL DEFAULT 0,
     -- Why the last try in a period did not empty it (NULL: it did, or none was due).
     left_because text,
@@ -154,10 +165,28 @@ CREATE TABLE job_lanes (
 );
 INSERT INTO job_lanes (lane) VALUES (0), (1), (2);
 
+DO $$
+DECLARE
+    g record;
+    target text;
+BEGIN
+    FOR g IN SELECT * FROM jobs_grants LOOP
+        FOREACH target IN ARRAY ARRAY['jobs', 'jobs_lane_0', 'jobs_lane_1', 'jobs_lane_2',
+                                      'jobs_lane_long', 'job_lanes']
+        LOOP
+            EXECUTE format('GRANT %s ON %I TO %s%s', g.privilege_type, target,
+                           CASE WHEN g.grantee = 0 THEN 'PUBLIC'
+                                ELSE quote_ident(pg_get_userbyid(g.grantee)) END,
+                           CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+        END LOOP;
+    END LOOP;
+END
+$$;
+
 -- Empty the next lane (see the header): returns its number, what was done ('emptied',
 -- 'not due', 'busy' when another process is at it or the lane is held, 'full' when more
--- than max_moved rows are left in it), the rows moved to lane 3, and the seconds until
--- the next lane is due.
+-- than max_moved rows are left in it, 'duplicate' when an id of it is in lane 3 too), the
+-- rows moved to lane 3, and the seconds until the next lane is due. READ COMMITTED only.
 CREATE FUNCTION empty_job_lane(max_moved integer, lock_wait interval)
 RETURNS TABLE (lane smallint, outcome text, moved bigint, next_due_seconds double precision)
 LANGUAGE plpgsql
@@ -170,6 +199,7 @@ DECLARE
     part regclass;
     columns text;
     survivors bigint;
+    duplicated boolean;
     n bigint := 0;
     wait double precision := (period + 1) * 10 - extract(epoch FROM now_);
 BEGIN
@@ -177,6 +207,14 @@ BEGIN
     lane := target;
     moved := 0;
     next_due_seconds := wait;
+    -- At REPEATABLE READ or SERIALIZABLE this statement's snapshot predates the lock: the
+    -- copy would be of rows as they were before the wait, and the TRUNCATE would drop
+    -- their later versions. The caller begins its transaction READ COMMITTED.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'empty_job_lane() runs READ COMMITTED only, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
     IF NOT pg_try_advisory_xact_lock(hashtext('dramatiq_pg_broker.lanes'),
                                      hashtext(current_schema())) THEN
         outcome := 'busy';
@@ -215,7 +253,9 @@ BEGIN
         RETURN;
     END IF;
     BEGIN
-        PERFORM set_config('lock_timeout', (extract(epoch FROM lock_wait) * 1000)::bigint::text, true);
+        -- (A lock_timeout of 0 would wait for ever: one millisecond at least.)
+        PERFORM set_config('lock_timeout',
+                           greatest(1, (extract(epoch FROM lock_wait) * 1000)::bigint)::text, true);
         EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
     EXCEPTION WHEN lock_not_available THEN
         UPDATE job_lanes AS l SET left_because = 'busy', tried_at = now_ WHERE l.lane = target;
@@ -223,6 +263,20 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END;
+    -- An id stored in this lane and in the long lane too (two sends of one id on either
+    -- side of a period's boundary, see the header): the copy would break the key. Leave
+    -- the lane to vacuum until one of the two rows ends.
+    EXECUTE format(
+        'SELECT EXISTS (SELECT 1 FROM %s AS j JOIN jobs_lane_long AS l ON l.id = j.id)', part)
+    INTO duplicated;
+    IF duplicated THEN
+        UPDATE job_lanes AS l
+        SET left_because = 'an id in it is also in the long lane', tried_at = now_
+        WHERE l.lane = target;
+        outcome := 'duplicate';
+        RETURN NEXT;
+        RETURN;
+    END IF;
     SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum) INTO columns
     FROM pg_attribute AS a
     WHERE a.attrelid = 'jobs'::regclass AND a.attnum > 0 AND NOT a.attisdropped
@@ -231,8 +285,8 @@ BEGIN
     GET DIAGNOSTICS n = ROW_COUNT;
     EXECUTE format('TRUNCATE %s', part);
     UPDATE job_lanes AS l
-    SET emptied_in = period, emptied_at = clock_timestamp(), moved = n, left_because = NULL,
-        tried_at = now_
+    SET emptied_in = period, emptied_at = clock_timestamp(), emptied_xid = pg_current_xact_id(),
+        moved = n, left_because = NULL, tried_at = now_
     WHERE l.lane = target;
     outcome := 'emptied';
     moved := n;

@@ -492,6 +492,9 @@ class CompletionBlock:
         pinned = job.parts.ledger.pin_completion(attempt, self)
         if pinned is None:
             raise self._lost("its success cannot be written, and the block does not begin")
+        # Before the check's query, which may take the transaction's snapshot: a lane of
+        # jobs emptied after it would hide the job's row from it (migration 0028).
+        job.parts.store.lock_lanes_for_completion(conn)
         check_database()
         try:
             fresh, owned = job.parts.store.lock_for_completion(attempt, pinned, conn)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..db.core import read_committed
 from .base import StoreBase
 
 #: A lane with more rows than this left in it is not emptied in its period: the copy
@@ -33,7 +34,8 @@ class LaneTurn:
     Attributes:
       lane: the lane that was due (0 to 2).
       outcome: ``emptied``, ``not due`` (done in this period already), ``busy`` (another
-        process is at it, or its lock was held) or ``full`` (more than the limit left).
+        process is at it, or its lock was held), ``full`` (more than the limit left) or
+        ``duplicate`` (an id of it is in the long lane too).
       moved: the rows copied to the long lane.
       next_due_seconds: when to call again.
     """
@@ -50,10 +52,12 @@ class Lanes(StoreBase):
     def empty_lane(
         self, *, max_moved: int = MAX_MOVED, lock_wait: str = LOCK_WAIT, conn=None
     ) -> LaneTurn:
-        """Empty the lane due in this period, if it is not yet: one statement, one
-        transaction (the pool's connections autocommit)."""
-        (row,) = self._fetch(
-            "empty_job_lane", {"max_moved": max_moved, "lock_wait": lock_wait}, conn
-        )
+        """Empty the lane due in this period, if it is not yet: one statement in a
+        transaction begun READ COMMITTED whatever the database's default (the function
+        refuses any other level: its snapshot must follow its lock)."""
+        params = {"max_moved": max_moved, "lock_wait": lock_wait}
+        with self.pool.use(conn) as c:
+            with read_committed(c).transaction():
+                (row,) = c.execute(self.queries["empty_job_lane"], params).fetchall()
         lane, outcome, moved, next_due = row
         return LaneTurn(lane, outcome, moved, next_due)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 
 from .base import BUSY_ROW, StoreBase
@@ -70,9 +71,22 @@ class Outcomes(StoreBase):
         with self.pool.use(conn) as c:
             return str(c.execute(self.queries["transaction_isolation"]).fetchone()[0])
 
+    def lock_lanes_for_completion(self, conn) -> None:
+        """In the application's transaction on ``conn``, before anything in it reads: wait
+        for any emptying of a lane of jobs to commit, and keep the next one out until the
+        transaction ends (LOCK takes no snapshot; see the query). In a savepoint of its
+        own, rolled back if the lock fails (the connection reaches another database, say):
+        the caller's check of the database then says what is wrong."""
+        c = conn
+        c.execute("SAVEPOINT dramatiq_pg_lanes")
+        try:
+            c.execute(self.queries["lock_lanes_for_completion"])
+        except psycopg.Error:
+            c.execute("ROLLBACK TO SAVEPOINT dramatiq_pg_lanes")
+        c.execute("RELEASE SAVEPOINT dramatiq_pg_lanes")
+
     def lock_for_completion(self, attempt: Attempt, pinned: Any, conn) -> tuple[bool, bool]:
-        """In the application's transaction on ``conn``: wait for any emptying of a lane of
-        jobs (a statement of its own: see the query), lock the job's row (FOR KEY SHARE)
+        """In the application's transaction on ``conn``: lock the job's row (FOR KEY SHARE)
         and say whether the transaction sees the version :meth:`pin_completion` wrote
         (``pinned``), and whether that version is the attempt's with no abort requested."""
         params = {
@@ -81,8 +95,6 @@ class Outcomes(StoreBase):
             "attempt": attempt.attempt,
             "pinned": pinned,
         }
-        with self.pool.use(conn) as c:
-            c.execute(self.queries["lock_lanes_for_completion"])
         rows = self._fetch("lock_for_completion", params, conn)
         return (bool(rows[0][0]), bool(rows[0][1])) if rows else (False, False)
 

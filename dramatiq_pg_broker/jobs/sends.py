@@ -221,15 +221,38 @@ class SendWrites(StoreBase):
             found = sorted(str(r[0]) for r in other.execute(self.queries["finished_among"], params))
         if not found:
             return
+        self._refuse(
+            c,
+            f"job {', '.join(found)} was sent or finished after this {isolation} "
+            "transaction's snapshot was taken, so sending its message again would give the "
+            "id a second row: nothing was sent; retry the transaction",
+        )
+
+    def _refuse(self, c: Any, why: str) -> None:
+        """Abort the application's transaction on ``c`` with a serialization failure that
+        says ``why`` (SQLSTATE 40001: frameworks and applications retry it)."""
         try:
             c.execute(self.queries["refuse_send"])
         except psycopg.errors.SerializationFailure as e:
-            raise psycopg.errors.SerializationFailure(
-                f"job {', '.join(found)} finished after this {isolation} transaction's "
-                "snapshot was taken, so sending its message again would give the id a "
-                "second row: nothing was sent; retry the transaction"
-            ) from e
+            raise psycopg.errors.SerializationFailure(why) from e
         raise AssertionError("refuse_send did not raise")  # pragma: no cover
+
+    def _refuse_unseen_emptying(self, c: Any, send: _Send) -> None:
+        """When a send frees a key because its job is nowhere to be seen: refuse it in an
+        application's transaction whose snapshot predates the last emptying of a lane of
+        jobs (0028), which sees the emptied lane empty and not the rows copied out of it.
+        The broker's own sends are READ COMMITTED: nothing to do."""
+        if send.pooled:
+            return
+        with self.pool.connection() as other:
+            xids = [r[0] for r in other.execute(self.queries["lane_emptyings"])]
+        if xids and c.execute(self.queries["unseen_emptyings"], {"xids": xids}).fetchone()[0]:
+            self._refuse(
+                c,
+                f"the key of job {send.job.id} is held by a job this transaction's snapshot "
+                "cannot see (a lane of the jobs table was emptied after it was taken): "
+                "nothing was sent; retry the transaction",
+            )
 
     def _not_inserted(self, c: psycopg.Connection, send: _Send) -> EnqueueResult:
         """What a send whose insert was a no-op gets: the job with its idempotency key, or
@@ -240,11 +263,15 @@ class SendWrites(StoreBase):
             # ended (its period ran past the end, or an older worker ended it) is freed
             # here once it may be, and the send inserts again.
             if c.execute(self.queries["release_unique_key"], params).fetchone() is not None:
+                # Freed because its job is nowhere to be seen: unless the snapshot is too
+                # old to tell (the refusal undoes the release with the transaction).
+                self._refuse_unseen_emptying(c, send)
                 return self._insert_one(c, replace(send, key_released=True))
         existing = c.execute(self.queries["find_existing"], params).fetchone()
         if existing is None and job.idempotency_key is not None and not send.key_released:
             # The key's job was deleted by hand (not by retention or flush, which free its
             # key): free the key and send once more.
+            self._refuse_unseen_emptying(c, send)
             c.execute(self.queries["release_stale_key"], params)
             return self._insert_one(c, replace(send, key_released=True))
         if existing is None:  # pragma: no cover - deleted between the two statements

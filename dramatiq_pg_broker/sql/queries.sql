@@ -217,7 +217,8 @@ FROM inserted LEFT JOIN no_flush_wait ON true
 
 -- find_existing --
 -- The job that made an insert a no-op: the same message id, or the same idempotency key
--- of the same actor and scope, unfinished or in history (the key's job, from job_keys).
+-- of the same actor and scope, unfinished or in history (the key's job, from job_keys,
+-- which holds every key: jobs has no index on keys since 0028).
 -- The jsonb view is returned only for an older row that has no bytes (a worker or sender
 -- decodes the bytes).
 SELECT id, status, CASE WHEN message_bytes IS NULL THEN message END, message_bytes
@@ -225,8 +226,9 @@ FROM (
     SELECT id, status, message, message_bytes
     FROM {schema}.jobs
     WHERE id = %(id)s
-       OR (idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
-           AND idempotency_scope = %(idempotency_scope)s)
+       OR id = (SELECT job_id FROM {schema}.job_keys
+                WHERE idempotency_key = %(idempotency_key)s AND actor_name = %(actor_name)s
+                  AND idempotency_scope = %(idempotency_scope)s)
     UNION ALL
     SELECT id, status, message, message_bytes
     FROM {schema}.jobs_history
@@ -382,12 +384,32 @@ SELECT EXISTS (
 
 -- finished_among --
 -- Which of %(ids)s, just inserted by an application's transaction under REPEATABLE READ or
--- SERIALIZABLE, are in history: run on another connection, whose statement sees the rows
--- committed after that transaction's snapshot was taken (a job sent, run and finished
--- meanwhile). Any id found means the insert gave it a second row: the caller refuses it.
-SELECT DISTINCT id FROM {schema}.jobs_history AS h
-WHERE h.id = ANY(%(ids)s::uuid[])
-  AND h.finished_at >= {sent_since: sent_at_ms = %(sent_at_ms)s::bigint}
+-- SERIALIZABLE, are in history or in jobs: run on another connection, whose statement
+-- sees the rows committed after that transaction's snapshot was taken (a job sent, run
+-- and finished meanwhile; or sent meanwhile into another lane, which the primary key
+-- (id, lane) of 0028 does not stop), and not that transaction's own uncommitted rows. Any
+-- id found means the insert gave it a second row: the caller refuses it.
+SELECT DISTINCT id FROM (
+    SELECT h.id FROM {schema}.jobs_history AS h
+    WHERE h.id = ANY(%(ids)s::uuid[])
+      AND h.finished_at >= {sent_since: sent_at_ms = %(sent_at_ms)s::bigint}
+    UNION ALL
+    SELECT j.id FROM {schema}.jobs AS j WHERE j.id = ANY(%(ids)s::uuid[])
+) AS found
+
+-- lane_emptyings --
+-- The transaction of each lane's last emptying (0028), read on one of the pool's
+-- connections (a fresh snapshot): see unseen_emptyings.
+SELECT emptied_xid::text FROM {schema}.job_lanes WHERE emptied_xid IS NOT NULL
+
+-- unseen_emptyings --
+-- Whether the snapshot of the transaction open on this connection (an application's, at
+-- REPEATABLE READ or SERIALIZABLE) predates one of the emptyings %(xids)s: it then sees
+-- the emptied lane empty (TRUNCATE is not MVCC-safe) and not the rows copied out of it,
+-- so the absence of a job is no proof there. At READ COMMITTED the statement's snapshot
+-- is new: false.
+SELECT coalesce(bool_or(NOT pg_visible_in_snapshot(x, pg_current_snapshot())), false)
+FROM unnest(%(xids)s::text[]::xid8[]) AS x
 
 -- refuse_send --
 -- Abort the application's transaction as PostgreSQL aborts one whose snapshot cannot be

@@ -436,13 +436,15 @@ def test_what_writes_the_job_s_row_waits_a_bounded_time_for_a_row_the_applicatio
     h.start(broker)
     try:
         wait_for(lambda: seen, 20, f"{words} to answer")
+        # The actor commits its transaction after the answer: ending its session before
+        # that (below) would fail the job.
+        wait_status(store, conn, schema, message.message_id, "succeeded")
     finally:
         end_app_sessions(conn)  # a call that waits for the row without end
     [(text, took)] = seen
     assert 0.9 < took < 3, f"answered after {took:.2f}s: {text}"
     assert f"job {message.message_id}'s row is held by the transaction of backend" in text, text
     assert f"application {APP!r}" in text and f"{words} waited" in text, text
-    wait_status(store, conn, schema, message.message_id, "succeeded")
 
 
 # -- a block inside another block of the same job -------------------------------------------

@@ -18,6 +18,7 @@ from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker, send_async
 from dramatiq_pg_broker.cli import main
+from dramatiq_pg_broker.db.handshake import this_code
 from dramatiq_pg_broker.errors import LiveWorkFound, MigrationsPending
 from dramatiq_pg_broker.migrate import discover, lock_key, migrate, migrate_locked
 
@@ -292,8 +293,10 @@ def test_leases_of_code_that_ships_the_breaking_migration_are_not_live_work(
     pg_url, before_0012, conn
 ):
     """A lease whose owner ends with a schema level at or above the pending breaking
-    migration comes from code that ships it (from 0022 on, every claim's owner does)."""
-    add_running_job(conn, before_0012, "new-host:77:MainThread:ef012345:L0022")
+    migration comes from code that ships it (from 0022 on, every claim's owner does):
+    here this code's own level, at or above every breaking migration it ships (0028)."""
+    level = this_code().level
+    add_running_job(conn, before_0012, f"new-host:77:MainThread:ef012345:L{level:04d}")
     assert [m.version for m in migrate(pg_url, before_0012)][0] == 12
 
 

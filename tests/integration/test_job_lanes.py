@@ -299,3 +299,96 @@ def test_the_broker_s_sessions_are_read_committed_on_a_repeatable_read_database(
             assert (
                 conn.execute("SHOW default_transaction_isolation").fetchone()[0] == "read committed"
             )
+
+
+def test_the_emptying_refuses_a_snapshot_level_and_the_store_begins_read_committed(
+    store, db, pg_url, schema
+):
+    """At REPEATABLE READ the function's snapshot would predate its lock: it refuses. The
+    store's call begins its transaction READ COMMITTED on a database whose default is
+    REPEATABLE READ."""
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        with pytest.raises(psycopg.errors.InvalidTransactionState, match="READ COMMITTED"):
+            conn.execute(
+                sql.SQL("SELECT * FROM {}.empty_job_lane(10, '20ms')").format(
+                    sql.Identifier(schema)
+                )
+            )
+    _due_lane(db)
+    with repeatable_read_store(pg_url, schema) as rr:
+        assert rr.empty_lane().outcome == "emptied"
+
+
+def _copy_to_long_lane(db, job_id: str) -> None:
+    """A second row of ``job_id`` in the long lane (what two sends of one id on either
+    side of a period's boundary can leave)."""
+    columns = [
+        r[0]
+        for r in db.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'jobs'::regclass"
+            " AND attnum > 0 AND NOT attisdropped AND attname <> 'lane' ORDER BY attnum"
+        )
+    ]
+    cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+    db.execute(
+        sql.SQL("INSERT INTO jobs ({}, lane) SELECT {}, 3 FROM jobs WHERE id = %s").format(
+            cols, cols
+        ),
+        (job_id,),
+    )
+
+
+def test_an_id_in_two_lanes_leaves_the_lane_to_vacuum(store, db):
+    job = _job("lanes-dup")
+    store.enqueue(job)
+    lane = _due_lane(db)
+    _put_in_lane(db, job.id, lane)
+    _copy_to_long_lane(db, job.id)
+
+    try:
+        turn = store.empty_lane()
+    finally:
+        db.execute("DELETE FROM jobs WHERE id = %s", (job.id,))  # the module's lanes go on
+
+    assert (turn.lane, turn.outcome) == (lane, "duplicate")
+    assert db.execute("SELECT left_because FROM job_lanes WHERE lane = %s", (lane,)).fetchone()[
+        0
+    ] == ("an id in it is also in the long lane")
+
+
+def test_a_send_in_a_repeatable_read_transaction_of_an_id_sent_since_into_another_lane_is_refused(
+    store, db, pg_url
+):
+    """The primary key is (id, lane): a transaction whose snapshot predates another send of
+    the same id, now in another lane, would store it twice. The send reads jobs again on a
+    connection of its own and refuses, as it does for an id finished since."""
+    job = _job("lanes-rr-send")
+    with psycopg.connect(pg_url) as app:
+        app.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        app.execute("SELECT 1").fetchone()
+        app.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
+        store.enqueue(job)
+        _put_in_lane(db, job.id, 3)
+        with pytest.raises(psycopg.errors.SerializationFailure, match="sent or finished after"):
+            store.enqueue(job, conn=app)
+    assert _lane_of(db, job.id) == [3]
+
+
+def test_a_unique_send_whose_snapshot_predates_an_emptying_does_not_free_the_key(store, db, pg_url):
+    """At REPEATABLE READ a snapshot taken before a lane was emptied sees the lane empty
+    and not the rows copied out of it: a unique job's key looks abandoned. The send
+    refuses (a serialization failure) instead of freeing it and storing a second job."""
+    first = _job("lanes-unique", idempotency_key="k-1", idempotency_scope="unique")
+    store.enqueue(first)
+    lane = _due_lane(db)
+    _put_in_lane(db, first.id, lane)
+    second = _job("lanes-unique", idempotency_key="k-1", idempotency_scope="unique")
+    with psycopg.connect(pg_url) as app:
+        app.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        app.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
+        assert store.empty_lane().outcome == "emptied"
+        with pytest.raises(psycopg.errors.SerializationFailure, match="cannot see"):
+            store.enqueue(second, conn=app)
+    assert _lane_of(db, first.id) == [3]
+    assert _lane_of(db, second.id) == []

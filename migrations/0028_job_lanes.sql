@@ -159,6 +159,10 @@ CREATE TABLE job_lanes (
     -- transaction whose snapshot does not see it may not trust a job's absence.
     emptied_xid xid8,
     moved       bigint NOT NULL DEFAULT 0,
+    -- The last emptying's wait for the lane's lock and how long it held it (ms): every
+    -- statement on jobs waits while it is held.
+    lock_wait_ms double precision,
+    held_ms     double precision,
     -- Why the last try in a period did not empty it (NULL: it did, or none was due).
     left_because text,
     tried_at    timestamptz
@@ -200,6 +204,8 @@ DECLARE
     columns text;
     survivors bigint;
     duplicated boolean;
+    asked_at timestamptz;
+    locked_at timestamptz;
     n bigint := 0;
     wait double precision := (period + 1) * 10 - extract(epoch FROM now_);
 BEGIN
@@ -252,11 +258,13 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
+    asked_at := clock_timestamp();
     BEGIN
         -- (A lock_timeout of 0 would wait for ever: one millisecond at least.)
         PERFORM set_config('lock_timeout',
                            greatest(1, (extract(epoch FROM lock_wait) * 1000)::bigint)::text, true);
         EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
+        locked_at := clock_timestamp();
     EXCEPTION WHEN lock_not_available THEN
         UPDATE job_lanes AS l SET left_because = 'busy', tried_at = now_ WHERE l.lane = target;
         outcome := 'busy';
@@ -286,7 +294,9 @@ BEGIN
     EXECUTE format('TRUNCATE %s', part);
     UPDATE job_lanes AS l
     SET emptied_in = period, emptied_at = clock_timestamp(), emptied_xid = pg_current_xact_id(),
-        moved = n, left_because = NULL, tried_at = now_
+        moved = n, left_because = NULL, tried_at = now_,
+        lock_wait_ms = extract(epoch FROM locked_at - asked_at) * 1000,
+        held_ms = extract(epoch FROM clock_timestamp() - locked_at) * 1000
     WHERE l.lane = target;
     outcome := 'emptied';
     moved := n;

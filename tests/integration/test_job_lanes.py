@@ -102,6 +102,11 @@ def test_the_due_lane_is_emptied_into_the_long_lane_with_every_column(store, db)
     assert {k: v[:-1] for k, v in rows_after.items()} == {k: v[:-1] for k, v in rows_before.items()}
     # The claimed attempt's owner finishes it in the long lane.
     assert store.complete([Attempt(queued.id, "owner-lanes", 1)]) == {queued.id}
+    # What it cost the hot path is kept: the wait for the lane's lock and how long it held it.
+    waited, held = db.execute(
+        "SELECT lock_wait_ms, held_ms FROM job_lanes WHERE lane = %s", (lane,)
+    ).fetchone()
+    assert 0 <= waited < 1000 and 0 <= held < 1000
     # And the next call in the same period has nothing to do.
     assert store.empty_lane().outcome == "not due"
 

@@ -289,6 +289,17 @@ class Examination:
     def hot_table(self) -> tuple | None:
         return self.once("hot_table", lambda: next(iter(self.rows("hot_table")), None))
 
+    def lanes(self) -> list[tuple]:
+        """Each lane of jobs: (lane, seconds since it was emptied or None, why the last try
+        did not or None); nothing on a schema before 0028."""
+
+        def read() -> list[tuple]:
+            if not self.rows("job_lanes_exist")[0][0]:
+                return []
+            return self.rows("job_lanes")
+
+        return self.once("lanes", read)
+
     def holders(self) -> list[tuple]:
         """The holders of the horizon, oldest first (at most five)."""
         return self.once(
@@ -459,6 +470,13 @@ def check_hot_table(ex: Examination) -> Finding:
         "autovacuum_count": runs,
         "autovacuum_naptime_seconds": naptime,
     }
+    lanes = ex.lanes()
+    if lanes:
+        # The workers empty one lane every 10 s (0028): how long since each was, and why
+        # the last try at one did not.
+        ages = [round(age_, 3) if age_ is not None else None for _, age_, _ in lanes]
+        figures["lanes_emptied_seconds_ago"] = ages
+        figures["lanes_left_because"] = sorted({why for _, _, why in lanes if why})
     last = "never vacuumed" if since is None else f"last vacuumed {age(since)} ago"
     title = (
         f"{ex.schema}.jobs: {live:,} live rows, {dead:,} dead, {size(heap)} "

@@ -64,6 +64,17 @@ JOIN pg_stat_user_tables AS t ON t.relid = p.relid
 WHERE p.isleaf
 HAVING count(*) > 0
 
+-- job_lanes_exist --
+-- Whether the schema has the lanes of 0028 (job_lanes).
+SELECT to_regclass(format('%%I.job_lanes', %(schema)s::text)) IS NOT NULL
+
+-- job_lanes --
+-- Each lane of jobs (0028): seconds since the workers last emptied it (NULL: never), and
+-- why their last try did not (NULL: it did, or none was due).
+SELECT lane, extract(epoch FROM now() - emptied_at)::float8, left_because
+FROM {schema}.job_lanes
+ORDER BY lane
+
 -- connections --
 -- The server's connection slots: client backends now (the package's own, named
 -- dramatiq-pg-broker/<pid> and, the admin API's, dramatiq-pg-admin/<pid>, among them),

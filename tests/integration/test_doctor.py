@@ -538,3 +538,16 @@ def test_expired_leases_count_as_the_workers_reaper_counts_them(
         run, "--check", "expired_leases", "--expired-lease-grace-seconds", "0.1"
     )
     assert (code, report["expired_leases"]["level"]) == (0, "ok"), report["expired_leases"]
+
+
+def test_the_hot_table_finding_says_when_each_lane_was_last_emptied(run, store, conn, schema):
+    lanes = sql.Identifier(schema, "job_lanes")
+    conn.execute(sql.SQL("UPDATE {} SET emptied_in = 0, emptied_at = NULL").format(lanes))
+    turn = store.empty_lane()
+    assert turn.outcome == "emptied", turn
+    code, report = doctor_json(run, "--check", "hot_table")
+    figures = report["hot_table"]["figures"]
+    ages = figures["lanes_emptied_seconds_ago"]
+    assert len(ages) == 3 and 0 <= ages[turn.lane] < 60, figures
+    assert [a for i, a in enumerate(ages) if i != turn.lane] == [None, None], figures
+    assert figures["lanes_left_because"] == []

@@ -367,8 +367,8 @@ FROM unnest(%(key_actors)s::text[], %(key_scopes)s::text[], %(keys)s::text[],
 -- copied_in_history --
 -- Whether a job just written by copy_jobs (%(ids)s) has its id in history, or in jobs
 -- twice (COPY cannot probe as insert_jobs does, and the primary key is (id, lane) since
--- 0028: an id stored in another lane is no conflict to it): the caller then rolls the COPY back and takes the staged
--- path, which resolves each conflict. As in insert_job, the probe reads the partitions
+-- 0028: an id stored in another lane is no conflict to it): the caller then rolls the
+-- COPY back and takes the staged path, which resolves each conflict. As in insert_job, the probe reads the partitions
 -- from the oldest message's timestamp on, and the transaction's isolation level comes
 -- with the answer. Under READ COMMITTED this statement's snapshot is taken after the
 -- COPY, which waited for any move of one of its ids to commit: it sees that move.
@@ -1359,8 +1359,8 @@ SELECT count(*) FROM flushed
 
 -- stale_statistics --
 -- The job tables whose planner statistics fell far behind what they hold: the lanes of
--- jobs (0028) and the leaf partitions of jobs_history that hold more than four times the rows (and at least
--- %(min_rows)s) their last ANALYZE or VACUUM counted. The live rows are the server's
+-- jobs (0028) and the leaf partitions of jobs_history that hold more than four times the
+-- rows (and at least %(min_rows)s) their last ANALYZE or VACUUM counted. The live rows are the server's
 -- running count (pg_stat_get_live_tuples, kept by every insert and delete): reading it
 -- costs no scan. See statistics.py.
 SELECT c.oid::regclass::text

@@ -58,6 +58,19 @@ def _lane_of(db, job_id: str) -> list[int]:
     return [r[0] for r in db.execute("SELECT lane FROM jobs WHERE id = %s", (job_id,))]
 
 
+def _row_columns(conn) -> sql.Composed:
+    """The columns of jobs but its lane, in order (a connection whose search_path is the
+    schema): what a copy from one lane to another names, as the emptying does."""
+    columns = [
+        r[0]
+        for r in conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'jobs'::regclass"
+            " AND attnum > 0 AND NOT attisdropped AND attname <> 'lane' ORDER BY attnum"
+        )
+    ]
+    return sql.SQL(", ").join(map(sql.Identifier, columns))
+
+
 def _put_in_lane(db, job_id: str, lane: int) -> None:
     db.execute("UPDATE jobs SET lane = %s WHERE id = %s", (lane, job_id))
 
@@ -190,14 +203,7 @@ def test_a_statement_that_meets_the_emptying_finds_its_row_in_the_long_lane(
             10,
             "the renewal to wait for the lane's lock",
         )
-        columns = [
-            r[0]
-            for r in emptier.execute(
-                "SELECT attname FROM pg_attribute WHERE attrelid = 'jobs'::regclass"
-                " AND attnum > 0 AND NOT attisdropped AND attname <> 'lane' ORDER BY attnum"
-            )
-        ]
-        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+        cols = _row_columns(emptier)
         emptier.execute(
             sql.SQL("INSERT INTO jobs ({}, lane) SELECT {}, 3 FROM {}").format(cols, cols, part)
         )
@@ -328,14 +334,7 @@ def test_the_emptying_refuses_a_snapshot_level_and_the_store_begins_read_committ
 def _copy_to_long_lane(db, job_id: str) -> None:
     """A second row of ``job_id`` in the long lane (what two sends of one id on either
     side of a period's boundary can leave)."""
-    columns = [
-        r[0]
-        for r in db.execute(
-            "SELECT attname FROM pg_attribute WHERE attrelid = 'jobs'::regclass"
-            " AND attnum > 0 AND NOT attisdropped AND attname <> 'lane' ORDER BY attnum"
-        )
-    ]
-    cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+    cols = _row_columns(db)
     db.execute(
         sql.SQL("INSERT INTO jobs ({}, lane) SELECT {}, 3 FROM jobs WHERE id = %s").format(
             cols, cols

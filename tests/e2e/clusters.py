@@ -19,15 +19,43 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 import pytest
 
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out as the local end of outgoing connections (Linux's
+    ``ip_local_port_range``; the IANA range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(49152, 65536)
+
+
+def _cluster_ports(count: int = 200) -> range:
+    """``count`` ports for the test clusters, outside the ephemeral range: a stopped
+    cluster's port inside it can be taken, while the server is down, as the local end of
+    any outgoing connection on the machine (the tests open thousands), and the server
+    could not start on it again (a worker that knows the old port would wait for ever)."""
+    ephemeral = _ephemeral_ports()
+    below = range(max(1024, ephemeral.start - 1200), max(1024, ephemeral.start - 1200) + count)
+    if below.stop <= ephemeral.start:
+        return below
+    return range(ephemeral.stop, min(65536, ephemeral.stop + count))
+
+
 #: Ports the test clusters may use, tried in a random order so that two test runs on one
 #: machine seldom reach for the same one.
-PORTS = range(55431, 55631)
+PORTS = _cluster_ports()
+
+#: How many times a restart tries its port again (half a second apart) when something else
+#: holds it.
+RESTART_TRIES = 20
 
 
 def server_binaries(*tools: str) -> Path | None:
@@ -182,6 +210,8 @@ class Cluster:
         if init:
             self.run("initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "--no-sync")
         self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        #: Whether the server was started once: a restart must keep its port.
+        self.started = False
 
     @classmethod
     def standby_of(cls, primary: Cluster, port: int) -> Cluster:
@@ -216,41 +246,52 @@ class Cluster:
         )
 
     def start(self) -> None:
-        """Start the server. A port taken between :func:`free_ports` and the start (by a
-        test run beside this one) moves it to another free port (``port`` and ``url``
-        change); any other failure raises with the end of the server's log."""
-        for _ in range(5):
+        """Start the server. At its first start, a port taken between :func:`free_ports`
+        and the start (by a test run beside this one) moves it to another free port
+        (``port`` and ``url`` change). A restart keeps its port, since its clients know
+        it: a port taken meanwhile is tried again for a few seconds, then the start
+        fails saying so. Any other failure raises with the end of the server's log."""
+        tries = RESTART_TRIES if self.started else 5
+        for _ in range(tries):
             seen = self.log.stat().st_size if self.log.exists() else 0
-            options = (
-                f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
-                "-c fsync=off -c max_connections=100"
-            )
-            for name, value in self.settings.items():
-                options += f" -c {name}={value}"
             try:
-                self.run(
-                    "pg_ctl",
-                    "-D",
-                    str(self.data),
-                    "-l",
-                    str(self.log),
-                    "-o",
-                    options,
-                    "-w",
-                    "start",
-                )
+                self._pg_ctl_start()
+                self.started = True
                 return
             except subprocess.CalledProcessError as e:
-                with open(self.log, "rb") as log:
-                    log.seek(seen)
-                    said = log.read().decode(errors="replace")
-                ports = free_ports(1)  # not this cluster's own port: it holds it
-                if "could not bind" not in said or ports is None:
+                said = self._log_since(seen)
+                if "could not bind" not in said:
                     raise RuntimeError(f"the test cluster did not start:\n{said[-2000:]}") from e
-                release(self.port)
-                self.port = ports[0]
-                self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+            if self.started:
+                time.sleep(0.5)
+                continue
+            ports = free_ports(1)  # not this cluster's own port: it holds it
+            if ports is None:
+                raise RuntimeError(f"the test cluster did not start:\n{said[-2000:]}")
+            release(self.port)
+            self.port = ports[0]
+            self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        if self.started:
+            raise RuntimeError(
+                f"the test cluster could not start again on its port {self.port}: something "
+                f"else took it while the server was down\n{said[-2000:]}"
+            )
         raise RuntimeError("the test cluster found no free port in five tries")
+
+    def _pg_ctl_start(self) -> None:
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            "-c fsync=off -c max_connections=100"
+        )
+        for name, value in self.settings.items():
+            options += f" -c {name}={value}"
+        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
+
+    def _log_since(self, offset: int) -> str:
+        """What the server wrote to its log after ``offset`` bytes."""
+        with open(self.log, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
 
     def stop(self, mode: str = "fast") -> None:
         self.run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")

@@ -78,19 +78,44 @@ def test_a_worker_tells_each_outage_once_with_reminders_and_its_end(new_cluster,
         DRAMATIQ_PG_OUTAGE_REMINDER_SECONDS=str(REMINDER_SECONDS),
     )
     try:
-        wait_for(lambda: lines(OUTAGE_STARTS), 30, "the worker to say the database is down")
+        wait_for(
+            lambda: lines(OUTAGE_STARTS),
+            30,
+            "the worker to say the database is down",
+            on_timeout=worker.log_tail,
+        )
         time.sleep(OUTAGES[0])
         cluster.start()
-        wait_for(lambda: lines(OUTAGE_ENDS), 30, "the worker to say the database is back")
+        wait_for(
+            lambda: lines(OUTAGE_ENDS),
+            30,
+            "the worker to say the database is back",
+            on_timeout=worker.log_tail,
+        )
         quick.send()
-        wait_for(lambda: succeeded() == 1, 30, "a job to run after the outage")
+        wait_for(
+            lambda: succeeded() == 1,
+            30,
+            "a job to run after the outage",
+            on_timeout=worker.log_tail,
+        )
 
         cluster.stop()
         time.sleep(OUTAGES[1])
         cluster.start()
-        wait_for(lambda: len(lines(OUTAGE_ENDS)) == 2, 30, "the end of the second outage")
+        wait_for(
+            lambda: len(lines(OUTAGE_ENDS)) == 2,
+            30,
+            "the end of the second outage",
+            on_timeout=worker.log_tail,
+        )
         quick.send()
-        wait_for(lambda: succeeded() == 2, 30, "a job to run after the second outage")
+        wait_for(
+            lambda: succeeded() == 2,
+            30,
+            "a job to run after the second outage",
+            on_timeout=worker.log_tail,
+        )
     finally:
         worker.kill_group()
         broker.close()

@@ -4,8 +4,11 @@ One :class:`LaneKeeper` runs in each worker process (it starts with the first co
 as the heartbeat does). Once a period it asks the server to empty the lane due
 (``empty_job_lane``): one process at a time does it (a transaction advisory lock; the
 others are told ``busy`` and skip), and a process that finds it done already (``not
-due``) sleeps until the next period begins, plus up to a second at random so that the
-processes of a fleet do not all ask at the same instant. A lane that could not be emptied
+due``), or not worth doing because no snapshot holds the horizon (``not held``), sleeps
+until the next period begins, plus up to a second at random so that the processes of a
+fleet do not all ask at the same instant. Its calls also mark where each period's lane
+begins, which the server's test of the horizon needs (a lane whose period no call saw
+is emptied whatever holds the horizon, as before 0029). A lane that could not be emptied
 (its lock held, or too many rows left in it) is tried again a second later, until its
 period ends. Nothing runs while the schema gate is closed.
 """
@@ -84,6 +87,6 @@ class LaneKeeper(Service):
         self.last = turn
         if turn.outcome == "emptied":
             logger.debug("Emptied lane %s of jobs (%s rows moved).", turn.lane, turn.moved)
-        if turn.outcome in ("emptied", "not due"):
+        if turn.outcome in ("emptied", "not due", "not held"):
             return turn.next_due_seconds + random.uniform(0, JITTER_SECONDS)
         return turn.next_due_seconds

@@ -1374,7 +1374,8 @@ WHERE c.oid IN (
 ORDER BY c.oid
 
 -- empty_job_lane --
--- Empty the lane due in this period (migration 0028, jobs/lanes.py): its number, what was
--- done, the rows moved to the long lane and the seconds until the next one is due.
+-- Empty the lane due in this period (migrations 0028 and 0029, jobs/lanes.py): its number,
+-- what was done, the rows moved to the long lane and the seconds until the next one is
+-- due. %(always)s: whether no snapshot holds the horizon or not.
 SELECT lane, outcome, moved, next_due_seconds
-FROM {schema}.empty_job_lane(%(max_moved)s, %(lock_wait)s::interval)
+FROM {schema}.empty_job_lane(%(max_moved)s, %(lock_wait)s::interval, %(always)s)

@@ -1,9 +1,10 @@
-"""The hot table's lanes (migration 0028): each send lands in the lane of its period, the
-lane due is emptied into the long lane and TRUNCATEd whatever snapshot another session
-holds, a statement that meets the emptying finds its row in the long lane afterwards (at
-READ COMMITTED and as the first statement of a REPEATABLE READ transaction), a long
-transaction on a lane or too many rows left in it leave the lane alone, and a worker's
-consumers empty lanes on their own."""
+"""The hot table's lanes (migrations 0028, 0029): each send lands in the lane of its
+period, the lane due is emptied into the long lane and TRUNCATEd whatever snapshot another
+session holds, and left to vacuum while no snapshot is as old as its rows, a statement
+that meets the emptying finds its row in the long lane afterwards (at READ COMMITTED and
+as the first statement of a REPEATABLE READ transaction), a long transaction on a lane or
+too many rows left in it leave the lane alone, and a worker's consumers empty lanes on
+their own."""
 
 from __future__ import annotations
 
@@ -44,13 +45,14 @@ def db(pg_url, schema):
 def _due_lane(db) -> int:
     """The lane empty_job_lane() takes in this period, far enough from the period's end
     (at least 4 s) for a test to set it up and empty it within the same period, and made
-    due again (job_lanes forgets that it was emptied)."""
+    due again (job_lanes forgets that it was emptied, and where each lane's period began:
+    a lane without that mark is emptied whatever holds the horizon, 0029)."""
     left = db.execute("SELECT 10 - extract(epoch FROM clock_timestamp())::numeric % 10").fetchone()[
         0
     ]
     if left < 4:
         time.sleep(float(left) + 0.05)
-    db.execute("UPDATE job_lanes SET emptied_in = 0")
+    db.execute("UPDATE job_lanes SET emptied_in = 0, opened_in = 0, opened_xid = NULL")
     return db.execute("SELECT ((job_period(clock_timestamp()) + 1) % 3)::int").fetchone()[0]
 
 
@@ -153,6 +155,76 @@ def test_a_held_snapshot_does_not_keep_a_lane_s_dead_rows(store, db, pg_url, sch
             == 0
         )
         holder.execute("ROLLBACK")
+
+
+def _mark_due_lane(db, lane: int, xid: str) -> None:
+    """Say that the due lane's period (two periods ago) began at transaction id ``xid``,
+    as a worker's call in that period would have (0029)."""
+    db.execute(
+        "UPDATE job_lanes SET opened_in = job_period(clock_timestamp()) - 2,"
+        " opened_xid = %s::xid8 WHERE lane = %s",
+        (xid, lane),
+    )
+
+
+def test_a_lane_is_left_to_vacuum_while_no_snapshot_is_as_old_as_its_rows(store, db):
+    """No snapshot taken before the lane's period began (the mark here is the oldest
+    transaction id there is, older than any session's): VACUUM can remove its dead rows,
+    and the lane is not TRUNCATEd (every session would replan its statements on jobs)."""
+    job = _job("lanes-not-held")
+    store.enqueue(job)
+    lane = _due_lane(db)
+    _put_in_lane(db, job.id, lane)
+    _mark_due_lane(db, lane, "3")
+
+    turn = store.empty_lane()
+
+    assert (turn.lane, turn.outcome, turn.moved) == (lane, "not held", 0)
+    assert turn.next_due_seconds > 1, "the next look is in the next period"
+    assert _lane_of(db, job.id) == [lane]
+    emptied_in, why = db.execute(
+        "SELECT emptied_in, left_because FROM job_lanes WHERE lane = %s", (lane,)
+    ).fetchone()
+    assert (emptied_in, why) == (0, "no snapshot as old as its rows: vacuum keeps it")
+    # An operator's (or a test's) call empties it all the same.
+    assert store.empty_lane(always=True).outcome == "emptied"
+    assert _lane_of(db, job.id) == [3]
+
+
+def test_a_snapshot_older_than_the_lane_s_rows_gets_it_emptied(store, db, pg_url):
+    job = _job("lanes-held-mark")
+    store.enqueue(job)
+    lane = _due_lane(db)
+    _put_in_lane(db, job.id, lane)
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM pg_class").fetchone()  # the snapshot is taken
+        (after_it,) = db.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())").fetchone()
+        _mark_due_lane(db, lane, str(after_it))
+
+        turn = store.empty_lane()
+
+        assert (turn.lane, turn.outcome, turn.moved) == (lane, "emptied", 1)
+        assert _lane_of(db, job.id) == [3]
+        holder.execute("ROLLBACK")
+
+
+def test_each_call_marks_where_the_current_period_s_lane_begins(store, db):
+    _due_lane(db)
+    before = db.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())").fetchone()[0]
+    store.empty_lane()
+    period, current = db.execute(
+        "SELECT job_period(clock_timestamp()), job_lane(clock_timestamp())"
+    ).fetchone()
+    opened_in, opened_xid = db.execute(
+        "SELECT opened_in, opened_xid FROM job_lanes WHERE lane = %s", (current,)
+    ).fetchone()
+    assert opened_in == period and int(str(opened_xid)) >= int(str(before))
+    # Once a period: a second call leaves the mark as it is.
+    store.empty_lane()
+    assert db.execute(
+        "SELECT opened_xid FROM job_lanes WHERE lane = %s", (current,)
+    ).fetchone() == (opened_xid,)
 
 
 @pytest.mark.parametrize(
@@ -287,7 +359,7 @@ def test_a_bulk_copy_of_an_id_stored_in_another_lane_stores_it_once(store, db):
 
 
 def test_a_worker_s_consumers_empty_the_lanes(broker, db):
-    db.execute("UPDATE job_lanes SET emptied_in = 0, emptied_at = NULL")
+    db.execute("UPDATE job_lanes SET emptied_in = 0, emptied_at = NULL, opened_in = 0")
     broker.declare_queue("lanes-worker")
     consumer = broker.consume("lanes-worker")
     try:

@@ -1,0 +1,193 @@
+-- compatibility: compatible
+-- Two new columns of job_lanes (no default to write) and a new empty_job_lane() with a third argument that has a default: an earlier release's two-argument call reaches it and gets the same columns back.
+--
+-- 0029: a lane is emptied only while a snapshot holds the horizon.
+--
+-- Why. 0028 emptied a lane every period, whatever held the database's xmin horizon. A
+-- TRUNCATE is not free for the rest of the table's users: it takes the lane's ACCESS
+-- EXCLUSIVE lock (every statement on jobs waits for it) and it invalidates every cached
+-- plan on jobs in every session, which replans at its next statement. Measured against
+-- the release before 0028 (docs/benchmarks.md, "The hot path"), that cost the drain 10 %
+-- and the start latency's p99 27-52 %; with the emptying off, neither was worse. When no
+-- snapshot is older than a lane's rows, VACUUM removes them as it removed the single
+-- table's, and the emptying buys nothing.
+--
+-- How. Each call marks the lane of the current period with the first transaction id not
+-- yet given out (opened_in, opened_xid), once per period. When the lane due has a mark
+-- of its own period (two periods ago), it is emptied only if a holder of this database's
+-- horizon is at least as old as that mark: a session's snapshot or transaction id (this
+-- database's, or a walsender's, which holds them all; autovacuum workers left out, as
+-- vacuum ignores them), a prepared transaction, a replication slot's xmin. Otherwise it is
+-- left to VACUUM ('not held'), and the next lane is looked at in the next period. A lane
+-- without a mark of its period (no worker was calling then) is emptied as before.
+-- pg_stat_activity shows every session's backend_xmin and backend_xid to every role (its
+-- query and type only to the session's own role, members of pg_read_all_stats and
+-- superusers): the test needs no privilege. An autovacuum worker of a role that cannot
+-- see backend types counts as a holder: the emptying errs towards a held snapshot, never
+-- towards starving the claims.
+-- `always` empties the lane whatever holds the horizon (tests, an operator's call).
+--
+-- Locking: none beyond the catalog's for the column additions and the function's
+-- replacement, both instant.
+--
+-- Applied with search_path set to the broker's schema, so the names here are unqualified.
+
+ALTER TABLE job_lanes
+    ADD COLUMN opened_in bigint NOT NULL DEFAULT 0,
+    -- The first transaction id not given out yet when a call first saw this lane's period.
+    ADD COLUMN opened_xid xid8;
+
+DROP FUNCTION empty_job_lane(integer, interval);
+
+-- Empty the next lane (see 0028's header, and this one's): returns its number, what was
+-- done ('emptied', 'not due', 'not held' when no snapshot is as old as its rows, 'busy'
+-- when another process is at it or the lane is held, 'full' when more than max_moved rows
+-- are left in it, 'duplicate' when an id of it is in lane 3 too), the rows moved to lane
+-- 3, and the seconds until the next lane is due. READ COMMITTED only.
+CREATE FUNCTION empty_job_lane(max_moved integer, lock_wait interval, always boolean DEFAULT false)
+RETURNS TABLE (lane smallint, outcome text, moved bigint, next_due_seconds double precision)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    now_ timestamptz := clock_timestamp();
+    period bigint := job_period(now_);
+    target smallint := ((job_period(now_) + 1) % 3)::smallint;
+    part regclass;
+    columns text;
+    survivors bigint;
+    duplicated boolean;
+    mark record;
+    held boolean;
+    asked_at timestamptz;
+    locked_at timestamptz;
+    n bigint := 0;
+    wait double precision := (period + 1) * 10 - extract(epoch FROM now_);
+BEGIN
+    part := format('jobs_lane_%s', target)::regclass;
+    lane := target;
+    moved := 0;
+    next_due_seconds := wait;
+    -- At REPEATABLE READ or SERIALIZABLE this statement's snapshot predates the lock: the
+    -- copy would be of rows as they were before the wait, and the TRUNCATE would drop
+    -- their later versions. The caller begins its transaction READ COMMITTED.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'empty_job_lane() runs READ COMMITTED only, not %',
+            current_setting('transaction_isolation')
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtext('dramatiq_pg_broker.lanes'),
+                                     hashtext(current_schema())) THEN
+        outcome := 'busy';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    -- The current period's lane: where its rows begin, in transaction ids.
+    UPDATE job_lanes AS l
+    SET opened_in = period, opened_xid = pg_snapshot_xmax(pg_current_snapshot())
+    WHERE l.lane = (period % 3)::smallint AND l.opened_in < period;
+    SELECT l.emptied_in, l.opened_in, l.opened_xid INTO mark
+    FROM job_lanes AS l WHERE l.lane = target;
+    IF mark.emptied_in >= period THEN
+        outcome := 'not due';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF NOT always AND mark.opened_in = period - 2 AND mark.opened_xid IS NOT NULL THEN
+        SELECT coalesce(bool_or(h.xmin_age >= age(xid(mark.opened_xid))), false)
+        INTO held
+        FROM (
+            SELECT age(coalesce(a.backend_xmin, a.backend_xid)) AS xmin_age
+            FROM pg_stat_activity AS a
+            WHERE a.pid <> pg_backend_pid()
+              AND (a.datid IS NULL OR a.datname = current_database())
+              AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+            UNION ALL
+            SELECT age(p.transaction)
+            FROM pg_prepared_xacts AS p WHERE p.database = current_database()
+            UNION ALL
+            SELECT age(s.xmin)
+            FROM pg_replication_slots AS s
+            WHERE s.xmin IS NOT NULL AND (s.database IS NULL OR s.database = current_database())
+        ) AS h;
+        IF NOT held THEN
+            UPDATE job_lanes AS l
+            SET left_because = 'no snapshot as old as its rows: vacuum keeps it', tried_at = now_
+            WHERE l.lane = target;
+            outcome := 'not held';
+            RETURN NEXT;
+            RETURN;
+        END IF;
+    END IF;
+    next_due_seconds := 1;
+    -- A transaction that has held the lane for more than a second (a long complete_in()
+    -- block, an application's long transaction that sent in it): do not queue behind it,
+    -- every statement on jobs would queue behind this one.
+    IF EXISTS (
+        SELECT 1
+        FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+        WHERE l.locktype = 'relation' AND l.relation = part AND l.pid <> pg_backend_pid()
+          AND a.xact_start < now_ - interval '1 second'
+    ) THEN
+        UPDATE job_lanes AS l SET left_because = 'held by a long transaction', tried_at = now_
+        WHERE l.lane = target;
+        outcome := 'busy';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    EXECUTE format('SELECT count(*) FROM (SELECT 1 FROM %s LIMIT %s) AS s', part, max_moved + 1)
+    INTO survivors;
+    IF survivors > max_moved THEN
+        UPDATE job_lanes AS l
+        SET left_because = format('more than %s rows left in it', max_moved), tried_at = now_
+        WHERE l.lane = target;
+        outcome := 'full';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    asked_at := clock_timestamp();
+    BEGIN
+        -- (A lock_timeout of 0 would wait for ever: one millisecond at least.)
+        PERFORM set_config('lock_timeout',
+                           greatest(1, (extract(epoch FROM lock_wait) * 1000)::bigint)::text, true);
+        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
+        locked_at := clock_timestamp();
+    EXCEPTION WHEN lock_not_available THEN
+        UPDATE job_lanes AS l SET left_because = 'busy', tried_at = now_ WHERE l.lane = target;
+        outcome := 'busy';
+        RETURN NEXT;
+        RETURN;
+    END;
+    -- An id stored in this lane and in the long lane too (two sends of one id on either
+    -- side of a period's boundary, see 0028's header): the copy would break the key.
+    -- Leave the lane to vacuum until one of the two rows ends.
+    EXECUTE format(
+        'SELECT EXISTS (SELECT 1 FROM %s AS j JOIN jobs_lane_long AS l ON l.id = j.id)', part)
+    INTO duplicated;
+    IF duplicated THEN
+        UPDATE job_lanes AS l
+        SET left_because = 'an id in it is also in the long lane', tried_at = now_
+        WHERE l.lane = target;
+        outcome := 'duplicate';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum) INTO columns
+    FROM pg_attribute AS a
+    WHERE a.attrelid = 'jobs'::regclass AND a.attnum > 0 AND NOT a.attisdropped
+      AND a.attname <> 'lane';
+    EXECUTE format('INSERT INTO jobs (%s, lane) SELECT %s, 3 FROM %s', columns, columns, part);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    EXECUTE format('TRUNCATE %s', part);
+    UPDATE job_lanes AS l
+    SET emptied_in = period, emptied_at = clock_timestamp(), emptied_xid = pg_current_xact_id(),
+        moved = n, left_because = NULL, tried_at = now_,
+        lock_wait_ms = extract(epoch FROM locked_at - asked_at) * 1000,
+        held_ms = extract(epoch FROM clock_timestamp() - locked_at) * 1000
+    WHERE l.lane = target;
+    outcome := 'emptied';
+    moved := n;
+    next_due_seconds := wait;
+    RETURN NEXT;
+END
+$$;

@@ -19,7 +19,9 @@
 -- database's, or a walsender's, which holds them all; autovacuum workers left out, as
 -- vacuum ignores them), a prepared transaction, a replication slot's xmin. Otherwise it is
 -- left to VACUUM ('not held'), and the next lane is looked at in the next period. A lane
--- without a mark of its period (no worker was calling then) is emptied as before.
+-- without a mark of its period (no worker was calling then: the first two periods of a
+-- worker fleet that starts) is left to VACUUM too: whether its rows are older than the
+-- horizon is not known, and emptying is an optimisation.
 -- pg_stat_activity shows every session's backend_xmin and backend_xid to every role (its
 -- query and type only to the session's own role, members of pg_read_all_stats and
 -- superusers): the test needs no privilege. An autovacuum worker of a role that cannot
@@ -93,7 +95,15 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
-    IF NOT always AND mark.opened_in = period - 2 AND mark.opened_xid IS NOT NULL THEN
+    IF NOT always AND (mark.opened_in <> period - 2 OR mark.opened_xid IS NULL) THEN
+        UPDATE job_lanes AS l
+        SET left_because = 'no worker marked its period: left to vacuum', tried_at = now_
+        WHERE l.lane = target;
+        outcome := 'not held';
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF NOT always THEN
         SELECT coalesce(bool_or(h.xmin_age >= age(xid(mark.opened_xid))), false)
         INTO held
         FROM (

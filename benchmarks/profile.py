@@ -48,6 +48,7 @@ PORTS = range(55441, 55450)
 CLUSTER_SETTINGS = {
     "shared_preload_libraries": "pg_stat_statements",
     "pg_stat_statements.track": "all",
+    "pg_stat_statements.track_planning": "on",
     "track_io_timing": "on",
     "track_wal_io_timing": "on",
     "track_functions": "pl",
@@ -190,7 +191,8 @@ def counters(url: str) -> dict:
     ones, such as foreign-key checks, are inside its time) and the WAL counters."""
     with psycopg.connect(url, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
+            "SELECT query, calls, total_exec_time, rows, total_plan_time, plans "
+            "FROM pg_stat_statements "
             "WHERE toplevel AND dbid = (SELECT oid FROM pg_database "
             "WHERE datname = current_database()) "
             "ORDER BY total_exec_time DESC"
@@ -200,8 +202,15 @@ def counters(url: str) -> dict:
             "wal_fpi FROM pg_stat_wal"
         ).fetchone()
     statements = [
-        {"query": " ".join(q.split())[:90], "calls": c, "total_ms": t, "rows": r}
-        for q, c, t, r in rows
+        {
+            "query": " ".join(q.split())[:90],
+            "calls": c,
+            "total_ms": t,
+            "rows": r,
+            "plan_ms": plan_ms,
+            "plans": plans,
+        }
+        for q, c, t, r, plan_ms, plans in rows
         if not any(word in q for word in _NOT_OURS)
     ]
     keys = (
@@ -408,6 +417,8 @@ def per_message_table(name: str, r: dict) -> str:
     n = r["messages"]
     calls = sum(s["calls"] for s in r["statements"])
     exec_ms = sum(s["total_ms"] for s in r["statements"])
+    plan_ms = sum(s.get("plan_ms", 0) for s in r["statements"])
+    plans = sum(s.get("plans", 0) for s in r["statements"])
     wal = r["wal"]
     us = 1000.0  # ms -> µs
     rows = [
@@ -416,6 +427,8 @@ def per_message_table(name: str, r: dict) -> str:
         ("statements = round trips", f"{calls / n:.2f}", f"{calls:,} in all"),
         ("server execution (pg_stat_statements)", f"{exec_ms / n * us:,.0f} µs",
          "sum of total_exec_time"),
+        ("server planning (pg_stat_statements)", f"{plan_ms / n * us:,.0f} µs",
+         f"sum of total_plan_time; {plans / max(1, calls):.2f} plans per statement"),
         ("WAL flushes (pg_stat_wal.wal_sync)", f"{wal['wal_sync'] / n:.2f}",
          f"{wal['wal_sync_ms'] / n * us:,.0f} µs flushing a message"),
         ("WAL writes", f"{wal['wal_write'] / n:.2f}", f"{wal['wal_write_ms'] / n * us:,.0f} µs"),
@@ -429,13 +442,15 @@ def per_message_table(name: str, r: dict) -> str:
     lines = [f"### {name}: per message ({n:,} messages)", "",
              "| per message | value | note |", "|---|---|---|"]  # fmt: skip
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    lines += ["", "| statement | calls per message | mean µs | rows per call |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| statement | calls per message | mean µs | rows per call | plans per call "
+              "| mean planning µs |", "|---|---|---|---|---|---|"]  # fmt: skip
     for s in r["statements"][:8]:
         per_call = max(1, s["calls"])
         lines.append(
             f"| `{s['query'][:70]}` | {s['calls'] / n:.3f} | "
-            f"{s['total_ms'] / per_call * us:,.0f} | {s['rows'] / per_call:.1f} |"
+            f"{s['total_ms'] / per_call * us:,.0f} | {s['rows'] / per_call:.1f} | "
+            f"{s.get('plans', 0) / per_call:.2f} | "
+            f"{s.get('plan_ms', 0) / max(1, s.get('plans', 0)) * us:,.0f} |"
         )
     if r.get("nested"):
         lines += ["", "| statement inside another (a trigger's) | calls per message | mean µs |",

@@ -1,5 +1,5 @@
 -- compatibility: compatible
--- Two new columns of job_lanes (no default to write) and a new empty_job_lane() with a third argument that has a default: an earlier release's two-argument call reaches it and gets the same columns back.
+-- Two new columns of job_lanes (no default to write), a new empty_job_lane() with a third argument that has a default (an earlier release's two-argument call reaches it and gets the same columns back), and a new function claim_wait() that earlier releases do not call.
 --
 -- 0029: a lane is emptied only while a snapshot holds the horizon.
 --
@@ -28,6 +28,17 @@
 -- see backend types counts as a holder: the emptying errs towards a held snapshot, never
 -- towards starving the claims.
 -- `always` empties the lane whatever holds the horizon (tests, an operator's call).
+--
+-- claim_wait(): what an idle claim reports (when the queue's earliest waiting job becomes
+-- runnable, when the earliest lease of a running job expires), read by a PL/pgSQL
+-- function rather than in the claim statement itself. Every reference to jobs in a
+-- statement is planned once per lane (four times since 0028), and the claim is planned at
+-- each of a session's first executions (psycopg prepares a statement at its sixth, the
+-- server plans it afresh for five more before it keeps a generic plan): measured on
+-- PostgreSQL 15, planning the claim took 0.25 ms on the single table and 1.15 ms on the
+-- lanes, 0.76 ms of it for those two reads, which only an idle claim needs. A function's
+-- statements keep their plans for the session, and the claim statement that calls it
+-- plans jobs twice instead of five times.
 --
 -- Locking: none beyond the catalog's for the column additions and the function's
 -- replacement, both instant.
@@ -199,5 +210,47 @@ BEGIN
     moved := n;
     next_due_seconds := wait;
     RETURN NEXT;
+END
+$$;
+
+-- When the queue's earliest waiting job becomes runnable (seconds from `at_time` and the
+-- instant; NULL: nothing waits) and the earliest lease of any running job expires
+-- (seconds from `at_time`; NULL: no job runs): the idle claim's row (queries.sql claim_jobs).
+-- The wait hops from one priority to the next through the claim index (a loose index
+-- scan: one probe per priority in use), not over every waiting entry.
+CREATE FUNCTION claim_wait(for_queue text, at_time timestamptz,
+                           OUT wait_seconds double precision,
+                           OUT next_available_at timestamptz,
+                           OUT lease_seconds_left double precision)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    WITH RECURSIVE first_per_priority AS (
+        (
+            SELECT j.priority, j.available_at
+            FROM jobs AS j
+            WHERE j.queue_name = for_queue AND j.status = 'queued'
+            ORDER BY j.priority, j.available_at
+            LIMIT 1
+        )
+        UNION ALL
+        SELECT next.priority, next.available_at
+        FROM first_per_priority AS previous
+        CROSS JOIN LATERAL (
+            SELECT j.priority, j.available_at
+            FROM jobs AS j
+            WHERE j.queue_name = for_queue AND j.status = 'queued'
+              AND j.priority > previous.priority
+            ORDER BY j.priority, j.available_at
+            LIMIT 1
+        ) AS next
+    )
+    SELECT extract(epoch FROM min(f.available_at) - at_time)::float8, min(f.available_at)
+    INTO wait_seconds, next_available_at
+    FROM first_per_priority AS f;
+    SELECT extract(epoch FROM min(j.locked_until) - at_time)::float8
+    INTO lease_seconds_left
+    FROM jobs AS j WHERE j.status = 'running';
 END
 $$;

@@ -472,8 +472,8 @@ def check_hot_table(ex: Examination) -> Finding:
     }
     lanes = ex.lanes()
     if lanes:
-        # The workers empty one lane every 10 s (0028): how long since each was, and why
-        # the last try at one did not.
+        # The workers empty one lane every 10 s (0028) while a snapshot holds the horizon
+        # (0029): how long since each was, and why the last try at one did not.
         ages = [round(age_, 3) if age_ is not None else None for _, age_, _ in lanes]
         figures["lanes_emptied_seconds_ago"] = ages
         figures["lanes_left_because"] = sorted({why for _, _, why in lanes if why})

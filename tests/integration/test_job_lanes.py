@@ -214,6 +214,41 @@ def test_a_snapshot_older_than_the_lane_s_rows_gets_it_emptied(store, db, pg_url
         holder.execute("ROLLBACK")
 
 
+def test_an_emptying_whose_session_dies_before_its_commit_moves_nothing(store, db, pg_url):
+    """The copy and the TRUNCATE are one transaction: a worker process killed while its
+    emptying runs (here its server session terminated after the function returned and
+    before the commit) leaves every row in its lane, and the next emptying moves them."""
+    jobs = [_job("lanes-killed") for _ in range(3)]
+    for job in jobs:
+        store.enqueue(job)
+    lane = _due_lane(db)
+    for job in jobs:
+        _put_in_lane(db, job.id, lane)
+    with psycopg.connect(pg_url) as emptier:
+        emptier.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(store.schema)))
+        emptier.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        assert emptier.execute(
+            "SELECT outcome, moved FROM empty_job_lane(100, '20ms', true)"
+        ).fetchone() == ("emptied", 3)
+        pid = emptier.info.backend_pid
+        assert db.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+        wait_for(
+            lambda: (
+                not db.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+            ),
+            10,
+            "the terminated session to end",
+        )
+        with pytest.raises(psycopg.OperationalError):
+            emptier.execute("COMMIT")
+    assert all(_lane_of(db, job.id) == [lane] for job in jobs)
+    assert db.execute("SELECT emptied_in FROM job_lanes WHERE lane = %s", (lane,)).fetchone() == (
+        0,
+    )
+    assert store.empty_lane(always=True).moved == 3
+    assert all(_lane_of(db, job.id) == [3] for job in jobs)
+
+
 def test_each_call_marks_where_the_current_period_s_lane_begins(store, db):
     _due_lane(db)
     before = db.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())").fetchone()[0]

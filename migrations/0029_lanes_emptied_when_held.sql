@@ -1,7 +1,8 @@
 -- compatibility: compatible
--- Two new columns of job_lanes (no default to write), a new empty_job_lane() with a third argument that has a default (an earlier release's two-argument call reaches it and gets the same columns back), and a new function claim_wait() that earlier releases do not call.
+-- Two new columns of job_lanes (a constant default: no row rewritten), a new empty_job_lane() with a third argument that has a default (an earlier release's two-argument call reaches it and gets the same columns back), and a new function claim_wait() that earlier releases do not call.
 --
--- 0029: a lane is emptied only while a snapshot holds the horizon.
+-- 0029: a lane is emptied only while a snapshot holds the horizon (or too many rows are
+-- left in it).
 --
 -- Why. 0028 emptied a lane every period, whatever held the database's xmin horizon. A
 -- TRUNCATE is not free for the rest of the table's users: it takes the lane's ACCESS
@@ -13,15 +14,22 @@
 -- table's, and the emptying buys nothing.
 --
 -- How. Each call marks the lane of the current period with the first transaction id not
--- yet given out (opened_in, opened_xid), once per period. When the lane due has a mark
--- of its own period (two periods ago), it is emptied only if a holder of this database's
--- horizon is at least as old as that mark: a session's snapshot or transaction id (this
--- database's, or a walsender's, which holds them all; autovacuum workers left out, as
--- vacuum ignores them), a prepared transaction, a replication slot's xmin. Otherwise it is
--- left to VACUUM ('not held'), and the next lane is looked at in the next period. A lane
--- without a mark of its period (no worker was calling then: the first two periods of a
--- worker fleet that starts) is left to VACUUM too: whether its rows are older than the
--- horizon is not known, and emptying is an optimisation.
+-- yet given out (opened_in, opened_xid), once per period: where that lane's inserts
+-- begin, and the previous lane's end. The lane due (its inserts ended one period ago) is
+-- emptied only if a holder of this database's horizon is at least as old as that end, the
+-- mark of the period after its own: a snapshot taken before its inserts ended may see,
+-- and keeps vacuum from removing, the row versions its jobs left. The holders: a
+-- session's snapshot or transaction id (this database's, or a walsender's, which holds
+-- them all; autovacuum workers left out, as the doctor's snapshot finding does), a
+-- prepared transaction, a replication slot's xmin. Otherwise the lane is left to VACUUM
+-- ('not held'), and the next lane is looked at in the next period. A lane without that
+-- mark (no worker called in the period after its own: the first period of a fleet that
+-- starts) is left to VACUUM too: whether a snapshot predates it is not known, and
+-- emptying is an optimisation. One exception: the rows that outlive their lane (delayed,
+-- retried later, a backlog) would pile up in a lane nothing empties, and leave it too full
+-- to be emptied (more than max_moved) on the day a snapshot is held; a lane not held is
+-- emptied all the same once a quarter of max_moved rows are left in it, or once it has
+-- gone 30 periods (5 minutes) unemptied with any.
 -- pg_stat_activity shows every session's backend_xmin and backend_xid to every role (its
 -- query and type only to the session's own role, members of pg_read_all_stats and
 -- superusers): the test needs no privilege. An autovacuum worker of a role that cannot
@@ -72,6 +80,7 @@ DECLARE
     duplicated boolean;
     mark record;
     held boolean;
+    why text;
     asked_at timestamptz;
     locked_at timestamptz;
     n bigint := 0;
@@ -99,45 +108,56 @@ BEGIN
     UPDATE job_lanes AS l
     SET opened_in = period, opened_xid = pg_snapshot_xmax(pg_current_snapshot())
     WHERE l.lane = (period % 3)::smallint AND l.opened_in < period;
-    SELECT l.emptied_in, l.opened_in, l.opened_xid INTO mark
-    FROM job_lanes AS l WHERE l.lane = target;
+    -- The due lane's last emptying, and where the period after its own began: where
+    -- its inserts ended.
+    SELECT l.emptied_in, n.opened_in AS ended_in, n.opened_xid AS ended_xid INTO mark
+    FROM job_lanes AS l, job_lanes AS n
+    WHERE l.lane = target AND n.lane = ((period - 1) % 3)::smallint;
     IF mark.emptied_in >= period THEN
         outcome := 'not due';
         RETURN NEXT;
         RETURN;
     END IF;
-    IF NOT always AND (mark.opened_in <> period - 2 OR mark.opened_xid IS NULL) THEN
-        UPDATE job_lanes AS l
-        SET left_because = 'no worker marked its period: left to vacuum', tried_at = now_
-        WHERE l.lane = target;
-        outcome := 'not held';
-        RETURN NEXT;
-        RETURN;
-    END IF;
     IF NOT always THEN
-        SELECT coalesce(bool_or(h.xmin_age >= age(xid(mark.opened_xid))), false)
-        INTO held
-        FROM (
-            SELECT age(coalesce(a.backend_xmin, a.backend_xid)) AS xmin_age
-            FROM pg_stat_activity AS a
-            WHERE a.pid <> pg_backend_pid()
-              AND (a.datid IS NULL OR a.datname = current_database())
-              AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
-            UNION ALL
-            SELECT age(p.transaction)
-            FROM pg_prepared_xacts AS p WHERE p.database = current_database()
-            UNION ALL
-            SELECT age(s.xmin)
-            FROM pg_replication_slots AS s
-            WHERE s.xmin IS NOT NULL AND (s.database IS NULL OR s.database = current_database())
-        ) AS h;
+        held := false;
+        why := 'no worker marked its period';
+        IF mark.ended_in = period - 1 AND mark.ended_xid IS NOT NULL THEN
+            SELECT coalesce(bool_or(h.xmin_age >= age(xid(mark.ended_xid))), false)
+            INTO held
+            FROM (
+                SELECT age(coalesce(a.backend_xmin, a.backend_xid)) AS xmin_age
+                FROM pg_stat_activity AS a
+                WHERE a.pid <> pg_backend_pid()
+                  AND (a.datid IS NULL OR a.datname = current_database())
+                  AND a.backend_type IS DISTINCT FROM 'autovacuum worker'
+                UNION ALL
+                SELECT age(p.transaction)
+                FROM pg_prepared_xacts AS p WHERE p.database = current_database()
+                UNION ALL
+                SELECT age(s.xmin)
+                FROM pg_replication_slots AS s
+                WHERE s.xmin IS NOT NULL
+                  AND (s.database IS NULL OR s.database = current_database())
+            ) AS h;
+            why := 'no snapshot as old as its rows';
+        END IF;
         IF NOT held THEN
-            UPDATE job_lanes AS l
-            SET left_because = 'no snapshot as old as its rows: vacuum keeps it', tried_at = now_
-            WHERE l.lane = target;
-            outcome := 'not held';
-            RETURN NEXT;
-            RETURN;
+            -- Rows that outlive their lane (delayed, retried later, a backlog) stay in it
+            -- while nothing holds the horizon; piled up, they would leave it 'full' on the
+            -- day a snapshot is held. They move once they are a quarter of max_moved, or
+            -- once the lane has gone unemptied for 30 periods (5 minutes).
+            EXECUTE format('SELECT count(*) FROM (SELECT 1 FROM %s LIMIT %s) AS s',
+                           part, max_moved + 1)
+            INTO survivors;
+            IF survivors < greatest(1, max_moved / 4)
+               AND (survivors = 0 OR mark.emptied_in > period - 30) THEN
+                UPDATE job_lanes AS l
+                SET left_because = why || ': vacuum keeps it', tried_at = now_
+                WHERE l.lane = target;
+                outcome := 'not held';
+                RETURN NEXT;
+                RETURN;
+            END IF;
         END IF;
     END IF;
     next_due_seconds := 1;

@@ -162,13 +162,55 @@ def test_a_held_snapshot_does_not_keep_a_lane_s_dead_rows(store, db, pg_url, sch
         holder.execute("ROLLBACK")
 
 
-def _mark_due_lane(db, lane: int, xid: str) -> None:
-    """Say that the due lane's period (two periods ago) began at transaction id ``xid``,
-    as a worker's call in that period would have (0029)."""
+def _older_than_every_session(db) -> str:
+    """A transaction id older than any session's snapshot (a billion ids back, or the
+    first one there is): a lane marked with it began before every snapshot now held."""
+    (xmax,) = db.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+    return str(max(3, xmax - 1_000_000_000))
+
+
+def _emptied_periods_ago(db, lane: int, periods: int) -> None:
     db.execute(
-        "UPDATE job_lanes SET opened_in = job_period(clock_timestamp()) - 2,"
+        "UPDATE job_lanes SET emptied_in = job_period(clock_timestamp()) - %s WHERE lane = %s",
+        (periods, lane),
+    )
+
+
+@pytest.mark.parametrize(
+    "left,emptied_ago,outcome",
+    [(1, 3, "not held"), (1, 30, "emptied"), (6, 3, "emptied"), (0, 300, "not held")],
+)
+def test_rows_left_in_a_lane_not_held_move_once_many_or_old(store, db, left, emptied_ago, outcome):
+    """While nothing holds the horizon, the rows that outlive their lane (delayed, retried,
+    a backlog) would pile up in it and leave it too full to be emptied on the day a
+    snapshot is held: they move once they are a quarter of max_moved (here 6 of 24), or
+    once the lane has gone 30 periods without an emptying."""
+    lane = _due_lane(db)
+    db.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(f"jobs_lane_{lane}")))
+    for _ in range(left):
+        job = _job("lanes-left")
+        store.enqueue(job)
+        _put_in_lane(db, job.id, lane)
+    _mark_due_lane(db, lane, _older_than_every_session(db))
+    _emptied_periods_ago(db, lane, emptied_ago)
+
+    turn = store.empty_lane(max_moved=24)
+
+    assert (turn.lane, turn.outcome, turn.moved) == (
+        lane,
+        outcome,
+        left if outcome == "emptied" else 0,
+    )
+
+
+def _mark_due_lane(db, lane: int, xid: str) -> None:
+    """Say that the due lane's inserts ended at transaction id ``xid``: the period after its
+    own (the previous one) began there, as a worker's call in that period would have
+    marked it (0029)."""
+    db.execute(
+        "UPDATE job_lanes SET opened_in = job_period(clock_timestamp()) - 1,"
         " opened_xid = %s::xid8 WHERE lane = %s",
-        (xid, lane),
+        (xid, (lane + 1) % 3),
     )
 
 
@@ -180,17 +222,20 @@ def test_a_lane_is_left_to_vacuum_while_no_snapshot_is_as_old_as_its_rows(store,
     store.enqueue(job)
     lane = _due_lane(db)
     _put_in_lane(db, job.id, lane)
-    _mark_due_lane(db, lane, "3")
+    _mark_due_lane(db, lane, _older_than_every_session(db))
+    _emptied_periods_ago(db, lane, 3)  # in its last turn: its one row may stay
 
     turn = store.empty_lane()
 
     assert (turn.lane, turn.outcome, turn.moved) == (lane, "not held", 0)
     assert turn.next_due_seconds > 1, "the next look is in the next period"
     assert _lane_of(db, job.id) == [lane]
-    emptied_in, why = db.execute(
-        "SELECT emptied_in, left_because FROM job_lanes WHERE lane = %s", (lane,)
+    emptied_in, why, period = db.execute(
+        "SELECT emptied_in, left_because, job_period(clock_timestamp()) FROM job_lanes"
+        " WHERE lane = %s",
+        (lane,),
     ).fetchone()
-    assert (emptied_in, why) == (0, "no snapshot as old as its rows: vacuum keeps it")
+    assert (emptied_in, why) == (period - 3, "no snapshot as old as its rows: vacuum keeps it")
     # An operator's (or a test's) call empties it all the same.
     assert store.empty_lane(always=True).outcome == "emptied"
     assert _lane_of(db, job.id) == [3]
@@ -200,6 +245,7 @@ def test_a_snapshot_older_than_the_lane_s_rows_gets_it_emptied(store, db, pg_url
     job = _job("lanes-held-mark")
     store.enqueue(job)
     lane = _due_lane(db)
+    db.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(f"jobs_lane_{lane}")))
     _put_in_lane(db, job.id, lane)
     with psycopg.connect(pg_url) as holder:
         holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
@@ -400,10 +446,16 @@ def test_a_bulk_copy_of_an_id_stored_in_another_lane_stores_it_once(store, db):
 
 @pytest.mark.slow
 def test_a_worker_s_consumers_empty_the_lanes_while_a_snapshot_is_held(broker, db, pg_url):
-    """The keeper's first call marks the current period's lane; two periods later that
-    lane is due, and a snapshot taken before the mark holds the horizon: it is emptied
-    (10 to 21 s after the start). Before that, no lane is: none was marked."""
-    db.execute("UPDATE job_lanes SET emptied_in = 0, emptied_at = NULL, opened_in = 0")
+    """The keeper's first call marks the current period's lane, which is where the lane
+    due in the next period stopped taking inserts; a snapshot taken before that mark holds
+    the horizon, so that lane is emptied in the next period (within about 11 s). The first
+    call empties none: no lane's end was marked."""
+    # Emptied in their last turns (the rows other tests left in them may stay), with no
+    # mark of a period.
+    db.execute(
+        "UPDATE job_lanes SET emptied_in = job_period(clock_timestamp()) - 3,"
+        " emptied_at = NULL, opened_in = 0"
+    )
     broker.declare_queue("lanes-worker")
     with psycopg.connect(pg_url) as holder:
         holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")

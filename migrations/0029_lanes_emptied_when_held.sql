@@ -1,5 +1,5 @@
 -- compatibility: compatible
--- Two new columns of job_lanes (a constant default: no row rewritten), a new empty_job_lane() with a third argument that has a default (an earlier release's two-argument call reaches it and gets the same columns back), and a new function claim_wait() that earlier releases do not call.
+-- Two new columns of job_lanes (a constant default: no row rewritten), 0028's empty_job_lane() renamed empty_job_lane_now() and a new empty_job_lane() with a third argument that has a default in front of it (an earlier release's two-argument call reaches it and gets the same columns back), and a new function claim_wait() that earlier releases do not call.
 --
 -- 0029: a lane is emptied only while a snapshot holds the horizon (or too many rows are
 -- left in it).
@@ -58,7 +58,9 @@ ALTER TABLE job_lanes
     -- The first transaction id not given out yet when a call first saw this lane's period.
     ADD COLUMN opened_xid xid8;
 
-DROP FUNCTION empty_job_lane(integer, interval);
+-- 0028's function keeps doing the emptying itself (its lock, the checks, the copy and the
+-- TRUNCATE), under a name of its own; the new empty_job_lane() decides whether to call it.
+ALTER FUNCTION empty_job_lane(integer, interval) RENAME TO empty_job_lane_now;
 
 -- Empty the next lane (see 0028's header, and this one's): returns its number, what was
 -- done ('emptied', 'not due', 'not held' when no snapshot is as old as its rows, 'busy'
@@ -75,15 +77,10 @@ DECLARE
     period bigint := job_period(now_);
     target smallint := ((job_period(now_) + 1) % 3)::smallint;
     part regclass;
-    columns text;
     survivors bigint;
-    duplicated boolean;
     mark record;
     held boolean;
     why text;
-    asked_at timestamptz;
-    locked_at timestamptz;
-    n bigint := 0;
     wait double precision := (period + 1) * 10 - extract(epoch FROM now_);
 BEGIN
     part := format('jobs_lane_%s', target)::regclass;
@@ -160,76 +157,9 @@ BEGIN
             END IF;
         END IF;
     END IF;
-    next_due_seconds := 1;
-    -- A transaction that has held the lane for more than a second (a long complete_in()
-    -- block, an application's long transaction that sent in it): do not queue behind it,
-    -- every statement on jobs would queue behind this one.
-    IF EXISTS (
-        SELECT 1
-        FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-        WHERE l.locktype = 'relation' AND l.relation = part AND l.pid <> pg_backend_pid()
-          AND a.xact_start < now_ - interval '1 second'
-    ) THEN
-        UPDATE job_lanes AS l SET left_because = 'held by a long transaction', tried_at = now_
-        WHERE l.lane = target;
-        outcome := 'busy';
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    EXECUTE format('SELECT count(*) FROM (SELECT 1 FROM %s LIMIT %s) AS s', part, max_moved + 1)
-    INTO survivors;
-    IF survivors > max_moved THEN
-        UPDATE job_lanes AS l
-        SET left_because = format('more than %s rows left in it', max_moved), tried_at = now_
-        WHERE l.lane = target;
-        outcome := 'full';
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    asked_at := clock_timestamp();
-    BEGIN
-        -- (A lock_timeout of 0 would wait for ever: one millisecond at least.)
-        PERFORM set_config('lock_timeout',
-                           greatest(1, (extract(epoch FROM lock_wait) * 1000)::bigint)::text, true);
-        EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
-        locked_at := clock_timestamp();
-    EXCEPTION WHEN lock_not_available THEN
-        UPDATE job_lanes AS l SET left_because = 'busy', tried_at = now_ WHERE l.lane = target;
-        outcome := 'busy';
-        RETURN NEXT;
-        RETURN;
-    END;
-    -- An id stored in this lane and in the long lane too (two sends of one id on either
-    -- side of a period's boundary, see 0028's header): the copy would break the key.
-    -- Leave the lane to vacuum until one of the two rows ends.
-    EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM %s AS j JOIN jobs_lane_long AS l ON l.id = j.id)', part)
-    INTO duplicated;
-    IF duplicated THEN
-        UPDATE job_lanes AS l
-        SET left_because = 'an id in it is also in the long lane', tried_at = now_
-        WHERE l.lane = target;
-        outcome := 'duplicate';
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    SELECT string_agg(quote_ident(a.attname), ', ' ORDER BY a.attnum) INTO columns
-    FROM pg_attribute AS a
-    WHERE a.attrelid = 'jobs'::regclass AND a.attnum > 0 AND NOT a.attisdropped
-      AND a.attname <> 'lane';
-    EXECUTE format('INSERT INTO jobs (%s, lane) SELECT %s, 3 FROM %s', columns, columns, part);
-    GET DIAGNOSTICS n = ROW_COUNT;
-    EXECUTE format('TRUNCATE %s', part);
-    UPDATE job_lanes AS l
-    SET emptied_in = period, emptied_at = clock_timestamp(), emptied_xid = pg_current_xact_id(),
-        moved = n, left_because = NULL, tried_at = now_,
-        lock_wait_ms = extract(epoch FROM locked_at - asked_at) * 1000,
-        held_ms = extract(epoch FROM clock_timestamp() - locked_at) * 1000
-    WHERE l.lane = target;
-    outcome := 'emptied';
-    moved := n;
-    next_due_seconds := wait;
-    RETURN NEXT;
+    -- Due, and held (or too many rows left, or always): 0028's emptying, which takes the
+    -- same advisory lock again (it is this transaction's already) and finds the lane due.
+    RETURN QUERY SELECT * FROM empty_job_lane_now(max_moved, lock_wait);
 END
 $$;
 

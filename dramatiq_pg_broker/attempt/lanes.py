@@ -7,10 +7,10 @@ others are told ``busy`` and skip), and a process that finds it done already (``
 due``), or not worth doing because no snapshot holds the horizon (``not held``), sleeps
 until the next period begins, plus up to a second at random so that the processes of a
 fleet do not all ask at the same instant. Its calls also mark where each period's lane
-begins, which the server's test of the horizon needs: a lane whose period no call saw
-(the first two periods after the fleet starts) is left to vacuum. A lane that could not be emptied
-(its lock held, or too many rows left in it) is tried again a second later, until its
-period ends. Nothing runs while the schema gate is closed.
+begins, which the server's test of the horizon needs: a lane whose end no call saw (in
+the first period after the fleet starts) is left to vacuum. A lane that could not be
+emptied (its lock held, or too many rows left in it) is tried again a second later, until
+its period ends. Nothing runs while the schema gate is closed.
 """
 
 from __future__ import annotations

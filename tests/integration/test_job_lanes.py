@@ -295,6 +295,27 @@ def test_an_emptying_whose_session_dies_before_its_commit_moves_nothing(store, d
     assert all(_lane_of(db, job.id) == [3] for job in jobs)
 
 
+def test_two_processes_at_once_empty_the_lane_once(store, db, pg_url):
+    """Two workers' calls at the same moment: the one that holds the schema's advisory
+    lock (here, in a transaction still open) empties the lane; the other is told 'busy'
+    and writes nothing, and once the first commits the lane is 'not due'."""
+    job = _job("lanes-twice")
+    store.enqueue(job)
+    lane = _due_lane(db)
+    _put_in_lane(db, job.id, lane)
+    with psycopg.connect(pg_url) as first:
+        first.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(store.schema)))
+        first.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        assert first.execute(
+            "SELECT outcome, moved FROM empty_job_lane(100, '20ms', true)"
+        ).fetchone() == ("emptied", 1)
+        second = store.empty_lane(always=True)
+        assert (second.lane, second.outcome, second.moved) == (lane, "busy", 0)
+        first.execute("COMMIT")
+    assert _lane_of(db, job.id) == [3]
+    assert store.empty_lane(always=True).outcome == "not due"
+
+
 def test_each_call_marks_where_the_current_period_s_lane_begins(store, db):
     _due_lane(db)
     before = db.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())").fetchone()[0]

@@ -484,4 +484,6 @@ def test_an_actor_called_as_a_function_after_the_block_raises_as_it_would(
     message = outer.send()
     h.start(broker)
     wait_status(store, conn, schema, message.message_id, "succeeded")
+    # The job's success commits with the block, a moment before the actor calls inner().
+    wait_for(lambda: caught, 10, "the actor to catch inner()'s error")
     assert len(caught) == 1 and effects() == [(message.message_id, 1)]

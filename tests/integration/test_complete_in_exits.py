@@ -173,6 +173,8 @@ def test_a_block_whose_commit_failed_is_tried_again_in_the_same_attempt(
     message = work.send()
     h.start(broker)
     row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    # The job's success commits with the block, a moment before the actor says so.
+    wait_for(lambda: len(seen) >= 2, 10, "the actor's word after its block")
     assert seen == ["collided", "committed"], seen
     assert row[1] == 1
     rows = conn.execute(sql.SQL("SELECT k FROM {} ORDER BY k").format(table)).fetchall()
@@ -223,6 +225,8 @@ def test_an_exception_right_after_the_pin_leaves_the_attempt_unmarked(
     message = work.send()
     h.start(broker)
     row = wait_status(store, conn, schema, message.message_id, "succeeded")
+    # The job's success commits with the block, a moment before the actor says so.
+    wait_for(lambda: len(seen) >= 2, 10, "the actor's word after its block")
     assert seen == ["interrupted", "committed"], seen
     assert row[1] == 1 and effects() == [(message.message_id, 1)]
 

@@ -97,7 +97,8 @@ class OutcomeWriter(Service):
             (completed, "succeeded", lambda items: self.store.complete([a for a, _ in items])),
             (
                 failed,
-                "failed",
+                # A failure ends a job whose abort was requested cancelled (fail_jobs).
+                ("failed", "cancelled"),
                 lambda items: self.store.fail([a for a, _ in items], [e for _, e in items]),
             ),
             (aborted, "cancelled", lambda items: self.store.abort_attempts([a for a, _ in items])),
@@ -120,12 +121,13 @@ class OutcomeWriter(Service):
                     ledger.written(attempt, attempt.id in owned)
 
     def _written_before(
-        self, status: str, items: list[tuple[Attempt, Any]], known: set[str]
+        self, status: str | tuple[str, ...], items: list[tuple[Attempt, Any]], known: set[str]
     ) -> set[str]:
         """Of the attempts a statement found no longer running, those whose job already
-        ended ``status`` at that attempt: a try before committed and its reply was lost to
-        a dropped connection. They were written, not lost (no warning for a job that is
-        fine). Anything else, or a database that cannot answer, leaves them lost."""
+        ended ``status`` (or one of them) at that attempt: a try before committed and its
+        reply was lost to a dropped connection. They were written, not lost (no warning for
+        a job that is fine). Anything else, or a database that cannot answer, leaves them
+        lost."""
         missing = [attempt for attempt, _ in items if attempt.id not in known]
         if not missing:
             return set()

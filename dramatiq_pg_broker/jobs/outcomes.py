@@ -159,13 +159,17 @@ class Outcomes(StoreBase):
         self._notify({r[1] for r in rows}, conn)
         return {str(r[0]) for r in rows}
 
-    def finished_attempts(self, attempts: Sequence[Attempt], status: str, *, conn=None) -> set[str]:
-        """The ids of ``attempts`` whose job already ended ``status`` at that attempt: the
-        outcome an owner sent was written, though the reply was lost (the connection
-        dropped as it committed), so its second try found the job no longer running."""
+    def finished_attempts(
+        self, attempts: Sequence[Attempt], status: str | Sequence[str], *, conn=None
+    ) -> set[str]:
+        """The ids of ``attempts`` whose job already ended ``status`` (or one of these
+        statuses) at that attempt: the outcome an owner sent was written, though the reply
+        was lost (the connection dropped as it committed), so its second try found the job
+        no longer running."""
         if not attempts:
             return set()
-        params = {**self._attempt_params(attempts), "status": status}
+        statuses = [status] if isinstance(status, str) else list(status)
+        params = {**self._attempt_params(attempts), "statuses": statuses}
         return {str(r[0]) for r in self._fetch("finished_attempts", params, conn)}
 
     def abort_attempts(self, attempts: Sequence[Attempt], *, conn=None, now=None) -> set[str]:

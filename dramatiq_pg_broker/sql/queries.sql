@@ -707,15 +707,24 @@ SELECT pg_xact_status(%(xid)s::xid8),
 -- fail_jobs --
 -- running -> failed (the dead-letter state) for many attempts at once, keeping each error.
 -- The attempt counts as a failure. The job moves to jobs_history, as in complete_jobs.
+-- A job whose abort was requested ends cancelled instead, with an `aborted` event naming
+-- who asked (written whatever %(events)s says, as in abort_attempts): the request reached
+-- the row before its notice reached the worker, which then took the attempt's failure
+-- for an ordinary one (reschedule_job does the same for a retry).
 WITH owned AS MATERIALIZED (
     {owned_attempts: error = %(errors)s::text[]}
 ), {move_to_history:
     using = owned, on = j.id = owned.id, returning = owned.owner, owned.error,
-    status = 'failed', last_error = error, failures = failures + 1
+    status = CASE WHEN abort_requested_at IS NOT NULL THEN 'cancelled' ELSE 'failed' END,
+    last_error = error, failures = failures + 1
 }, event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor, data)
     SELECT id, 'failed', attempts, owner, jsonb_build_object('error', error)
-    FROM done WHERE %(events)s
+    FROM done WHERE abort_requested_at IS NULL AND %(events)s
+    UNION ALL
+    SELECT id, 'aborted', attempts, abort_requested_by,
+           jsonb_build_object('worker', owner, 'error', error)
+    FROM done WHERE abort_requested_at IS NOT NULL
 )
 SELECT id FROM done
 
@@ -1222,15 +1231,16 @@ WITH owned AS MATERIALIZED (
 SELECT id FROM done
 
 -- finished_attempts --
--- Of these attempts, the ones whose job already ended with the given status at that very
--- attempt: an outcome statement that committed as the connection dropped, then found
+-- Of these attempts, the ones whose job already ended with one of the given statuses at
+-- that very attempt: an outcome statement that committed as the connection dropped, then found
 -- nothing to change when the writer sent it again. A finished row keeps no owner, so the
 -- attempt number tells it (another worker's attempt would have counted one more). Read
 -- only when an outcome finds its job gone, so never on the hot path.
 SELECT h.id
 FROM {schema}.jobs_history AS h
 JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS o (id, attempt) ON h.id = o.id
-WHERE h.id = ANY(%(ids)s::uuid[]) AND h.status = %(status)s AND h.attempts = o.attempt
+WHERE h.id = ANY(%(ids)s::uuid[]) AND h.status = ANY(%(statuses)s::text[])
+  AND h.attempts = o.attempt
 
 -- get_job --
 -- One job row, unfinished or finished (the view all_jobs reads both tables).

@@ -108,6 +108,34 @@ def test_a_failure_after_the_abort_was_requested_is_not_retried(store):
     assert last["data"] == {"worker": "worker-1", "error": "ValueError: boom"}
 
 
+def test_a_last_failure_after_the_abort_was_requested_ends_the_job_cancelled(store):
+    # The worker had not learned of the request (its notice was still on the way) and
+    # took the failure for a dead letter: the row knows better.
+    attempt = running(store)
+    plain = running(store)
+    store.abort(attempt.id, by="ops")
+    assert store.fail([attempt, plain], ["ValueError: boom", "KeyError: k"]) == {
+        attempt.id,
+        plain.id,
+    }
+    job = store.get(attempt.id)
+    assert (job["status"], job["last_error"], job["failures"]) == (
+        "cancelled",
+        "ValueError: boom",
+        1,
+    )
+    last = store.events_of(attempt.id)[-1]
+    assert (last["type"], last["actor"]) == ("aborted", "ops")
+    assert last["data"] == {"worker": "worker-1", "error": "ValueError: boom"}
+    assert store.get(plain.id)["status"] == "failed"
+    assert types(store, plain.id)[-1] == ("failed", "worker-1")
+    # A retry of the statement whose reply was lost finds it written.
+    assert store.finished_attempts([attempt, plain], ("failed", "cancelled")) == {
+        attempt.id,
+        plain.id,
+    }
+
+
 def test_the_reaper_cancels_an_aborted_job_whose_worker_died(store):
     attempt = running(store, lease=0.001)
     assert store.start([attempt], 0.001) == {attempt.id}
@@ -156,11 +184,19 @@ def test_a_claim_marks_a_job_an_older_worker_requeued_after_its_abort(store, pg_
     assert claimed.id == attempt.id and claimed.abort_requested
 
 
-def test_a_manual_retry_forgets_an_old_abort_request(store):
+def test_a_manual_retry_forgets_an_old_abort_request(store, pg_url, schema):
     attempt = running(store)
     store.abort(attempt.id, by="ops")
-    # The actor failed for good before its worker stopped it.
+    # The actor failed for good before its worker stopped it. That ends the job cancelled
+    # now; earlier versions ended it failed, the request kept on the row.
     assert store.fail([attempt], ["boom"]) == {attempt.id}
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("UPDATE {}.jobs_history SET status = 'failed' WHERE id = %s").format(
+                sql.Identifier(schema)
+            ),
+            (attempt.id,),
+        )
     job = store.retry_failed(attempt.id, by="ops")
     assert job["status"] == "queued" and job["abort_requested_at"] is None
     (claimed,) = store.claim(job["queue_name"], 1, "worker-2", 60)

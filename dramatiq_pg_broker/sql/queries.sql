@@ -508,6 +508,17 @@ SELECT now()
 -- empty row says so (paused), with no wait: nothing there becomes runnable by itself.
 -- A claimed row whose abort was requested (only an older worker's requeue leaves one
 -- queued) comes back marked, and its worker cancels it instead of running it.
+-- The plan lasts the session. The queue, the time and the limit are read through
+-- sub-selects (each evaluated once, an index condition all the same), so that a plan made
+-- for the values at hand (a custom plan) is estimated no cheaper than one made for any
+-- values (the generic plan), and PostgreSQL keeps the generic plan after its first five
+-- executions. With the values in sight, a queue whose table has statistics (thousands of
+-- queued jobs, analyzed) was estimated cheaper by a custom plan at every execution, so
+-- the statement was planned at every claim: 0.7 ms a plan over the lanes' four tables,
+-- more than the claim of one job takes to run (docs/benchmarks.md, "The claim's plan").
+-- The update finds the picked rows by id (an array of them) as well as by the join: the
+-- generic plan does not know how many rows the LIMIT lets through, and without it would
+-- hash every lane's rows to find them.
 WITH RECURSIVE pause AS (
     SELECT EXISTS (
         SELECT 1 FROM {schema}.queues AS q WHERE q.queue_name = %(queue_name)s AND q.paused
@@ -515,12 +526,12 @@ WITH RECURSIVE pause AS (
 ), picked AS (
     SELECT id, lane
     FROM {schema}.jobs
-    WHERE queue_name = %(queue_name)s
+    WHERE queue_name = (SELECT %(queue_name)s::text)
       AND status = 'queued'
-      AND available_at <= coalesce(%(now)s::timestamptz, now())
+      AND available_at <= (SELECT coalesce(%(now)s::timestamptz, now()))
       AND NOT (SELECT paused FROM pause)
     ORDER BY priority, available_at, created_at, id
-    LIMIT %(limit)s
+    LIMIT (SELECT %(limit)s::integer)
     FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE {schema}.jobs AS j
@@ -531,7 +542,8 @@ WITH RECURSIVE pause AS (
         started_at = coalesce(%(now)s::timestamptz, now()),
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM picked
-    WHERE j.id = picked.id AND j.lane = picked.lane
+    WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
+      AND j.id = picked.id AND j.lane = picked.lane
     RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
               j.message, j.message_bytes, j.failures, j.abandoned_claims,
               j.abort_requested_at IS NOT NULL AS abort_requested

@@ -516,9 +516,13 @@ SELECT now()
 -- queued jobs, analyzed) was estimated cheaper by a custom plan at every execution, so
 -- the statement was planned at every claim: 0.7 ms a plan over the lanes' four tables,
 -- more than the claim of one job takes to run (docs/benchmarks.md, "The claim's plan").
--- The update finds the picked rows by id (an array of them) as well as by the join: the
--- generic plan does not know how many rows the LIMIT lets through, and without it would
--- hash every lane's rows to find them.
+-- The update joins the picked rows by (id, lane) (an id stored in two lanes, see 0028,
+-- has a row no claim picked nor locked) and also names their ids in an array: the generic
+-- plan does not know how many rows the LIMIT lets through, and where it expects many
+-- (a queue of thousands of queued jobs), the join alone was planned as a hash of every
+-- lane's rows; with the array, each lane is probed by its primary key whatever the join
+-- (and where it expects few, as on a table never analyzed, the join is a nested loop of
+-- key probes, which a plain array condition would have made sequential scans).
 WITH RECURSIVE pause AS (
     SELECT EXISTS (
         SELECT 1 FROM {schema}.queues AS q WHERE q.queue_name = %(queue_name)s AND q.paused
@@ -542,8 +546,8 @@ WITH RECURSIVE pause AS (
         started_at = coalesce(%(now)s::timestamptz, now()),
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM picked
-    WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
-      AND j.id = picked.id AND j.lane = picked.lane
+    WHERE j.id = picked.id AND j.lane = picked.lane
+      AND j.id = ANY (ARRAY(SELECT id FROM picked))
     RETURNING j.id, j.priority, j.available_at, j.created_at, j.attempts, j.max_attempts,
               j.message, j.message_bytes, j.failures, j.abandoned_claims,
               j.abort_requested_at IS NOT NULL AS abort_requested

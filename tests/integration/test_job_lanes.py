@@ -595,3 +595,28 @@ def test_a_unique_send_whose_snapshot_predates_an_emptying_does_not_free_the_key
             store.enqueue(second, conn=app)
     assert _lane_of(db, first.id) == [3]
     assert _lane_of(db, second.id) == []
+
+
+def test_a_claim_of_an_id_stored_in_two_lanes_takes_one_row_at_a_time(store, db):
+    # The claim's update finds the picked rows by id, then keeps only the (id, lane) pairs
+    # picked: the other row of the id, which no claim picked (nor locked), is left queued.
+    job = _job("lanes-claim-dup")
+    store.enqueue(job)
+    _copy_to_long_lane(db, job.id)
+    try:
+        first = store.claim("lanes-claim-dup", 1, "worker-1", 60)
+        rows = db.execute(
+            "SELECT lane, status, locked_by FROM jobs WHERE id = %s ORDER BY status", (job.id,)
+        ).fetchall()
+        second = store.claim("lanes-claim-dup", 1, "worker-2", 60)
+        owners = db.execute(
+            "SELECT locked_by FROM jobs WHERE id = %s ORDER BY locked_by", (job.id,)
+        ).fetchall()
+    finally:
+        db.execute("DELETE FROM jobs WHERE id = %s", (job.id,))  # the module's lanes go on
+    assert [c.id for c in first] == [job.id] and [c.id for c in second] == [job.id]
+    assert [(status, owner) for _, status, owner in rows] == [
+        ("queued", None),
+        ("running", "worker-1"),
+    ]
+    assert owners == [("worker-1",), ("worker-2",)]

@@ -1248,10 +1248,10 @@ SELECT id FROM done
 
 -- finished_attempts --
 -- Of these attempts, the ones whose job already ended with one of the given statuses at
--- that very attempt: an outcome statement that committed as the connection dropped, then found
--- nothing to change when the writer sent it again. A finished row keeps no owner, so the
--- attempt number tells it (another worker's attempt would have counted one more). Read
--- only when an outcome finds its job gone, so never on the hot path.
+-- that very attempt: an outcome statement that committed as the connection dropped, then
+-- found nothing to change when the writer sent it again. A finished row keeps no owner,
+-- so the attempt number tells it (another worker's attempt would have counted one more).
+-- Read only when an outcome finds its job gone, so never on the hot path.
 SELECT h.id
 FROM {schema}.jobs_history AS h
 JOIN unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS o (id, attempt) ON h.id = o.id

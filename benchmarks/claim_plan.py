@@ -8,7 +8,9 @@ then ``ANALYZE``: the statistics a real queue has), then claims ``--batch`` jobs
 20 (psycopg prepares at the sixth execution, the server keeps a generic plan after five
 more) and how many generic and custom plans the server made for the claim
 (``pg_prepared_statements``). A claim planned at every execution shows as custom plans
-equal to the executions.
+equal to the executions. ``--before-fill N`` first claims N times on the empty queue, on
+the same connection (a worker that started before a backlog arrived), and also prints
+the custom plans made after the fill.
 
 Run it with an earlier checkout's code to compare (``--code``: the folder whose
 ``dramatiq_pg_broker`` is imported; this checkout's by default)::
@@ -47,18 +49,18 @@ WHERE statement LIKE 'WITH RECURSIVE pause%%'
 """
 
 
-def measure(url: str, schema: str, queued: int, batch: int, loops: int) -> dict:
+def measure(
+    url: str, schema: str, queued: int, batch: int, loops: int, before_fill: int = 0
+) -> dict:
     """Claim ``batch`` jobs ``loops`` times from ``queued`` (see the module docstring) with
-    the ``dramatiq_pg_broker`` first on ``sys.path``."""
+    the ``dramatiq_pg_broker`` first on ``sys.path``; ``before_fill`` claims first, on the
+    same connection, while the queue is still empty."""
     import dramatiq_pg_broker
     from dramatiq_pg_broker.db.queries import Queries
 
     from . import pgdata
 
     pgdata.reset_schema(url, schema)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL(FILL).format(sql.Identifier(schema)), (queued,))
-        conn.execute(sql.SQL("ANALYZE {}.jobs").format(sql.Identifier(schema)))
     claim = Queries(schema)["claim_jobs"]
     params = {
         "queue_name": "default",
@@ -71,6 +73,12 @@ def measure(url: str, schema: str, queued: int, batch: int, loops: int) -> dict:
     times = []
     with psycopg.connect(url, autocommit=True) as conn:
         cursor = conn.cursor()
+        for _ in range(before_fill):
+            cursor.execute(claim, params).fetchall()
+        early = conn.execute(PLANS).fetchone() or (0, 0)
+        with psycopg.connect(url, autocommit=True) as filler:
+            filler.execute(sql.SQL(FILL).format(sql.Identifier(schema)), (queued,))
+            filler.execute(sql.SQL("ANALYZE {}.jobs").format(sql.Identifier(schema)))
         for _ in range(loops):
             began = time.perf_counter()
             cursor.execute(claim, params).fetchall()
@@ -87,6 +95,7 @@ def measure(url: str, schema: str, queued: int, batch: int, loops: int) -> dict:
         "mean_us": statistics.mean(warm) * 1e6,
         "generic_plans": generic,
         "custom_plans": custom,
+        "custom_plans_after_fill": custom - early[1],
     }
 
 
@@ -98,16 +107,27 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--loops", type=int, default=2000)
     parser.add_argument("--code", help="the folder of the dramatiq_pg_broker to measure")
+    parser.add_argument(
+        "--before-fill",
+        type=int,
+        default=0,
+        help="claims on the empty queue first, on the same connection (its first plans)",
+    )
     args = parser.parse_args()
     if args.code:
         sys.path.insert(0, os.path.abspath(args.code))
     if not args.url:
         raise SystemExit("give --url or set DRAMATIQ_PG_URL")
-    result = measure(args.url, args.schema, args.queued, args.batch, args.loops)
+    result = measure(args.url, args.schema, args.queued, args.batch, args.loops, args.before_fill)
     print(
         f"{result['code']}: claim of {args.batch} from {args.queued} queued, {args.loops} "
         f"times: median {result['median_us']:.0f} us, mean {result['mean_us']:.0f} us; "
         f"plans generic {result['generic_plans']}, custom {result['custom_plans']}"
+        + (
+            f" ({result['custom_plans_after_fill']} custom after the fill)"
+            if args.before_fill
+            else ""
+        )
     )
 
 

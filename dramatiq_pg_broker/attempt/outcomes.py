@@ -143,7 +143,7 @@ class OutcomeWriter(Service):
                     "committed as the connection dropped.",
                     attempt.id,
                     attempt.attempt,
-                    status,
+                    status if isinstance(status, str) else " or ".join(status),
                 )
         return found
 

@@ -47,11 +47,13 @@ finished_at = coalesce(%(now)s::timestamptz, now())
 -- that are still theirs (the ownership guard of every exit from running), locked first, in
 -- id order, whatever plan the statement gets: two statements on overlapping rows (the
 -- heartbeat and the outcome writer, say) never deadlock. The id = ANY(...) condition lets
--- the plan find the rows by primary key. Returns (id, owner, ...): a statement writing
--- {owned_attempts: name = array, ...} also gets each attempt's element of the array as
--- that column, and one writing {owned_attempts: where = condition} locks only the rows
--- (j) that meet the condition too.
-SELECT j.id, o.owner{:values}
+-- the plan find the rows by primary key. Returns (id, lane, owner, ...): a statement
+-- writing {owned_attempts: name = array, ...} also gets each attempt's element of the
+-- array as that column, and one writing {owned_attempts: where = condition} locks only the
+-- rows (j) that meet the condition too. A statement that changes the rows it returns
+-- names each by (id, lane): an id stored in two lanes (see 0028) has a row that is not the
+-- attempt's (queued, as its send left it).
+SELECT j.id, j.lane, o.owner{:values}
 FROM {schema}.jobs AS j
 JOIN unnest(%(ids)s::uuid[], %(owners)s::text[], %(attempts)s::int[]{:arrays})
     AS o (id, owner, attempt{:names}) ON j.id = o.id
@@ -508,21 +510,25 @@ SELECT now()
 -- empty row says so (paused), with no wait: nothing there becomes runnable by itself.
 -- A claimed row whose abort was requested (only an older worker's requeue leaves one
 -- queued) comes back marked, and its worker cancels it instead of running it.
--- The plan lasts the session. The queue, the time and the limit are read through
+-- One plan serves many claims. The queue, the time and the limit are read through
 -- sub-selects (each evaluated once, an index condition all the same), so that a plan made
 -- for the values at hand (a custom plan) is estimated no cheaper than one made for any
 -- values (the generic plan), and PostgreSQL keeps the generic plan after its first five
--- executions. With the values in sight, a queue whose table has statistics (thousands of
--- queued jobs, analyzed) was estimated cheaper by a custom plan at every execution, so
--- the statement was planned at every claim: 0.7 ms a plan over the lanes' four tables,
--- more than the claim of one job takes to run (docs/benchmarks.md, "The claim's plan").
+-- executions, until an ANALYZE or a TRUNCATE of a lane makes it plan again. (A queue that
+-- grew far beyond what a session's first plans saw may then get custom plans for a while:
+-- PostgreSQL weighs the new generic plan against the average of the custom plans it made.)
+-- With the values in sight, a queue whose table has statistics (thousands of queued jobs,
+-- analyzed) was estimated cheaper by a custom plan at every execution, so the statement
+-- was planned at every claim: 0.7 ms a plan over the lanes' four tables, more than the
+-- claim of one job takes to run (docs/benchmarks.md, "The claim's plan").
 -- The update joins the picked rows by (id, lane) (an id stored in two lanes, see 0028,
 -- has a row no claim picked nor locked) and also names their ids in an array: the generic
--- plan does not know how many rows the LIMIT lets through, and where it expects many
--- (a queue of thousands of queued jobs), the join alone was planned as a hash of every
--- lane's rows; with the array, each lane is probed by its primary key whatever the join
--- (and where it expects few, as on a table never analyzed, the join is a nested loop of
--- key probes, which a plain array condition would have made sequential scans).
+-- plan does not know how many rows the LIMIT lets through, and where it expects many (a
+-- queue of thousands of queued jobs), the join alone was planned as a hash of every
+-- lane's rows; with the array, a lane that its statistics say holds rows is probed by its
+-- primary key (and where the plan expects few, as on a table never analyzed, the join is
+-- a nested loop of key probes, which a plain array condition would have made sequential
+-- scans).
 WITH RECURSIVE pause AS (
     SELECT EXISTS (
         SELECT 1 FROM {schema}.queues AS q WHERE q.queue_name = %(queue_name)s AND q.paused
@@ -610,7 +616,7 @@ WITH owned AS MATERIALIZED (
             coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond',
             j.locked_until)
     FROM owned
-    WHERE j.id = owned.id
+    WHERE j.id = owned.id AND j.lane = owned.lane
     RETURNING j.id
 )
 SELECT id FROM marked, (SELECT set_config('synchronous_commit', 'off', true)) AS no_flush_wait
@@ -807,7 +813,7 @@ WITH owned AS MATERIALIZED (
         locked_until = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM owned
-    WHERE j.id = owned.id
+    WHERE j.id = owned.id AND j.lane = owned.lane
     RETURNING j.id, j.attempts, owned.owner, j.queue_name
 ), event AS (
     INSERT INTO {schema}.job_events (job_id, type, attempt, actor)
@@ -827,7 +833,7 @@ WITH owned AS MATERIALIZED (
     UPDATE {schema}.jobs AS j
     SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease_ms)s * interval '1 millisecond'
     FROM owned
-    WHERE j.id = owned.id
+    WHERE j.id = owned.id AND j.lane = owned.lane
     RETURNING j.id, j.attempts, j.locked_until, owned.owner,
               j.abort_requested_at IS NOT NULL AS abort_requested
 ), event AS (
@@ -908,7 +914,7 @@ WHERE status = 'running' AND {lease_ran_out}
 -- same outcomes, and an event that is always written, naming the operator (its actor)
 -- and the worker that lost the job (data.worker).
 WITH expired AS MATERIALIZED (
-    SELECT id, locked_by, started,
+    SELECT id, lane, locked_by, started,
            -- The attempt ends the job (cancelled or failed): it moves to jobs_history.
            abort_requested_at IS NOT NULL
                OR (started AND interruptions + 1 >= %(max_interruptions)s) AS ends
@@ -956,7 +962,7 @@ WITH expired AS MATERIALIZED (
         locked_until = NULL,
         updated_at = coalesce(%(now)s::timestamptz, now())
     FROM expired
-    WHERE j.id = expired.id AND NOT expired.ends
+    WHERE j.id = expired.id AND j.lane = expired.lane AND NOT expired.ends
     RETURNING j.id, j.status, j.attempts, j.available_at, j.last_error, j.queue_name,
               j.actor_name, j.message, j.message_bytes, j.failures, j.interruptions,
               expired.locked_by AS previous_owner, expired.started, j.abort_requested_by
@@ -1208,10 +1214,12 @@ SELECT pg_notify(%(channel)s, %(payload)s)
 
 -- abort_attempts --
 -- running -> cancelled for attempts this worker stopped because an abort was requested:
--- guarded by ownership like every exit from running, and by the request itself (nothing
--- else ends a running job cancelled). The `aborted` event names who asked (its actor) and
--- the worker that stopped the attempt; it is written whatever %(events)s says, as every
--- operator action's event is. The attempt stays counted: it ran, or was claimed to run.
+-- guarded by ownership like every exit from running, and by the request itself (the other
+-- exits that end a running job cancelled, fail_jobs, reschedule_job and reap_expired, do
+-- so on the request too; cancel_skipped on a middleware's word). The `aborted` event
+-- names who asked (its actor) and the worker that stopped the attempt; it is written
+-- whatever %(events)s says, as every operator action's event is. The attempt stays
+-- counted: it ran, or was claimed to run.
 -- The job moves to jobs_history, as in complete_jobs.
 WITH owned AS MATERIALIZED (
     {owned_attempts: where = j.abort_requested_at IS NOT NULL}

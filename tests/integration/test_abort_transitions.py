@@ -129,6 +129,16 @@ def test_a_last_failure_after_the_abort_was_requested_ends_the_job_cancelled(sto
     assert last["data"] == {"worker": "worker-1", "error": "ValueError: boom"}
     assert store.get(plain.id)["status"] == "failed"
     assert types(store, plain.id)[-1] == ("failed", "worker-1")
+    # With events off (DRAMATIQ_PG_EVENTS=false), the failure's event is not written; the
+    # abort's is, as every operator action's.
+    quiet = running(store)
+    store.abort(quiet.id, by="ops")
+    store.events = False
+    try:
+        assert store.fail([quiet], ["ValueError: quiet"]) == {quiet.id}
+    finally:
+        store.events = True
+    assert types(store, quiet.id)[-1] == ("aborted", "ops")
     # A retry of the statement whose reply was lost finds it written.
     assert store.finished_attempts([attempt, plain], ("failed", "cancelled")) == {
         attempt.id,

@@ -620,3 +620,32 @@ def test_a_claim_of_an_id_stored_in_two_lanes_takes_one_row_at_a_time(store, db)
         ("running", "worker-1"),
     ]
     assert owners == [("worker-1",), ("worker-2",)]
+
+
+def test_an_id_in_two_lanes_starts_its_claimed_row_alone_and_ends_with_its_other(store, db):
+    # The start (and a lease's renewal, a release) names the attempt's row by (id, lane):
+    # the id's other row, queued, was also marked started before, which its checks refuse,
+    # and the batch's start failed. The attempt's end takes the other row with it (one
+    # message id runs once); history then holds that row too, never run (attempts 0).
+    job = _job("lanes-end-dup")
+    store.enqueue(job)
+    _copy_to_long_lane(db, job.id)
+    try:
+        (claimed,) = store.claim("lanes-end-dup", 1, "worker-1", 60)
+        attempt = Attempt(claimed.id, "worker-1", claimed.attempts)
+        assert store.start([attempt], 60) == {job.id}
+        assert store.renew_leases([attempt], 60).owned == {job.id}
+        started = db.execute(
+            "SELECT status, started FROM jobs WHERE id = %s ORDER BY status", (job.id,)
+        ).fetchall()
+        assert store.complete([attempt]) == {job.id}
+        left = db.execute("SELECT status FROM jobs WHERE id = %s", (job.id,)).fetchall()
+        finished = db.execute(
+            "SELECT status, attempts FROM jobs_history WHERE id = %s ORDER BY attempts",
+            (job.id,),
+        ).fetchall()
+    finally:
+        db.execute("DELETE FROM jobs WHERE id = %s", (job.id,))  # the module's lanes go on
+    assert started == [("queued", False), ("running", True)]
+    assert left == []
+    assert finished == [("succeeded", 0), ("succeeded", 1)]

@@ -263,18 +263,24 @@ class InMemoryJobStore:
         with self._lock:
             for attempt, error in zip(attempts, errors):
                 if attempt.id in changed:
-                    self.rows[attempt.id].last_error = error
-                    self.rows[attempt.id].failures += 1
+                    row = self.rows[attempt.id]
+                    row.last_error = error
+                    row.failures += 1
+                    if row.abort_requested:  # fail_jobs ends it cancelled
+                        row.status = "cancelled"
         return changed
 
-    def finished_attempts(self, attempts: Sequence[Attempt], status: str, **_: Any) -> set[str]:
+    def finished_attempts(
+        self, attempts: Sequence[Attempt], status: str | Sequence[str], **_: Any
+    ) -> set[str]:
         self._call("finished_attempts", [a.id for a in attempts])
+        statuses = (status,) if isinstance(status, str) else tuple(status)
         with self._lock:
             rows = ((self.rows.get(a.id), a) for a in attempts)
             return {
                 r.id
                 for r, a in rows
-                if r is not None and r.status == status and r.attempts == a.attempt
+                if r is not None and r.status in statuses and r.attempts == a.attempt
             }
 
     def abort_attempts(self, attempts: Sequence[Attempt], **_: Any) -> set[str]:

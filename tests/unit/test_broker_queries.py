@@ -227,7 +227,7 @@ def test_the_ownership_guard_takes_each_statement_s_arrays_and_condition():
         "%(attempts)s::int[], %(errors)s::text[]) AS o (id, owner, attempt, error)"
         in queries["fail_jobs"]
     )
-    assert "SELECT j.id, o.owner, o.skip FROM" in queries["cancel_skipped"]
+    assert "SELECT j.id, j.lane, o.owner, o.skip FROM" in queries["cancel_skipped"]
     assert "j.attempts = o.attempt AND NOT j.started ORDER BY j.id" in queries["release_jobs"]
     assert "j.attempts = o.attempt ORDER BY j.id FOR UPDATE OF j" in queries["complete_jobs"]
 

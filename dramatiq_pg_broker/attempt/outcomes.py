@@ -93,18 +93,22 @@ class OutcomeWriter(Service):
         ledger = self.ledger
         # Each statement is retried on its own: one that committed is never sent again (a
         # second run would find its rows no longer running and report them as lost).
-        for items, status, write in (
-            (completed, "succeeded", lambda items: self.store.complete([a for a, _ in items])),
+        for items, statuses, write in (
+            (completed, ("succeeded",), lambda items: self.store.complete([a for a, _ in items])),
             (
                 failed,
                 # A failure ends a job whose abort was requested cancelled (fail_jobs).
                 ("failed", "cancelled"),
                 lambda items: self.store.fail([a for a, _ in items], [e for _, e in items]),
             ),
-            (aborted, "cancelled", lambda items: self.store.abort_attempts([a for a, _ in items])),
+            (
+                aborted,
+                ("cancelled",),
+                lambda items: self.store.abort_attempts([a for a, _ in items]),
+            ),
             (
                 skipped,
-                "cancelled",
+                ("cancelled",),
                 lambda items: self.store.cancel_skipped(
                     [a for a, _ in items], [s for _, s in items]
                 ),
@@ -113,7 +117,7 @@ class OutcomeWriter(Service):
             if not items:
                 continue
             owned, unwritten = self._write_batch(items, write)
-            owned = owned | self._written_before(status, items, owned | unwritten)
+            owned = owned | self._written_before(statuses, items, owned | unwritten)
             for attempt, _ in items:
                 if attempt.id in unwritten:
                     ledger.unwritable(attempt)
@@ -121,10 +125,10 @@ class OutcomeWriter(Service):
                     ledger.written(attempt, attempt.id in owned)
 
     def _written_before(
-        self, status: str | tuple[str, ...], items: list[tuple[Attempt, Any]], known: set[str]
+        self, statuses: tuple[str, ...], items: list[tuple[Attempt, Any]], known: set[str]
     ) -> set[str]:
         """Of the attempts a statement found no longer running, those whose job already
-        ended ``status`` (or one of them) at that attempt: a try before committed and its
+        ended with one of ``statuses`` at that attempt: a try before committed and its
         reply was lost to a dropped connection. They were written, not lost (no warning for
         a job that is fine). Anything else, or a database that cannot answer, leaves them
         lost."""
@@ -132,7 +136,7 @@ class OutcomeWriter(Service):
         if not missing:
             return set()
         try:
-            found = self.store.finished_attempts(missing, status)
+            found = self.store.finished_attempts(missing, statuses)
         except Exception as e:  # the warning then says lost, as before this check
             logger.debug("Could not check whether lost outcomes were written: %s", e)
             return set()
@@ -143,7 +147,7 @@ class OutcomeWriter(Service):
                     "committed as the connection dropped.",
                     attempt.id,
                     attempt.attempt,
-                    status if isinstance(status, str) else " or ".join(status),
+                    " or ".join(statuses),
                 )
         return found
 

@@ -109,7 +109,8 @@ class Claims(StoreBase):
         room: a crashed worker's place comes back within its lease. The returned claim
         carries the limit read (``queue_limit``; None: the queue has no limit any more and
         the claim was not bounded by one) and, when the queue was at its limit,
-        ``at_limit``.
+        ``at_limit``; a paused queue claims nothing and says ``paused`` (not ``at_limit``,
+        which would have its consumers look again every few milliseconds).
         """
         queries = _limit_queries(self.schema)
         with self.pool.use(conn) as c:
@@ -120,7 +121,9 @@ class Claims(StoreBase):
             # or too few counted).
             with read_committed(c).transaction():
                 c.execute(queries["lock_limited_queue"], {"key": f"{self.schema}.{queue_name}"})
-                max_running, room = self._room(queue_name, lease_seconds, now, c)
+                max_running, room, paused = self._room(queue_name, lease_seconds, now, c)
+                if paused:
+                    return Claim([], paused=True, queue_limit=max_running)
                 if max_running is not None:
                     limit = min(limit, room)
                 if limit <= 0:
@@ -135,11 +138,12 @@ class Claims(StoreBase):
         """How many more jobs of a limited queue may run now, by a read that takes no lock
         (a hint: :meth:`claim_limited` decides, and counts the same way). A large number
         for a queue without a limit."""
-        max_running, room = self._room(queue_name, lease_seconds, now, conn)
+        max_running, room, _ = self._room(queue_name, lease_seconds, now, conn)
         return room if max_running is not None else 1 << 30
 
-    def _room(self, queue_name, lease_seconds, now, conn) -> tuple[int | None, int]:
-        """The queue's limit (None: it has none) and the room left under it."""
+    def _room(self, queue_name, lease_seconds, now, conn) -> tuple[int | None, int, bool]:
+        """The queue's limit (None: it has none), the room left under it, and whether
+        the queue is paused."""
         params = {"queue_name": queue_name, "lease_ms": _ms(lease_seconds), "now": now}
         return self._fetch("limited_queue_room", params, conn)[0]
 

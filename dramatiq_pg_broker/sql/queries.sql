@@ -588,13 +588,19 @@ ORDER BY 2, 10, 11, 1
 -- holds no place: the reaper may requeue it at any moment, and its worker, dead or cut
 -- off, has lost it; so a crashed worker's place comes back within one lease, not when
 -- the reaper next runs. Running rows are few (one per busy worker thread): the count
--- reads the running-rows index (jobs_lease_expiry_idx).
+-- reads the running-rows index (jobs_lease_expiry_idx). Also whether an operator paused
+-- the queue: a paused queue at its limit is paused, not at its limit (its consumers wait
+-- for the resume's announcement instead of looking again every few milliseconds).
 SELECT l.max_running,
        greatest(0, l.max_running - (
            SELECT count(*) FROM {schema}.jobs
            WHERE queue_name = %(queue_name)s AND status = 'running'
              AND NOT coalesce({lease_ran_out}, false)
-       ))::int
+       ))::int,
+       coalesce(
+           (SELECT q.paused FROM {schema}.queues AS q WHERE q.queue_name = %(queue_name)s),
+           false
+       )
 FROM (SELECT 1) AS one
 LEFT JOIN {schema}.queue_limits AS l ON l.queue_name = %(queue_name)s
 

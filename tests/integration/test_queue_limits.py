@@ -18,6 +18,7 @@ from psycopg import sql
 
 from dramatiq_pg_broker import PostgresBroker
 from dramatiq_pg_broker.control import limits as queue_limits
+from dramatiq_pg_broker.control import queues as queue_control
 from dramatiq_pg_broker.errors import InvalidQueueLimit, InvalidQueueName, QueueNotDeclared
 from dramatiq_pg_broker.jobs import Attempt, JobStore, NewJob, channel_name
 from dramatiq_pg_broker.queue_rules import MAX_LIMIT
@@ -105,6 +106,25 @@ def test_an_empty_limited_queue_reports_its_next_delayed_job_like_the_plain_clai
     claim = store.claim_limited(queue, 2, "w1", 30)
     assert claim.jobs == [] and not claim.at_limit
     assert claim.seconds_until_available is None and claim.lease_seconds_left is not None
+
+
+def test_a_paused_queue_at_its_limit_claims_nothing_as_paused_not_at_its_limit(store):
+    """At its limit, a paused queue's claim says paused: its consumers then wait for the
+    resume's announcement, where "at its limit" has them look again every 25 ms for as
+    long as the running jobs last."""
+    queue = declared_queue(store)
+    send(store, queue, 3)
+    set_limit(store, queue, 1)
+    assert len(store.claim_limited(queue, 1, "w1", 30).jobs) == 1
+    with store.pool.connection() as conn:
+        queue_control.pause(conn, store.schema, queue, by="ops")
+    paused = store.claim_limited(queue, 1, "w2", 30)
+    assert paused.jobs == [] and paused.paused and not paused.at_limit
+    assert paused.queue_limit == 1
+    with store.pool.connection() as conn:
+        queue_control.resume(conn, store.schema, queue, by="ops")
+    resumed = store.claim_limited(queue, 1, "w2", 30)
+    assert resumed.jobs == [] and resumed.at_limit and not resumed.paused
 
 
 @pytest.mark.parametrize("limit", [1, 4])
@@ -358,6 +378,50 @@ def test_a_worker_gives_back_its_prefetch_when_its_queue_becomes_limited(h, stor
             5,
             "the prefetched messages to go back",
         )
+    finally:
+        release.set()
+    wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")
+
+
+def test_a_worker_of_a_paused_queue_at_its_limit_waits_for_the_resume(h, store):
+    """A queue limited to 1 runs its one job on a worker of 2 threads when an operator
+    pauses it: the worker's consumer stops claiming until the resume, instead of trying
+    the limited claim every LIMIT_RETRY_SECONDS while the job runs (40 statements a
+    second before). Polled every 5 s: an idle consumer's one look in the span observed."""
+    queue = declared_queue(store, h.queue)
+    set_limit(store, queue, 1)
+    broker = h.broker(poll_interval=5.0)
+    release = threading.Event()
+
+    @dramatiq.actor(broker=broker, queue_name=queue, actor_name="held_paused")
+    def held_paused(n):
+        release.wait(20)
+
+    claims = []
+    claim_limited = broker.store.claim_limited
+
+    def counted(*args, **kwargs):
+        claim = claim_limited(*args, **kwargs)
+        claims.append((time.monotonic(), claim))
+        return claim
+
+    broker.store.claim_limited = counted
+    for n in range(2):
+        held_paused.send(n)
+    h.start(broker, threads=2)
+    try:
+        wait_for(lambda: running(store.pool.url, store.schema, queue) == 1, 10, "a job to run")
+        wait_for(lambda: any(c.at_limit for _, c in claims), 5, "a claim at the limit")
+        with store.pool.connection() as conn:
+            queue_control.pause(conn, store.schema, queue, by="ops")
+        wait_for(lambda: any(c.paused for _, c in claims), 5, "a claim to find the pause")
+        since = time.monotonic()
+        time.sleep(1.0)  # the span observed: 40 claims in it before
+        during = [c for t, c in claims if t >= since]
+        assert len(during) <= 1, f"{len(during)} claims of a paused queue in 1 s"
+        with store.pool.connection() as conn:
+            queue_control.resume(conn, store.schema, queue, by="ops")
+        wait_for(lambda: claims[-1][1].at_limit, 5, "a claim after the resume")
     finally:
         release.set()
     wait_for(lambda: store.count_unfinished(queue) == 0, 30, "the queue to drain")

@@ -711,12 +711,17 @@ LOCK TABLE {schema}.jobs IN ROW SHARE MODE
 -- cannot delete a row written after its snapshot (a serialization failure). FOR KEY SHARE,
 -- the weakest lock: the reaper (FOR UPDATE SKIP LOCKED) passes the row by while it is
 -- held, and an operator's abort (abort_job, FOR NO KEY UPDATE) is not kept waiting; its
--- mark on the row then fails the block's success, as it must.
+-- mark on the row then fails the block's success, as it must. An id stored in two lanes
+-- (docs/internals/job-row.md) has two rows: the attempt's (this owner's, the pinned
+-- version) is the one read, whatever order the lanes come in.
 SELECT j.locked_until = %(pinned)s::timestamptz,
        j.status = 'running' AND j.locked_by = %(owner)s AND j.attempts = %(attempt)s
            AND j.abort_requested_at IS NULL
 FROM {schema}.jobs AS j
 WHERE j.id = %(id)s
+ORDER BY j.locked_by IS NOT DISTINCT FROM %(owner)s DESC,
+         j.locked_until IS NOT DISTINCT FROM %(pinned)s::timestamptz DESC
+LIMIT 1
 FOR KEY SHARE OF j
 
 -- completion_status --

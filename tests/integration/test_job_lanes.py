@@ -649,3 +649,35 @@ def test_an_id_in_two_lanes_starts_its_claimed_row_alone_and_ends_with_its_other
     assert started == [("queued", False), ("running", True)]
     assert left == []
     assert finished == [("succeeded", 0), ("succeeded", 1)]
+
+
+def test_a_complete_in_block_of_an_id_in_two_lanes_locks_its_attempt_s_row(store, db, pg_url):
+    # A complete_in() block at REPEATABLE READ reads the attempt's row to learn whether its
+    # snapshot sees the pinned version. With the id in two lanes it read whichever row came
+    # first: the queued one in a period's lane (scanned before the long lane) said "stale
+    # snapshot", and the block refused a success it could write.
+    job = _job("lanes-block-dup")
+    store.enqueue(job)
+    _copy_to_long_lane(db, job.id)
+    # The long lane's row is the one claimed: the period lane's waits.
+    db.execute(
+        "UPDATE jobs SET available_at = now() + interval '1 hour' WHERE id = %s AND lane <> 3",
+        (job.id,),
+    )
+    try:
+        (claimed,) = store.claim("lanes-block-dup", 1, "worker-1", 60)
+        attempt = Attempt(claimed.id, "worker-1", claimed.attempts)
+        pinned, aborted = store.pin_completion(attempt, 60)
+        with psycopg.connect(pg_url) as app:
+            app.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            store.lock_lanes_for_completion(app)
+            seen = store.lock_for_completion(attempt, pinned, app)
+            app.execute("ROLLBACK")
+        lanes = db.execute(
+            "SELECT lane, status FROM jobs WHERE id = %s ORDER BY lane", (job.id,)
+        ).fetchall()
+    finally:
+        db.execute("DELETE FROM jobs WHERE id = %s", (job.id,))  # the module's lanes go on
+    assert [status for _, status in lanes] == ["queued", "running"] and lanes[1][0] == 3
+    assert not aborted
+    assert seen == (True, True)

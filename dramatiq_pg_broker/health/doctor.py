@@ -374,15 +374,15 @@ def check_snapshot(ex: Examination) -> Finding:
     blind = ex.blind("snapshots")
     if not holders:
         return Finding("snapshot", "ok", "no session holds a snapshot", blind, figures=figures)
-    kind, pid, application, user, client, state, seconds, xids, query = holders[0]
-    level = "ok"
-    if seconds is not None:
-        if seconds >= t.snapshot_problem_seconds:
-            level = "problem"
-        elif seconds >= t.snapshot_warning_seconds:
-            level = "warning"
-    elif xids >= t.horizon_warning_xids:
-        level = "warning"
+    # The holder named is the worst by its own level, the oldest horizon among equals: a
+    # replication slot a few transactions back can come first and hide a session held
+    # for hours behind it (a horizon's age in transactions and a session's in seconds
+    # are not the same scale).
+    levels = [_holder_level(h, t) for h in holders]
+    worst = max(range(len(holders)), key=lambda n: (LEVELS.index(levels[n]), -n))
+    level = levels[worst]
+    lead = holders[worst]
+    kind, pid, application, user, client, state, seconds, xids, query = lead
     if kind == "session":
         title = (
             f"pid {pid} ({_who(application, user, client)}) has held the oldest snapshot for "
@@ -417,7 +417,7 @@ def check_snapshot(ex: Examination) -> Finding:
     hot = _hot_table_cost(ex)
     if hot is not None:
         details.append(hot)
-    for other in holders[1:]:
+    for other in (h for h in holders if h is not lead):
         details.append(
             f"also {other[0]} "
             + (
@@ -435,6 +435,17 @@ def check_snapshot(ex: Examination) -> Finding:
         advice if level != "ok" else None,
         figures,
     )
+
+
+def _holder_level(holder: tuple, t: Thresholds) -> str:
+    """One holder of the horizon's level: a session's or a prepared transaction's by its
+    age in seconds, a replication slot's by its age in transactions."""
+    seconds, xids = holder[6], holder[7]
+    if seconds is not None:
+        if seconds >= t.snapshot_problem_seconds:
+            return "problem"
+        return "warning" if seconds >= t.snapshot_warning_seconds else "ok"
+    return "warning" if xids >= t.horizon_warning_xids else "ok"
 
 
 def _hot_table_cost(ex: Examination) -> str | None:

@@ -503,15 +503,20 @@ def test_a_role_that_sees_only_its_own_sessions_still_counts_every_connection(
         for n in range(5):
             session(f"app-{n}")
         url = psycopg.conninfo.make_conninfo(pg_url, user=role)
+        # The server's slots are shared with the suite's other processes, whose
+        # connections come and go: the role's count is bracketed by two counts of a role
+        # that sees every session (the one after alone failed once, two lower).
         with psycopg.connect(url, autocommit=True) as c:
+            before = examine(conn, schema, checks=["connections"]).finding("connections")
             blind = examine(c, schema, checks=["connections", "snapshot", "idle_transactions"])
-        sees_all = examine(conn, schema, checks=["connections"]).finding("connections")
+            after = examine(conn, schema, checks=["connections"]).finding("connections")
         for check in ("snapshot", "idle_transactions"):
             details = blind.finding(check).details
             assert any("sees only its own sessions'" in d for d in details), (check, details)
         found = blind.finding("connections")
         assert found.figures["used"] >= 7, found.title  # 5 sessions, conn, the role's own
-        assert found.figures["used"] <= sees_all.figures["used"] + 1, (found.title, sees_all.title)
+        most = max(before.figures["used"], after.figures["used"])
+        assert found.figures["used"] <= most, (found.title, before.title, after.title)
     finally:
         conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(role)))
 

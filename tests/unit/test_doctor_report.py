@@ -7,7 +7,15 @@ import datetime as dt
 
 import pytest
 
-from dramatiq_pg_broker.health.doctor import Finding, Report, Thresholds, age, render, size
+from dramatiq_pg_broker.health.doctor import (
+    Finding,
+    Report,
+    Thresholds,
+    age,
+    check_snapshot,
+    render,
+    size,
+)
 
 NOW = dt.datetime(2026, 12, 6, tzinfo=dt.timezone.utc)
 
@@ -89,3 +97,48 @@ def test_every_threshold_is_documented_and_has_a_default():
     for name, default, doc in documented:
         assert doc and default >= 0, name
     assert Thresholds().snapshot_warning_seconds < Thresholds().snapshot_problem_seconds
+
+
+class _Holders:
+    """What check_snapshot reads of an examination: the holders, oldest horizon first."""
+
+    schema = "jobs_schema"
+    thresholds = Thresholds()
+
+    def __init__(self, *holders: tuple) -> None:
+        self._holders = list(holders)
+
+    def holders(self) -> list[tuple]:
+        return self._holders
+
+    def blind(self, what: str) -> tuple[str, ...]:
+        return ()
+
+    def hot_table(self) -> None:
+        return None
+
+
+def _slot(name: str, xids: int) -> tuple:
+    return ("replication slot", None, name, None, None, "inactive", None, xids, "logical")
+
+
+def _session(pid: int, seconds: float, xids: int) -> tuple:
+    return ("session", pid, "report", "app", "10.0.0.9", "idle in transaction", seconds, xids, "q")
+
+
+def test_a_session_held_for_hours_behind_a_younger_slot_decides_the_snapshot_finding():
+    # The slot holds the oldest horizon, by a few transactions (below the warning): the
+    # session behind it has held its snapshot for two hours, a problem.
+    finding = check_snapshot(_Holders(_slot("idle_slot", 900), _session(4242, 7200, 850)))
+    assert finding.level == "problem"
+    assert finding.title.startswith("pid 4242 (report,"), finding.title
+    assert "pg_terminate_backend(4242)" in finding.advice
+    assert any("idle_slot" in line for line in finding.details), finding.details
+    assert finding.figures["horizon_xid_age"] == 900
+
+
+def test_among_holders_of_one_level_the_oldest_horizon_is_named():
+    finding = check_snapshot(_Holders(_session(1, 400, 90), _session(2, 4000, 80)))
+    assert finding.level == "problem" and finding.title.startswith("pid 1 ")
+    finding = check_snapshot(_Holders(_session(1, 70, 90), _session(2, 650, 80)))
+    assert finding.level == "problem" and finding.title.startswith("pid 2 ")

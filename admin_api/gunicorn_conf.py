@@ -38,6 +38,8 @@ import os
 
 import gunicorn.util
 
+from admin_api.request_limits import REQUEST_FIELD_BYTES, REQUEST_FIELDS, REQUEST_LINE_BYTES
+
 bind = os.environ.get("ADMIN_API_BIND", "127.0.0.1:8000")
 workers = int(os.environ.get("ADMIN_API_WORKERS", "2"))
 threads = int(os.environ.get("ADMIN_API_THREADS", "64"))
@@ -52,11 +54,12 @@ preload_app = False
 # Recycle workers now and then so that a slow leak can never grow unbounded.
 max_requests = 10_000
 max_requests_jitter = 1_000
-# gunicorn's own limits on the request head (its defaults, stated): a longer request line
-# is a 414, more or longer header fields a 431.
-limit_request_line = 4094
-limit_request_fields = 100
-limit_request_field_size = 8190
+# gunicorn's own limits on the request head (its defaults, stated; the API's document
+# declares them on every operation): a longer request line is a 414, more or longer header
+# fields a 431.
+limit_request_line = REQUEST_LINE_BYTES
+limit_request_fields = REQUEST_FIELDS
+limit_request_field_size = REQUEST_FIELD_BYTES
 accesslog = "-"
 errorlog = "-"
 loglevel = os.environ.get("ADMIN_API_LOG_LEVEL", "info")

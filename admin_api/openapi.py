@@ -19,6 +19,7 @@ from . import responses
 from .accounts import ROLES
 from .app import API
 from .operations import ANY_QUERY, MAX_BODY_BYTES, PATH_PARAMETERS, PUBLIC, Operation, operations
+from .request_limits import REQUEST_FIELD_BYTES, REQUEST_FIELDS, REQUEST_LINE_BYTES
 
 #: Where the component schemas are.
 REF = "#/components/schemas/{model}"
@@ -34,6 +35,12 @@ ERRORS = {
     415: "The body is not JSON.",
     503: "The database is unavailable, or the query ran past the statement timeout "
     "(DRAMATIQ_PG_STATEMENT_TIMEOUT); Retry-After says when to try again.",
+    # Answered by the server itself, before the app, to any request (gunicorn_conf).
+    414: f"The request line is longer than {REQUEST_LINE_BYTES} bytes (answered by the "
+    "server, as served by the shipped gunicorn configuration).",
+    431: f"The request has more than {REQUEST_FIELDS} header fields or one longer than "
+    f"{REQUEST_FIELD_BYTES} bytes (answered by the server, as served by the shipped "
+    "gunicorn configuration).",
 }
 _IF_NONE_MATCH = {
     "name": "If-None-Match",
@@ -145,13 +152,15 @@ def roles(op: Operation) -> str:
 def _answers(op: Operation) -> dict[str, Any]:
     """The operation's own answers, then those of its kind: a 400 when it reads a query
     string or a body, a 401 and a 403 when it needs credentials, a 503 when it needs the
-    database (credentials do), and 411, 413 and 415 when it reads a body."""
+    database (credentials do), 411, 413 and 415 when it reads a body, and the 414 and
+    431 the server answers to any request whose head is too long."""
     answers = dict(op.responses)
     if op.etag:
         answers[304] = "Not modified: the answer still has the ETag sent in If-None-Match."
     protected, body = op.roles is not PUBLIC, op.body is not None
     kinds = {400: op.query != ANY_QUERY or body, 401: protected, 403: protected}
     kinds |= {503: protected or op.database, 411: body, 413: body, 415: body}
+    kinds |= {414: True, 431: True}
     for status, applies in kinds.items():
         if applies:
             answers.setdefault(status, ERRORS[status])

@@ -50,24 +50,24 @@ def refused(level: str, shape: str) -> bool:
     return shape == "joins-after-read" and level in ("repeatable read", "serializable")
 
 
-def _psycopg(url, insert, level, shape):
+def _psycopg(url, insert, level, shape, inside=None):
     job = current_job()
     with psycopg.connect(url) as conn:
         conn.isolation_level = IsolationLevel[level.upper().replace(" ", "_")]
         if shape == "begins":
             with job.complete_in(conn):
                 conn.execute(insert, (job.id, job.attempt))
-                time.sleep(HOLD)
+                _hold(inside)
             return
         with conn.transaction():
             if shape == "joins-after-read":
                 conn.execute("SELECT 1")
             with job.complete_in(conn):
                 conn.execute(insert, (job.id, job.attempt))
-                time.sleep(HOLD)
+                _hold(inside)
 
 
-def _sa(engine, text, level, shape, kind):
+def _sa(engine, text, level, shape, kind, inside=None):
     job = current_job()
     engine = engine.execution_options(isolation_level=level.upper())
     params = {"a": job.id, "b": job.attempt}
@@ -75,20 +75,32 @@ def _sa(engine, text, level, shape, kind):
         if shape == "begins":
             with job.complete_in(obj):
                 obj.execute(text, params)
-                time.sleep(HOLD)
+                _hold(inside)
             return
         with obj.begin():
             if shape == "joins-after-read":
                 obj.execute(sa.text("SELECT 1"))
             with job.complete_in(obj):
                 obj.execute(text, params)
-                time.sleep(HOLD)
+                _hold(inside)
+
+
+def _hold(inside) -> None:
+    """Inside the block, after the actor's write: what the test does there (``inside``),
+    then hold the transaction open."""
+    if inside is not None:
+        inside()
+    time.sleep(HOLD)
 
 
 SYNC = {
-    "psycopg": lambda ctx, *how: _psycopg(ctx["url"], ctx["insert"], *how),
-    "sa-session": lambda ctx, *how: _sa(ctx["engine"], ctx["text"], *how, "session"),
-    "sa-connection": lambda ctx, *how: _sa(ctx["engine"], ctx["text"], *how, "connection"),
+    "psycopg": lambda ctx, *how: _psycopg(ctx["url"], ctx["insert"], *how, ctx.get("inside")),
+    "sa-session": lambda ctx, *how: _sa(
+        ctx["engine"], ctx["text"], *how, "session", ctx.get("inside")
+    ),
+    "sa-connection": lambda ctx, *how: _sa(
+        ctx["engine"], ctx["text"], *how, "connection", ctx.get("inside")
+    ),
 }
 
 
@@ -457,6 +469,48 @@ def test_an_abort_during_a_repeatable_read_block_is_recorded_at_once_and_cancels
     wait_status(store, conn, schema, message.message_id, "cancelled", timeout=10)
     assert effects() == []
     assert job_row(conn, schema, message.message_id)[0] == "cancelled"
+
+
+@pytest.mark.parametrize("level", ["read committed", "repeatable read", "serializable"])
+@pytest.mark.parametrize("kind", sorted(SYNC))
+def test_an_abort_the_worker_never_hears_of_ends_the_job_cancelled_at_every_level(
+    h, conn, schema, store, effects, pg_url, kind, level
+):
+    """An operator's abort lands on the job's row while the block runs, and the worker
+    never hears of it (no LISTEN, its heartbeat beyond the test): the block's success is
+    refused, the actor's failure is its last one as far as the worker knows, and the
+    failure's statement ends the job cancelled all the same, with nothing committed,
+    whatever the level and the kind of connection."""
+    engine = sa.create_engine(sa_url(pg_url))
+
+    def abort_now():
+        store.abort(current_job().id, by="operator")
+
+    ctx = {"url": pg_url, "insert": effects.insert, "text": effects.text, "engine": engine}
+    ctx["inside"] = abort_now
+    broker = h.broker(listen=False, lease_seconds=300, heartbeat_seconds=120)
+
+    @dramatiq.actor(
+        broker=broker,
+        queue_name=h.queue,
+        actor_name=f"unheard_{h.queue}",
+        interrupt_on_abort=False,
+        max_retries=0,
+    )
+    def work():
+        SYNC[kind](ctx, level, "begins")
+
+    message = work.send()
+    h.start(broker)
+    try:
+        row = wait_status(store, conn, schema, message.message_id, "cancelled")
+    finally:
+        engine.dispose()
+    assert row[1] == 1
+    assert effects() == [], "the refused block committed the actor's write"
+    events = store.events_of(message.message_id)
+    assert [e["type"] for e in events][-2:] == ["abort_requested", "aborted"], events
+    assert events[-1]["actor"] == "operator"
 
 
 def test_an_actor_called_as_a_function_after_the_block_raises_as_it_would(

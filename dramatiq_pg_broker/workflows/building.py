@@ -78,7 +78,8 @@ class Workflow:
           WorkflowRun: the running workflow's handle (``.id``, ``.status()``, ``.wait()``).
 
         Raises:
-          InvalidMessage: a message is given more than once (each message is one job).
+          InvalidMessage: a message is given more than once (each message is one job), or
+            was sent already (this workflow run a second time: build its messages again).
         """
         from .runs import run_workflow
 

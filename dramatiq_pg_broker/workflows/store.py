@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import dramatiq
+import psycopg
 from psycopg.types.json import Jsonb
 
 from ..db.core import ProcessPool, read_committed
@@ -17,6 +18,7 @@ from ..db.queries import statements_for
 from ..errors import (
     AmbiguousJobId,
     InvalidJobId,
+    InvalidMessage,
     InvalidTransition,
     JobBusy,
     JobNotFound,
@@ -34,6 +36,13 @@ NODE_STATUSES = ("pending", "running", "succeeded", "failed", "cancelled")
 
 _HEX_PREFIX = re.compile(r"[0-9a-f-]{8,36}")
 
+#: Why a workflow whose messages were sent already is refused.
+_SENT_ALREADY = (
+    "message {ids} was sent already (a Workflow run a second time?): each message is one "
+    "job and runs once; build the steps' messages again (actor.message(...)) to run the "
+    "workflow again. Nothing was stored"
+)
+
 
 class WorkflowStore:
     """The workflows of one schema.
@@ -47,6 +56,7 @@ class WorkflowStore:
         self.pool = pool
         self.schema = schema
         self.queries = statements_for(schema, "workflows.sql")
+        self.job_queries = statements_for(schema, "queries.sql")
 
     def _fetch(self, name: str, params: dict[str, Any], conn) -> list[tuple]:
         return conn.execute(self.queries[name], params).fetchall()
@@ -85,13 +95,20 @@ class WorkflowStore:
     ) -> list[str]:
         """Store a workflow and its nodes, and send the jobs of the nodes that wait for
         none, in one transaction (on ``conn``, the application's, when given: then they
-        commit or roll back with it). Returns the nodes started."""
+        commit or roll back with it). Returns the nodes started.
+
+        Raises:
+          InvalidMessage: a message of the workflow was sent already (the same
+            ``Workflow`` run twice, one after the other or at once): each message is one
+            job, and a node whose job exists would never start, or run it twice.
+        """
         if conn is None:
             with self.pool.connection() as own:
                 return self.create(
                     workflow_id, nodes, remaining, name=name, created_by=created_by, conn=own
                 )
         with conn.transaction():
+            self._refuse_sent([job for _, job in nodes], conn)
             conn.execute(
                 self.queries["insert_workflow"],
                 {
@@ -108,7 +125,31 @@ class WorkflowStore:
                 )
             conn.execute(self.queries["insert_waits"], {"id": workflow_id})
             first = [node.id for node, _ in nodes if not node.waits_for]
-            return [str(r[0]) for r in self._fetch("start_nodes", {"ids": first}, conn)]
+            try:
+                started = [str(r[0]) for r in self._fetch("start_nodes", {"ids": first}, conn)]
+            except psycopg.errors.UniqueViolation as e:
+                # A run of the same messages at once, whose jobs went in first.
+                raise InvalidMessage(_SENT_ALREADY.format(ids="of this workflow")) from e
+            if len(started) < len(first):
+                # The same, committed between the look above and the start: a node whose
+                # job is in jobs already is not started (and never would be).
+                raise InvalidMessage(_SENT_ALREADY.format(ids="of this workflow"))
+            return started
+
+    def _refuse_sent(self, jobs: Sequence[NewJob], conn) -> None:
+        """Refuse a workflow one of whose messages was sent already (in jobs or history),
+        before anything is written."""
+        if not jobs:
+            return
+        stamps = [job.sent_at_ms for job in jobs]
+        params = {
+            "ids": [job.id for job in jobs],
+            "sent_at_ms": None if None in stamps else min(stamps),
+        }
+        found = sorted(str(r[0]) for r in conn.execute(self.job_queries["finished_among"], params))
+        if found:
+            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise InvalidMessage(_SENT_ALREADY.format(ids=shown))
 
     def spawn(self, parent: str, children: Sequence[tuple[Node, NewJob]]) -> list[str]:
         """Add ``children`` to node ``parent`` (whose actor runs) and send their jobs, in

@@ -395,3 +395,66 @@ def test_a_message_given_twice_is_refused_when_the_workflow_is_run(broker, queue
     with pytest.raises(InvalidMessage, match="more than once"):
         workflow(same, step.message(1), same).run(broker=broker)
     assert _queued(broker, queue) == {}
+
+
+def _workflows(broker) -> int:
+    with broker.pool.connection() as conn:
+        return conn.execute(
+            sql.SQL("SELECT count(*) FROM {}.workflows").format(
+                sql.Identifier(broker.settings.schema)
+            )
+        ).fetchone()[0]
+
+
+def test_a_workflow_run_a_second_time_is_refused_and_stores_nothing(broker, queue):
+    """The same Workflow object run again: its messages are jobs already, so its first
+    step's job was never sent a second time and the second run waited for ever (or, once
+    the first run's jobs had finished, ran its messages again under ids history already
+    holds). Refused with a sentence, nothing stored, the first run untouched."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        return len(args)
+
+    flow = workflow(step.message(1), step.message(2))
+    first = flow.run(broker=broker)
+    before = _workflows(broker)
+    with pytest.raises(InvalidMessage, match="sent already .* build the steps' messages again"):
+        flow.run(broker=broker)
+    assert _workflows(broker) == before
+    broker.start_worker(threads=2)
+    assert first.wait(timeout=30) == "succeeded"
+    # Finished: the messages are in history now, and still refused.
+    with pytest.raises(InvalidMessage, match="sent already"):
+        flow.run(broker=broker)
+    assert _workflows(broker) == before
+
+
+def test_one_workflow_run_twice_at_once_runs_once_and_refuses_the_other(broker, queue):
+    """Two threads run the same Workflow object at once: one run stores it, the other is
+    refused (it waits for the first's commit at most), and neither hangs."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        return None
+
+    flow = workflow(step.message(1), dramatiq.group([step.message(2), step.message(3)]))
+    gate = threading.Barrier(2)
+    runs, refusals = [], []
+
+    def run():
+        gate.wait(5)
+        try:
+            runs.append(flow.run(broker=broker))
+        except InvalidMessage as e:
+            refusals.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert not any(thread.is_alive() for thread in threads), "a run hangs"
+    assert (len(runs), len(refusals)) == (1, 1), (runs, refusals)
+    broker.start_worker(threads=2)
+    assert runs[0].wait(timeout=30) == "succeeded"

@@ -390,8 +390,7 @@ SELECT EXISTS (
 -- sees the rows committed after that transaction's snapshot was taken (a job sent, run
 -- and finished meanwhile; or sent meanwhile into another lane, which the primary key
 -- (id, lane) of 0028 does not stop), and not that transaction's own uncommitted rows. Any
--- id found means the insert gave it a second row: the caller refuses it. Also the look of
--- a workflow's run for messages sent already (workflows/store.py, before it writes).
+-- id found means the insert gave it a second row: the caller refuses it.
 SELECT DISTINCT id FROM (
     SELECT h.id FROM {schema}.jobs_history AS h
     WHERE h.id = ANY(%(ids)s::uuid[])

@@ -4,6 +4,7 @@ for and how its piped input is made (see :mod:`dramatiq_pg_broker.workflows`).""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -58,6 +59,9 @@ class Workflow:
         for step in self.steps:
             _check_step(step)
         self.name = name
+        #: The id of this object's last run, and a lock that runs take in turn.
+        self._run_id: str | None = None
+        self._running = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -79,11 +83,29 @@ class Workflow:
 
         Raises:
           InvalidMessage: a message is given more than once (each message is one job), or
-            was sent already (this workflow run a second time: build its messages again).
+            was sent already: this workflow run a second time (build its messages again),
+            while its earlier run is stored (a run rolled back with the application's
+            transaction may run again).
         """
-        from .runs import run_workflow
+        from ..errors import WorkflowNotFound
+        from .runs import run_workflow, store_of
+        from .store import SENT_ALREADY
 
-        return run_workflow(self, broker=broker, created_by=created_by)
+        # Runs of one object take turns: the second finds the first's id, and a look at
+        # its row (one key read) says whether it was stored; in memory, so that a first
+        # run pays nothing. The run's own statements refuse what this does not see (the
+        # same messages in another Workflow object, a run not committed yet).
+        with self._running:
+            if self._run_id is not None:
+                try:
+                    store_of(broker or dramatiq.get_broker()).status(self._run_id)
+                except WorkflowNotFound:
+                    pass
+                else:
+                    raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow"))
+            run = run_workflow(self, broker=broker, created_by=created_by)
+            self._run_id = run.id
+            return run
 
 
 def workflow(*steps: Any, name: str | None = None) -> Workflow:

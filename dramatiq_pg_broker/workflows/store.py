@@ -36,8 +36,8 @@ NODE_STATUSES = ("pending", "running", "succeeded", "failed", "cancelled")
 
 _HEX_PREFIX = re.compile(r"[0-9a-f-]{8,36}")
 
-#: Why a workflow whose messages were sent already is refused.
-_SENT_ALREADY = (
+#: Why a workflow whose messages were sent already is refused (also building.Workflow.run).
+SENT_ALREADY = (
     "message {ids} was sent already (a Workflow run a second time?): each message is one "
     "job and runs once; build the steps' messages again (actor.message(...)) to run the "
     "workflow again. Nothing was stored"
@@ -56,7 +56,6 @@ class WorkflowStore:
         self.pool = pool
         self.schema = schema
         self.queries = statements_for(schema, "workflows.sql")
-        self.job_queries = statements_for(schema, "queries.sql")
 
     def _fetch(self, name: str, params: dict[str, Any], conn) -> list[tuple]:
         return conn.execute(self.queries[name], params).fetchall()
@@ -98,9 +97,9 @@ class WorkflowStore:
         commit or roll back with it). Returns the nodes started.
 
         Raises:
-          InvalidMessage: a message of the workflow was sent already (the same
-            ``Workflow`` run twice, one after the other or at once): each message is one
-            job, and a node whose job exists would never start, or run it twice.
+          InvalidMessage: a job of the first step's messages is stored already (the same
+            messages run twice at once, or again while the first run's first step is
+            unfinished): a node whose job exists would never start.
         """
         if conn is None:
             with self.pool.connection() as own:
@@ -108,7 +107,6 @@ class WorkflowStore:
                     workflow_id, nodes, remaining, name=name, created_by=created_by, conn=own
                 )
         with conn.transaction():
-            self._refuse_sent([job for _, job in nodes], conn)
             conn.execute(
                 self.queries["insert_workflow"],
                 {
@@ -129,27 +127,12 @@ class WorkflowStore:
                 started = [str(r[0]) for r in self._fetch("start_nodes", {"ids": first}, conn)]
             except psycopg.errors.UniqueViolation as e:
                 # A run of the same messages at once, whose jobs went in first.
-                raise InvalidMessage(_SENT_ALREADY.format(ids="of this workflow")) from e
+                raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow")) from e
             if len(started) < len(first):
                 # The same, committed between the look above and the start: a node whose
                 # job is in jobs already is not started (and never would be).
-                raise InvalidMessage(_SENT_ALREADY.format(ids="of this workflow"))
+                raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow"))
             return started
-
-    def _refuse_sent(self, jobs: Sequence[NewJob], conn) -> None:
-        """Refuse a workflow one of whose messages was sent already (in jobs or history),
-        before anything is written."""
-        if not jobs:
-            return
-        stamps = [job.sent_at_ms for job in jobs]
-        params = {
-            "ids": [job.id for job in jobs],
-            "sent_at_ms": None if None in stamps else min(stamps),
-        }
-        found = sorted(str(r[0]) for r in conn.execute(self.job_queries["finished_among"], params))
-        if found:
-            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-            raise InvalidMessage(_SENT_ALREADY.format(ids=shown))
 
     def spawn(self, parent: str, children: Sequence[tuple[Node, NewJob]]) -> list[str]:
         """Add ``children`` to node ``parent`` (whose actor runs) and send their jobs, in

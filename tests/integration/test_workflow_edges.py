@@ -430,6 +430,46 @@ def test_a_workflow_run_a_second_time_is_refused_and_stores_nothing(broker, queu
     assert _workflows(broker) == before
 
 
+def test_a_workflow_whose_run_was_rolled_back_may_run_again(broker, queue, pg_url):
+    """A run inside the application's transaction that rolled back stored nothing: the
+    same object runs again (a transaction retried by its framework), once."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    class Rollback(Exception):
+        pass
+
+    flow = workflow(step.message(1), step.message(2))
+    with psycopg.connect(pg_url) as conn:
+        with pytest.raises(Rollback), broker.transaction(conn):
+            flow.run(broker=broker)
+            raise Rollback
+    again = flow.run(broker=broker)
+    assert again.status() == "running"
+    with pytest.raises(InvalidMessage, match="sent already"):
+        flow.run(broker=broker)
+
+
+def test_the_same_messages_in_another_workflow_object_are_refused_while_their_step_runs(
+    broker, queue
+):
+    """Two Workflow objects of the same messages: the second's start finds the first
+    step's job stored (queued: no worker runs) and refuses, storing nothing."""
+
+    @dramatiq.actor(broker=broker, queue_name=queue, max_retries=0)
+    def step(*args):
+        pass
+
+    first, second = step.message(1), step.message(2)
+    workflow(first, second).run(broker=broker)
+    before = _workflows(broker)
+    with pytest.raises(InvalidMessage, match="sent already"):
+        workflow(first, second).run(broker=broker)
+    assert _workflows(broker) == before
+
+
 def test_one_workflow_run_twice_at_once_runs_once_and_refuses_the_other(broker, queue):
     """Two threads run the same Workflow object at once: one run stores it, the other is
     refused (it waits for the first's commit at most), and neither hangs."""

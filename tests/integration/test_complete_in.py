@@ -308,39 +308,6 @@ def test_an_abort_requested_before_the_commit_raises_lost_ownership(
     assert "succeeded" not in types and types[-1] == "aborted", types
 
 
-def test_an_abort_whose_notice_has_not_reached_the_worker_still_ends_the_job_cancelled(
-    h, conn, schema, store, effects, pg_url
-):
-    # No LISTEN, and a heartbeat (which would also report the abort) far beyond the test:
-    # the worker learns of the abort only from the block's refused success, so its own
-    # view is an ordinary failure with no retry left. The failure's statement ends the
-    # job cancelled all the same: the request is on the row.
-    broker = h.broker(listen=False, lease_seconds=300, heartbeat_seconds=120)
-
-    @dramatiq.actor(
-        broker=broker,
-        queue_name=h.queue,
-        actor_name=f"unnoticed_{h.queue}",
-        interrupt_on_abort=False,
-        max_retries=0,
-    )
-    def work():
-        job = current_job()
-        with psycopg.connect(pg_url) as app, job.complete_in(app):
-            app.execute(effects.insert, (job.id, job.attempt))
-            store.abort(job.id, by="operator")
-
-    message = work.send()
-    h.start(broker)
-    row = wait_status(store, conn, schema, message.message_id, "cancelled")
-    assert row[1] == 1
-    assert effects() == []
-    events = store.events_of(message.message_id)
-    assert [e["type"] for e in events][-2:] == ["abort_requested", "aborted"]
-    assert events[-1]["actor"] == "operator"
-    assert "LostOwnership" in events[-1]["data"]["error"]
-
-
 # -- rollback: the usual outcome path -------------------------------------------------------
 
 

@@ -480,7 +480,9 @@ def test_an_abort_the_worker_never_hears_of_ends_the_job_cancelled_at_every_leve
     never hears of it (no LISTEN, its heartbeat beyond the test): the block's success is
     refused, the actor's failure is its last one as far as the worker knows, and the
     failure's statement ends the job cancelled all the same, with nothing committed,
-    whatever the level and the kind of connection."""
+    whatever the level and the kind of connection. (The worker's ledger took the refused
+    block for an ordinary last failure, and the job ended `failed`, before the failure's
+    statement read the request on the row.)"""
     engine = sa.create_engine(sa_url(pg_url))
 
     def abort_now():
@@ -511,6 +513,7 @@ def test_an_abort_the_worker_never_hears_of_ends_the_job_cancelled_at_every_leve
     events = store.events_of(message.message_id)
     assert [e["type"] for e in events][-2:] == ["abort_requested", "aborted"], events
     assert events[-1]["actor"] == "operator"
+    assert "LostOwnership" in events[-1]["data"]["error"], events[-1]
 
 
 def test_an_actor_called_as_a_function_after_the_block_raises_as_it_would(

@@ -3,10 +3,10 @@
 A send stores a message once per id: its statement looks for the id in ``jobs`` (and in
 history) before it inserts, and since migration 0028 ``jobs`` is four lanes (LIST
 partitions on ``lane``), each with its own key, so the look is four index probes where it
-was one. This measures, in a schema of its own (``--schema``, dropped at the end), the
-server's CPU time per single-row autocommit INSERT, as the send's statement makes it,
-into two tables of the jobs table's shape cut down to what matters (a uuid key, a claim
-index, a running index, a 300-byte message):
+was one. This measures, in a schema of its own (``--schema``, which must not exist;
+dropped at the end), the server's CPU time per single-row autocommit INSERT, as the
+send's statement makes it, into two tables of the jobs table's shape cut down to what
+matters (a uuid key, a claim index, a running index, a 300-byte message):
 
 - ``plain``: one table, primary key ``id``: the hot table before the lanes;
 - ``lanes``: LIST-partitioned into four lanes, primary key ``(id, lane)``, the lane a
@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     s = sql.Identifier(args.schema)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in FORMS}
     with psycopg.connect(args.url, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(s))
+        exists = "SELECT 1 FROM pg_namespace WHERE nspname = %s"
+        if conn.execute(exists, (args.schema,)).fetchone():
+            parser.error(f"schema {args.schema!r} exists: name one of its own (--schema)")
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(s))
         try:
             conn.execute(sql.SQL(TABLES).format(s=s))

@@ -384,10 +384,12 @@ def check_snapshot(ex: Examination) -> Finding:
     lead = holders[worst]
     kind, pid, application, user, client, state, seconds, xids, query = lead
     if kind == "session":
-        title = (
-            f"pid {pid} ({_who(application, user, client)}) has held the oldest snapshot for "
-            f"{age(seconds)} ({state}): {_query(query)}"
+        held = (
+            f"has held a snapshot for {age(seconds)}"
+            if seconds is not None
+            else f"holds the horizon {xids:,} transactions back"  # a walsender
         )
+        title = f"pid {pid} ({_who(application, user, client)}) {held} ({state}): {_query(query)}"
         advice = (
             f"End its transaction (COMMIT or ROLLBACK in the client that opened it), or end "
             f"the session: SELECT pg_terminate_backend({pid}). So that it does not return: "

@@ -10,7 +10,9 @@
 -- snapshot or a transaction id; prepared transactions of this database; replication
 -- slots with an xmin (a physical slot fed by hot_standby_feedback, or a logical slot's
 -- own). Autovacuum workers are left out: vacuum ignores their snapshots. A session's age
--- is its transaction's (or, outside one, its statement's); a slot has none in seconds.
+-- is its transaction's (or, outside one, its statement's); a slot has none in seconds,
+-- nor has a walsender (its "statement" is the replication stream, open for days while
+-- the standby's feedback moves its xmin on): both are judged by their age in transactions.
 -- Holders of the same horizon come longest held first: an open transaction that wrote
 -- holds the horizon at its own id, and every snapshot taken since has that id as its
 -- xmin (a worker's claim of a moment ago ties with it).
@@ -18,8 +20,10 @@ SELECT kind, pid, application_name, usename, client, state, age_seconds, xmin_ag
 FROM (
     SELECT 'session' AS kind, a.pid, a.application_name, a.usename::text AS usename,
            a.client_addr::text AS client, a.state,
-           extract(epoch FROM now() - coalesce(a.xact_start, a.query_start, a.backend_start))
-               ::float8 AS age_seconds,
+           CASE WHEN a.backend_type IS DISTINCT FROM 'walsender' THEN
+               extract(epoch FROM now() - coalesce(a.xact_start, a.query_start, a.backend_start))
+                   ::float8
+           END AS age_seconds,
            age(coalesce(a.backend_xmin, a.backend_xid))::bigint AS xmin_age,
            left(a.query, %(query_chars)s) AS query
     FROM pg_stat_activity AS a

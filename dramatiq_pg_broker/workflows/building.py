@@ -4,7 +4,6 @@ for and how its piped input is made (see :mod:`dramatiq_pg_broker.workflows`).""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -59,9 +58,8 @@ class Workflow:
         for step in self.steps:
             _check_step(step)
         self.name = name
-        #: The id of this object's last run, and a lock that runs take in turn.
-        self._run_id: str | None = None
-        self._running = threading.Lock()
+        #: This object's last run (a WorkflowRun), on the broker that stored it.
+        self._last_run: Any = None
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -88,24 +86,23 @@ class Workflow:
             transaction may run again).
         """
         from ..errors import WorkflowNotFound
-        from .runs import run_workflow, store_of
+        from .runs import run_workflow
         from .store import SENT_ALREADY
 
-        # Runs of one object take turns: the second finds the first's id, and a look at
-        # its row (one key read) says whether it was stored; in memory, so that a first
-        # run pays nothing. The run's own statements refuse what this does not see (the
-        # same messages in another Workflow object, a run not committed yet).
-        with self._running:
-            if self._run_id is not None:
-                try:
-                    store_of(broker or dramatiq.get_broker()).status(self._run_id)
-                except WorkflowNotFound:
-                    pass
-                else:
-                    raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow"))
-            run = run_workflow(self, broker=broker, created_by=created_by)
-            self._run_id = run.id
-            return run
+        # In memory, so that a first run pays nothing: a second run looks up the first's
+        # row on the broker that stored it (one key read). The run's own start refuses
+        # what this does not see (two runs at once, the same messages in another object,
+        # a run not committed yet).
+        last = self._last_run
+        if last is not None:
+            try:
+                last.status()
+            except WorkflowNotFound:
+                pass  # rolled back with the application's transaction: it may run again
+            else:
+                raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow"))
+        self._last_run = run_workflow(self, broker=broker, created_by=created_by)
+        return self._last_run
 
 
 def workflow(*steps: Any, name: str | None = None) -> Workflow:

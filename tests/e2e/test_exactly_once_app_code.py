@@ -177,7 +177,9 @@ def test_an_abort_while_the_application_holds_the_row_answers_within_its_wait(
         timeout=60,
     )
     started = time.monotonic() - began
-    assert took - started < 2 + 1.5, (
+    # 2 + 3 s: a fresh-clone run beside other test processes once measured 2 + 1.7 (the
+    # abort's process also connects and reads); waiting for the holder is 5.5 s or more.
+    assert took - started < 2 + 3, (
         f"the abort answered after {took:.1f}s (its wait: 2 s; {started:.1f} s to start)"
     )
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)

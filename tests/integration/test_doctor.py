@@ -516,7 +516,9 @@ def test_a_role_that_sees_only_its_own_sessions_still_counts_every_connection(
         found = blind.finding("connections")
         assert found.figures["used"] >= 7, found.title  # 5 sessions, conn, the role's own
         most = max(before.figures["used"], after.figures["used"])
-        assert found.figures["used"] <= most, (found.title, before.title, after.title)
+        # (A slack of 2 for a session of another process that lived only in between;
+        # counting sessions twice would be far more.)
+        assert found.figures["used"] <= most + 2, (found.title, before.title, after.title)
     finally:
         conn.execute(sql.SQL("DROP OWNED BY {0}; DROP ROLE {0}").format(sql.Identifier(role)))
 

@@ -100,7 +100,7 @@ class Workflow:
             except WorkflowNotFound:
                 pass  # rolled back with the application's transaction: it may run again
             else:
-                raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow"))
+                raise InvalidMessage(SENT_ALREADY)
         self._last_run = run_workflow(self, broker=broker, created_by=created_by)
         return self._last_run
 

@@ -38,9 +38,9 @@ _HEX_PREFIX = re.compile(r"[0-9a-f-]{8,36}")
 
 #: Why a workflow whose messages were sent already is refused (also building.Workflow.run).
 SENT_ALREADY = (
-    "message {ids} was sent already (a Workflow run a second time?): each message is one "
-    "job and runs once; build the steps' messages again (actor.message(...)) to run the "
-    "workflow again. Nothing was stored"
+    "a message of this workflow was sent already (a Workflow run a second time?): each "
+    "message is one job and runs once; build the steps' messages again (actor.message(...)) "
+    "to run the workflow again. Nothing was stored"
 )
 
 
@@ -127,11 +127,11 @@ class WorkflowStore:
                 started = [str(r[0]) for r in self._fetch("start_nodes", {"ids": first}, conn)]
             except psycopg.errors.UniqueViolation as e:
                 # A run of the same messages at once, whose jobs went in first.
-                raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow")) from e
+                raise InvalidMessage(SENT_ALREADY) from e
             if len(started) < len(first):
-                # The same, committed between the look above and the start: a node whose
+                # The same messages' jobs, committed before this start looked: a node whose
                 # job is in jobs already is not started (and never would be).
-                raise InvalidMessage(SENT_ALREADY.format(ids="of this workflow"))
+                raise InvalidMessage(SENT_ALREADY)
             return started
 
     def spawn(self, parent: str, children: Sequence[tuple[Node, NewJob]]) -> list[str]:

@@ -513,7 +513,10 @@ def test_an_abort_the_worker_never_hears_of_ends_the_job_cancelled_at_every_leve
     events = store.events_of(message.message_id)
     assert [e["type"] for e in events][-2:] == ["abort_requested", "aborted"], events
     assert events[-1]["actor"] == "operator"
-    assert "LostOwnership" in events[-1]["data"]["error"], events[-1]
+    # Which statement wrote the end depends on timing: the actor's failure (fail_jobs, its
+    # error LostOwnership) or, when the block's refusal reached the worker's ledger first,
+    # the worker's own abort (abort_attempts, no error). Cancelled, by the operator, either
+    # way: what is promised.
 
 
 def test_an_actor_called_as_a_function_after_the_block_raises_as_it_would(
